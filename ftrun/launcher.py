@@ -1,0 +1,217 @@
+"""The launcher: the ``ftrun`` process a user starts, one per node.
+
+It hosts the job's c10d ``TCPStore`` on ``master_addr:master_port`` (node 0; other nodes connect to
+it), starts the supervisor (:mod:`ftrun.supervisor`) as its child, draws the console from the
+supervisor's event stream and the tailed ranks' logs, forwards SIGINT/SIGTERM, and exits with the
+job's exit code. If the launcher is killed, the supervisor gets SIGTERM (``PR_SET_PDEATHSIG``) and
+the ranks, tied the same way to the supervisor, die with it: no process outlives the launcher.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from . import procs
+from .config import ConfigError, JobSpec
+from .console import JobConsole, make_console
+from .protocol import MsgType, ProtocolError, decode, new_token
+
+FIRST_STOP_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+def check_port_free(addr: str, port: int) -> None:
+    """Fail early, before importing torch, when the master port is taken.
+
+    Raises:
+        ConfigError: the port is in use or the address cannot be bound here.
+    """
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"--master_port {port} is already in use on this machine; pick a free port "
+                    "(or --master_port 0 to let ftrun choose one)"
+                ) from None
+            raise ConfigError(f"cannot bind --master_port {port}: {err.strerror}; pick another port") from None
+
+
+def host_store(spec: JobSpec) -> tuple[Any, int]:
+    """Host (node 0) or join (other nodes) the job's TCPStore; return (store, port).
+
+    Raises:
+        ConfigError: the port is taken, or node 0's store cannot be reached within cluster_time_out.
+    """
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    timeout = timedelta(seconds=spec.cluster_time_out)
+    if spec.node_rank == 0:
+        check_port_free(spec.master_addr, spec.master_port)
+        try:
+            store = TCPStore("0.0.0.0", spec.master_port, is_master=True, wait_for_workers=False, timeout=timeout)
+        except (RuntimeError, OSError) as err:
+            raise ConfigError(
+                f"cannot host the rendezvous store on port {spec.master_port} ({str(err).splitlines()[0]}); "
+                "pick another --master_port"
+            ) from None
+        return store, int(store.port)
+    try:
+        store = TCPStore(spec.master_addr, spec.master_port, is_master=False, timeout=timeout)
+    except (RuntimeError, OSError) as err:
+        raise ConfigError(
+            f"cannot reach node 0's store at {spec.master_addr}:{spec.master_port} within "
+            f"{spec.cluster_time_out:g} s ({str(err).splitlines()[0]}); start node 0 first or check the address"
+        ) from None
+    return store, spec.master_port
+
+
+class LogTailer:
+    """Follows one rank's log file and returns complete new lines (msrun's --tail_worker_log)."""
+
+    def __init__(self, rank: int, path: Path) -> None:
+        self.rank = rank
+        self.path = path
+        self.offset = path.stat().st_size if path.exists() else 0
+        self.partial = b""
+
+    def poll(self, final: bool = False) -> list[str]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except OSError:
+            return []
+        self.offset += len(data)
+        data = self.partial + data
+        lines = data.split(b"\n")
+        self.partial = lines.pop()
+        if final and self.partial:
+            lines.append(self.partial)
+            self.partial = b""
+        return [line.decode("utf-8", "replace").rstrip("\r") for line in lines if not line.startswith(b"===== ftrun:")]
+
+
+class Launcher:
+    """Runs one node's share of a job; ``run()`` returns the exit code."""
+
+    def __init__(self, spec: JobSpec, console: JobConsole | None = None) -> None:
+        self.spec = spec
+        self.console = console
+        self.stop_signals: list[int] = []
+
+    def run(self) -> int:
+        spec = self.spec
+        log_dir = Path(spec.log_dir)
+        try:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            (log_dir / ".ftrun-write-test").touch()
+            (log_dir / ".ftrun-write-test").unlink()
+        except OSError as err:
+            raise ConfigError(f"cannot write to --log_dir {spec.log_dir}: {err.strerror}; choose a writable directory") from None
+        if spec.node_rank == 0:
+            check_port_free(spec.master_addr, spec.master_port)
+        store, port = host_store(spec)
+        token = new_token()
+        ctx = zmq.Context()
+        pull = ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        events_port = pull.bind_to_random_port("tcp://127.0.0.1")
+        env = dict(os.environ)
+        env.update(
+            {
+                "FTRUN_SUPERVISOR_SPEC": json.dumps(spec.to_json()),
+                "FTRUN_TOKEN_FOR_SUPERVISOR": token,
+                "FTRUN_EVENTS_ADDR": f"tcp://127.0.0.1:{events_port}",
+                "FTRUN_STORE_PORT": str(port),
+                "TORCHELASTIC_RUN_ID": env.get("TORCHELASTIC_RUN_ID") or f"ftrun-{os.getpid()}-{int(time.time())}",
+            }
+        )
+        console = self.console or make_console(f"ftrun: {spec.script} on {spec.worker_num} rank(s)")
+        self._install_signals()
+        with open(log_dir / "supervisor.log", "ab") as sup_err:
+            supervisor = procs.spawn(
+                [sys.executable, "-m", "ftrun.supervisor"],
+                env=env,
+                stdout=sup_err.fileno(),
+                stderr=sup_err.fileno(),
+                death_signal=signal.SIGTERM,
+            )
+        tail_ranks = range(spec.local_worker_num) if spec.tail_worker_log is None else spec.tail_worker_log
+        tailers = [LogTailer(spec.global_rank(lr), log_dir / f"worker_{spec.global_rank(lr)}.log") for lr in tail_ranks]
+        last_finish: dict[str, Any] | None = None
+        handled = 0  # stop signals acted on: the first is forwarded, a second one kills without grace
+        while True:
+            if len(self.stop_signals) > handled:
+                try:
+                    os.kill(supervisor.pid, self.stop_signals[0] if handled == 0 else signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                handled = len(self.stop_signals)
+            if pull.poll(100):
+                while True:
+                    try:
+                        frame = pull.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    last_finish = self._dispatch(console, frame, token) or last_finish
+            for tailer in tailers:
+                for line in tailer.poll():
+                    console.output(tailer.rank, line)
+            if supervisor.poll() is not None:
+                break
+        # Drain what the supervisor sent before it exited.
+        while pull.poll(200):
+            last_finish = self._dispatch(console, pull.recv(), token) or last_finish
+        for tailer in tailers:
+            for line in tailer.poll(final=True):
+                console.output(tailer.rank, line)
+        pull.close(0)
+        ctx.term()
+        del store
+        code = supervisor.returncode
+        if code < 0:
+            code, desc = procs.describe_exit(code)
+            last_finish = {"message": f"the ftrun supervisor was {desc}; see {log_dir / 'supervisor.log'}", "detail": {}}
+        elif last_finish is None:
+            last_finish = {"message": f"the ftrun supervisor exited with code {code}; see {log_dir / 'supervisor.log'}", "detail": {}}
+        if self.stop_signals and (code == 0 or handled > 1):
+            code = FIRST_STOP_EXIT.get(self.stop_signals[0], 128 + self.stop_signals[0])
+        console.finish(code, last_finish)
+        return code
+
+    def _dispatch(self, console: JobConsole, frame: bytes, token: str) -> dict[str, Any] | None:
+        try:
+            msg = decode(frame, token)
+        except ProtocolError:
+            return None
+        if msg.type == MsgType.EVENT:
+            event = msg["event"]
+            console.event(event)
+            if event.get("kind") == "job_finished":
+                return event
+        elif msg.type == MsgType.STATUS:
+            console.status(msg["ranks"])
+        return None
+
+    def _install_signals(self) -> None:
+        def on_signal(signum: int, _frame: Any) -> None:
+            self.stop_signals.append(signum)
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)

@@ -1,0 +1,218 @@
+"""Pure recovery decisions: events and state in, a plan out. No processes, sockets or clocks.
+
+The supervisor feeds this module what it observed (which ranks failed, which ranks use the worker
+library, the restart budget, the committed step each live rank reports) and acts on what comes back.
+Keeping the policy pure is what lets its tests run with no processes at all (the weak spot of
+torch.distributed.elastic's agent, whose restart policy is fused into its run loop).
+
+Terms: a *replica group* is a set of ranks holding identical training state (pure data parallel: all
+ranks; DP x TP: the ranks with the same TP coordinate). A rank's *committed step* is the last step
+whose optimizer update finished on it (MindIO TTP's "Updated" state); -1 means it holds no usable
+state (a new process, or a transfer into it broke off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Iterable, Mapping, Sequence
+
+
+class RankState(str, Enum):
+    """Life cycle of one rank, as the supervisor sees it (cf. torchelastic's WorkerState)."""
+
+    STARTING = "starting"  # process spawned, no hello yet
+    HEALTHY = "healthy"  # said hello, training
+    RECOVERING = "recovering"  # in a reconfiguration (survivor, donor or recipient)
+    SUCCEEDED = "succeeded"  # exited 0
+    FAILED = "failed"  # exited non-zero or by a signal
+    STOPPED = "stopped"  # stopped by ftrun
+
+
+class Action(str, Enum):
+    """What the supervisor does about a failure."""
+
+    RESPAWN_RANKS = "respawn_ranks"  # ARF: replace only the failed ranks
+    RESTART_JOB = "restart_job"  # torchrun semantics: stop all, start all
+    FAIL_JOB = "fail_job"  # budget exhausted: stop all, exit with the root cause's code
+    WAIT = "wait"  # --join: let the other ranks finish, then exit with the root cause's code
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The policy's answer to a failure: an action, the ranks it concerns and why (one line)."""
+
+    action: Action
+    ranks: tuple[int, ...]
+    reason: str
+
+
+def decide_on_failure(
+    failed: Iterable[int],
+    *,
+    world_size: int,
+    arf: bool,
+    library_ranks: Iterable[int],
+    restarts_used: int,
+    max_restarts: int,
+    join: bool = False,
+    single_node: bool = True,
+) -> Decision:
+    """Decide what to do when ranks ``failed`` (exited non-zero, by a signal, or were killed).
+
+    ARF (respawn only the failed ranks) is chosen when it is switched on, the job runs on one node,
+    and every rank of the job has announced the worker library (a plain torchrun-style script cannot
+    rejoin a running group); each respawned rank uses one restart from the budget. Otherwise the
+    whole job restarts (one restart). Past ``max_restarts`` the job fails.
+
+    Args:
+        failed: global ranks that failed (at least one).
+        world_size: ranks in the job.
+        arf: the ARF switch.
+        library_ranks: ranks whose current process said hello through the worker library.
+        restarts_used: restarts already spent (rank respawns plus whole-job restarts).
+        max_restarts: the budget.
+        join: ``--join``-style waiting instead of restarting (msrun's behaviour for a failed worker).
+        single_node: whether the job runs on one node (ARF needs a single supervisor today).
+
+    Returns:
+        The decision.
+    """
+    failed_ranks = tuple(sorted(set(failed)))
+    if not failed_ranks:
+        raise ValueError("decide_on_failure needs at least one failed rank")
+    arf_possible = arf and single_node and set(library_ranks) >= set(range(world_size))
+    cost = len(failed_ranks) if arf_possible else 1
+    if restarts_used + cost > max_restarts:
+        return Decision(
+            Action.FAIL_JOB,
+            failed_ranks,
+            f"restart budget exhausted: {restarts_used} of max_restarts={max_restarts} used, "
+            f"{cost} more needed",
+        )
+    if arf_possible:
+        return Decision(Action.RESPAWN_RANKS, failed_ranks, "ARF: respawn only the failed rank(s)")
+    if arf and not single_node:
+        why = "ARF runs on one node in this version"
+    elif arf:
+        missing = sorted(set(range(world_size)) - set(library_ranks))
+        why = f"rank(s) {_ranges(missing)} do not use the ftrun worker library"
+    else:
+        why = "ARF is off"
+    return Decision(Action.RESTART_JOB, failed_ranks, f"whole-job restart ({why})")
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One state transfer: ``donor`` sends the state of its replica group to ``recipient``."""
+
+    donor: int
+    recipient: int
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    """What every rank does in one reconfiguration.
+
+    Attributes:
+        step: the recovery step S: every rank resumes training at S + 1 holding the state of S.
+        transfers: donor -> recipient state transfers (disjoint recipients).
+    """
+
+    step: int
+    transfers: tuple[Transfer, ...] = field(default_factory=tuple)
+
+    @property
+    def recipients(self) -> frozenset[int]:
+        return frozenset(t.recipient for t in self.transfers)
+
+    @property
+    def donors(self) -> frozenset[int]:
+        return frozenset(t.donor for t in self.transfers)
+
+
+class NoLiveReplica(Exception):
+    """Some replica group has no live rank holding a usable state: ARF cannot recover it."""
+
+
+def plan_recovery(committed: Mapping[int, int], replica_groups: Sequence[Sequence[int]]) -> RecoveryPlan:
+    """Choose the recovery step and the donor of each rank that needs state.
+
+    The recovery step S is the newest step that *every* replica group can provide: for each group,
+    the newest step some live member committed; S is the oldest of those, so that all shards resume
+    from the same step. A rank needs state when its committed step differs from S (a respawned rank,
+    a survivor whose update for the failing step did not run, or one that ran ahead). Donors are the
+    members of the same group that committed S; recipients are spread over them round-robin so that
+    several recoveries at once share the load.
+
+    Args:
+        committed: live rank -> its committed step (-1: no usable state).
+        replica_groups: the partition of ranks into replica groups.
+
+    Raises:
+        NoLiveReplica: a group has no live member with usable state, or a group's newest state is
+            older than S and no member holds S (shards cannot be brought to one step).
+    """
+    newest: list[int] = []
+    for group in replica_groups:
+        steps = [committed[r] for r in group if r in committed and committed[r] >= 0]
+        if not steps:
+            raise NoLiveReplica(f"no live rank of replica group {_ranges(group)} holds a committed state")
+        newest.append(max(steps))
+    step = min(newest) if newest else -1
+    transfers: list[Transfer] = []
+    for group in replica_groups:
+        donors = sorted(r for r in group if committed.get(r, -1) == step)
+        if not donors:
+            raise NoLiveReplica(
+                f"replica group {_ranges(group)} holds no state at step {step} (shards diverged)"
+            )
+        recipients = sorted(r for r in group if r in committed and committed[r] != step)
+        for i, recipient in enumerate(recipients):
+            transfers.append(Transfer(donor=donors[i % len(donors)], recipient=recipient))
+    return RecoveryPlan(step=step, transfers=tuple(transfers))
+
+
+def default_replica_groups(world_size: int) -> list[list[int]]:
+    """Pure data parallel: every rank is a replica of every other."""
+    return [list(range(world_size))]
+
+
+def replica_groups_from_hello(world_size: int, declared: Mapping[int, Sequence[int]]) -> list[list[int]]:
+    """Build the partition of ranks into replica groups from what each rank declared.
+
+    Args:
+        world_size: ranks in the job.
+        declared: rank -> the replica group it declared (including itself).
+
+    Raises:
+        ValueError: the declarations are not a consistent partition of 0..world_size-1.
+    """
+    groups: dict[tuple[int, ...], None] = {}
+    for rank in range(world_size):
+        group = tuple(sorted(declared.get(rank, range(world_size))))
+        if rank not in group:
+            raise ValueError(f"rank {rank} declared replica group {list(group)} without itself")
+        groups[group] = None
+    seen: set[int] = set()
+    for group in groups:
+        if seen & set(group):
+            raise ValueError(f"replica groups overlap: {[list(g) for g in groups]}")
+        seen |= set(group)
+    if seen != set(range(world_size)):
+        raise ValueError(f"replica groups do not cover ranks 0..{world_size - 1}")
+    return [list(g) for g in groups]
+
+
+def _ranges(ranks: Iterable[int]) -> str:
+    """Format ranks compactly: [0, 1, 2, 5] -> '0-2,5'."""
+    items = sorted(set(ranks))
+    parts: list[str] = []
+    i = 0
+    while i < len(items):
+        j = i
+        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
+            j += 1
+        parts.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
+        i = j + 1
+    return ",".join(parts)

@@ -1,0 +1,120 @@
+"""Process plumbing shared by the launcher and the supervisor.
+
+Two rules from DESIGN.md live here: whoever spawns a process reaps it (so exit codes and signals are
+exact), and no process outlives its parent (Linux ``PR_SET_PDEATHSIG``; a child whose parent is
+already gone when it starts exits at once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable, Sequence
+
+_PR_SET_PDEATHSIG = 1
+_libc: ctypes.CDLL | None = None
+
+
+def _prctl_pdeathsig(sig: int) -> bool:
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return False
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return _libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
+    """A ``preexec_fn`` that makes the child receive ``sig`` when its parent dies.
+
+    It also starts a new session (so a terminal's Ctrl-C reaches only ftrun, which forwards it, and
+    the child's own children can be signalled as a group), and exits at once if the parent died
+    before the death signal was armed.
+    """
+    parent = os.getpid()
+
+    def preexec() -> None:
+        os.setsid()
+        _prctl_pdeathsig(sig)
+        if os.getppid() != parent:
+            os._exit(128 + sig)
+
+    return preexec
+
+
+def spawn(
+    argv: Sequence[str],
+    *,
+    env: dict[str, str],
+    stdout: int | None = None,
+    stderr: int | None = None,
+    death_signal: int = signal.SIGKILL,
+    cwd: str | None = None,
+) -> subprocess.Popen:
+    """Start ``argv`` in its own session, tied to this process's life by ``death_signal``.
+
+    Args:
+        argv: the command line.
+        env: the complete environment of the child.
+        stdout, stderr: file descriptors (or None to inherit).
+        death_signal: signal the child receives when this process dies.
+        cwd: working directory.
+
+    Raises:
+        OSError: the program cannot be executed.
+    """
+    return subprocess.Popen(
+        list(argv),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=stderr,
+        cwd=cwd,
+        preexec_fn=die_with_parent(death_signal),
+        close_fds=True,
+    )
+
+
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to the process group led by ``proc`` (its session), ignoring a gone group."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_all(procs: Sequence[subprocess.Popen], grace_period: float, poll: float = 0.02) -> None:
+    """Stop processes: SIGTERM to each group, wait up to ``grace_period`` seconds, then SIGKILL.
+
+    Returns when every process in ``procs`` has been reaped.
+    """
+    live = [p for p in procs if p.poll() is None]
+    for proc in live:
+        signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace_period
+    while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+        time.sleep(poll)
+    for proc in procs:
+        signal_group(proc, signal.SIGKILL)
+    for proc in procs:
+        proc.wait()
+
+
+def describe_exit(returncode: int) -> tuple[int, str]:
+    """Turn a ``Popen.returncode`` into (shell-style exit code, description).
+
+    A negative returncode -N (killed by signal N) becomes 128+N, described as e.g. ``"SIGKILL"``.
+    """
+    if returncode < 0:
+        sig = -returncode
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return 128 + sig, f"killed by {name}"
+    return returncode, f"exit code {returncode}"

@@ -1,0 +1,762 @@
+"""The supervisor: spawns and owns the ranks of one node, watches them, and recovers.
+
+It plays MindCluster's ``reset_process`` role. It is a child of the launcher (``python -m
+ftrun.supervisor``), reads its :class:`~ftrun.config.JobSpec` from the environment, and:
+
+- spawns each rank with torchrun's and msrun's environment contract, in its own session, tied to the
+  supervisor's life (``PR_SET_PDEATHSIG``), its output appended to ``LOG_DIR/worker_<rank>.log``;
+- sees a rank's death at once (``SIGCHLD`` wakes its poll loop), because it is the parent;
+- binds the ZeroMQ ROUTER the ranks report health to (hello, heartbeat, step, update, fault...);
+  frames without the job secret or not matching a live rank's identity are dropped and logged;
+- applies :mod:`ftrun.policy`: respawn only the failed rank and orchestrate the state transfer
+  (ARF), restart the whole job (torchrun semantics), or fail with the root cause's exit code;
+- hosts, on node 0, a fresh c10d ``TCPStore`` for every whole-job attempt (so a restarted job never
+  meets a previous attempt's keys; the ranks' process groups rendezvous on it);
+- records every event in ``LOG_DIR/events.jsonl`` and pushes events and status snapshots to the
+  launcher, which draws the console.
+
+Its exit code is the job's: 0, the root-cause rank's exit code (128+N for signal N), or 130/143 when
+stopped by SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from . import procs
+from .config import JobSpec
+from .events import Event, EventKind, EventLog
+from .policy import (
+    Action,
+    NoLiveReplica,
+    RankState,
+    RecoveryPlan,
+    decide_on_failure,
+    default_replica_groups,
+    plan_recovery,
+    replica_groups_from_hello,
+)
+from .protocol import Message, MsgType, ProtocolError, decode, encode
+
+log = logging.getLogger("ftrun.supervisor")
+
+STATUS_PERIOD_S = 0.25  # at most four console snapshots a second
+MAX_REJECT_EVENTS = 20  # rejected frames after this many are counted in the log only
+
+
+@dataclass
+class Rank:
+    """One rank served by this node, and the process serving it now (cf. torchelastic's Worker)."""
+
+    rank: int
+    local_rank: int
+    incarnation: int = -1
+    proc: subprocess.Popen | None = None
+    state: RankState = RankState.STARTING
+    started_at: float = 0.0
+    identity: bytes | None = None
+    library: bool = False
+    replica_group: tuple[int, ...] = ()
+    last_heartbeat: float = 0.0
+    step: int | None = None
+    committed: int = -1
+    metrics: dict[str, Any] = field(default_factory=dict)
+    restarts: int = 0
+    exit_code: int | None = None
+    exit_desc: str = ""
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def status(self, now: float) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "pid": self.pid,
+            "state": self.state.value,
+            "step": self.step,
+            "metrics": self.metrics,
+            "restarts": self.restarts,
+            "incarnation": self.incarnation,
+            "uptime": (now - self.started_at) if self.proc is not None and self.exit_code is None else None,
+            "exit": self.exit_desc or None,
+        }
+
+
+@dataclass
+class Failure:
+    """A rank's failure, kept for the final summary (root cause = the first of the last round)."""
+
+    rank: int
+    pid: int | None
+    exit_code: int
+    description: str
+    time: float
+
+
+@dataclass
+class Recovery:
+    """An ARF reconfiguration in progress (one generation; a new fault starts the next)."""
+
+    generation: int
+    started_at: float  # the first failure of this recovery (kept across restarted rounds)
+    failed: set[int]
+    reports: dict[int, int] = field(default_factory=dict)  # rank -> committed step
+    plan: RecoveryPlan | None = None
+    planned_at: float = 0.0
+    recovered: dict[int, dict[str, Any]] = field(default_factory=dict)
+    respawned_at: dict[int, float] = field(default_factory=dict)
+    joined_at: dict[int, float] = field(default_factory=dict)
+    rounds: int = 1
+
+
+class Supervisor:
+    """Owns this node's ranks for the whole job. ``run()`` returns the job's exit code."""
+
+    def __init__(self, spec: JobSpec, token: str, events_addr: str | None, store_port: int) -> None:
+        self.spec = spec
+        self.token = token
+        self.store_port = store_port
+        self.log_dir = Path(spec.log_dir)
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.control_addr = f"tcp://127.0.0.1:{port}"
+        self.push: zmq.Socket | None = None
+        if events_addr:
+            self.push = self.ctx.socket(zmq.PUSH)
+            self.push.setsockopt(zmq.LINGER, 2000)
+            self.push.setsockopt(zmq.SNDHWM, 100_000)
+            self.push.connect(events_addr)
+        self.event_log = EventLog(open(self.log_dir / "events.jsonl", "a", encoding="utf-8"))
+        self.ranks = {
+            spec.global_rank(lr): Rank(rank=spec.global_rank(lr), local_rank=lr) for lr in range(spec.local_worker_num)
+        }
+        self.attempt = 0
+        self.generation = 0
+        self.restarts_used = 0
+        self.failures: list[Failure] = []
+        self.round_failures: list[Failure] = []
+        self.recovery: Recovery | None = None
+        self.stop_signal: int | None = None
+        self.rejected = 0
+        self.attempt_store: Any = None
+        self.main_store: Any = None
+        self._status_dirty = True
+        self._last_status = 0.0
+        self._pending_exit: int | None = None
+        self._wakeup_r, self._wakeup_w = os.pipe()
+        os.set_blocking(self._wakeup_w, False)
+        os.set_blocking(self._wakeup_r, False)
+
+    # ----------------------------------------------------------------- events and status
+    def emit(self, kind: EventKind, message: str, rank: int | None = None, **detail: Any) -> Event:
+        """Record an event in events.jsonl and push it to the launcher."""
+        r = self.ranks.get(rank) if rank is not None else None
+        event = Event(
+            kind=kind,
+            message=message,
+            rank=rank,
+            pid=detail.pop("pid", None) or (r.pid if r else None),
+            incarnation=r.incarnation if r else None,
+            generation=self.generation,
+            attempt=self.attempt,
+            node=self.spec.node_rank,
+            detail=detail,
+        )
+        self.event_log.write(event)
+        log.info("%s %s", kind.value, message)
+        if self.push is not None:
+            self.push.send(encode(MsgType.EVENT, self.token, event=event.to_json()))
+        self._status_dirty = True
+        return event
+
+    def publish_status(self, force: bool = False) -> None:
+        now = time.time()
+        if self.push is None or not (force or (self._status_dirty and now - self._last_status >= STATUS_PERIOD_S)):
+            return
+        ranks = [r.status(now) for r in self.ranks.values()]
+        self.push.send(encode(MsgType.STATUS, self.token, ranks=ranks, attempt=self.attempt, generation=self.generation))
+        self._status_dirty = False
+        self._last_status = now
+
+    # ----------------------------------------------------------------- stores
+    def _attempt_store_port(self) -> int:
+        """The port of the store this attempt's ranks rendezvous on (their MASTER_PORT).
+
+        Attempt 0 uses the launcher's store on ``--master_port``, as a torchrun user expects. Every
+        later attempt gets a fresh store, hosted here on node 0 and announced to the other nodes
+        through the launcher's store, because an unmodified ``env://`` script would otherwise meet
+        the keys of the attempt before it (the stale-address failure of torchrun's shared store).
+        """
+        if self.attempt == 0:
+            return self.store_port
+        from torch.distributed import TCPStore  # imported late: only a whole-job restart needs it
+
+        if self.spec.node_rank == 0:
+            self.attempt_store = None  # release the previous attempt's store first
+            self.attempt_store = TCPStore(
+                "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=_timedelta(self.spec.cluster_time_out)
+            )
+            port = int(self.attempt_store.port)
+            if self.spec.nnodes > 1:
+                self._main_store().set(f"ftrun/attempt/{self.attempt}/port", str(port))
+            return port
+        return int(self._main_store().get(f"ftrun/attempt/{self.attempt}/port").decode())
+
+    def _main_store(self) -> Any:
+        if self.main_store is None:
+            from torch.distributed import TCPStore
+
+            self.main_store = TCPStore(
+                self.spec.master_addr,
+                self.store_port,
+                is_master=False,
+                timeout=_timedelta(self.spec.cluster_time_out),
+            )
+        return self.main_store
+
+    # ----------------------------------------------------------------- spawning
+    def worker_env(self, r: Rank, attempt_port: int) -> dict[str, str]:
+        """The environment of one rank: torchrun's and msrun's contract plus ftrun's own variables."""
+        spec = self.spec
+        env = dict(os.environ)
+        for key in ("FTRUN_TOKEN_FOR_SUPERVISOR", "FTRUN_SUPERVISOR_SPEC", "FTRUN_EVENTS_ADDR", "FTRUN_STORE_PORT"):
+            env.pop(key, None)
+        env.update(
+            {
+                # torchrun
+                "RANK": str(r.rank),
+                "LOCAL_RANK": str(r.local_rank),
+                "WORLD_SIZE": str(spec.worker_num),
+                "LOCAL_WORLD_SIZE": str(spec.local_worker_num),
+                "GROUP_RANK": str(spec.node_rank),
+                "GROUP_WORLD_SIZE": str(spec.nnodes),
+                "ROLE_RANK": str(r.rank),
+                "ROLE_WORLD_SIZE": str(spec.worker_num),
+                "ROLE_NAME": "default",
+                "MASTER_ADDR": spec.master_addr,
+                "MASTER_PORT": str(attempt_port),
+                "TORCHELASTIC_RESTART_COUNT": str(self.attempt),
+                "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+                "TORCHELASTIC_RUN_ID": self.run_id,
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                # msrun
+                "RANK_ID": str(r.rank),
+                "RANK_SIZE": str(spec.worker_num),
+                "MS_WORKER_NUM": str(spec.worker_num),
+                "MS_LOCAL_WORKER": str(spec.local_worker_num),
+                "MS_NODE_RANK": str(spec.node_rank),
+                "MS_ROLE": "MS_WORKER",
+                "MS_SCHED_HOST": spec.master_addr,
+                "MS_SCHED_PORT": str(self.store_port),
+                "DEVICE_ID": str(r.local_rank),
+                # ftrun worker library
+                "FTRUN_CONTROL_ADDR": self.control_addr,
+                "FTRUN_TOKEN": self.token,
+                "FTRUN_INCARNATION": str(r.incarnation),
+                "FTRUN_GENERATION": str(self.generation),
+                "FTRUN_ATTEMPT": str(self.attempt),
+                "FTRUN_HEARTBEAT_INTERVAL": str(spec.heartbeat_interval),
+                "FTRUN_PG_TIMEOUT": str(spec.pg_timeout),
+                "FTRUN_CLUSTER_TIME_OUT": str(spec.cluster_time_out),
+                "FTRUN_ARF": "1" if spec.tft.arf else "0",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if spec.local_worker_num > 1 and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = "1"  # as torchrun does: ranks would oversubscribe the cores
+        return env
+
+    def argv(self) -> list[str]:
+        spec = self.spec
+        if spec.no_python:
+            return [spec.script, *spec.script_args]
+        if spec.module:
+            return [sys.executable, "-u", "-m", spec.script, *spec.script_args]
+        return [sys.executable, "-u", spec.script, *spec.script_args]
+
+    def spawn(self, r: Rank, attempt_port: int) -> None:
+        """Start the next incarnation of rank ``r``."""
+        r.incarnation += 1
+        r.identity = None  # r.library stays: a respawned rank runs the same script as before
+        r.step = None
+        r.committed = -1
+        r.metrics = {}
+        r.exit_code = None
+        r.exit_desc = ""
+        r.state = RankState.STARTING
+        r.last_heartbeat = 0.0
+        path = self.log_dir / f"worker_{r.rank}.log"
+        with open(path, "ab") as fh:
+            header = (
+                f"===== ftrun: rank {r.rank} incarnation {r.incarnation} attempt {self.attempt} "
+                f"generation {self.generation} started {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n"
+            )
+            fh.write(header.encode())
+            fh.flush()
+            r.proc = procs.spawn(
+                self.argv(), env=self.worker_env(r, attempt_port), stdout=fh.fileno(), stderr=subprocess.STDOUT
+            )
+        r.started_at = time.time()
+        self.emit(
+            EventKind.RANK_STARTED,
+            f"rank {r.rank} started (pid {r.proc.pid}, incarnation {r.incarnation})",
+            rank=r.rank,
+            log=str(path),
+        )
+
+    def start_attempt(self) -> None:
+        self.attempt_port = self._attempt_store_port()
+        for r in self.ranks.values():
+            self.spawn(r, self.attempt_port)
+
+    # ----------------------------------------------------------------- main loop
+    def run(self) -> int:
+        """Run the job to its end and return the exit code."""
+        self.run_id = os.environ.get("TORCHELASTIC_RUN_ID") or f"ftrun-{os.getppid()}-{int(time.time())}"
+        self._install_signals()
+        spec = self.spec
+        self.emit(
+            EventKind.JOB_STARTED,
+            f"job started: {spec.worker_num} rank(s), {spec.local_worker_num} on node {spec.node_rank}, "
+            f"max_restarts={spec.max_restarts}, TFT={spec.tft}",
+            script=spec.script,
+            args=list(spec.script_args),
+            control=self.control_addr,
+        )
+        for name in spec.tft.not_implemented():
+            self.emit(EventKind.WARNING, f"TFT switch {name} is on but not implemented in this version of ftrun; it has no effect")
+        self.start_attempt()
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self._wakeup_r, zmq.POLLIN)
+        exit_code: int | None = None
+        while exit_code is None:
+            poller.poll(timeout=int(spec.monitor_interval * 1000))
+            self._drain_wakeup()
+            if self.stop_signal is not None:
+                exit_code = self.stop(128 + self.stop_signal, f"stopped by {signal.Signals(self.stop_signal).name}")
+                break
+            exit_code = self.check_processes()
+            if exit_code is not None:
+                break
+            self.read_messages()
+            exit_code = self._pending_exit
+            self.publish_status()
+        self.publish_status(force=True)
+        self.close()
+        return exit_code
+
+    def _install_signals(self) -> None:
+        signal.set_wakeup_fd(self._wakeup_w)
+
+        def on_stop(signum: int, _frame: Any) -> None:
+            self.stop_signal = signum
+
+        signal.signal(signal.SIGTERM, on_stop)
+        signal.signal(signal.SIGINT, on_stop)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake the poll through the wakeup fd
+
+    def _drain_wakeup(self) -> None:
+        try:
+            while os.read(self._wakeup_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    # ----------------------------------------------------------------- process health
+    def check_processes(self) -> int | None:
+        """Reap exited ranks and act on failures. Returns the job's exit code once it ends."""
+        now = time.time()
+        newly_failed: list[Rank] = []
+        for r in self.ranks.values():
+            if r.proc is None or r.exit_code is not None:
+                continue
+            rc = r.proc.poll()
+            if rc is None:
+                continue
+            code, desc = procs.describe_exit(rc)
+            r.exit_code, r.exit_desc = code, desc
+            procs.signal_group(r.proc, signal.SIGKILL)  # leave none of its children behind
+            if code == 0:
+                r.state = RankState.SUCCEEDED
+                self.emit(EventKind.RANK_EXITED, f"rank {r.rank} finished ({desc})", rank=r.rank, exit_code=0)
+                continue
+            r.state = RankState.FAILED
+            failure = Failure(r.rank, r.pid, code, desc, now)
+            self.failures.append(failure)
+            self.round_failures.append(failure)
+            self.emit(
+                EventKind.RANK_FAILED,
+                f"rank {r.rank} failed: {desc} (pid {r.pid}, step {r.step})",
+                rank=r.rank,
+                exit_code=code,
+                cause=desc,
+                step=r.step,
+                committed=r.committed,
+                detected_at=now,
+            )
+            newly_failed.append(r)
+        if newly_failed:
+            result = self.on_failure([r.rank for r in newly_failed])
+            if result is not None:
+                return result
+        if all(r.state == RankState.SUCCEEDED for r in self.ranks.values()):
+            self.emit(EventKind.JOB_FINISHED, "job succeeded", exit_code=0, restarts=self.restarts_used)
+            return 0
+        if self.spec.join and any(r.state == RankState.FAILED for r in self.ranks.values()):
+            if all(not r.alive() for r in self.ranks.values()):
+                return self.finish_failed("a rank failed and --join let the others finish")
+        return None
+
+    def on_failure(self, failed: list[int]) -> int | None:
+        spec = self.spec
+        if spec.join:
+            return None
+        decision = decide_on_failure(
+            failed,
+            world_size=spec.worker_num,
+            arf=spec.tft.arf,
+            library_ranks=[r.rank for r in self.ranks.values() if r.library],
+            restarts_used=self.restarts_used,
+            max_restarts=spec.max_restarts,
+            single_node=spec.nnodes == 1,
+        )
+        if decision.action == Action.FAIL_JOB:
+            return self.finish_failed(decision.reason)
+        if decision.action == Action.RESPAWN_RANKS:
+            self.start_recovery(set(decision.ranks), decision.reason)
+            return None
+        return self.restart_job(decision.reason)
+
+    def restart_job(self, reason: str) -> int | None:
+        """Stop every rank and start them all again (torchrun semantics)."""
+        if self.restarts_used + 1 > self.spec.max_restarts:
+            return self.finish_failed(f"{reason}; restart budget exhausted (max_restarts={self.spec.max_restarts})")
+        self.restarts_used += 1
+        self.emit(
+            EventKind.JOB_RESTARTING,
+            f"restarting all ranks: {reason} (restart {self.restarts_used}/{self.spec.max_restarts})",
+            reason=reason,
+            restarts_used=self.restarts_used,
+        )
+        procs.stop_all([r.proc for r in self.ranks.values() if r.proc is not None], self.spec.grace_period)
+        for r in self.ranks.values():
+            if r.exit_code is None:
+                r.state = RankState.STOPPED
+            r.restarts += 1
+            r.library = False
+        self.recovery = None
+        self.round_failures = []
+        self.attempt += 1
+        self.generation = 0
+        self.start_attempt()
+        return None
+
+    def finish_failed(self, reason: str) -> int:
+        procs.stop_all([r.proc for r in self.ranks.values() if r.proc is not None], self.spec.grace_period)
+        for r in self.ranks.values():
+            if r.state not in (RankState.SUCCEEDED, RankState.FAILED):
+                r.state = RankState.STOPPED
+        root = (self.round_failures or self.failures)[0]
+        tail = tail_lines(self.log_dir / f"worker_{root.rank}.log", 20)
+        self.emit(
+            EventKind.JOB_FINISHED,
+            f"job failed: {reason}; root cause: rank {root.rank} ({root.description})",
+            rank=root.rank,
+            pid=root.pid,
+            exit_code=root.exit_code,
+            reason=reason,
+            root_cause={"rank": root.rank, "pid": root.pid, "exit_code": root.exit_code, "cause": root.description},
+            log_tail=tail,
+            restarts=self.restarts_used,
+        )
+        return root.exit_code
+
+    def stop(self, code: int, reason: str) -> int:
+        self.emit(EventKind.STOP_REQUESTED, f"{reason}: stopping all ranks (grace {self.spec.grace_period:g} s)")
+        procs.stop_all([r.proc for r in self.ranks.values() if r.proc is not None], self.spec.grace_period)
+        for r in self.ranks.values():
+            if r.state not in (RankState.SUCCEEDED, RankState.FAILED):
+                r.state = RankState.STOPPED
+        self.emit(EventKind.JOB_FINISHED, f"job {reason}", exit_code=code, reason=reason)
+        return code
+
+    # ----------------------------------------------------------------- ARF recovery
+    def start_recovery(self, failed: set[int], reason: str) -> None:
+        """Begin (or restart) a recovery round: respawn ``failed`` and ask survivors to report."""
+        now = time.time()
+        self.generation += 1
+        if self.recovery is None:
+            self.recovery = Recovery(generation=self.generation, started_at=now, failed=set(failed))
+            self.emit(
+                EventKind.RECOVERY_STARTED,
+                f"recovery of rank(s) {sorted(failed)} started: generation {self.generation}",
+                failed=sorted(failed),
+                reason=reason,
+            )
+        else:
+            rec = self.recovery
+            rec.generation = self.generation
+            rec.failed |= failed
+            rec.reports.clear()
+            rec.plan = None
+            rec.recovered.clear()
+            rec.rounds += 1
+            self.emit(
+                EventKind.RECOVERY_STARTED,
+                f"recovery restarted (round {rec.rounds}): rank(s) {sorted(failed)} failed during recovery; "
+                f"generation {self.generation}",
+                failed=sorted(failed),
+                reason=reason,
+                round=rec.rounds,
+            )
+        for rank in sorted(failed):
+            r = self.ranks[rank]
+            self.restarts_used += 1
+            r.restarts += 1
+            self.spawn(r, self.attempt_port)
+            self.recovery.respawned_at[rank] = time.time()
+            self.emit(
+                EventKind.RANK_RESPAWNED,
+                f"rank {rank} respawned as incarnation {r.incarnation} (restart {self.restarts_used}/{self.spec.max_restarts})",
+                rank=rank,
+                restarts_used=self.restarts_used,
+            )
+        for r in self.ranks.values():
+            if r.alive() and r.rank not in failed:
+                r.state = RankState.RECOVERING
+                self.send(r, MsgType.ABORT, generation=self.generation, reason=reason)
+
+    def on_report(self, r: Rank, generation: int, committed: int) -> None:
+        rec = self.recovery
+        if rec is None or generation != rec.generation:
+            return
+        rec.reports[r.rank] = committed
+        r.state = RankState.RECOVERING
+        live = [x.rank for x in self.ranks.values() if x.alive()]
+        if rec.plan is None and set(live) <= set(rec.reports):
+            self.make_plan(live)
+
+    def make_plan(self, live: list[int]) -> None:
+        rec = self.recovery
+        assert rec is not None
+        declared = {x.rank: list(x.replica_group) for x in self.ranks.values() if x.replica_group}
+        try:
+            groups = replica_groups_from_hello(self.spec.worker_num, declared) if declared else default_replica_groups(self.spec.worker_num)
+            plan = plan_recovery({rank: rec.reports[rank] for rank in live}, groups)
+        except (NoLiveReplica, ValueError) as err:
+            self.emit(EventKind.RECOVERY_FALLBACK, f"ARF cannot recover: {err}; falling back to a whole-job restart", reason=str(err))
+            result = self.restart_job(f"no live replica ({err})")
+            if result is not None:
+                self._pending_exit = result
+            return
+        rec.plan = plan
+        rec.planned_at = time.time()
+        transfers = [[t.donor, t.recipient] for t in plan.transfers]
+        self.emit(
+            EventKind.RECOVERY_PLANNED,
+            f"generation {rec.generation}: resume at step {plan.step + 1}; transfers "
+            + (", ".join(f"{d}->{r}" for d, r in transfers) or "none"),
+            step=plan.step,
+            transfers=transfers,
+            committed=dict(sorted((str(k), v) for k, v in rec.reports.items())),
+        )
+        for x in self.ranks.values():
+            if x.alive():
+                self.send(x, MsgType.RECONFIGURE, generation=rec.generation, world_size=self.spec.worker_num, step=plan.step, transfers=transfers)
+
+    def on_recovered(self, r: Rank, msg: Message) -> None:
+        rec = self.recovery
+        if rec is None or msg["generation"] != rec.generation or rec.plan is None:
+            return
+        rec.recovered[r.rank] = dict(msg.fields)
+        r.state = RankState.HEALTHY
+        role = msg["role"]
+        if role != "none":
+            self.emit(
+                EventKind.RANK_RECOVERED,
+                f"rank {r.rank} rejoined as {role}: {msg['bytes'] / 1e6:.2f} MB in {msg['seconds']:.3f} s",
+                rank=r.rank,
+                role=role,
+                bytes=msg["bytes"],
+                seconds=msg["seconds"],
+                rebuild_seconds=msg.get("rebuild_seconds"),
+            )
+        if set(rec.recovered) >= {x.rank for x in self.ranks.values() if x.alive()}:
+            now = time.time()
+            total_bytes = sum(int(v["bytes"]) for v in rec.recovered.values() if v["role"] == "recipient")
+            transfer_s = max((float(v["seconds"]) for v in rec.recovered.values()), default=0.0)
+            rebuild_s = max((float(v.get("rebuild_seconds") or 0.0) for v in rec.recovered.values()), default=0.0)
+            respawn_s = {
+                str(rank): round(rec.joined_at.get(rank, now) - t, 3) for rank, t in rec.respawned_at.items()
+            }
+            self.emit(
+                EventKind.RECOVERY_FINISHED,
+                f"recovered rank(s) {sorted(rec.failed)} in {now - rec.started_at:.2f} s: resuming at step {rec.plan.step + 1}, "
+                f"{total_bytes / 1e6:.2f} MB transferred",
+                failed=sorted(rec.failed),
+                resume_step=rec.plan.step + 1,
+                total_seconds=round(now - rec.started_at, 3),
+                respawn_seconds=respawn_s,
+                rebuild_seconds=round(rebuild_s, 3),
+                transfer_seconds=round(transfer_s, 3),
+                bytes=total_bytes,
+                rounds=rec.rounds,
+            )
+            self.recovery = None
+            self.round_failures = []
+
+    # ----------------------------------------------------------------- messages
+    def send(self, r: Rank, msg_type: MsgType, **fields: Any) -> None:
+        if r.identity is None:
+            return  # not connected yet: it will get the current state when it says hello
+        self.router.send_multipart([r.identity, encode(msg_type, self.token, **fields)])
+
+    def read_messages(self) -> None:
+        while True:
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self.reject(b"?", "wrong number of frames")
+                continue
+            identity, frame = frames
+            try:
+                msg = decode(frame, self.token)
+            except ProtocolError as err:
+                self.reject(identity, str(err))
+                continue
+            self.handle(identity, msg)
+            if self._pending_exit is not None:
+                return
+
+    def reject(self, identity: bytes, why: str) -> None:
+        self.rejected += 1
+        log.warning("rejected message from %r: %s", identity[:32], why)
+        if self.rejected <= MAX_REJECT_EVENTS:
+            self.emit(EventKind.MESSAGE_REJECTED, f"rejected a control message: {why}", reason=why, total=self.rejected)
+
+    def handle(self, identity: bytes, msg: Message) -> None:
+        r = self.ranks.get(msg.get("rank")) if "rank" in msg.fields else None
+        if r is None or msg.get("incarnation") != r.incarnation or not r.alive():
+            self.reject(identity, f"{msg.type.value} for a rank/incarnation that is not live here")
+            return
+        if msg.type == MsgType.HELLO:
+            if msg["pid"] != r.pid:
+                self.reject(identity, f"hello for rank {r.rank} from pid {msg['pid']}, expected {r.pid}")
+                return
+            r.identity = identity
+            r.library = bool(msg["library"])
+            r.replica_group = tuple(int(x) for x in msg["replica_group"])
+            r.last_heartbeat = time.time()
+            r.state = RankState.HEALTHY if self.recovery is None else RankState.RECOVERING
+            self.emit(EventKind.RANK_JOINED, f"rank {r.rank} connected (pid {r.pid})", rank=r.rank, library=r.library)
+            if self.recovery is not None:
+                self.recovery.joined_at.setdefault(r.rank, time.time())
+                if msg["generation"] != self.recovery.generation:
+                    self.send(r, MsgType.ABORT, generation=self.recovery.generation, reason="recovery in progress")
+                else:
+                    self.on_report(r, msg["generation"], -1)
+            return
+        if identity != r.identity:
+            self.reject(identity, f"{msg.type.value} for rank {r.rank} from a connection that did not say hello")
+            return
+        r.last_heartbeat = time.time()
+        if msg.type == MsgType.HEARTBEAT:
+            return
+        if msg.type in (MsgType.STEP_BEGIN, MsgType.PROGRESS):
+            r.step = msg["step"]
+            if msg.type == MsgType.PROGRESS:
+                r.metrics = {str(k): v for k, v in msg["metrics"].items() if isinstance(v, (int, float, str))}
+            self._status_dirty = True
+        elif msg.type == MsgType.UPDATE_END:
+            r.committed = msg["step"]
+        elif msg.type == MsgType.FAULT:
+            r.committed = msg["committed"]
+            if self.recovery is not None:
+                self.on_report(r, msg["generation"], msg["committed"])
+            elif msg["generation"] == self.generation and self.spec.tft.arf:
+                # A collective failed but no rank died (yet): rebuild the group, no respawn.
+                self.start_recovery(set(), f"rank {r.rank} reported a communication error: {msg['reason']}")
+                self.on_report(r, self.generation, msg["committed"])
+        elif msg.type == MsgType.RECOVERED:
+            self.on_recovered(r, msg)
+        elif msg.type == MsgType.DONE:
+            r.state = RankState.SUCCEEDED if r.state != RankState.FAILED else r.state
+        elif msg.type == MsgType.ERROR:
+            self.emit(EventKind.WARNING, f"rank {r.rank} reported: {msg['reason']}", rank=r.rank)
+
+    def close(self) -> None:
+        self.router.close(0)
+        if self.push is not None:
+            self.push.close(2000)
+        self.ctx.term()
+
+
+def tail_lines(path: Path, n: int) -> list[str]:
+    """The last ``n`` lines a rank's current incarnation wrote to its log (empty if unreadable)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 64 * 1024))
+            data = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    lines = data.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("===== ftrun:")]
+    return lines[(starts[-1] + 1) if starts else 0 :][-n:]
+
+
+def _timedelta(seconds: float) -> Any:
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
+
+
+def main() -> None:
+    """Entry point of ``python -m ftrun.supervisor`` (started by the launcher, not by users)."""
+    spec = JobSpec.from_json(json.loads(os.environ["FTRUN_SUPERVISOR_SPEC"]))
+    log_dir = Path(spec.log_dir)
+    logging.basicConfig(
+        filename=log_dir / "supervisor.log",
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    sup = Supervisor(
+        spec,
+        token=os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"],
+        events_addr=os.environ.get("FTRUN_EVENTS_ADDR"),
+        store_port=int(os.environ["FTRUN_STORE_PORT"]),
+    )
+    try:
+        code = sup.run()
+    except BaseException:
+        log.exception("supervisor crashed")
+        raise
+    logging.shutdown()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
