@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
+import importlib.util
 import os
 import zlib
 from dataclasses import dataclass
@@ -164,12 +165,29 @@ def _load_mnist(directory: Path) -> Dataset:
     )
 
 
-def _load_digits(seed: int) -> Dataset:
-    from sklearn.datasets import load_digits  # bundled with sklearn, no download
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """sklearn's 8x8 digits as (images (1797, 8, 8) float64 in 0..16, labels (1797,) int64).
+
+    Parses the CSV that ships inside scikit-learn, exactly as ``load_digits``
+    does, without importing ``sklearn.datasets`` (which pulls in scipy and costs
+    seconds per rank on a small CPU box). Falls back to ``load_digits``.
+    """
+    spec = importlib.util.find_spec("sklearn")
+    if spec is not None and spec.origin is not None:
+        csv = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+        if csv.is_file():
+            data = np.loadtxt(csv, delimiter=",")
+            return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits
 
     bunch = load_digits()
-    x = torch.from_numpy((bunch.images / 16.0).astype(np.float32))  # (1797, 8, 8) in [0, 1]
-    y = torch.from_numpy(bunch.target.astype(np.int64))
+    return bunch.images, bunch.target.astype(np.int64)
+
+
+def _load_digits(seed: int) -> Dataset:
+    images, target = _digits_arrays()
+    x = torch.from_numpy((images / 16.0).astype(np.float32))  # (1797, 8, 8) in [0, 1]
+    y = torch.from_numpy(target)
     n = len(y)
     n_test = int(round(n * DIGITS_TEST_FRACTION))
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(_derive_seed("split", seed)))
@@ -207,39 +225,38 @@ def _derive_seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
 
 
-def _epoch_permutation(seed: int, epoch: int, n_train: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(_derive_seed("epoch", seed, epoch))
-    return torch.randperm(n_train, generator=gen)
-
-
 def batch_indices(
     seed: int, step: int, rank: int, world_size: int, batch_size: int, n_train: int
 ) -> torch.Tensor:
     """Training-set indices (int64, shape (batch_size,)) for ``rank`` at ``step``.
 
-    The data stream is the concatenation of per-epoch permutations of
-    range(n_train), each drawn from a generator seeded with (seed, epoch).
-    The global batch of ``step`` is positions [step*W*B, (step+1)*W*B) of that
-    stream and rank r takes the r-th contiguous slice of length B. It is a pure
-    function of its arguments (no global RNG), so a restarted job resumes on
-    exactly the same batches. Ranks are disjoint within a step whenever
-    world_size * batch_size <= n_train. Raises ``ValueError`` on bad arguments.
+    Each epoch is a permutation of range(n_train) drawn from a private
+    generator seeded with (seed, epoch) and cut into global batches of
+    world_size * batch_size, dropping the remainder (drop_last), so an epoch
+    lasts n_train // (world_size * batch_size) steps. Rank r takes the r-th
+    slice of length batch_size of the global batch, so ranks are disjoint
+    within a step. A pure function of its arguments (no global RNG state): a
+    restarted job resumes on exactly the same batches. Raises ``ValueError`` on
+    bad arguments, including world_size * batch_size > n_train.
     """
+    global_batch = world_size * batch_size
     if n_train <= 0 or batch_size <= 0 or world_size <= 0:
         raise ValueError("n_train, batch_size and world_size must be positive")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} out of range for world_size {world_size}")
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    start = (step * world_size + rank) * batch_size
-    positions = torch.arange(start, start + batch_size, dtype=torch.int64)
-    epochs = positions // n_train
-    offsets = positions % n_train
-    out = torch.empty(batch_size, dtype=torch.int64)
-    for epoch in torch.unique(epochs).tolist():
-        mask = epochs == epoch
-        out[mask] = _epoch_permutation(seed, int(epoch), n_train)[offsets[mask]]
-    return out
+    if global_batch > n_train:
+        raise ValueError(
+            f"global batch world_size*batch_size = {world_size}*{batch_size} = {global_batch} "
+            f"exceeds the {n_train} training samples; lower --batch_size"
+        )
+    steps_per_epoch = n_train // global_batch
+    epoch, k = divmod(step, steps_per_epoch)
+    gen = torch.Generator().manual_seed(_derive_seed("epoch", seed, epoch))
+    perm = torch.randperm(n_train, generator=gen)
+    start = k * global_batch + rank * batch_size
+    return perm[start : start + batch_size].clone()
 
 
 @torch.no_grad()

@@ -693,7 +693,11 @@ class Supervisor:
             r.committed = msg["step"]
         elif msg.type == MsgType.FAULT:
             r.committed = msg["committed"]
-            if self.recovery is not None:
+            rec = self.recovery
+            if rec is not None and rec.plan is not None and msg["generation"] == rec.generation and self.spec.tft.arf:
+                # The plan itself failed (a transfer or the new group broke) with no death seen: next round.
+                self.start_recovery(set(), f"rank {r.rank} could not carry out the plan: {msg['reason']}")
+            elif rec is not None:
                 self.on_report(r, msg["generation"], msg["committed"])
             elif msg["generation"] == self.generation and self.spec.tft.arf:
                 # A collective failed but no rank died (yet): rebuild the group, no respawn.

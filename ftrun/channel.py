@@ -1,0 +1,116 @@
+"""The worker's side of the control plane: one ZeroMQ DEALER owned by a background thread.
+
+ZeroMQ sockets must not be shared between threads, so a single I/O thread owns the DEALER. Other
+threads hand it frames through a queue and wake it through a pipe that its poller watches; it sends
+them, sends a heartbeat every ``heartbeat_interval`` seconds, and queues what the supervisor sends
+(``abort``, ``reconfigure``, ``stop``) for the training thread to take with :meth:`Channel.receive`.
+Heartbeats come from this thread, so a rank whose training thread is busy in a long step still
+proves it is alive; a frozen process (SIGSTOP) stops sending them.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from .protocol import Message, MsgType, ProtocolError, decode, encode
+
+
+class Channel:
+    """A rank's connection to its supervisor.
+
+    Args:
+        addr: the supervisor's ROUTER endpoint (``FTRUN_CONTROL_ADDR``).
+        token: the job secret (``FTRUN_TOKEN``).
+        rank, incarnation: this process's identity.
+        heartbeat_interval: seconds between heartbeats.
+    """
+
+    def __init__(self, addr: str, token: str, rank: int, incarnation: int, heartbeat_interval: float) -> None:
+        self.token = token
+        self.rank = rank
+        self.incarnation = incarnation
+        self.heartbeat_interval = heartbeat_interval
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, f"{rank}:{incarnation}:{os.getpid()}".encode())
+        self._sock.setsockopt(zmq.LINGER, 1000)
+        self._sock.connect(addr)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="ftrun-channel", daemon=True)
+        self._thread.start()
+
+    def send(self, msg_type: MsgType, **fields: Any) -> None:
+        """Queue a message (rank and incarnation are added). Never blocks on the network."""
+        if self._closed:
+            return
+        self._outbox.put(encode(msg_type, self.token, rank=self.rank, incarnation=self.incarnation, **fields))
+        os.write(self._wake_w, b"x")
+
+    def receive(self, timeout: float | None = 0.0) -> Message | None:
+        """Take the next message from the supervisor, waiting up to ``timeout`` seconds (None: forever)."""
+        try:
+            if timeout == 0.0:
+                return self._inbox.get_nowait()
+            return self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        """Flush queued messages (up to about a second) and stop the I/O thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._outbox.put(None)
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        heartbeat = encode(MsgType.HEARTBEAT, self.token, rank=self.rank, incarnation=self.incarnation)
+        next_beat = time.monotonic() + self.heartbeat_interval  # the hello goes first
+        running = True
+        while running:
+            now = time.monotonic()
+            if now >= next_beat:
+                self._sock.send(heartbeat, zmq.NOBLOCK)
+                next_beat = now + self.heartbeat_interval
+            events = dict(poller.poll(timeout=max(0, int((next_beat - now) * 1000))))
+            if self._wake_r in events:
+                try:
+                    os.read(self._wake_r, 65536)
+                except BlockingIOError:
+                    pass
+            while True:
+                try:
+                    frame = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if frame is None:
+                    running = False
+                    break
+                self._sock.send(frame)
+            if self._sock in events:
+                while True:
+                    try:
+                        frame = self._sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._inbox.put(decode(frame, self.token))
+                    except ProtocolError:
+                        pass  # only the supervisor knows our secret; anything else is dropped
+        self._sock.close(linger=1000)
+        os.close(self._wake_r)
+        os.close(self._wake_w)

@@ -1,0 +1,556 @@
+"""The worker library: what a training script uses so ftrun can repair it in place.
+
+A complete loop::
+
+    import ftrun
+
+    ft = ftrun.init(seed=0)                      # process group (gloo on CPU, NCCL on CUDA)
+    model = ft.wrap_model(Net())                 # registered; identical on every replica
+    opt = ft.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ft.register("scheduler", sched)              # anything with state_dict/load_state_dict
+    for step in ft.steps(1000):                  # retries and recovers transparently
+        loss = loss_fn(model(x_of(step)), y_of(step))
+        opt.zero_grad(); loss.backward(); opt.step()
+        ft.report(step, loss=loss.item())
+    ft.finish()
+
+How a fault is absorbed (ARF, DESIGN.md "Recovery"): the optimizer wrapper all-reduces gradients
+over ftrun's process group and applies the update only when that succeeded (TorchFT's
+``should_commit`` idea), so a collective broken by a dead peer becomes a recorded error, not an
+exception through autograd. A step whose update finished is *committed*. At the end of a failed
+step, :meth:`Worker.steps` drops the group, reports its committed step to the supervisor, builds the
+next generation's group when the supervisor sends the plan, sends or receives state point-to-point
+(:mod:`ftrun.transfer`), and resumes at the first uncommitted step. A respawned rank does the same
+from its first call to :meth:`Worker.steps`, after the script built its model and optimizer.
+
+Determinism: with ``seed`` set, every step reseeds torch, numpy and ``random`` from
+``(seed, step, rank)``, so a respawned rank draws exactly what its predecessor would have, and a run
+with faults ends bitwise equal to one without. Data must be a function of the step (the examples
+index their batches by step).
+
+Outside ftrun (plain ``torchrun``, or no launcher at all) the same script runs: the library builds
+the group from the ``env://`` variables and simply trains, without recovery.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .channel import Channel
+from .faults import FaultInjector
+from .protocol import Message, MsgType
+from .transfer import RNGState, recv_state, send_state
+
+BUCKET_BYTES = 25 << 20  # gradient all-reduce bucket (DDP's default cap)
+
+
+class RecoverableError(RuntimeError):
+    """An error after which a rank may repair its state in place (UCE). Subclass it for your own."""
+
+
+class GroupFailure(RuntimeError):
+    """A collective on ftrun's process group failed (recorded, then recovered by :meth:`Worker.steps`)."""
+
+
+_worker: "Worker | None" = None
+_report_channel: Channel | None = None
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def _open_channel(library: bool, replica_group: Sequence[int], generation: int) -> Channel | None:
+    addr, token = os.environ.get("FTRUN_CONTROL_ADDR"), os.environ.get("FTRUN_TOKEN")
+    if not addr or not token:
+        return None
+    rank = _env_int("RANK", 0)
+    channel = Channel(addr, token, rank, _env_int("FTRUN_INCARNATION", 0), float(os.environ.get("FTRUN_HEARTBEAT_INTERVAL", "1")))
+    channel.send(
+        MsgType.HELLO,
+        pid=os.getpid(),
+        generation=generation,
+        replica_group=[int(r) for r in replica_group],
+        library=library,
+    )
+    return channel
+
+
+def report(step: int, **metrics: Any) -> None:
+    """Report the step just finished and metrics to the console (no-op outside ftrun)."""
+    global _report_channel
+    if _worker is not None:
+        _worker.report(step, **metrics)
+        return
+    if _report_channel is None:
+        world = _env_int("WORLD_SIZE", 1)
+        _report_channel = _open_channel(False, list(range(world)), _env_int("FTRUN_GENERATION", 0))
+        if _report_channel is None:
+            return
+    _report_channel.send(MsgType.PROGRESS, step=int(step), metrics=_clean_metrics(metrics))
+
+
+def _clean_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor):
+            value = value.item()
+        out[str(key)] = value if isinstance(value, (int, float, str)) else str(value)
+    return out
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of (seed, step, rank): 63 bits of a SHA-256, independent of Python's hash salt."""
+    digest = hashlib.sha256(f"ftrun:{seed}:{step}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and CUDA), numpy and ``random``."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+
+
+class Worker:
+    """One rank's handle on ftrun. Create it with :func:`init`.
+
+    Attributes:
+        rank, world_size, local_rank: as in torch.distributed.
+        incarnation: which process serving this rank (0 = first).
+        generation: the process group's generation (bumped at every reconfiguration).
+        committed: the last step whose optimizer update finished here (-1: none).
+        device: the device tensors should live on (``cuda:LOCAL_RANK`` with NCCL, else CPU).
+    """
+
+    def __init__(self, backend: str | None, replica_groups: Sequence[Sequence[int]] | None, seed: int | None) -> None:
+        self.rank = _env_int("RANK", 0)
+        self.world_size = _env_int("WORLD_SIZE", 1)
+        self.local_rank = _env_int("LOCAL_RANK", 0)
+        self.incarnation = _env_int("FTRUN_INCARNATION", 0)
+        self.attempt = _env_int("FTRUN_ATTEMPT", _env_int("TORCHELASTIC_RESTART_COUNT", 0))
+        self.generation = _env_int("FTRUN_GENERATION", 0)
+        self.seed = seed
+        self.pg_timeout = float(os.environ.get("FTRUN_PG_TIMEOUT", "300"))
+        self.cluster_timeout = float(os.environ.get("FTRUN_CLUSTER_TIME_OUT", "600"))
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.replica_group = self._my_replica_group(replica_groups)
+        self.committed = -1
+        self.registry: dict[str, Any] = {}
+        self.faults = FaultInjector.from_env(self.rank, self.incarnation, self.attempt)
+        self.channel = _open_channel(True, self.replica_group, self.generation)
+        self.managed = self.channel is not None and os.environ.get("FTRUN_ARF", "1") == "1"
+        self.joining = self.managed and (self.incarnation > 0 and self.generation > 0)
+        self._error: str | None = None
+        self._abort_generation: int | None = None
+        self._store: Any = None
+        self._current_step: int | None = None
+        self.register("rng", RNGState())
+        if self.world_size > 1 and not self.joining:
+            self._build_group(self.generation)
+
+    # ------------------------------------------------------------------ set-up
+    def _my_replica_group(self, groups: Sequence[Sequence[int]] | None) -> list[int]:
+        if groups is None:
+            return list(range(self.world_size))
+        for group in groups:
+            if self.rank in group:
+                return sorted(int(r) for r in group)
+        raise ValueError(f"replica_groups {groups} do not contain rank {self.rank}")
+
+    def _base_store(self) -> Any:
+        if self._store is None:
+            self._store = dist.TCPStore(
+                os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=timedelta(seconds=self.cluster_timeout),
+            )
+        return self._store
+
+    def _build_group(self, generation: int) -> bool:
+        """Build the default process group of ``generation``. False if an abort overtook it."""
+        if not self.managed:
+            if not dist.is_initialized():
+                dist.init_process_group(self.backend, timeout=timedelta(seconds=self.pg_timeout))
+            return True
+        store = dist.PrefixStore(f"ftrun/attempt{self.attempt}/gen{generation}/", self._base_store())
+        # A barrier we can leave: init_process_group cannot be interrupted if a rank never comes.
+        store.add("joined", 1)
+        while int(store.add("joined", 0)) < self.world_size:
+            if self._poll_abort(timeout=0.005, newer_than=generation):
+                return False
+        dist.init_process_group(
+            self.backend,
+            store=dist.PrefixStore("pg/", store),
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=self.pg_timeout),
+        )
+        self.generation = generation
+        return True
+
+    def _drop_group(self) -> None:
+        """Destroy the current group and cut its connections now, releasing peers blocked on us.
+
+        Destroying the group is not enough with gloo: the process group object outlives
+        ``destroy_process_group`` while anything still references it (a failed work, an
+        exception's traceback), and its sockets stay open, so a peer blocked in a collective with
+        us waits for the full timeout. Shutting down this process's data-plane TCP connections (every
+        connection except the ones to the store and to the supervisor) makes each such peer fail
+        within milliseconds; the descriptors stay owned by gloo, which closes them when it lets go.
+        """
+        if not dist.is_initialized():
+            return
+        failure = None
+        try:
+            dist.destroy_process_group()
+        except Exception as err:  # a broken group may fail to tear down cleanly
+            failure = f"{type(err).__name__}: {_first_line(err)}"
+        if failure is not None:
+            print(f"ftrun: tearing down generation {self.generation} failed: {failure}", file=sys.stderr, flush=True)
+        if self.backend == "gloo" and self.managed:
+            _shutdown_peer_connections(keep_ports={int(os.environ.get("MASTER_PORT", "0")), _control_port()})
+
+    # ------------------------------------------------------------------ registration
+    def register(self, name: str, obj: Any) -> Any:
+        """Register an object whose ``state_dict``/``load_state_dict`` is part of the training state.
+
+        Registered state is what a donor sends to a recovering replica. Returns ``obj``.
+
+        Raises:
+            TypeError: ``obj`` has no ``state_dict``/``load_state_dict``.
+        """
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"ftrun.register({name!r}): the object needs state_dict() and load_state_dict()")
+        self.registry[name] = obj
+        return obj
+
+    def wrap_model(self, model: torch.nn.Module, name: str = "model") -> torch.nn.Module:
+        """Register ``model`` and make every replica start from rank 0's weights (as DDP does).
+
+        Gradients are averaged by the optimizer returned by :meth:`wrap_optimizer`, over a group
+        ftrun rebuilds after a fault; the model itself stays an ordinary module (wrap it in DDP over
+        a one-rank group only if you need DDP's hooks: see the README).
+        """
+        model.to(self.device)
+        self.register(name, model)
+        if self.world_size > 1 and not self.joining and dist.is_initialized() and len(self.replica_group) == self.world_size:
+            with torch.no_grad():
+                for tensor in list(model.parameters()) + list(model.buffers()):
+                    dist.broadcast(tensor.data, src=0)
+        return model
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, name: str = "optimizer") -> "FTOptimizer":
+        """Register ``optimizer`` and return a wrapper that all-reduces gradients before each update
+        and applies the update only when the all-reduce succeeded."""
+        wrapped = FTOptimizer(optimizer, self)
+        self.register(name, optimizer)
+        return wrapped
+
+    def state_dict(self) -> dict[str, Any]:
+        """The registered state: ``{name: obj.state_dict()}``."""
+        return {name: obj.state_dict() for name, obj in self.registry.items()}
+
+    # ------------------------------------------------------------------ reporting
+    def report(self, step: int, **metrics: Any) -> None:
+        """Show ``step`` and ``metrics`` on the console (queued; never blocks)."""
+        if self.channel is not None:
+            self.channel.send(MsgType.PROGRESS, step=int(step), metrics=_clean_metrics(metrics))
+
+    def _send(self, msg_type: MsgType, **fields: Any) -> None:
+        if self.channel is not None:
+            self.channel.send(msg_type, **fields)
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> bool:
+        """Average the gradients of ``params`` over the world. False (error recorded) on failure.
+
+        Gradients are flattened in parameter order into buckets of up to :data:`BUCKET_BYTES`,
+        divided by the world size and summed, as DDP does; the layout depends only on the model, so
+        every generation reduces in the same order and results stay bitwise reproducible.
+        """
+        if self.world_size == 1:
+            return True
+        if self._error is not None:
+            return False
+        grads = [p.grad for p in params if p.grad is not None]
+        failure: str | None = None
+        try:
+            self.faults.point("allreduce", self._current_step)
+            for bucket in _buckets(grads, BUCKET_BYTES):
+                flat = torch.cat([g.reshape(-1) for g in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
+                flat.div_(self.world_size)
+                dist.all_reduce(flat)
+                offset = 0
+                for g in bucket:
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+        except Exception as err:  # gloo/NCCL raise RuntimeError subclasses; any of them breaks the step
+            failure = f"gradient all-reduce failed: {type(err).__name__}: {_first_line(err)}"
+        if failure is not None:
+            # Outside the except block: its traceback would keep the group alive (DESIGN.md).
+            self._record_error(failure)
+            return False
+        return True
+
+    def _record_error(self, reason: str) -> None:
+        """Record a failed collective and tear the group down at once.
+
+        Must be called outside any ``except`` block: the exception's traceback keeps the group
+        alive, and peers blocked on us then wait for the full timeout instead of the few
+        milliseconds it takes once our sockets close (DESIGN.md, gloo facts).
+        """
+        self._error = reason
+        self._drop_group()
+
+    # ------------------------------------------------------------------ the step loop
+    def steps(self, num_steps: int, start: int = 0) -> Iterator[int]:
+        """Yield step numbers ``start .. num_steps-1``; failed steps are recovered and retried.
+
+        A respawned rank first recovers (receives its state) and starts at the recovery step + 1.
+        """
+        step = start
+        if self.joining:
+            self.joining = False
+            step = self._recover(None) + 1
+        while step < num_steps:
+            if self._poll_abort():
+                step = self._recover(None) + 1
+                continue
+            self.faults.point("before_forward", step)
+            self._current_step = step
+            self._send(MsgType.STEP_BEGIN, step=step)
+            if self.seed is not None:
+                seed_everything(step_seed(self.seed, step, self.rank))
+            yield step
+            if self._error is not None or (self.managed and self._abort_generation is not None):
+                reason, self._error = self._error, None
+                step = self._recover(reason) + 1
+                continue
+            self.faults.point("between_steps", step)
+            step += 1
+
+    def _poll_abort(self, timeout: float = 0.0, newer_than: int | None = None) -> bool:
+        """Take supervisor messages; True once an abort for a generation newer than
+        ``newer_than`` (default: the current one) is pending."""
+        if self.channel is None:
+            return False
+        msg = self.channel.receive(timeout)
+        while msg is not None:
+            self._on_message(msg)
+            msg = self.channel.receive(0.0)
+        newer_than = self.generation if newer_than is None else newer_than
+        return self._abort_generation is not None and self._abort_generation > newer_than
+
+    def _on_message(self, msg: Message) -> None:
+        if msg.type == MsgType.ABORT:
+            if self._abort_generation is None or msg["generation"] > self._abort_generation:
+                self._abort_generation = msg["generation"]
+                self._send(MsgType.FAULT, generation=msg["generation"], step=self._current_step or -1,
+                           committed=self.committed, reason=msg["reason"])
+        elif msg.type == MsgType.RECONFIGURE:
+            self._plan = msg
+        elif msg.type == MsgType.STOP:
+            sys.exit(0)
+
+    def _recover(self, reason: str | None) -> int:
+        """Reconfigure after a fault; returns the recovery step S (training resumes at S + 1).
+
+        Raises:
+            GroupFailure: this rank runs without a supervisor (plain torchrun), so it cannot recover.
+        """
+        if not self.managed:
+            raise GroupFailure(reason or "collective failed")
+        self._drop_group()
+        if reason is not None and self._abort_generation is None:
+            # Tell the supervisor now; it answers with an abort naming the next generation.
+            self._send(MsgType.FAULT, generation=self.generation, step=self._current_step or -1,
+                       committed=self.committed, reason=reason)
+        if self._abort_generation is None and self.incarnation > 0 and self.committed < 0:
+            self._abort_generation = self.generation  # a new rank: its hello was its report
+        self._plan = None
+        while True:
+            msg = self.channel.receive(timeout=1.0)
+            if msg is not None:
+                self._on_message(msg)
+            plan = self._plan
+            if plan is None or plan["generation"] != self._abort_generation:
+                continue
+            self._plan = None
+            generation = plan["generation"]
+            started = time.monotonic()
+            if not self._build_group(generation):
+                continue
+            rebuild_s = time.monotonic() - started
+            role, nbytes, transfer_s = self._transfer(plan)
+            if role == "failed":
+                self._drop_group()
+                self._send(MsgType.FAULT, generation=generation, step=plan["step"], committed=self.committed,
+                           reason="state transfer failed")
+                continue
+            self._abort_generation = None
+            self.committed = plan["step"]
+            self._send(MsgType.RECOVERED, generation=generation, role=role, bytes=nbytes,
+                       seconds=transfer_s, rebuild_seconds=rebuild_s)
+            return plan["step"]
+
+    def _transfer(self, plan: Message) -> tuple[str, int, float]:
+        """Carry out this rank's part of the plan: ('donor'|'recipient'|'none'|'failed', bytes, seconds)."""
+        started = time.monotonic()
+        transfers = [(int(d), int(r)) for d, r in plan["transfers"]]
+        as_donor = [r for d, r in transfers if d == self.rank]
+        as_recipient = [d for d, r in transfers if r == self.rank]
+        nbytes = 0
+        received_any = False
+        try:
+            for recipient in as_donor:
+                def progress(sent: int, _step: int = plan["step"]) -> None:
+                    if sent:
+                        self.faults.point("transfer", _step)
+
+                nbytes += send_state(self.state_dict(), recipient, on_progress=progress)
+            for donor in as_recipient:
+                self.faults.point("rejoin", plan["step"])
+                received_any = True
+                state, n = recv_state(donor, self.state_dict())
+                nbytes += n
+                for name, obj in self.registry.items():
+                    if name in state:
+                        obj.load_state_dict(state[name])
+        except Exception as err:
+            if received_any:
+                self.committed = -1  # a half-received state is no state
+            self._send(MsgType.ERROR, reason=f"state transfer failed: {type(err).__name__}: {err}")
+            return "failed", nbytes, time.monotonic() - started
+        role = "recipient" if as_recipient else "donor" if as_donor else "none"
+        return role, nbytes, time.monotonic() - started
+
+    def commit(self, step: int) -> None:
+        """Mark ``step`` committed (called by the optimizer wrapper after its update)."""
+        self.committed = step
+
+    def finish(self) -> None:
+        """Say the rank is done, tear the group down and close the channel."""
+        global _worker
+        self._send(MsgType.DONE)
+        self._drop_group()
+        if self.channel is not None:
+            self.channel.close()
+        _worker = None
+
+
+class FTOptimizer:
+    """Wraps a torch optimizer: averages gradients over ftrun's group, then updates only on success.
+
+    ``step()`` reports update begin/end to the supervisor (MindSpore's OptTFTWrapper idea) and marks
+    the step committed when the update has finished. Everything else is delegated to the wrapped
+    optimizer.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, worker: Worker) -> None:
+        self.optimizer = optimizer
+        self.worker = worker
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> bool:
+        """All-reduce gradients and update. Returns True if the update was applied."""
+        w = self.worker
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if not w.all_reduce_gradients(params):
+            return False
+        step = w._current_step if w._current_step is not None else w.committed + 1
+        w._send(MsgType.UPDATE_BEGIN, step=step)
+        w.faults.point("optimizer", step)
+        self.optimizer.step(closure)
+        w.commit(step)
+        w._send(MsgType.UPDATE_END, step=step)
+        return True
+
+
+def _control_port() -> int:
+    addr = os.environ.get("FTRUN_CONTROL_ADDR", "")
+    return int(addr.rsplit(":", 1)[1]) if ":" in addr else 0
+
+
+def _shutdown_peer_connections(keep_ports: set[int]) -> None:
+    """``shutdown(SHUT_RDWR)`` every established TCP connection of this process whose remote port
+    is not in ``keep_ports`` (the store and the supervisor). The descriptors are not closed."""
+    import socket
+
+    import psutil
+
+    for conn in psutil.Process().net_connections(kind="tcp"):
+        if conn.status != psutil.CONN_ESTABLISHED or not conn.raddr or conn.raddr.port in keep_ports or conn.fd < 0:
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(conn.fd))
+        except OSError:
+            continue
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err)
+    return text.splitlines()[0] if text else ""
+
+
+def _buckets(tensors: Sequence[torch.Tensor], cap: int) -> Iterator[list[torch.Tensor]]:
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and (size + nbytes > cap or t.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def init(backend: str | None = None, replica_groups: Sequence[Sequence[int]] | None = None, seed: int | None = 0) -> Worker:
+    """Join the job: connect to the supervisor and build the process group.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"`` (default: NCCL when CUDA is available, else gloo).
+        replica_groups: the partition of ranks into groups of identical state (MindSpore's
+            ``group_info``); default pure data parallel: all ranks are replicas of each other.
+        seed: reseed every step from (seed, step, rank) for exact replay (None: leave RNGs alone).
+
+    Returns:
+        The :class:`Worker` (one per process; later calls return the same one).
+
+    Raises:
+        ValueError: ``replica_groups`` does not contain this rank.
+    """
+    global _worker
+    if _worker is None:
+        _worker = Worker(backend, replica_groups, seed)
+    return _worker

@@ -1,0 +1,193 @@
+"""Shared helpers for ftrun's tests: run the real CLI, and never leave a process behind.
+
+Every ftrun process a test starts through the :func:`ftrun_proc` fixture carries a unique tag in its
+environment (``PYTEST_FTRUN_TAG``); the supervisor and the ranks inherit it, so the fixture's
+finalizer can find and SIGKILL whatever survived a failing test, even processes that were orphaned.
+Nothing here waits on a clock except generous upper bounds: tests synchronise on files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+WORKER = SCRIPTS / "worker.py"
+TAG_VAR = "PYTEST_FTRUN_TAG"
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """os.environ without anything that configures ftrun or torchelastic, plus ``extra``."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not (k.startswith("FTRUN_") or k.startswith("TORCHELASTIC_") or k == "MS_ENABLE_TFT" or k == TAG_VAR)
+    }
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def tagged(tag: str) -> list[psutil.Process]:
+    """Live processes whose environment carries ``tag``."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid == os.getpid():
+                continue
+            if proc.environ().get(TAG_VAR) == tag and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def is_alive(proc: psutil.Process) -> bool:
+    """True while ``proc`` (the very process, not a reused pid) runs and is not a zombie."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(procs: Iterable[psutil.Process], timeout: float = 30.0) -> list[psutil.Process]:
+    """Poll until every process has ended; return those still alive after ``timeout`` seconds."""
+    procs = list(procs)
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in procs if is_alive(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def kill_all(procs: Iterable[psutil.Process]) -> None:
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class FtrunProc:
+    """One ``python -m ftrun`` process started by a test, its output going to files."""
+
+    def __init__(self, args: Sequence[str], *, cwd: Path, env: dict[str, str], tag: str, argv0: Sequence[str] | None = None):
+        self.cwd = cwd
+        self.tag = tag
+        n = len(list(cwd.glob("ftrun_stdout_*.txt")))
+        self.stdout_path = cwd / f"ftrun_stdout_{n}.txt"
+        self.stderr_path = cwd / f"ftrun_stderr_{n}.txt"
+        argv0 = list(argv0) if argv0 is not None else [sys.executable, "-m", "ftrun"]
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.popen = subprocess.Popen(
+                [*argv0, *args],
+                cwd=cwd,
+                env={**env, TAG_VAR: tag},
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
+        self.pid = self.popen.pid
+
+    def wait(self, timeout: float = 90.0) -> Result:
+        try:
+            code = self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"ftrun did not exit within {timeout} s\nstdout:\n{self.stdout()}\nstderr:\n{self.stderr()}")
+        return Result(code, self.stdout(), self.stderr())
+
+    def stdout(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def wait_for_files(self, paths: Sequence[Path], timeout: float = 60.0) -> list[dict[str, Any]]:
+        """Wait until every path exists (JSON files written atomically) and return their contents.
+
+        Fails at once if ftrun exits first.
+        """
+        deadline = time.monotonic() + timeout
+        while not all(p.exists() for p in paths):
+            if self.popen.poll() is not None:
+                pytest.fail(
+                    f"ftrun exited with {self.popen.returncode} before {[str(p) for p in paths if not p.exists()]} "
+                    f"appeared\nstdout:\n{self.stdout()}\nstderr:\n{self.stderr()}"
+                )
+            if time.monotonic() > deadline:
+                pytest.fail(f"{[str(p) for p in paths if not p.exists()]} did not appear within {timeout} s")
+            time.sleep(0.05)
+        return [json.loads(p.read_text()) for p in paths]
+
+    def cleanup(self) -> None:
+        """SIGKILL ftrun and everything it started, wherever it was reparented."""
+        procs: list[psutil.Process] = []
+        try:
+            procs.append(psutil.Process(self.pid))
+            procs.extend(psutil.Process(self.pid).children(recursive=True))
+        except psutil.Error:
+            pass
+        procs.extend(tagged(self.tag))
+        kill_all(procs)
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.popen.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        kill_all(tagged(self.tag))
+        wait_gone(procs, timeout=30)
+
+
+@pytest.fixture
+def ftrun_proc(tmp_path: Path) -> Callable[..., FtrunProc]:
+    """Start ``python -m ftrun ARGS`` in ``tmp_path`` (or ``cwd``); every process is killed at teardown.
+
+    Call as ``ftrun_proc(args, env=None, cwd=None, argv0=None)``; ``env`` is added to a clean
+    environment (no FTRUN_*, MS_ENABLE_TFT or TORCHELASTIC_* of the caller's).
+    """
+    started: list[FtrunProc] = []
+
+    def start(args: Sequence[str], env: dict[str, str] | None = None, cwd: Path | None = None,
+              argv0: Sequence[str] | None = None) -> FtrunProc:
+        proc = FtrunProc([str(a) for a in args], cwd=cwd or tmp_path, env=clean_env(env),
+                         tag=uuid.uuid4().hex, argv0=argv0)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.cleanup()
+
+
+def read_events(log_dir: Path) -> list[dict[str, Any]]:
+    """The objects of LOG_DIR/events.jsonl, in order."""
+    path = log_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def kinds(events: Sequence[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] == kind]
