@@ -18,6 +18,22 @@ import typer
 
 from .config import OPTIONS, ConfigError, resolve
 
+def _exception_types(names: tuple[str, ...]) -> tuple[type[BaseException], ...]:
+    """The named exception classes of click and of typer's vendored copy of click, where present."""
+    modules = [click.exceptions]
+    try:
+        import typer._click.exceptions as vendored
+
+        modules.append(vendored)
+    except ImportError:  # typer versions that use click itself
+        pass
+    found = {getattr(m, n) for m in modules for n in names if isinstance(getattr(m, n, None), type)}
+    return tuple(found)
+
+
+_CLICK_ERRORS = _exception_types(("ClickException",))
+_ABORTS = _exception_types(("Abort",))
+
 app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -86,8 +102,6 @@ def run(
         "pg_timeout": pg_timeout,
         "tft": tft,
     }
-    if worker_num is None and local_worker_num is not None:
-        cli_values["worker_num"] = local_worker_num  # torchrun style: --nproc_per_node alone sets the world
     spec = resolve(
         cli_values,
         script=script,
@@ -111,14 +125,11 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as err:
         print(f"ftrun: error: {err}", file=sys.stderr)
         sys.exit(2)
-    except click.UsageError as err:
+    except _CLICK_ERRORS as err:  # unknown option, missing value...: typer's vendored click or click
         print(f"ftrun: error: {err.format_message()} (see ftrun --help)", file=sys.stderr)
         sys.exit(2)
-    except click.exceptions.Abort:
+    except (KeyboardInterrupt, *_ABORTS):
         sys.exit(130)
-    except click.exceptions.Exit as err:
-        sys.exit(err.exit_code)
-
 
 if __name__ == "__main__":
     main()

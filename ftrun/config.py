@@ -172,6 +172,7 @@ class JobSpec:
         heartbeat_interval: seconds between worker heartbeats.
         pg_timeout: collective timeout of the training process group, seconds.
         tft: fault-tolerance switches.
+        tft_explicit: whether the switches were given (not the default).
         config_file: the TOML file the spec was read from, if any.
     """
 
@@ -194,6 +195,7 @@ class JobSpec:
     heartbeat_interval: float = 1.0
     pg_timeout: float = 300.0
     tft: TftSwitches = field(default_factory=TftSwitches)
+    tft_explicit: bool = False
     config_file: str | None = None
 
     @property
@@ -331,10 +333,16 @@ def check_script(script: str, module: bool, no_python: bool) -> None:
         ConfigError: missing script file, module or program.
     """
     if module:
+        # Search as `python -m` will in the rank: with the current directory first on the path. A
+        # dotted name imports its parent packages; whatever they raise means "not runnable here".
+        saved = list(sys.path)
+        sys.path.insert(0, os.getcwd())
         try:
             found = importlib.util.find_spec(script) is not None
-        except (ImportError, ValueError):
+        except Exception:
             found = False
+        finally:
+            sys.path[:] = saved
         if not found:
             raise ConfigError(f"module {script!r} not found; check the name and that it is importable here")
     elif no_python:
@@ -395,6 +403,8 @@ def resolve(
     if module and no_python:
         raise ConfigError("-m/--module and --no_python cannot be used together; pick one")
     worker_num = values["worker_num"]
+    if "worker_num" not in sources and values["local_worker_num"] is not None:
+        worker_num = values["local_worker_num"]  # torchrun style: --nproc_per_node alone sets the world
     if worker_num < 1:
         raise ConfigError(f"--worker_num must be at least 1, got {worker_num}")
     local = values["local_worker_num"]
@@ -448,5 +458,6 @@ def resolve(
         heartbeat_interval=values["heartbeat_interval"],
         pg_timeout=values["pg_timeout"],
         tft=tft,
+        tft_explicit=values["tft"] is not None,
         config_file=config_file,
     )

@@ -81,6 +81,22 @@ def host_store(spec: JobSpec) -> tuple[Any, int]:
     return store, spec.master_port
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant (ranks and whatever they started), no grace."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        family = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in family:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 class LogTailer:
     """Follows one rank's log file and returns complete new lines (msrun's --tail_worker_log)."""
 
@@ -158,10 +174,13 @@ class Launcher:
         handled = 0  # stop signals acted on: the first is forwarded, a second one kills without grace
         while True:
             if len(self.stop_signals) > handled:
-                try:
-                    os.kill(supervisor.pid, self.stop_signals[0] if handled == 0 else signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                if handled == 0:
+                    try:
+                        os.kill(supervisor.pid, self.stop_signals[0])
+                    except ProcessLookupError:
+                        pass
+                else:
+                    kill_tree(supervisor.pid)
                 handled = len(self.stop_signals)
             if pull.poll(100):
                 while True:

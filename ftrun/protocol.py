@@ -129,7 +129,8 @@ def decode(frame: bytes, token: str) -> Message:
         raise ProtocolError(f"not msgpack: {type(err).__name__}") from None
     if not isinstance(data, dict):
         raise ProtocolError("message is not a map")
-    if data.pop("v", None) != PROTOCOL_VERSION:
+    version = data.pop("v", None)
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError("wrong or missing protocol version")
     tok = data.pop("tok", None)
     if not isinstance(tok, str) or not hmac.compare_digest(tok.encode(), token.encode()):

@@ -342,7 +342,7 @@ class Supervisor:
             args=list(spec.script_args),
             control=self.control_addr,
         )
-        for name in spec.tft.not_implemented():
+        for name in spec.tft.not_implemented() if spec.tft_explicit else ():
             self.emit(EventKind.WARNING, f"TFT switch {name} is on but not implemented in this version of ftrun; it has no effect")
         self.start_attempt()
         poller = zmq.Poller()

@@ -49,12 +49,6 @@ def _bad_package(tmp: Path) -> None:
     (pkg / "train.py").write_text("print('never')\n")
 
 
-XFAIL_VENDORED_CLICK = pytest.mark.xfail(
-    strict=True,
-    reason="BUG: ftrun/cli.py main() catches click.UsageError from the 'click' package, but typer 0.29 "
-    "raises typer._click.exceptions.* (a vendored copy): usage errors escape with a traceback, exit 1",
-)
-
 CASES = {
     "no-script": Case([], "no script given"),
     "missing-script": Case(["{tmp}/missing_{uid}.py"], "not found"),
@@ -94,17 +88,9 @@ CASES = {
     "nproc-disagrees": Case(["--nproc_per_node", "2", "--local_worker_num", "3", "{script}"], "disagree"),
     "log-dir-not-writable": Case(["--master_port", "0", "--log_dir", "{tmp}/afile/logs", "{script}"], "--log_dir",
                                  setup=_write("afile", "x")),
-    "unknown-option": pytest.param(Case(["--bogus", "{script}"], "--bogus"), marks=XFAIL_VENDORED_CLICK),
-    "option-missing-value": pytest.param(Case(["--worker_num"], "--worker_num"), marks=XFAIL_VENDORED_CLICK),
-    "module-parent-raises": pytest.param(
-        Case(["-m", "brokenpkg.train"], "brokenpkg", setup=_bad_package),
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="BUG: ftrun/config.py check_script() calls importlib.util.find_spec('pkg.mod'), which "
-            "imports 'pkg' inside the launcher; an exception other than ImportError/ValueError escapes "
-            "as a traceback (exit 1)",
-        ),
-    ),
+    "unknown-option": Case(["--bogus", "{script}"], "--bogus"),
+    "option-missing-value": Case(["--worker_num"], "--worker_num"),
+    "module-parent-raises": Case(["-m", "brokenpkg.train"], "brokenpkg", setup=_bad_package),
 }
 
 

@@ -250,11 +250,6 @@ def test_second_sigint_kills_without_grace(ftrun_proc, tmp_path, out):
     assert not wait_gone(ranks + [supervisor])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: on a second SIGINT/SIGTERM ftrun/launcher.py SIGKILLs the supervisor; the ranks die by "
-    "PR_SET_PDEATHSIG but nothing signals their process groups, so a rank's own children outlive ftrun",
-)
 def test_second_sigint_leaves_no_grandchild(ftrun_proc, tmp_path, out):
     proc = ftrun_proc([*base_args(tmp_path, "--worker_num", "1", "--grace_period", "600"), WORKER, out,
                        "--wait", "--ignore-term", "--grandchild"])
@@ -334,12 +329,6 @@ def test_module_from_cwd_python_m(ftrun_proc, tmp_path, out):
     assert env_dump(out, 0, 0)["RANK"] == "0"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: ftrun/config.py check_script() looks the module up with importlib.util.find_spec in the "
-    "launcher, whose sys.path lacks the current directory when started as the 'ftrun' console script, so "
-    "'ftrun -m mod' rejects a module in ./ that 'python -m mod' (what the ranks run) would find",
-)
 def test_module_from_cwd_console_script(ftrun_proc, tmp_path, out):
     console_script = Path(sys.executable).parent / "ftrun"
     if not console_script.exists():
