@@ -32,7 +32,9 @@ import digits_common as dc  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = dc.add_common_args(argparse.ArgumentParser(description=__doc__)).parse_args(argv)
+    parser = dc.add_common_args(argparse.ArgumentParser(description=__doc__))
+    parser.add_argument("--log_every", type=int, default=50, help="print the loss every N steps (0: never)")
+    args = parser.parse_args(argv)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
     ft = ftrun.init(backend="gloo", seed=args.seed)
@@ -49,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         opt.step()  # averages gradients over the ranks; applies the update only if that succeeded
         ft.report(step, loss=loss.item())
+        if args.log_every and step % args.log_every == 0:
+            print(f"step {step} loss {loss.item():.4f}", flush=True)
 
     if ft.rank == 0:
         with torch.no_grad():

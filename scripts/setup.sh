@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv and install ftrun with its test and example dependencies.
+# Usage: bash scripts/setup.sh   (idempotent; re-running it only checks what is there)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first, pinned, so that nothing later resolves "torch" to a CUDA build.
+.venv/bin/python -m pip install -q -c scripts/constraints.txt torch numpy
+.venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[test]"
