@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()  # averages gradients over the ranks; applies the update only if that succeeded
         ft.report(step, loss=loss.item())
         if args.log_every and step % args.log_every == 0:
-            print(f"step {step} loss {loss.item():.4f}", flush=True)
+            print(f"step {step} loss {loss.item():.4f} time {time.time():.3f}", flush=True)
 
     if ft.rank == 0:
         with torch.no_grad():

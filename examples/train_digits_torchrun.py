@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,7 +26,11 @@ import digits_common as dc  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = dc.add_common_args(argparse.ArgumentParser(description=__doc__)).parse_args(argv)
+    parser = dc.add_common_args(argparse.ArgumentParser(description=__doc__))
+    parser.add_argument("--log_every", type=int, default=0, help="print the loss every N steps (0: never)")
+    parser.add_argument("--ckpt_dir", default=None, help="checkpoint directory: resume from it, save to it")
+    parser.add_argument("--ckpt_every", type=int, default=10, help="save a checkpoint every N steps")
+    args = parser.parse_args(argv)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
 
@@ -44,13 +49,28 @@ def main(argv: list[str] | None = None) -> int:
         opt = torch.optim.SGD(ddp_model.parameters(), lr=args.lr, momentum=args.momentum)
         n_train = len(ds.train_y)
 
+        start = 0
+        ckpt = Path(args.ckpt_dir) / "ckpt.pt" if args.ckpt_dir else None
+        if ckpt is not None and ckpt.exists():  # torchrun's recipe: reload the last checkpoint
+            state = torch.load(ckpt, weights_only=True)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            start = int(state["step"]) + 1
+
         loss = torch.tensor(float("nan"))
-        for step in range(args.steps):
+        for step in range(start, args.steps):
             idx = dc.batch_indices(args.seed, step, rank, world_size, args.batch_size, n_train)
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(ddp_model(ds.train_x[idx]), ds.train_y[idx])
             loss.backward()  # DDP averages gradients across ranks here
             opt.step()
+            if args.log_every and step % args.log_every == 0:
+                print(f"step {step} loss {loss.item():.4f} time {time.time():.3f}", flush=True)
+            if ckpt is not None and rank == 0 and step % args.ckpt_every == args.ckpt_every - 1:
+                ckpt.parent.mkdir(parents=True, exist_ok=True)
+                tmp = ckpt.with_suffix(".tmp")
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, tmp)
+                os.replace(tmp, ckpt)
 
         # Report the last step's loss averaged over ranks (= loss of the global batch).
         final_loss = loss.detach().clone()

@@ -13,20 +13,21 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-import click
 import typer
 
 from .config import OPTIONS, ConfigError, resolve
 
 def _exception_types(names: tuple[str, ...]) -> tuple[type[BaseException], ...]:
-    """The named exception classes of click and of typer's vendored copy of click, where present."""
-    modules = [click.exceptions]
-    try:
-        import typer._click.exceptions as vendored
+    """The named exception classes of click and of typer's vendored copy of click, where present
+    (recent typer releases ship their own copy and do not depend on click)."""
+    import importlib
 
-        modules.append(vendored)
-    except ImportError:  # typer versions that use click itself
-        pass
+    modules = []
+    for name in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError:
+            pass
     found = {getattr(m, n) for m in modules for n in names if isinstance(getattr(m, n, None), type)}
     return tuple(found)
 
