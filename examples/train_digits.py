@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         opt.step()  # averages gradients over the ranks; applies the update only if that succeeded
         ft.report(step, loss=loss.item())
-        if args.log_every and step % args.log_every == 0:
+        if args.log_every and ft.rank == 0 and step % args.log_every == 0:
             print(f"step {step} loss {loss.item():.4f} time {time.time():.3f}", flush=True)
 
     if ft.rank == 0:

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             loss = F.cross_entropy(ddp_model(ds.train_x[idx]), ds.train_y[idx])
             loss.backward()  # DDP averages gradients across ranks here
             opt.step()
-            if args.log_every and step % args.log_every == 0:
+            if args.log_every and rank == 0 and step % args.log_every == 0:
                 print(f"step {step} loss {loss.item():.4f} time {time.time():.3f}", flush=True)
             if ckpt is not None and rank == 0 and step % args.ckpt_every == args.ckpt_every - 1:
                 ckpt.parent.mkdir(parents=True, exist_ok=True)

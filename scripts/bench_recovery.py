@@ -6,8 +6,10 @@ The same digits job runs under both launchers; when rank 0 prints step ``kill_st
 SIGKILLs rank ``victim`` from outside (no help from any library). It then reads the step lines
 (``step N loss L time T``, printed every step by rank 0 with its own clock) and reports, per launcher:
 
-- recover_s: time from the kill to the first step line with a step greater than the killed step
-  (the job's step counter passing the failed step again);
+- failed_step: the first step the job could not finish because of the kill (the victim may die
+  after its share of the step in progress, which then still finishes);
+- recover_s: time from the kill to rank 0 finishing the failed step (the job's step counter
+  passing the failed step again);
 - recomputed: steps executed twice (torchrun resumes from its last checkpoint; ftrun from the first
   uncommitted step);
 - total_s: wall time of the whole job.
@@ -63,17 +65,19 @@ def run_case(kind: str, args: argparse.Namespace, workdir: Path) -> dict[str, fl
     else:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks),
-               "--max-restarts", "1", "--master_port", str(_free_port()), "--local-ranks-filter", "0",
+               "--max-restarts", "1", "--standalone",
                *common, "--ckpt_dir", str(workdir / "ckpt"), "--ckpt_every", str(args.ckpt_every)]
     started = time.time()
     proc = subprocess.Popen(cmd, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     lines: list[tuple[int, float]] = []
+    tail: list[str] = []
     kill: dict[str, float] = {}
 
     def reader() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
+            tail.append(line.rstrip())
             match = STEP.search(line)
             if not match:
                 continue
@@ -92,13 +96,20 @@ def run_case(kind: str, args: argparse.Namespace, workdir: Path) -> dict[str, fl
     thread.join(timeout=10)
     total = time.time() - started
     if proc.returncode != 0 or "time" not in kill:
-        raise RuntimeError(f"{kind}: exit {proc.returncode}, kill {'done' if kill else 'not done'}")
-    after = [(s, t) for s, t in lines if t > kill["time"]]
-    passed = next(t for s, t in after if s > kill["step"])
-    first_after = min(s for s, _ in after)
+        raise RuntimeError(f"{kind}: exit {proc.returncode}, kill {'done' if kill else 'not done'}:\n" + "\n".join(tail[-200:]))
+    # Step lines reach us late (through a log and the launcher), so decide from their own clocks.
+    # The victim may die after its part of the current step, so that step still finishes; the fault
+    # shows as the longest pause between step lines after the kill. The failed step is the first
+    # one not finished before that pause.
+    seq = [(max((s for s, t in lines if t <= kill["time"]), default=-1), kill["time"])]
+    seq += [(s, t) for s, t in lines if t > kill["time"]]
+    gap = max(range(len(seq) - 1), key=lambda i: seq[i + 1][1] - seq[i][1])
+    failed_step = seq[gap][0] + 1
+    passed = next(t for s, t in seq[gap + 1 :] if s >= failed_step)
     return {
+        "failed_step": failed_step,
         "recover_s": passed - kill["time"],
-        "recomputed": max(0, kill["step"] - first_after + 1),
+        "recomputed": max(0, failed_step - seq[gap + 1][0]),
         "total_s": total,
     }
 
@@ -130,10 +141,12 @@ def main() -> None:
                 shutil.rmtree(workdir, ignore_errors=True)
     print(f"digits job, {args.ranks} ranks, SIGKILL of rank {args.victim} at step {args.kill_step}, "
           f"torchrun checkpoint every {args.ckpt_every} steps, {args.repeats} repeat(s)")
-    print(f"{'launcher':<10} {'recover_s':>10} {'recomputed':>11} {'total_s':>8}")
+    print(f"{'launcher':<10} {'failed_step':>11} {'recover_s':>10} {'spread_s':>9} {'recomputed':>11} {'total_s':>8}")
     for kind, rows in results.items():
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-        print(f"{kind:<10} {med['recover_s']:>10.2f} {med['recomputed']:>11.0f} {med['total_s']:>8.1f}")
+        spread = max(r["recover_s"] for r in rows) - min(r["recover_s"] for r in rows)
+        print(f"{kind:<10} {med['failed_step']:>11.0f} {med['recover_s']:>10.2f} {spread:>9.2f} "
+              f"{med['recomputed']:>11.0f} {med['total_s']:>8.1f}")
     ratios = [t["recover_s"] / f["recover_s"] for f, t in zip(results["ftrun"], results["torchrun"])]
     print(f"torchrun/ftrun recovery time ratio (pairwise median): {statistics.median(ratios):.2f}x")
 

@@ -181,7 +181,7 @@ def test_forged_messages_change_nothing(long_reference: str, tmp_path: Path) -> 
         pids = _started(events)
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.LINGER, 5000)
         sock.connect(control)
         forged = [
             b"garbage",
@@ -195,6 +195,8 @@ def test_forged_messages_change_nothing(long_reference: str, tmp_path: Path) -> 
         for frame in forged:
             sock.send(frame)
         sock.send_multipart([b"a", b"b", b"c"])
+        # Keep the connection until the supervisor has seen every frame (connecting is asynchronous).
+        _wait_for(lambda: len([e for e in _events(log_dir) if e["kind"] == "message_rejected"]) >= len(forged) + 1)
         sock.close()
         ctx.term()
         out, _ = proc.communicate(timeout=200)
