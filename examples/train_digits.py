@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(ds.train_x[idx]), ds.train_y[idx])
         loss.backward()
-        opt.step()  # averages gradients over the ranks; applies the update only if that succeeded
+        if not opt.step():  # averages gradients over the ranks; updates only if that succeeded
+            continue  # the step failed (a peer died): ft.steps() recovers and retries it
         ft.report(step, loss=loss.item())
         if args.log_every and ft.rank == 0 and step % args.log_every == 0:
             print(f"step {step} loss {loss.item():.4f} time {time.time():.3f}", flush=True)
