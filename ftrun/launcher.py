@@ -58,11 +58,12 @@ def host_store(spec: JobSpec) -> tuple[Any, int]:
     """
     from datetime import timedelta
 
+    if spec.node_rank == 0:
+        check_port_free(spec.master_addr, spec.master_port)  # before the slow torch import
     from torch.distributed import TCPStore
 
     timeout = timedelta(seconds=spec.cluster_time_out)
     if spec.node_rank == 0:
-        check_port_free(spec.master_addr, spec.master_port)
         try:
             store = TCPStore("0.0.0.0", spec.master_port, is_master=True, wait_for_workers=False, timeout=timeout)
         except (RuntimeError, OSError) as err:
@@ -79,22 +80,6 @@ def host_store(spec: JobSpec) -> tuple[Any, int]:
             f"{spec.cluster_time_out:g} s ({str(err).splitlines()[0]}); start node 0 first or check the address"
         ) from None
     return store, spec.master_port
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and every descendant (ranks and whatever they started), no grace."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        family = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for proc in family:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 class LogTailer:
@@ -140,9 +125,7 @@ class Launcher:
             (log_dir / ".ftrun-write-test").unlink()
         except OSError as err:
             raise ConfigError(f"cannot write to --log_dir {spec.log_dir}: {err.strerror}; choose a writable directory") from None
-        if spec.node_rank == 0:
-            check_port_free(spec.master_addr, spec.master_port)
-        store, port = host_store(spec)
+        store, port = host_store(spec)  # checks the port first, before importing torch
         token = new_token()
         ctx = zmq.Context()
         pull = ctx.socket(zmq.PULL)
@@ -180,7 +163,7 @@ class Launcher:
                     except ProcessLookupError:
                         pass
                 else:
-                    kill_tree(supervisor.pid)
+                    procs.kill_tree(supervisor.pid)
                 handled = len(self.stop_signals)
             if pull.poll(100):
                 while True:

@@ -35,7 +35,6 @@ class Action(str, Enum):
     RESPAWN_RANKS = "respawn_ranks"  # ARF: replace only the failed ranks
     RESTART_JOB = "restart_job"  # torchrun semantics: stop all, start all
     FAIL_JOB = "fail_job"  # budget exhausted: stop all, exit with the root cause's code
-    WAIT = "wait"  # --join: let the other ranks finish, then exit with the root cause's code
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,6 @@ def decide_on_failure(
     library_ranks: Iterable[int],
     restarts_used: int,
     max_restarts: int,
-    join: bool = False,
     single_node: bool = True,
 ) -> Decision:
     """Decide what to do when ranks ``failed`` (exited non-zero, by a signal, or were killed).
@@ -72,7 +70,6 @@ def decide_on_failure(
         library_ranks: ranks whose current process said hello through the worker library.
         restarts_used: restarts already spent (rank respawns plus whole-job restarts).
         max_restarts: the budget.
-        join: ``--join``-style waiting instead of restarting (msrun's behaviour for a failed worker).
         single_node: whether the job runs on one node (ARF needs a single supervisor today).
 
     Returns:

@@ -105,6 +105,22 @@ def stop_all(procs: Sequence[subprocess.Popen], grace_period: float, poll: float
         proc.wait()
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant (ranks and whatever they started), no grace."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        family = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in family:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 def describe_exit(returncode: int) -> tuple[int, str]:
     """Turn a ``Popen.returncode`` into (shell-style exit code, description).
 
