@@ -1,0 +1,1032 @@
+"""Checkpoints on disk: TTP dying-gasp saves, periodic asynchronous saves, and resume.
+
+Layout (one directory per committed step, one file per shard, the manifest last)::
+
+    <root>/step_000001200/shard_0.pt
+    <root>/step_000001200/shard_1.pt
+    <root>/step_000001200/manifest.json
+
+A *shard* is a replica group (DESIGN.md): ranks holding identical state. Shard ``k`` is the
+``k``-th replica group sorted by its smallest rank (:func:`canonical_groups`); one live replica
+of each shard writes that shard's file with :func:`save_shard`, which returns a :class:`ShardInfo`
+(size and SHA-256). Once every shard file is reported written, a single writer (the supervisor,
+which does not import torch, or rank 0) writes ``manifest.json`` with :func:`write_manifest`::
+
+    {"format": "ftrun-checkpoint", "version": 1, "step": 1200, "world_size": 4,
+     "replica_groups": [[0, 2], [1, 3]],
+     "shards": {"0": {"file": "shard_0.pt", "bytes": 123, "sha256": "..."}, "1": {...}},
+     "ftrun_version": "0.1.0", "torch_version": "2.13.0+cpu", "created": 1700000000.0,
+     "reason": "periodic", "extra": {}}
+
+Every file is written atomically: a temporary name in the same directory, ``fsync``,
+``os.replace``, then ``fsync`` of the directory. A step directory without a manifest is therefore
+an incomplete checkpoint (a writer died, or the job died before every shard was in), and a
+manifest is only ever written after the files it names. :func:`verify` checks sizes and
+checksums; :func:`find_latest` returns the newest checkpoint that verifies, reporting each one it
+skips; :func:`resolve_resume` implements ``--resume {auto,none,PATH}``; :func:`prune` keeps the
+newest ``K`` (``--keep_checkpoints K``).
+
+Shard files are ``torch.save`` archives loaded back with ``torch.load(weights_only=True)``: only
+tensors, containers and primitives, never arbitrary pickles (a file that holds anything else is
+refused with :class:`CheckpointError`, and nothing in it is executed). Numpy arrays, which
+``weights_only`` does not accept, are stored as their raw bytes in a ``uint8`` tensor with their
+dtype and shape, and come back as numpy arrays, bit for bit (so RNG states round-trip exactly).
+
+Periodic checkpoints (MindIO TTP's and TorchFT's idea of overlapping saves with training):
+:class:`AsyncCheckpointer` copies the state at a step boundary (:func:`snapshot`: the only part
+that blocks training) and writes it from one background thread.
+
+This module imports neither torch nor numpy at import time: the supervisor uses
+:func:`write_manifest`, :func:`verify`, :func:`find_latest`, :func:`resolve_resume` and
+:func:`prune` without paying torch's import (about 1.2 s, DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+FORMAT = "ftrun-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+STEP_DIGITS = 9
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_NDARRAY = "__ftrun_ndarray__"  # marker key of a numpy array stored as a uint8 tensor
+_HASH_BLOCK = 8 << 20  # bytes read at a time when checksumming a file
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used. ``str()`` is one line naming the file and the problem.
+
+    Attributes:
+        path: the file (or directory) at fault.
+        problem: what is wrong with it, without the path.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], problem: str) -> None:
+        self.path = Path(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard file as the manifest records it.
+
+    Attributes:
+        file: the file's name inside the step directory (``shard_<k>.pt``).
+        bytes: its size in bytes.
+        sha256: the hex SHA-256 of its contents.
+    """
+
+    file: str
+    bytes: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"file": ..., "bytes": ..., "sha256": ...}`` (what a writer reports, and the manifest holds)."""
+        return {"file": self.file, "bytes": self.bytes, "sha256": self.sha256}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "ShardInfo":
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            ValueError: a field is missing or has the wrong type, or ``file`` is not a plain name.
+        """
+        try:
+            file, size, digest = data["file"], data["bytes"], data["sha256"]
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"shard entry {data!r} lacks {e}") from None
+        if not isinstance(file, str) or not file or Path(file).name != file or file in (".", ".."):
+            raise ValueError(f"shard file {file!r} is not a plain file name")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"shard size {size!r} is not a byte count")
+        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise ValueError(f"shard checksum {digest!r} is not a hex SHA-256")
+        return cls(file, size, digest)
+
+
+@dataclass
+class Manifest:
+    """A checkpoint's manifest, as read by :func:`verify`.
+
+    Attributes:
+        directory: the step directory holding the manifest and shard files.
+        step: the committed step the checkpoint holds (training resumes at ``step + 1``).
+        world_size: ranks in the job that wrote it.
+        replica_groups: the canonical replica groups (:func:`canonical_groups`); shard ``k`` is
+            ``replica_groups[k]``.
+        shards: ``{k: ShardInfo}`` for ``k`` in ``range(len(replica_groups))``.
+        ftrun_version, torch_version: versions of the writers ("unknown" if not known).
+        created: Unix time (seconds) the manifest was written.
+        reason: why it was written ("periodic", "ttp", ...).
+        extra: free-form JSON the writer added.
+    """
+
+    directory: Path
+    step: int
+    world_size: int
+    replica_groups: list[list[int]]
+    shards: dict[int, ShardInfo]
+    ftrun_version: str = "unknown"
+    torch_version: str = "unknown"
+    created: float = 0.0
+    reason: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def path(self) -> Path:
+        """The manifest file."""
+        return self.directory / MANIFEST
+
+    def shard_path(self, shard: int) -> Path:
+        """The file of shard ``shard``.
+
+        Raises:
+            CheckpointError: the checkpoint has no such shard.
+        """
+        if shard not in self.shards:
+            raise CheckpointError(self.path, f"has no shard {shard} (it has shards 0..{len(self.shards) - 1})")
+        return self.directory / self.shards[shard].file
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's JSON object (what ``manifest.json`` holds)."""
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": self.step,
+            "world_size": self.world_size,
+            "replica_groups": self.replica_groups,
+            "shards": {str(k): info.to_json() for k, info in sorted(self.shards.items())},
+            "ftrun_version": self.ftrun_version,
+            "torch_version": self.torch_version,
+            "created": self.created,
+            "reason": self.reason,
+            "extra": self.extra,
+        }
+
+
+# ---------------------------------------------------------------------------------------- naming
+def step_dir(root: str | os.PathLike[str], step: int) -> Path:
+    """``<root>/step_<step:09d>``: the directory of the checkpoint of committed step ``step``."""
+    if step < 0:
+        raise ValueError(f"checkpoint step must be >= 0, got {step}")
+    return Path(root) / f"step_{step:0{STEP_DIGITS}d}"
+
+
+def shard_file(shard: int) -> str:
+    """``shard_<shard>.pt``: the file name of shard ``shard`` inside a step directory."""
+    if shard < 0:
+        raise ValueError(f"shard index must be >= 0, got {shard}")
+    return f"shard_{shard}.pt"
+
+
+def canonical_groups(replica_groups: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Replica groups with each group sorted and the groups sorted by smallest rank.
+
+    Shard ``k`` of a checkpoint is ``canonical_groups(groups)[k]``.
+
+    Raises:
+        ValueError: an empty group, or a rank in two groups.
+    """
+    groups = [sorted(int(r) for r in g) for g in replica_groups]
+    if any(not g for g in groups):
+        raise ValueError(f"replica groups {replica_groups!r} contain an empty group")
+    ranks = [r for g in groups for r in g]
+    if len(ranks) != len(set(ranks)):
+        raise ValueError(f"replica groups {replica_groups!r} name a rank twice")
+    return sorted(groups, key=lambda g: g[0])
+
+
+def shard_of_rank(rank: int, replica_groups: Sequence[Sequence[int]]) -> int:
+    """The shard index of ``rank``'s replica group.
+
+    Raises:
+        ValueError: no group holds ``rank``.
+    """
+    for k, group in enumerate(canonical_groups(replica_groups)):
+        if rank in group:
+            return k
+    raise ValueError(f"replica groups {replica_groups!r} do not contain rank {rank}")
+
+
+def _step_of(path: Path) -> int | None:
+    match = _STEP_RE.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``(step, directory)`` of every ``step_<n>`` directory under ``root``, newest first."""
+    try:
+        entries = list(root.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = [(s, p) for p in entries if (s := _step_of(p)) is not None and p.is_dir()]
+    return sorted(found, key=lambda sp: sp[0], reverse=True)
+
+
+# ------------------------------------------------------------------------------- atomic writes
+def _fsync_dir(directory: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable. A no-op where unsupported."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _make_dir(directory: Path) -> None:
+    """``mkdir -p`` that fsyncs the parent of each directory it creates."""
+    missing = []
+    d = directory
+    while not d.exists():
+        missing.append(d)
+        if d.parent == d:
+            break
+        d = d.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    for d in reversed(missing):
+        _fsync_dir(d.parent)
+
+
+def _temp_name(final: Path) -> Path:
+    return final.with_name(f".{final.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+
+
+class _HashingWriter:
+    """A write-only file object that hashes and counts what goes through it."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self._hash = hashlib.sha256()
+        self.bytes = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._hash.update(view)  # releases the GIL for large buffers
+        self.bytes += view.nbytes
+        self._f.write(view)
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def _sha256_file(path: Path) -> tuple[int, str]:
+    """(size in bytes, hex SHA-256) of a file, read in blocks."""
+    digest = hashlib.sha256()
+    size = 0
+    buf = bytearray(_HASH_BLOCK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            digest.update(view[:n])
+            size += n
+    return size, digest.hexdigest()
+
+
+# ---------------------------------------------------------------------- state encoding (save)
+def _key_path(path: str, key: Any) -> str:
+    return f"{path}[{key!r}]"
+
+
+def _is_primitive(obj: Any) -> bool:
+    return obj is None or isinstance(obj, (bool, int, float, complex, str, bytes))
+
+
+def _check_key(key: Any, path: str) -> Any:
+    import numpy as np
+
+    if isinstance(key, np.generic):
+        key = key.item()
+    if not _is_primitive(key):
+        raise TypeError(f"checkpoint: the key {key!r} at {path} is a {type(key).__name__}; keys must be str, int, float, bool, bytes or None")
+    return key
+
+
+def _new_dict(obj: Mapping[Any, Any]) -> dict[Any, Any]:
+    """An empty dict of the same kind (OrderedDict stays OrderedDict) carrying ``_metadata``."""
+    from collections import OrderedDict
+
+    out: dict[Any, Any] = OrderedDict() if isinstance(obj, OrderedDict) else {}
+    metadata = getattr(obj, "_metadata", None)  # nn.Module.state_dict()'s version information
+    if metadata is not None:
+        out._metadata = _plain_copy(metadata, "_metadata")  # type: ignore[attr-defined]
+    return out
+
+
+def _plain_copy(obj: Any, path: str) -> Any:
+    """A deep copy of containers of primitives (``_metadata``)."""
+    if isinstance(obj, Mapping):
+        return {_check_key(k, path): _plain_copy(v, _key_path(path, k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_plain_copy(v, f"{path}[{i}]") for i, v in enumerate(obj))
+    if _is_primitive(obj):
+        return obj
+    raise TypeError(f"checkpoint: cannot save a {type(obj).__name__} at {path}")
+
+
+def _encode(obj: Any, path: str = "state") -> Any:
+    """The state as ``torch.load(weights_only=True)`` accepts it.
+
+    Tensors (a ``Parameter`` becomes its data), dicts (OrderedDict and ``_metadata`` kept), lists,
+    tuples, torch dtypes, devices and sizes, and primitives stay; numpy arrays become
+    ``{_NDARRAY: uint8 tensor, "dtype": str, "shape": list}``; numpy scalars become Python scalars.
+
+    Raises:
+        TypeError: anything else, naming its place in the state (e.g. ``state['opt']['x']``).
+    """
+    import numpy as np
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is torch.Tensor:
+            return obj
+        if isinstance(obj, torch.nn.Parameter):
+            return obj.detach()
+        raise TypeError(f"checkpoint: cannot save a tensor subclass {type(obj).__name__} at {path}")
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject or obj.dtype.fields is not None or obj.dtype.itemsize == 0:
+            raise TypeError(f"checkpoint: cannot save a numpy array of dtype {obj.dtype} at {path}")
+        data = np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
+        return {_NDARRAY: torch.from_numpy(data), "dtype": obj.dtype.str, "shape": list(obj.shape)}
+    if isinstance(obj, np.generic):
+        value = obj.item()
+        if not _is_primitive(value):
+            raise TypeError(f"checkpoint: cannot save a numpy {type(obj).__name__} at {path}")
+        return value
+    if isinstance(obj, Mapping):
+        out = _new_dict(obj)
+        for k, v in obj.items():
+            out[_check_key(k, path)] = _encode(v, _key_path(path, k))
+        return out
+    if isinstance(obj, list):
+        return [_encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, torch.Size):
+        return obj
+    if type(obj) is tuple:
+        return tuple(_encode(v, f"{path}[{i}]") for i, v in enumerate(obj))
+    if _is_primitive(obj) or isinstance(obj, (torch.dtype, torch.device)):
+        return obj
+    raise TypeError(
+        f"checkpoint: cannot save a {type(obj).__name__} at {path}; "
+        "state_dict() must hold tensors, numpy arrays, dicts, lists, tuples and primitives"
+    )
+
+
+def _decode(obj: Any) -> Any:
+    """Inverse of :func:`_encode`: numpy markers back to arrays (containers mutated in place)."""
+    import numpy as np
+    import torch
+
+    if isinstance(obj, dict):
+        if _NDARRAY in obj and isinstance(obj[_NDARRAY], torch.Tensor):
+            data = obj[_NDARRAY].numpy()
+            return data.view(np.dtype(obj["dtype"])).reshape(obj["shape"])
+        for k, v in obj.items():
+            obj[k] = _decode(v)
+        return obj
+    if isinstance(obj, list):
+        for i, v in enumerate(obj):
+            obj[i] = _decode(v)
+        return obj
+    if type(obj) is tuple:
+        return tuple(_decode(v) for v in obj)
+    return obj
+
+
+# ------------------------------------------------------------------------------- shard files
+def save_shard(directory: str | os.PathLike[str], shard: int, state: Mapping[str, Any]) -> ShardInfo:
+    """Write one shard's state to ``<directory>/shard_<shard>.pt``, atomically.
+
+    The state is validated first (nothing is written if it holds something that
+    ``torch.load(weights_only=True)`` would refuse), then saved with ``torch.save`` to a temporary
+    name in the same directory while its SHA-256 is computed, fsynced, renamed into place, and the
+    directory fsynced. The directory is created if needed. Synchronous: use
+    :class:`AsyncCheckpointer` to overlap the write with training; call it directly for a TTP
+    dying-gasp save.
+
+    Args:
+        directory: the step directory (:func:`step_dir`).
+        shard: the shard index (:func:`shard_of_rank`).
+        state: nested dicts/lists/tuples of tensors (any device; loaded back on CPU), numpy arrays
+            and primitives, e.g. ``Worker.state_dict()``.
+
+    Returns:
+        the :class:`ShardInfo` to report to the manifest's writer.
+
+    Raises:
+        TypeError: the state holds an object that is not a tensor, array, container or primitive
+            (the message names its place in the state).
+        OSError: the directory or file cannot be written (permissions, disk full).
+    """
+    import torch
+
+    directory = Path(directory)
+    payload = {"format": FORMAT, "version": VERSION, "shard": int(shard), "state": _encode(state)}
+    final = directory / shard_file(shard)
+    _make_dir(directory)
+    tmp = _temp_name(final)
+    try:
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(payload, writer)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(directory)
+    return ShardInfo(final.name, writer.bytes, writer.hexdigest())
+
+
+def _load_error(err: BaseException) -> str:
+    """One line out of torch.load's multi-line refusal."""
+    text = str(err)
+    for line in text.splitlines():
+        if "WeightsUnpickler error:" in line:
+            return "holds objects that are not plain tensors and primitives, refused (" + line.strip().removeprefix("WeightsUnpickler error:").strip() + ")"
+    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    return f"cannot be loaded ({type(err).__name__}: {first})"
+
+
+def load_shard(source: str | os.PathLike[str] | Manifest, shard: int, verify_checksum: bool = True) -> dict[str, Any]:
+    """Load one shard's state, on CPU, from a checkpoint.
+
+    Args:
+        source: a step directory (its manifest and every shard's size are checked), or the
+            :class:`Manifest` that :func:`find_latest` or :func:`resolve_resume` returned.
+        shard: the shard index (:func:`shard_of_rank`).
+        verify_checksum: check the shard file's size and SHA-256 against the manifest first.
+
+    Returns:
+        the state given to :func:`save_shard`, tensors on CPU, numpy arrays as numpy arrays.
+
+    Raises:
+        CheckpointError: no manifest, no such shard, a size or checksum mismatch, or a file
+            that holds anything but tensors and primitives (``torch.load(weights_only=True)``
+            refuses it; nothing in it is executed).
+    """
+    import torch
+
+    manifest = source if isinstance(source, Manifest) else verify(source, checksums=False)
+    path = manifest.shard_path(shard)
+    if verify_checksum:
+        _check_shard(path, manifest.shards[shard], checksum=True)
+    try:
+        payload = torch.load(path, weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        raise CheckpointError(path, "missing shard file") from None
+    except Exception as e:  # UnpicklingError, RuntimeError (bad zip), EOFError...
+        raise CheckpointError(path, _load_error(e)) from None
+    if not (isinstance(payload, dict) and payload.get("format") == FORMAT and "state" in payload):
+        raise CheckpointError(path, "is not an ftrun checkpoint shard")
+    if payload.get("version") != VERSION:
+        raise CheckpointError(path, f"shard format version {payload.get('version')!r}, this ftrun reads {VERSION}")
+    if payload.get("shard") != shard:
+        raise CheckpointError(path, f"holds shard {payload.get('shard')!r}, not shard {shard}")
+    return _decode(payload["state"])
+
+
+# ---------------------------------------------------------------------------------- manifests
+def _torch_version() -> str:
+    torch = sys.modules.get("torch")
+    return str(getattr(torch, "__version__", "unknown")) if torch is not None else "unknown"
+
+
+def write_manifest(
+    directory: str | os.PathLike[str],
+    step: int,
+    world_size: int,
+    replica_groups: Sequence[Sequence[int]],
+    shards: Mapping[int, ShardInfo | Mapping[str, Any]],
+    reason: str = "",
+    extra: Mapping[str, Any] | None = None,
+    torch_version: str | None = None,
+    check_files: bool = True,
+) -> Path:
+    """Write ``<directory>/manifest.json`` atomically, completing a checkpoint.
+
+    Call it once, from one writer, after every shard's file was reported written. Does not
+    import torch.
+
+    Args:
+        directory: the step directory (:func:`step_dir`).
+        step: the committed step the shards hold.
+        world_size: ranks in the job.
+        replica_groups: the job's replica groups (stored canonically: :func:`canonical_groups`).
+        shards: ``{k: ShardInfo}`` (or its :meth:`ShardInfo.to_json`, as reported by a writer)
+            for every ``k`` in ``range(len(replica_groups))``.
+        reason: why the checkpoint was taken ("periodic", "ttp", ...).
+        extra: free-form JSON to store with it.
+        torch_version: the writers' torch version; default: torch's if this process imported
+            it, else "unknown".
+        check_files: check that every shard file exists with the reported size (stat only).
+
+    Returns:
+        the manifest's path.
+
+    Raises:
+        ValueError: a shard is missing from ``shards`` or an entry is malformed.
+        CheckpointError: ``check_files`` and a shard file is missing or has another size.
+        OSError: the manifest cannot be written.
+    """
+    from . import __version__
+
+    directory = Path(directory)
+    groups = canonical_groups(replica_groups)
+    infos = {int(k): v if isinstance(v, ShardInfo) else ShardInfo.from_json(v) for k, v in shards.items()}
+    if sorted(infos) != list(range(len(groups))):
+        raise ValueError(f"checkpoint {directory}: shards {sorted(infos)} reported, expected 0..{len(groups) - 1} (one per replica group)")
+    if check_files:
+        for info in infos.values():
+            _check_shard(directory / info.file, info, checksum=False)
+    manifest = Manifest(
+        directory=directory,
+        step=int(step),
+        world_size=int(world_size),
+        replica_groups=groups,
+        shards=infos,
+        ftrun_version=__version__,
+        torch_version=torch_version or _torch_version(),
+        created=time.time(),
+        reason=reason,
+        extra=dict(extra or {}),
+    )
+    final = directory / MANIFEST
+    tmp = _temp_name(final)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(manifest.to_json(), f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(directory)
+    return final
+
+
+def _check_shard(path: Path, info: ShardInfo, checksum: bool) -> None:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(path, "missing shard file") from None
+    if size != info.bytes:
+        raise CheckpointError(path, f"is {size} bytes, the manifest says {info.bytes} (truncated or overwritten)")
+    if checksum:
+        size, digest = _sha256_file(path)
+        if size != info.bytes:
+            raise CheckpointError(path, f"is {size} bytes, the manifest says {info.bytes} (changed while read)")
+        if digest != info.sha256:
+            raise CheckpointError(path, f"SHA-256 {digest[:12]}... does not match the manifest's {info.sha256[:12]}... (corrupted)")
+
+
+def verify(directory: str | os.PathLike[str], checksums: bool = True) -> Manifest:
+    """Read a step directory's manifest and check its shard files against it.
+
+    Does not import torch.
+
+    Args:
+        directory: the step directory (or its ``manifest.json``).
+        checksums: also read every shard file and check its SHA-256 (otherwise sizes only).
+
+    Returns:
+        the checkpoint's :class:`Manifest`.
+
+    Raises:
+        CheckpointError: missing manifest, bad JSON, wrong format or version, a malformed field,
+            a missing shard file, or a size or checksum mismatch (naming the file).
+    """
+    directory = Path(directory)
+    if directory.name == MANIFEST and directory.is_file():
+        directory = directory.parent
+    path = directory / MANIFEST
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        problem = "missing manifest (incomplete checkpoint)" if directory.is_dir() else "no such checkpoint directory"
+        raise CheckpointError(path, problem) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(path, f"cannot be read ({e})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(path, f"bad JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointError(path, f"not an ftrun checkpoint manifest (format {data.get('format') if isinstance(data, dict) else None!r})")
+    if data.get("version") != VERSION:
+        raise CheckpointError(path, f"manifest version {data.get('version')!r}, this ftrun reads {VERSION}")
+    try:
+        step, world_size = data["step"], data["world_size"]
+        if not isinstance(step, int) or not isinstance(world_size, int) or step < 0 or world_size < 1:
+            raise ValueError(f"step {step!r} / world_size {world_size!r} are not valid")
+        groups = canonical_groups(data["replica_groups"])
+        shards = {int(k): ShardInfo.from_json(v) for k, v in dict(data["shards"]).items()}
+        if sorted(shards) != list(range(len(groups))):
+            raise ValueError(f"shards {sorted(shards)} do not match {len(groups)} replica groups")
+        manifest = Manifest(
+            directory=directory,
+            step=step,
+            world_size=world_size,
+            replica_groups=groups,
+            shards=shards,
+            ftrun_version=str(data.get("ftrun_version", "unknown")),
+            torch_version=str(data.get("torch_version", "unknown")),
+            created=float(data.get("created", 0.0)),
+            reason=str(data.get("reason", "")),
+            extra=dict(data.get("extra") or {}),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(path, f"malformed manifest ({type(e).__name__}: {e})") from None
+    for k in sorted(shards):
+        _check_shard(directory / shards[k].file, shards[k], checksum=checksums)
+    return manifest
+
+
+# ------------------------------------------------------------------------------------- resume
+OnSkip = Callable[[Path, str], None]
+
+
+def _warn_skip(path: Path, reason: str) -> None:
+    warnings.warn(f"skipping checkpoint: {path}: {reason}", RuntimeWarning, stacklevel=3)
+
+
+def find_latest(root: str | os.PathLike[str], on_skip: OnSkip | None = None, checksums: bool = True) -> Manifest | None:
+    """The newest checkpoint under ``root`` that verifies (:func:`verify`).
+
+    Step directories are tried newest first. One that does not verify (no manifest: an
+    incomplete checkpoint; bad JSON; a missing, truncated or corrupted shard file) is reported
+    through ``on_skip`` and the next older one is tried. Entries that are not ``step_<n>``
+    directories (temporary files, anything else) are ignored.
+
+    Args:
+        root: the checkpoint directory (``--checkpoint_dir``); missing is the same as empty.
+        on_skip: called as ``on_skip(path, reason)`` for each skipped checkpoint, ``path``
+            naming the file at fault; default: a ``RuntimeWarning``.
+        checksums: check SHA-256s (reads every shard file), not only sizes.
+
+    Returns:
+        the newest good checkpoint's :class:`Manifest`, or None when there is none.
+    """
+    report = on_skip or _warn_skip
+    for _, directory in _step_dirs(Path(root)):
+        try:
+            return verify(directory, checksums=checksums)
+        except CheckpointError as e:
+            report(e.path, e.problem)
+    return None
+
+
+def resolve_resume(root: str | os.PathLike[str] | None, resume: str, on_skip: OnSkip | None = None) -> Manifest | None:
+    """The checkpoint ``--resume`` names.
+
+    Args:
+        root: the checkpoint directory searched by ``"auto"`` (None: no checkpoint directory).
+        resume: ``"none"`` (start fresh), ``"auto"`` (the newest good checkpoint under ``root``,
+            if any: bad ones are skipped through ``on_skip``), or a PATH: a step directory (or
+            its ``manifest.json``), which must verify; or a directory of ``step_<n>``
+            checkpoints, searched like ``"auto"``, which must hold at least one good checkpoint.
+        on_skip: as in :func:`find_latest`.
+
+    Returns:
+        the :class:`Manifest` to resume from, or None to start fresh.
+
+    Raises:
+        CheckpointError: an explicit PATH that does not exist, does not verify, or holds no
+            good checkpoint.
+    """
+    choice = resume.strip()
+    if choice.lower() in ("none", ""):
+        return None
+    if choice.lower() == "auto":
+        return find_latest(root, on_skip) if root is not None else None
+    path = Path(choice).expanduser()
+    if not path.exists():
+        raise CheckpointError(path, "no such checkpoint")
+    if path.is_file() or (path / MANIFEST).exists() or _step_of(path) is not None:
+        return verify(path)
+    if not _step_dirs(path):
+        raise CheckpointError(path, f"is neither a checkpoint (no {MANIFEST}) nor a directory of step_<n> checkpoints")
+    skipped: list[str] = []
+
+    def note(p: Path, reason: str) -> None:
+        skipped.append(f"{p}: {reason}")
+        (on_skip or _warn_skip)(p, reason)
+
+    manifest = find_latest(path, note)
+    if manifest is None:
+        raise CheckpointError(path, f"holds no usable checkpoint ({len(skipped)} skipped; newest: {skipped[0]})")
+    return manifest
+
+
+def prune(root: str | os.PathLike[str], keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints under ``root``.
+
+    *Complete* means the manifest reads and every shard file has its size (checksums are not
+    read). Incomplete step directories older than the newest complete checkpoint are stale (their
+    writer died) and are deleted too; newer ones may still be being written and are kept. The
+    newest complete checkpoint is never deleted. Safe against a concurrent prune (files already
+    gone are ignored). Does not import torch.
+
+    Args:
+        root: the checkpoint directory.
+        keep: how many complete checkpoints to keep (``--keep_checkpoints``), at least 1.
+
+    Returns:
+        the step directories deleted, oldest first.
+
+    Raises:
+        ValueError: ``keep`` < 1.
+    """
+    if keep < 1:
+        raise ValueError(f"keep_checkpoints must be at least 1, got {keep}")
+    complete: list[tuple[int, Path]] = []
+    incomplete: list[tuple[int, Path]] = []
+    for step, directory in _step_dirs(Path(root)):
+        try:
+            verify(directory, checksums=False)
+            complete.append((step, directory))
+        except CheckpointError:
+            incomplete.append((step, directory))
+    if not complete:
+        return []
+    newest = complete[0][0]
+    doomed = complete[keep:] + [(s, d) for s, d in incomplete if s < newest]
+    removed = []
+    for _, directory in sorted(doomed):
+        shutil.rmtree(directory, ignore_errors=True)
+        if not directory.exists():
+            removed.append(directory)
+    return removed
+
+
+# ----------------------------------------------------------------------- periodic (async) saves
+def snapshot(state: Any, reuse: Any = None) -> Any:
+    """A copy of ``state`` that training may go on changing the original of.
+
+    Tensors are detached and copied to CPU (a tensor that appears twice is copied once, so
+    sharing is kept); numpy arrays are copied; dicts (OrderedDict and ``_metadata`` kept),
+    lists and tuples are rebuilt; primitives are shared. This is the part of a periodic
+    checkpoint that blocks training: about a memcpy of the state.
+
+    Args:
+        state: nested containers of tensors, numpy arrays and primitives.
+        reuse: an earlier snapshot no longer in use: a tensor or array at the same place with the
+            same dtype and shape is overwritten instead of allocating a new one (much faster
+            for large states: no fresh pages to fault in).
+
+    Returns:
+        the copy.
+
+    Raises:
+        TypeError: the state holds an object that cannot be checkpointed (naming its place), so
+            the error shows at the save, not later in the writer thread.
+    """
+    import numpy as np
+    import torch
+
+    copies: dict[int, Any] = {}
+    used: set[int] = set()
+
+    def reusable(old: Any, like: Any) -> bool:
+        return id(old) not in used and old.dtype == like.dtype and old.shape == like.shape
+
+    def copy(obj: Any, old: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if id(obj) in copies:
+                return copies[id(obj)]
+            src = _encode(obj, path).detach()
+            if (
+                type(old) is torch.Tensor
+                and old.device.type == "cpu"
+                and old.layout == torch.strided == src.layout
+                and old.is_contiguous()
+                and reusable(old, src)
+            ):
+                out = old.copy_(src)
+            else:
+                out = src.to("cpu", copy=True)
+            used.add(id(out))
+            copies[id(obj)] = out
+            return out
+        if isinstance(obj, np.ndarray):
+            _encode(obj, path)  # type check
+            if isinstance(old, np.ndarray) and old.flags.writeable and reusable(old, obj):
+                np.copyto(old, obj)
+                out = old
+            else:
+                out = obj.copy()
+            used.add(id(out))
+            return out
+        if isinstance(obj, Mapping):
+            out = _new_dict(obj)
+            prior = old if isinstance(old, Mapping) else {}
+            for k, v in obj.items():
+                out[_check_key(k, path)] = copy(v, prior.get(k), _key_path(path, k))
+            return out
+        if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+            if isinstance(obj, tuple) and type(obj) is not tuple:
+                _encode(obj, path)  # raises: named tuples and other tuple subclasses
+            prior = old if isinstance(old, (list, tuple)) and len(old) == len(obj) else [None] * len(obj)
+            items = [copy(v, prior[i], f"{path}[{i}]") for i, v in enumerate(obj)]
+            return items if isinstance(obj, list) else tuple(items)
+        return _encode(obj, path)  # primitives, dtypes, devices, sizes; raises on anything else
+
+    return copy(state, reuse, "state")
+
+
+class AsyncCheckpointer:
+    """Periodic checkpoints written from a background thread while training goes on.
+
+    :meth:`save` blocks training only for :func:`snapshot` (a copy of the state into buffers
+    reused from the previous save), then one daemon thread writes the shard (:func:`save_shard`),
+    the manifest when this process is the only writer, and prunes old checkpoints.
+
+    One write at a time: if the previous write is still running, :meth:`save` first waits for it.
+    This bounds memory at one snapshot (which is reused) and makes the cost of saving too often
+    visible as blocked time rather than a growing queue; save no more often than a write takes.
+
+    Args:
+        root: the checkpoint directory; step ``s`` goes to :func:`step_dir` ``(root, s)``.
+        shard: the shard this process writes (:func:`shard_of_rank`).
+        keep: after each write, keep only the newest ``keep`` complete checkpoints
+            (:func:`prune`); None keeps all. In a job with several shards, prefer pruning where
+            the manifest is written (a shard writer can only prune checkpoints already complete).
+        single_writer: this process writes the only shard (one replica group: one process, or
+            pure data parallel with rank 0 writing) and writes the manifest itself.
+        world_size, replica_groups: recorded in the manifest when ``single_writer``; default one
+            group of ``world_size`` ranks.
+        reason: the manifest's ``reason``.
+
+    Raises:
+        ValueError: ``single_writer`` with more than one replica group, or ``keep`` < 1.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        shard: int = 0,
+        keep: int | None = None,
+        *,
+        single_writer: bool = False,
+        world_size: int = 1,
+        replica_groups: Sequence[Sequence[int]] | None = None,
+        reason: str = "periodic",
+    ) -> None:
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep_checkpoints must be at least 1, got {keep}")
+        self.root = Path(root)
+        self.shard = int(shard)
+        self.keep = keep
+        self.single_writer = single_writer
+        self.world_size = int(world_size)
+        self.replica_groups = canonical_groups(replica_groups or [list(range(self.world_size))])
+        if single_writer and len(self.replica_groups) != 1:
+            raise ValueError(f"single_writer needs one replica group, got {len(self.replica_groups)}: the manifest must wait for every shard")
+        self.reason = reason
+        self.last_blocked_s = 0.0  # seconds the last save() held training (wait + snapshot)
+        self.last_snapshot_s = 0.0  # seconds of the last snapshot copy
+        self.last_write_s = 0.0  # seconds the last background write took
+        self._cv = threading.Condition()
+        self._job: tuple[int, Any, Callable[[int, Any], None] | None] | None = None
+        self._busy = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._buffers: Any = None
+        self._thread = threading.Thread(target=self._run, name=f"ftrun-checkpoint-{self.shard}", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    def save(self, step: int, state: Any, on_done: Callable[[int, Any], None] | None = None) -> float:
+        """Snapshot ``state`` now and write it as step ``step`` in the background.
+
+        Call at a step boundary (after the optimizer update of ``step``). Errors of an earlier
+        write are not raised here: they went to its ``on_done`` and :meth:`wait` raises them.
+
+        Args:
+            step: the committed step the state is at.
+            state: what to save (e.g. ``Worker.state_dict()``); may be changed as soon as this
+                returns.
+            on_done: called from the writer thread as ``on_done(step, result)``, ``result`` being
+                the :class:`ShardInfo` written or the exception that stopped the write.
+
+        Returns:
+            the seconds training was blocked (waiting for the previous write, plus the snapshot).
+
+        Raises:
+            TypeError: the state holds something that cannot be checkpointed.
+            RuntimeError: the checkpointer is closed.
+        """
+        start = time.perf_counter()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("AsyncCheckpointer.save() after close()")
+            while self._busy:
+                self._cv.wait()
+        copied = time.perf_counter()
+        snap = snapshot(state, reuse=self._buffers)
+        self._buffers = snap
+        now = time.perf_counter()
+        self.last_snapshot_s = now - copied
+        self.last_blocked_s = now - start
+        with self._cv:
+            self._job = (int(step), snap, on_done)
+            self._busy = True
+            self._cv.notify_all()
+        return self.last_blocked_s
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._job is None and not self._closed:
+                    self._cv.wait()
+                if self._job is None:
+                    return
+                step, snap, on_done = self._job
+                self._job = None
+            start = time.perf_counter()
+            result: Any
+            try:
+                result = self._write(step, snap)
+            except BaseException as e:  # delivered to on_done and raised by wait()
+                result = e
+                self._error = e
+            self.last_write_s = time.perf_counter() - start
+            if on_done is not None:
+                try:
+                    on_done(step, result)
+                except BaseException as e:
+                    self._error = e
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+
+    def _write(self, step: int, snap: Any) -> ShardInfo:
+        directory = step_dir(self.root, step)
+        info = save_shard(directory, self.shard, snap)
+        if self.single_writer:
+            write_manifest(directory, step, self.world_size, self.replica_groups, {self.shard: info}, reason=self.reason)
+        if self.keep is not None:
+            prune(self.root, self.keep)
+        return info
+
+    @property
+    def busy(self) -> bool:
+        """Whether a write is in progress."""
+        with self._cv:
+            return self._busy
+
+    def wait(self) -> None:
+        """Wait until the pending write (if any) is done.
+
+        Raises:
+            BaseException: the error of the latest failed write (or ``on_done`` call) since the
+                last :meth:`wait`, as raised in the writer thread (e.g. ``OSError``).
+        """
+        with self._cv:
+            while self._busy:
+                self._cv.wait()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Finish the pending write, stop the thread. Idempotent; does not raise write errors."""
+        with self._cv:
+            while self._busy:
+                self._cv.wait()
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        atexit.unregister(self.close)
+
+    def __enter__(self) -> "AsyncCheckpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
