@@ -35,13 +35,14 @@ import digits_common as dc  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     parser = dc.add_common_args(argparse.ArgumentParser(description=__doc__))
     parser.add_argument("--log_every", type=int, default=50, help="print the loss every N steps (0: never)")
+    parser.add_argument("--ddp", action="store_true", help="train through DistributedDataParallel (same result)")
     args = parser.parse_args(argv)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
     ft = ftrun.init(backend="gloo", seed=args.seed)
     ds = dc.load_dataset(args.data, args.seed)
     torch.manual_seed(args.seed)
-    model = ft.wrap_model(dc.build_model(ds.in_features))
+    model = ft.wrap_model(dc.build_model(ds.in_features), ddp=args.ddp)
     opt = ft.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum))
     n_train = len(ds.train_y)
 

@@ -11,9 +11,10 @@ Keys:
     step: the step at which it faults (default: any step; required for step points).
     point: where: ``before_forward``, ``allreduce`` (inside the gradient all-reduce),
         ``optimizer`` (inside the optimizer update, after the all-reduce), ``between_steps``
-        (after a committed step), ``rejoin`` (a respawned rank, after the new group is built and
-        before it receives its state), ``transfer`` (a donor, after part of the state was sent).
-        Default ``before_forward``.
+        (after a committed step), ``init`` (in ``wrap_model``, before the initial broadcast),
+        ``recover`` (any rank entering a recovery, before it rebuilds the group), ``rejoin`` (a
+        rank receiving state, after the new group is built and before it receives), ``transfer``
+        (a donor, after part of the state was sent). Default ``before_forward``.
     kind: ``kill`` (SIGKILL itself), ``exit`` (``os._exit(code)``), ``exception`` (raise
         :class:`InjectedFault`, uncaught), ``segv`` (SIGSEGV). Default ``kill``.
     code: exit code for ``kind=exit`` (default 1).
@@ -31,7 +32,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-POINTS = ("before_forward", "allreduce", "optimizer", "between_steps", "rejoin", "transfer")
+POINTS = ("before_forward", "allreduce", "optimizer", "between_steps", "init", "recover", "rejoin", "transfer")
 KINDS = ("kill", "exit", "exception", "segv")
 
 

@@ -7,8 +7,10 @@ torch.distributed.elastic's agent, whose restart policy is fused into its run lo
 
 Terms: a *replica group* is a set of ranks holding identical training state (pure data parallel: all
 ranks; DP x TP: the ranks with the same TP coordinate). A rank's *committed step* is the last step
-whose optimizer update finished on it (MindIO TTP's "Updated" state); -1 means it holds no usable
-state (a new process, or a transfer into it broke off).
+whose optimizer update finished on it (MindIO TTP's "Updated" state). Two values below 0 mark the
+time before the first update: :data:`INITIAL` (-1) is the synchronised initial state (the model as
+rank 0 broadcast it, no step applied), :data:`NO_STATE` (-2) is no usable state at all (a new
+process, a rank whose initial broadcast broke off, or a transfer into it that broke off).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterable, Mapping, Sequence
+
+INITIAL = -1  # committed step of a rank holding the synchronised initial state (no update applied)
+NO_STATE = -2  # committed step of a rank holding no usable state
 
 
 class RankState(str, Enum):
@@ -143,7 +148,8 @@ def plan_recovery(committed: Mapping[int, int], replica_groups: Sequence[Sequenc
     several recoveries at once share the load.
 
     Args:
-        committed: live rank -> its committed step (-1: no usable state).
+        committed: live rank -> its committed step (:data:`INITIAL`: the initial state,
+            :data:`NO_STATE`: none).
         replica_groups: the partition of ranks into replica groups.
 
     Raises:
@@ -152,14 +158,14 @@ def plan_recovery(committed: Mapping[int, int], replica_groups: Sequence[Sequenc
     """
     newest: list[int] = []
     for group in replica_groups:
-        steps = [committed[r] for r in group if r in committed and committed[r] >= 0]
+        steps = [committed[r] for r in group if r in committed and committed[r] > NO_STATE]
         if not steps:
-            raise NoLiveReplica(f"no live rank of replica group {_ranges(group)} holds a committed state")
+            raise NoLiveReplica(f"no live rank of replica group {_ranges(group)} holds the training state (committed or initial)")
         newest.append(max(steps))
     step = min(newest) if newest else -1
     transfers: list[Transfer] = []
     for group in replica_groups:
-        donors = sorted(r for r in group if committed.get(r, -1) == step)
+        donors = sorted(r for r in group if committed.get(r, NO_STATE) == step)
         if not donors:
             raise NoLiveReplica(
                 f"replica group {_ranges(group)} holds no state at step {step} (shards diverged)"

@@ -38,6 +38,7 @@ from . import procs
 from .config import JobSpec
 from .events import Event, EventKind, EventLog
 from .policy import (
+    NO_STATE,
     Action,
     NoLiveReplica,
     RankState,
@@ -70,7 +71,7 @@ class Rank:
     replica_group: tuple[int, ...] = ()
     last_heartbeat: float = 0.0
     step: int | None = None
-    committed: int = -1
+    committed: int = NO_STATE
     metrics: dict[str, Any] = field(default_factory=dict)
     restarts: int = 0
     exit_code: int | None = None
@@ -107,6 +108,7 @@ class Failure:
     exit_code: int
     description: str
     time: float
+    detection_seconds: float = 0.0  # from the evidence (SIGCHLD, last heartbeat) to detection
 
 
 @dataclass
@@ -116,6 +118,7 @@ class Recovery:
     generation: int
     started_at: float  # the first failure of this recovery (kept across restarted rounds)
     failed: set[int]
+    detection_seconds: float = 0.0  # of the failure that started it
     reports: dict[int, int] = field(default_factory=dict)  # rank -> committed step
     plan: RecoveryPlan | None = None
     planned_at: float = 0.0
@@ -162,6 +165,7 @@ class Supervisor:
         self._status_dirty = True
         self._last_status = 0.0
         self._pending_exit: int | None = None
+        self._sigchld_at: float | None = None  # arrival of the first SIGCHLD not yet acted on
         self._wakeup_r, self._wakeup_w = os.pipe()
         os.set_blocking(self._wakeup_w, False)
         os.set_blocking(self._wakeup_r, False)
@@ -298,7 +302,7 @@ class Supervisor:
         r.incarnation += 1
         r.identity = None  # r.library stays: a respawned rank runs the same script as before
         r.step = None
-        r.committed = -1
+        r.committed = NO_STATE
         r.metrics = {}
         r.exit_code = None
         r.exit_desc = ""
@@ -373,7 +377,13 @@ class Supervisor:
 
         signal.signal(signal.SIGTERM, on_stop)
         signal.signal(signal.SIGINT, on_stop)
-        signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake the poll through the wakeup fd
+        def on_child(_signum: int, _frame: Any) -> None:
+            # The kernel sends SIGCHLD as a child dies: its arrival time dates the death, which is
+            # what detection latency is measured from. The wakeup fd wakes the poll.
+            if self._sigchld_at is None:
+                self._sigchld_at = time.time()
+
+        signal.signal(signal.SIGCHLD, on_child)
 
     def _drain_wakeup(self) -> None:
         try:
@@ -386,6 +396,7 @@ class Supervisor:
     def check_processes(self) -> int | None:
         """Reap exited ranks and act on failures. Returns the job's exit code once it ends."""
         now = time.time()
+        died_at, self._sigchld_at = self._sigchld_at, None
         newly_failed: list[Rank] = []
         for r in self.ranks.values():
             if r.proc is None or r.exit_code is not None:
@@ -401,7 +412,7 @@ class Supervisor:
                 self.emit(EventKind.RANK_EXITED, f"rank {r.rank} finished ({desc})", rank=r.rank, exit_code=0)
                 continue
             r.state = RankState.FAILED
-            failure = Failure(r.rank, r.pid, code, desc, now)
+            failure = Failure(r.rank, r.pid, code, desc, now, detection_seconds=max(0.0, now - (died_at or now)))
             self.failures.append(failure)
             self.round_failures.append(failure)
             self.emit(
@@ -413,6 +424,7 @@ class Supervisor:
                 step=r.step,
                 committed=r.committed,
                 detected_at=now,
+                detection_seconds=round(failure.detection_seconds, 4),
             )
             newly_failed.append(r)
         if newly_failed:
@@ -506,7 +518,10 @@ class Supervisor:
         now = time.time()
         self.generation += 1
         if self.recovery is None:
-            self.recovery = Recovery(generation=self.generation, started_at=now, failed=set(failed))
+            detection = max((f.detection_seconds for f in self.round_failures if f.rank in failed), default=0.0)
+            self.recovery = Recovery(
+                generation=self.generation, started_at=now - detection, failed=set(failed), detection_seconds=detection
+            )
             self.emit(
                 EventKind.RECOVERY_STARTED,
                 f"recovery of rank(s) {sorted(failed)} started: generation {self.generation}",
@@ -616,6 +631,7 @@ class Supervisor:
                 failed=sorted(rec.failed),
                 resume_step=rec.plan.step + 1,
                 total_seconds=round(now - rec.started_at, 3),
+                detection_seconds=round(rec.detection_seconds, 4),
                 respawn_seconds=respawn_s,
                 rebuild_seconds=round(rebuild_s, 3),
                 transfer_seconds=round(transfer_s, 3),
@@ -676,7 +692,7 @@ class Supervisor:
                 if msg["generation"] != self.recovery.generation:
                     self.send(r, MsgType.ABORT, generation=self.recovery.generation, reason="recovery in progress")
                 else:
-                    self.on_report(r, msg["generation"], -1)
+                    self.on_report(r, msg["generation"], NO_STATE)
             return
         if identity != r.identity:
             self.reject(identity, f"{msg.type.value} for rank {r.rank} from a connection that did not say hello")

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from .channel import Channel
 from .faults import FaultInjector
+from .policy import INITIAL, NO_STATE
 from .protocol import Message, MsgType
 from .transfer import RNGState, recv_state, send_state
 
@@ -132,7 +133,8 @@ class Worker:
         rank, world_size, local_rank: as in torch.distributed.
         incarnation: which process serving this rank (0 = first).
         generation: the process group's generation (bumped at every reconfiguration).
-        committed: the last step whose optimizer update finished here (-1: none).
+        committed: the last step whose optimizer update finished here (-1: the initial state,
+            before any update; -2: no usable state yet, e.g. a respawned rank before its transfer).
         device: the device tensors should live on (``cuda:LOCAL_RANK`` with NCCL, else CPU).
     """
 
@@ -151,19 +153,26 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.replica_group = self._my_replica_group(replica_groups)
-        self.committed = -1
         self.registry: dict[str, Any] = {}
         self.faults = FaultInjector.from_env(self.rank, self.incarnation, self.attempt)
         self.channel = _open_channel(True, self.replica_group, self.generation)
         self.managed = self.channel is not None and os.environ.get("FTRUN_ARF", "1") == "1"
+        # A rank respawned into a running job (ARF) builds no group of its own: it joins the
+        # recovery's generation from its first call to steps(), and holds no state until then.
         self.joining = self.managed and (self.incarnation > 0 and self.generation > 0)
+        self.committed = NO_STATE if self.joining else INITIAL
+        self._private_group: Any = None
         self._error: str | None = None
         self._abort_generation: int | None = None
         self._store: Any = None
         self._current_step: int | None = None
         self.register("rng", RNGState())
         if self.world_size > 1 and not self.joining:
-            self._build_group(self.generation)
+            self.committed = NO_STATE  # until the group stands: an abort may overtake the build
+            if self._build_group(self.generation):
+                self.committed = INITIAL
+            else:
+                self._error = "a rank failed before the process group was built"
 
     # ------------------------------------------------------------------ set-up
     def _my_replica_group(self, groups: Sequence[Sequence[int]] | None) -> list[int]:
@@ -242,20 +251,70 @@ class Worker:
         self.registry[name] = obj
         return obj
 
-    def wrap_model(self, model: torch.nn.Module, name: str = "model") -> torch.nn.Module:
+    def wrap_model(self, model: torch.nn.Module, name: str = "model", ddp: bool = False, **ddp_kwargs: Any) -> torch.nn.Module:
         """Register ``model`` and make every replica start from rank 0's weights (as DDP does).
 
-        Gradients are averaged by the optimizer returned by :meth:`wrap_optimizer`, over a group
-        ftrun rebuilds after a fault; the model itself stays an ordinary module (wrap it in DDP over
-        a one-rank group only if you need DDP's hooks: see the README).
+        Gradients are averaged by the optimizer returned by :meth:`wrap_optimizer`, over the group
+        ftrun rebuilds after a fault. If the initial broadcast fails (a rank died before the first
+        step), the error is recorded and :meth:`steps` recovers before step 0: ranks that hold rank
+        0's weights give them to those that do not.
+
+        Args:
+            model: the module; moved to :attr:`device`.
+            name: its name in the registered state.
+            ddp: return ``DistributedDataParallel(model)`` so code relying on DDP (``no_sync()``,
+                ``model.module``, DDP's forward hooks) keeps working. That DDP is built over a
+                private one-rank process group that survives every regeneration, with a comm hook
+                that leaves the local gradients as they are; the all-reduce still happens in the
+                optimizer wrapper over ftrun's group (the approach of DESIGN.md's measured facts).
+                The registered state is the inner module's, so its keys carry no ``module.``.
+            **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
+
+        Returns:
+            ``model``, or the DDP wrapping it.
         """
         model.to(self.device)
         self.register(name, model)
         if self.world_size > 1 and not self.joining and dist.is_initialized() and len(self.replica_group) == self.world_size:
+            self._broadcast_initial(model)
+        if not ddp:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model, process_group=self._one_rank_group(), **ddp_kwargs)
+        wrapped.register_comm_hook(None, _local_gradients_hook)
+        return wrapped
+
+    def _broadcast_initial(self, model: torch.nn.Module) -> None:
+        """Broadcast rank 0's parameters and buffers; on failure record it (rank 0 keeps INITIAL)."""
+        failure: str | None = None
+        try:
+            self.faults.point("init", None)
             with torch.no_grad():
                 for tensor in list(model.parameters()) + list(model.buffers()):
                     dist.broadcast(tensor.data, src=0)
-        return model
+        except Exception as err:  # a peer died: recorded, recovered by steps()
+            failure = f"initial broadcast failed: {type(err).__name__}: {_first_line(err)}"
+        if failure is not None:
+            if self.rank != 0:
+                self.committed = NO_STATE  # maybe half received: not rank 0's weights
+            self._record_error(failure)
+
+    def _one_rank_group(self) -> Any:
+        """A process group of this rank alone, independent of ftrun's generations (for DDP)."""
+        if self._private_group is None:
+            store = dist.HashStore()
+            group = dist.ProcessGroup(store, 0, 1)
+            if self.device.type == "cuda":
+                kind = dist.ProcessGroup.BackendType.NCCL
+                backend = dist.ProcessGroupNCCL(store, 0, 1)
+            else:
+                kind = dist.ProcessGroup.BackendType.GLOO
+                backend = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=self.pg_timeout))
+            group._set_default_backend(kind)
+            group._register_backend(self.device, kind, backend)
+            self._private_group = group
+        return self._private_group
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, name: str = "optimizer") -> "FTOptimizer":
         """Register ``optimizer`` and return a wrapper that all-reduces gradients before each update
@@ -329,7 +388,11 @@ class Worker:
         step = start
         if self.joining:
             self.joining = False
+            self._abort_generation = self.generation  # its hello was its report for this generation
             step = self._recover(None) + 1
+        elif self._error is not None:  # the initial broadcast failed
+            reason, self._error = self._error, None
+            step = self._recover(reason) + 1
         while step < num_steps:
             if self._poll_abort():
                 step = self._recover(None) + 1
@@ -378,13 +441,12 @@ class Worker:
         """
         if not self.managed:
             raise GroupFailure(reason or "collective failed")
+        self.faults.point("recover", self._current_step)
         self._drop_group()
         if reason is not None and self._abort_generation is None:
             # Tell the supervisor now; it answers with an abort naming the next generation.
             self._send(MsgType.FAULT, generation=self.generation, step=self._current_step or -1,
                        committed=self.committed, reason=reason)
-        if self._abort_generation is None and self.incarnation > 0 and self.committed < 0:
-            self._abort_generation = self.generation  # a new rank: its hello was its report
         self._plan = None
         while True:
             msg = self.channel.receive(timeout=1.0)
@@ -436,7 +498,7 @@ class Worker:
                         obj.load_state_dict(state[name])
         except Exception as err:
             if received_any:
-                self.committed = -1  # a half-received state is no state
+                self.committed = NO_STATE  # a half-received state is no state
             self._send(MsgType.ERROR, reason=f"state transfer failed: {type(err).__name__}: {err}")
             return "failed", nbytes, time.monotonic() - started
         role = "recipient" if as_recipient else "donor" if as_donor else "none"
@@ -487,6 +549,14 @@ class FTOptimizer:
         w.commit(step)
         w._send(MsgType.UPDATE_END, step=step)
         return True
+
+
+def _local_gradients_hook(_state: Any, bucket: Any) -> Any:
+    """DDP comm hook that communicates nothing: gradients stay local until the optimizer wrapper
+    averages them over ftrun's group."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
 def _control_port() -> int:

@@ -21,6 +21,8 @@ from ftrun.config import (
     resolve,
 )
 from ftrun.policy import (
+    INITIAL,
+    NO_STATE,
     Action,
     NoLiveReplica,
     RecoveryPlan,
@@ -570,7 +572,7 @@ def pairs(plan: RecoveryPlan) -> list[tuple[int, int]]:
 
 
 def test_plan_single_respawned_rank():
-    plan = plan_recovery({0: 10, 1: -1, 2: 10, 3: 10}, default_replica_groups(4))
+    plan = plan_recovery({0: 10, 1: NO_STATE, 2: 10, 3: 10}, default_replica_groups(4))
     assert plan.step == 10
     assert plan.recipients == {1}
     assert plan.donors <= {0, 2, 3}
@@ -580,12 +582,12 @@ def test_plan_single_respawned_rank():
 def test_plan_step_is_newest_committed_and_laggards_receive():
     # The newest step committed by a live replica is S; a survivor whose update for S did not run (9)
     # and a respawned rank (-1) receive it.
-    plan = plan_recovery({0: 10, 1: 9, 2: -1, 3: 10}, [[0, 1, 2, 3]])
+    plan = plan_recovery({0: 10, 1: 9, 2: NO_STATE, 3: 10}, [[0, 1, 2, 3]])
     assert plan.step == 10 and plan.recipients == {1, 2} and plan.donors <= {0, 3}
 
 
 def test_plan_donors_round_robin():
-    plan = plan_recovery({0: 5, 1: 5, 2: -1, 3: -1, 4: -1, 5: 4}, [[0, 1, 2, 3, 4, 5]])
+    plan = plan_recovery({0: 5, 1: 5, 2: NO_STATE, 3: NO_STATE, 4: NO_STATE, 5: 4}, [[0, 1, 2, 3, 4, 5]])
     assert plan.step == 5
     assert pairs(plan) == [(0, 2), (0, 4), (1, 3), (1, 5)]
 
@@ -596,16 +598,16 @@ def test_plan_nothing_to_do():
 
 
 def test_plan_dead_ranks_are_neither_donors_nor_recipients():
-    plan = plan_recovery({0: 7, 2: -1}, [[0, 1, 2, 3]])
+    plan = plan_recovery({0: 7, 2: NO_STATE}, [[0, 1, 2, 3]])
     assert plan.step == 7 and pairs(plan) == [(0, 2)]
 
 
 def test_plan_dp_x_tp_groups():
     # DP=2 x TP=2: replica groups are the ranks with the same TP coordinate.
     groups = [[0, 2], [1, 3]]
-    plan = plan_recovery({0: 8, 1: 8, 2: -1, 3: 8}, groups)
+    plan = plan_recovery({0: 8, 1: 8, 2: NO_STATE, 3: 8}, groups)
     assert plan.step == 8 and pairs(plan) == [(0, 2)]
-    plan = plan_recovery({0: -1, 1: 8, 2: 8, 3: -1}, groups)
+    plan = plan_recovery({0: NO_STATE, 1: 8, 2: 8, 3: NO_STATE}, groups)
     assert plan.step == 8 and pairs(plan) == [(1, 3), (2, 0)]
     assert all(
         any(t.donor in g and t.recipient in g for g in groups) for t in plan.transfers
@@ -614,18 +616,26 @@ def test_plan_dp_x_tp_groups():
 
 def test_plan_step_is_oldest_newest_across_groups():
     # Group [0,2] reached step 9 on rank 0, rank 2 holds 8; group [1,3] only 8: all shards resume at 8.
-    plan = plan_recovery({0: 9, 1: 8, 2: 8, 3: -1}, [[0, 2], [1, 3]])
+    plan = plan_recovery({0: 9, 1: 8, 2: 8, 3: NO_STATE}, [[0, 2], [1, 3]])
     assert plan.step == 8
     assert pairs(plan) == [(1, 3), (2, 0)]
 
 
 def test_plan_no_live_replica():
     with pytest.raises(NoLiveReplica, match="0,2"):
-        plan_recovery({0: -1, 1: 5, 2: -1, 3: 5}, [[0, 2], [1, 3]])
+        plan_recovery({0: NO_STATE, 1: 5, 2: NO_STATE, 3: 5}, [[0, 2], [1, 3]])
     with pytest.raises(NoLiveReplica):
         plan_recovery({1: 5, 3: 5}, [[0, 2], [1, 3]])  # group [0,2] entirely dead
     with pytest.raises(NoLiveReplica):
-        plan_recovery({0: -1, 1: -1}, [[0, 1]])
+        plan_recovery({0: NO_STATE, 1: NO_STATE}, [[0, 1]])
+
+
+def test_plan_before_the_first_step():
+    # Nothing committed yet: ranks holding the broadcast initial state give it to those without.
+    plan = plan_recovery({0: INITIAL, 1: NO_STATE, 2: INITIAL, 3: NO_STATE}, [[0, 1, 2, 3]])
+    assert plan.step == INITIAL and pairs(plan) == [(0, 1), (2, 3)]
+    with pytest.raises(NoLiveReplica):
+        plan_recovery({0: NO_STATE, 1: NO_STATE}, [[0, 1]])  # rank 0 died before its broadcast
 
 
 def test_plan_shards_diverged():
