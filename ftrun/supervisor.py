@@ -603,7 +603,7 @@ class Supervisor:
         rec = self.recovery
         if rec is None or msg["generation"] != rec.generation or rec.plan is None:
             return
-        rec.recovered[r.rank] = dict(msg.fields)
+        rec.recovered[r.rank] = dict(msg.fields, at=time.time())
         r.state = RankState.HEALTHY
         role = msg["role"]
         if role != "none":
@@ -620,13 +620,21 @@ class Supervisor:
             now = time.time()
             total_bytes = sum(int(v["bytes"]) for v in rec.recovered.values() if v["role"] == "recipient")
             transfer_s = max((float(v["seconds"]) for v in rec.recovered.values()), default=0.0)
-            rebuild_s = max((float(v.get("rebuild_seconds") or 0.0) for v in rec.recovered.values()), default=0.0)
-            respawn_s = {
-                str(rank): round(rec.joined_at.get(rank, now) - t, 3) for rank, t in rec.respawned_at.items()
-            }
+            # Survivors wait inside the rebuild for the new rank; the last rank to arrive measures
+            # the rebuild itself.
+            rebuild_s = min((float(v.get("rebuild_seconds") or 0.0) for v in rec.recovered.values()), default=0.0)
+            # Respawn: from the spawn to the new rank starting its rebuild (process start, imports,
+            # the script's own set-up).
+            respawn_s = {}
+            for rank, t in rec.respawned_at.items():
+                v = rec.recovered.get(rank, {})
+                ready = float(v.get("at", now)) - float(v.get("rebuild_seconds") or 0.0) - float(v.get("seconds", 0.0))
+                respawn_s[str(rank)] = round(ready - t, 3)
             self.emit(
                 EventKind.RECOVERY_FINISHED,
-                f"recovered rank(s) {sorted(rec.failed)} in {now - rec.started_at:.2f} s: resuming at step {rec.plan.step + 1}, "
+                f"recovered rank(s) {sorted(rec.failed)} in {now - rec.started_at:.2f} s (detection "
+                f"{rec.detection_seconds:.3f} s, respawn {max(map(float, respawn_s.values()), default=0.0):.2f} s, "
+                f"group rebuild {rebuild_s:.2f} s, transfer {transfer_s:.3f} s): resuming at step {rec.plan.step + 1}, "
                 f"{total_bytes / 1e6:.2f} MB transferred",
                 failed=sorted(rec.failed),
                 resume_step=rec.plan.step + 1,
