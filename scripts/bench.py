@@ -1,0 +1,651 @@
+"""ftrun against torchrun: recovery time, where it goes, steady-state overhead, scaling and memory.
+
+    python scripts/bench.py                      # everything, moderate sizes (about 25 min on 2 cores)
+    python scripts/bench.py --quick              # a smoke run of every part (a few minutes)
+    python scripts/bench.py --parts recovery --repeats 5
+    python scripts/bench.py --from_json results.json --plots docs   # tables and figures again
+
+Every case runs the same job under both launchers:
+
+- ftrun (ARF): ``examples/train_digits.py`` or ``examples/train_charlm.py`` with the worker library;
+  only the killed rank is respawned and it pulls the state from a replica.
+- torchrun: the plain-DDP twin (``train_digits_torchrun.py``, ``train_charlm_torchrun.py``) with
+  ``--max-restarts 1 --standalone`` and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (its default shared
+  store cannot restart a gloo job after a SIGKILL in torch 2.13: pytorch issues 135712, 167288);
+  rank 0 checkpoints every ``ckpt_every`` steps and every rank resumes from the file.
+
+Rank 0 prints ``step N loss L time T`` after every step with its own clock. When it prints the kill
+step, this script SIGKILLs the victim rank from outside (no help from any library) and records:
+
+- failed_step: the first step the job could not finish because of the kill;
+- recover_s: from the kill to rank 0 finishing the failed step (the step counter passing it again);
+- recomputed: steps executed twice (torchrun resumes at its last checkpoint, ftrun at the first
+  uncommitted step);
+- total_s: wall time of the whole job; step_s: the median step interval away from the fault;
+- for ftrun, recover_s split (from ``events.jsonl`` and the step clock) into detection (kill to the
+  supervisor seeing the death), respawn (process start and imports until the new rank says hello),
+  setup (the new rank's own start-up: data, model, until it enters recovery), rebuild (the new
+  process group), transfer (state, point to point), retried (the failed step run again) and other;
+  for torchrun into restart (kill to the first step after the restart) and recompute;
+- peak resident memory (VmHWM) of the launcher, of ftrun's supervisor and of the largest rank.
+
+Ratios (torchrun/ftrun recovery, ftrun/torchrun step time) are taken pair by pair: each repeat runs
+both launchers back to back, so load on the machine hits both alike. ``--json`` keeps every raw run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+STEP = re.compile(r"step (\d+) loss \S+ time (\d+\.\d+)")
+FINAL = re.compile(r"final step=(\d+) loss=\S+ test_accuracy=(\S+) params_sha256=([0-9a-f]{64})")
+STATE_MB = re.compile(r"state_mb=(\S+)")
+LAUNCHERS = ("ftrun", "torchrun")
+PARTS = ("recovery", "scaling-world", "scaling-state", "overhead", "memory")
+WARMUP_STEPS = 3
+SCRIPTS = {
+    ("digits", "ftrun"): "train_digits.py",
+    ("digits", "torchrun"): "train_digits_torchrun.py",
+    ("charlm", "ftrun"): "train_charlm.py",
+    ("charlm", "torchrun"): "train_charlm_torchrun.py",
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One job: a workload at one size on ``ranks`` ranks, killed at ``kill_step`` (None: no fault).
+
+    ``args`` are extra script flags; ``ckpt_every`` is torchrun's checkpoint interval in steps.
+    """
+
+    workload: str  # "digits" or "charlm"
+    size: str  # charlm size name; "-" for digits
+    ranks: int
+    steps: int
+    kill_step: int | None
+    victim: int = 1
+    ckpt_every: int = 25
+    args: tuple[str, ...] = ()
+
+    def label(self) -> str:
+        name = self.workload if self.workload == "digits" else f"charlm-{self.size}"
+        return f"{name} x{self.ranks}"
+
+
+@dataclass
+class Run:
+    """What one job measured (times in seconds, memory in MB). Fault fields are None without a fault."""
+
+    launcher: str
+    case: Case
+    total_s: float
+    step_s: float | None
+    state_mb: float | None = None
+    final: str | None = None
+    failed_step: int | None = None
+    recover_s: float | None = None
+    recomputed: int | None = None
+    breakdown: dict[str, float] = field(default_factory=dict)
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------ running
+def command(launcher: str, case: Case, workdir: Path) -> tuple[list[str], dict[str, str], str]:
+    """(argv, environment, script file name) of ``case`` under ``launcher``."""
+    script = SCRIPTS[(case.workload, launcher)]
+    common = [str(ROOT / "examples" / script), "--steps", str(case.steps), "--log_every", "1", *case.args]
+    if case.workload == "charlm":
+        common += ["--size", case.size]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FTRUN_", "TORCHELASTIC_", "MS_ENABLE_TFT"))}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    if launcher == "ftrun":
+        cmd = [sys.executable, "-m", "ftrun", "--worker_num", str(case.ranks), "--master_port", "0", "--plain",
+               "--tail_worker_log", "0", "--log_dir", str(workdir / "logs"), "--max_restarts", "1", *common]
+    else:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(case.ranks),
+               "--max-restarts", "1", "--standalone", "--monitor-interval", "0.1",
+               *common, "--ckpt_dir", str(workdir / "ckpt"), "--ckpt_every", str(case.ckpt_every)]
+    return cmd, env, script
+
+
+def find_rank_pid(launcher_pid: int, rank: int, script: str) -> int | None:
+    """PID of the process serving ``rank`` below the launcher (read from its environment)."""
+    try:
+        children = psutil.Process(launcher_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return None
+    for child in children:
+        try:
+            if script in " ".join(child.cmdline()) and child.environ().get("RANK") == str(rank):
+                return child.pid
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
+class MemorySampler:
+    """Polls the peak resident set (``VmHWM``) of a launcher's process tree, by role.
+
+    Roles: ``launcher`` (the process started), ``supervisor`` (ftrun's), ``rank`` (the largest
+    process running the training script). VmHWM is the kernel's own high-water mark, so a peak
+    between two polls is not missed; only processes that end between two polls are.
+    """
+
+    def __init__(self, root_pid: int, script: str, interval: float = 0.25) -> None:
+        self.root_pid = root_pid
+        self.script = script
+        self.interval = interval
+        self.peaks: dict[str, float] = {}
+        self._roles: dict[int, str | None] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> "MemorySampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _role(self, proc: psutil.Process) -> str | None:
+        if proc.pid not in self._roles:
+            try:
+                cmdline = " ".join(proc.cmdline())
+            except psutil.Error:
+                return None
+            self._roles[proc.pid] = (
+                "launcher" if proc.pid == self.root_pid
+                else "supervisor" if "ftrun.supervisor" in cmdline
+                else "rank" if self.script in cmdline
+                else None
+            )
+        return self._roles[proc.pid]
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                root = psutil.Process(self.root_pid)
+                procs = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                procs = []
+            for proc in procs:
+                role = self._role(proc)
+                if role is None:
+                    continue
+                try:
+                    with open(f"/proc/{proc.pid}/status") as status:
+                        hwm = next((int(line.split()[1]) for line in status if line.startswith("VmHWM:")), 0)
+                except (OSError, ValueError):
+                    continue
+                self.peaks[role] = max(self.peaks.get(role, 0.0), hwm / 1024)
+            self._stop.wait(self.interval)
+
+
+def _kill_tree(pid: int) -> None:
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+
+
+def run_job(launcher: str, case: Case, timeout: float = 1200) -> Run:
+    """Run ``case`` under ``launcher`` in a fresh directory, kill ``case.victim`` when rank 0 prints
+    ``case.kill_step``, and measure.
+
+    Raises:
+        RuntimeError: the job failed, gave no final line, or the kill did not happen (the message
+            holds the tail of its output).
+    """
+    workdir = Path(tempfile.mkdtemp(prefix=f"bench-{launcher}-"))
+    try:
+        return _run_in(launcher, case, workdir, timeout)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run_in(launcher: str, case: Case, workdir: Path, timeout: float) -> Run:
+    cmd, env, script = command(launcher, case, workdir)
+    started = time.time()
+    proc = subprocess.Popen(cmd, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines: list[tuple[int, float]] = []
+    tail: list[str] = []
+    kill: dict[str, float] = {}
+
+    def reader() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line.rstrip())
+            del tail[:-400]
+            match = STEP.search(line)
+            if not match:
+                continue
+            step, stamp = int(match.group(1)), float(match.group(2))
+            lines.append((step, stamp))
+            if case.kill_step is not None and step == case.kill_step and "time" not in kill:
+                pid = find_rank_pid(proc.pid, case.victim, script)
+                if pid is not None:
+                    kill["time"] = time.time()
+                    os.kill(pid, signal.SIGKILL)
+
+    thread = threading.Thread(target=reader, daemon=True)
+    with MemorySampler(proc.pid, script) as memory:
+        thread.start()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid)
+            proc.wait()
+        thread.join(timeout=10)
+    total = time.time() - started
+    text = "\n".join(tail)
+    final = FINAL.search(text)
+    if proc.returncode != 0 or final is None or (case.kill_step is not None and "time" not in kill):
+        raise RuntimeError(f"{launcher} {case.label()}: exit {proc.returncode}, final line {'found' if final else 'missing'}, "
+                           f"kill {'done' if kill else 'not done'}:\n" + "\n".join(tail[-60:]))
+    state = STATE_MB.search(text)
+    run = Run(launcher, case, total_s=total, step_s=None, state_mb=float(state.group(1)) if state else None,
+              final=final.group(0), peak_rss_mb={k: round(v, 1) for k, v in memory.peaks.items()})
+    if case.kill_step is None:
+        run.step_s = steady_step_time(lines)
+        return run
+    analyse_fault(run, lines, kill["time"], workdir / "logs" / "events.jsonl" if launcher == "ftrun" else None)
+    return run
+
+
+def steady_step_time(lines: list[tuple[int, float]], skip: tuple[float, float] | None = None) -> float | None:
+    """Median interval between consecutive steps' lines after warm-up, leaving out intervals that
+    overlap ``skip`` (a (start, end) window around a fault)."""
+    gaps = []
+    for (s0, t0), (s1, t1) in zip(lines, lines[1:]):
+        if s1 != s0 + 1 or s0 < WARMUP_STEPS:
+            continue
+        if skip is not None and t1 > skip[0] and t0 < skip[1]:
+            continue
+        gaps.append(t1 - t0)
+    return statistics.median(gaps) if gaps else None
+
+
+def analyse_fault(run: Run, lines: list[tuple[int, float]], kill_time: float, events_path: Path | None) -> None:
+    """Fill ``run``'s fault fields from rank 0's step lines (its own clock) and ftrun's events.
+
+    The step lines reach us late (through a log and the launcher), so everything is decided from
+    their timestamps. The victim may die after its part of the step in progress, which then still
+    finishes: the fault shows as the longest pause between step lines after the kill, and the failed
+    step is the first one not finished before that pause.
+    """
+    seq = [(max((s for s, t in lines if t <= kill_time), default=-1), kill_time)]
+    seq += [(s, t) for s, t in lines if t > kill_time]
+    gap = max(range(len(seq) - 1), key=lambda i: seq[i + 1][1] - seq[i][1])
+    failed = seq[gap][0] + 1
+    resumed_step, resumed_at = seq[gap + 1]
+    passed = next(t for s, t in seq[gap + 1:] if s >= failed)
+    run.failed_step = failed
+    run.recover_s = passed - kill_time
+    run.recomputed = max(0, failed - resumed_step)
+    run.step_s = steady_step_time(lines, skip=(kill_time, passed))
+    if events_path is None:
+        run.breakdown = {"restart": resumed_at - kill_time, "recompute": passed - resumed_at}
+        return
+    run.breakdown = ftrun_breakdown(events_path, run.case.victim, kill_time, passed)
+
+
+def ftrun_breakdown(events_path: Path, victim: int, kill_time: float, passed: float) -> dict[str, float]:
+    """Split ftrun's recovery (kill -> failed step done again) into parts that sum to the whole.
+
+    From events.jsonl: rank_failed (detection), the victim's next rank_joined (its hello: process
+    start and imports), each rank_recovered's ``rebuild_seconds`` (the survivors' includes waiting
+    for the new rank's own set-up; the new rank's is the group build alone), recovery_finished's
+    ``transfer_seconds``, and the retried step from the step clock.
+    """
+    events = [json.loads(line) for line in events_path.read_text().splitlines() if line.strip()]
+    failed = next(e for e in events if e["kind"] == "rank_failed" and e["rank"] == victim)
+    joined = next(e for e in events if e["kind"] == "rank_joined" and e["rank"] == victim and e["time"] > failed["time"])
+    recovered = [e for e in events if e["kind"] == "rank_recovered" and e["time"] > failed["time"]]
+    finished = next(e for e in events if e["kind"] == "recovery_finished" and e["time"] > failed["time"])
+    detected_at = failed["detail"].get("detected_at") or failed["time"]
+    rebuilds = {e["rank"]: float(e["detail"].get("rebuild_seconds") or 0.0) for e in recovered}
+    recipient = max((v for r, v in rebuilds.items() if r == victim), default=0.0)
+    setup = max(rebuilds.values(), default=0.0) - recipient
+    transfer = float(finished["detail"].get("transfer_seconds") or 0.0)
+    parts = {
+        "detection": detected_at - kill_time,
+        "respawn": joined["time"] - detected_at,
+        "setup": setup,
+        "rebuild": recipient,
+        "transfer": transfer,
+        "retried": passed - finished["time"],
+    }
+    parts["other"] = (passed - kill_time) - sum(parts.values())
+    parts["bytes"] = float(finished["detail"].get("bytes") or 0)
+    parts["reported_total"] = float(finished["detail"].get("total_seconds") or 0.0)
+    return {k: round(v, 4) for k, v in parts.items()}
+
+
+# ------------------------------------------------------------------------------------------ plans
+def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
+    """The cases of each part asked for (``--quick`` shrinks every one of them)."""
+    q = args.quick
+    charlm_small = ("--batch_size", "4", "--context", "64", "--eval_windows", "8")
+    parts: dict[str, list[Case]] = {}
+    if "recovery" in args.parts:
+        parts["recovery"] = [
+            Case("digits", "-", 4, 60 if q else 120, 30 if q else 60, victim=2, ckpt_every=25),
+            Case("charlm", "small", 4, 30 if q else 60, 15 if q else 30, victim=2, ckpt_every=25 if not q else 10,
+                 args=charlm_small),
+        ]
+    if "scaling-world" in args.parts:
+        worlds = [2, 4] if q else [int(w) for w in args.worlds.split(",")]
+        parts["scaling-world"] = [Case("charlm", "tiny", w, 30, 15, victim=1, ckpt_every=10, args=charlm_small)
+                                  for w in worlds]
+    if "scaling-state" in args.parts:
+        sizes = ["tiny", "small"] if q else args.sizes.split(",")
+        parts["scaling-state"] = [Case("charlm", s, 2, 10, 5, victim=1, ckpt_every=4, args=charlm_small) for s in sizes]
+    if "overhead" in args.parts:
+        parts["overhead"] = [
+            Case("digits", "-", 4, 60 if q else 150, None),
+            Case("charlm", "small", 2, 30 if q else 80, None, args=charlm_small),
+        ]
+    if "memory" in args.parts and "scaling-world" not in args.parts:
+        worlds = [2, 4] if q else [int(w) for w in args.worlds.split(",")]
+        parts["memory"] = [Case("charlm", "tiny", w, 20, None, args=charlm_small) for w in worlds]
+    return parts
+
+
+def run_all(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every case of every part ``args.repeats`` times, both launchers back to back."""
+    results: dict[str, Any] = {"machine": machine(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+                               "parts": {}}
+    for part, cases in plan(args).items():
+        runs: list[dict[str, Any]] = []
+        results["parts"][part] = runs
+        repeats = args.repeats if part in ("recovery", "overhead") else args.scaling_repeats
+        for repeat in range(repeats):
+            for case in cases:
+                for launcher in LAUNCHERS:
+                    print(f"[{part}] {case.label()} {launcher} repeat {repeat + 1}/{repeats} ...", file=sys.stderr, flush=True)
+                    try:
+                        run = run_job(launcher, case)
+                    except RuntimeError as err:  # keep the rest of the benchmark; the error is in the JSON
+                        print(f"    FAILED: {err}", file=sys.stderr, flush=True)
+                        results.setdefault("errors", []).append(str(err)[-3000:])
+                        continue
+                    runs.append(asdict(run) | {"repeat": repeat})
+                    print(f"    total {run.total_s:.1f} s, recover {_fmt(run.recover_s)} s, step {_fmt(run.step_s, 4)} s",
+                          file=sys.stderr, flush=True)
+                if args.json:
+                    Path(args.json).write_text(json.dumps(results, indent=1))
+    return results
+
+
+def machine() -> dict[str, Any]:
+    """A short description of this machine: CPU, cores, memory, OS, Python and torch versions."""
+    import torch
+
+    cpu = platform.processor() or "?"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+# ------------------------------------------------------------------------------------------ report
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _med(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _spread(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return max(values) - min(values) if values else None
+
+
+def _groups(runs: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, list[dict[str, Any]]]]:
+    """(case label, ...) -> launcher -> runs, in first-seen order; pairs share a repeat index."""
+    out: dict[Any, dict[str, list[dict[str, Any]]]] = {}
+    for r in runs:
+        c = r["case"]
+        key = (c["workload"], c["size"], c["ranks"])
+        out.setdefault(key, {l: [] for l in LAUNCHERS})[r["launcher"]].append(r)
+    return out
+
+
+def _label(key: tuple[str, str, int]) -> str:
+    workload, size, ranks = key
+    return f"{workload if workload == 'digits' else 'charlm-' + size} x{ranks}"
+
+
+def _pair_ratio(group: dict[str, list[dict[str, Any]]], metric: str, num: str, den: str) -> float | None:
+    by_repeat = {l: {r["repeat"]: r[metric] for r in group[l]} for l in LAUNCHERS}
+    ratios = [by_repeat[num][k] / by_repeat[den][k] for k in by_repeat[num]
+              if k in by_repeat[den] and by_repeat[num][k] and by_repeat[den][k]]
+    return statistics.median(ratios) if ratios else None
+
+
+def fault_table(runs: list[dict[str, Any]]) -> list[str]:
+    """Recovery table: one row per case and launcher, with the pairwise torchrun/ftrun ratio."""
+    out = [f"{'case':<18} {'launcher':<9} {'state_MB':>8} {'failed':>6} {'recover_s':>9} {'spread':>7} "
+           f"{'recomp':>6} {'total_s':>7} {'step_ms':>7} {'tr/ft':>6}"]
+    for key, group in _groups(runs).items():
+        ratio = _pair_ratio(group, "recover_s", "torchrun", "ftrun")
+        for launcher in LAUNCHERS:
+            rows = group[launcher]
+            if not rows:
+                continue
+            step = _med([r["step_s"] for r in rows])
+            out.append(
+                f"{_label(key):<18} {launcher:<9} {_fmt(_med([r['state_mb'] for r in rows]), 1):>8} "
+                f"{_fmt(_med([r['failed_step'] for r in rows]), 0):>6} {_fmt(_med([r['recover_s'] for r in rows])):>9} "
+                f"{_fmt(_spread([r['recover_s'] for r in rows])):>7} {_fmt(_med([r['recomputed'] for r in rows]), 0):>6} "
+                f"{_fmt(_med([r['total_s'] for r in rows]), 1):>7} {_fmt(step * 1e3 if step else None, 1):>7} "
+                f"{(_fmt(ratio) + 'x') if launcher == 'torchrun' and ratio else '':>6}"
+            )
+    return out
+
+
+BREAKDOWN = ("detection", "respawn", "setup", "rebuild", "transfer", "retried", "other")
+
+
+def breakdown_table(runs: list[dict[str, Any]]) -> list[str]:
+    """Where ftrun's recovery time goes (medians, seconds), and torchrun's restart/recompute split."""
+    out = [f"{'case':<18} {'recover_s':>9} " + " ".join(f"{p:>9}" for p in BREAKDOWN) + f" {'MB':>8} {'GB/s':>6}"]
+    tr = [f"{'case':<18} {'recover_s':>9} {'restart':>9} {'recompute':>9}"]
+    for key, group in _groups(runs).items():
+        rows = group["ftrun"]
+        if rows:
+            parts = {p: _med([r["breakdown"].get(p) for r in rows]) for p in BREAKDOWN}
+            nbytes = _med([r["breakdown"].get("bytes") for r in rows]) or 0.0
+            rate = _med([r["breakdown"]["bytes"] / r["breakdown"]["transfer"] / 1e9 for r in rows
+                         if r["breakdown"].get("transfer")])
+            out.append(f"{_label(key):<18} {_fmt(_med([r['recover_s'] for r in rows])):>9} "
+                       + " ".join(f"{_fmt(parts[p], 3):>9}" for p in BREAKDOWN)
+                       + f" {nbytes / 1e6:>8.1f} {_fmt(rate):>6}")
+        rows = group["torchrun"]
+        if rows:
+            tr.append(f"{_label(key):<18} {_fmt(_med([r['recover_s'] for r in rows])):>9} "
+                      f"{_fmt(_med([r['breakdown'].get('restart') for r in rows])):>9} "
+                      f"{_fmt(_med([r['breakdown'].get('recompute') for r in rows])):>9}")
+    return out + ["", "torchrun:"] + tr
+
+
+def overhead_table(runs: list[dict[str, Any]]) -> list[str]:
+    """Fault-free step time of ftrun against plain torchrun DDP, ratio pair by pair."""
+    out = [f"{'case':<18} {'ftrun_ms':>8} {'torchrun_ms':>11} {'spread_ft':>9} {'spread_tr':>9} {'overhead':>8}"]
+    for key, group in _groups(runs).items():
+        ft, tr = [r["step_s"] for r in group["ftrun"]], [r["step_s"] for r in group["torchrun"]]
+        ratio = _pair_ratio(group, "step_s", "ftrun", "torchrun")
+        out.append(f"{_label(key):<18} {_fmt((_med(ft) or 0) * 1e3, 2):>8} {_fmt((_med(tr) or 0) * 1e3, 2):>11} "
+                   f"{_fmt((_spread(ft) or 0) * 1e3, 2):>9} {_fmt((_spread(tr) or 0) * 1e3, 2):>9} "
+                   f"{_fmt((ratio - 1) * 100 if ratio else None, 1) + '%':>8}")
+    return out
+
+
+def memory_table(runs: list[dict[str, Any]]) -> list[str]:
+    """Peak RSS (MB, median over repeats) of launcher, supervisor and the largest rank by world size."""
+    out = [f"{'case':<18} {'ft_launcher':>11} {'ft_superv':>9} {'ft_rank':>8} {'tr_launcher':>11} {'tr_rank':>8}"]
+    for key, group in _groups(runs).items():
+        def peak(launcher: str, role: str) -> str:
+            return _fmt(_med([r["peak_rss_mb"].get(role) for r in group[launcher]]), 0)
+
+        out.append(f"{_label(key):<18} {peak('ftrun', 'launcher'):>11} {peak('ftrun', 'supervisor'):>9} "
+                   f"{peak('ftrun', 'rank'):>8} {peak('torchrun', 'launcher'):>11} {peak('torchrun', 'rank'):>8}")
+    return out
+
+
+def report(results: dict[str, Any]) -> str:
+    """All tables, as text."""
+    m = results["machine"]
+    lines = [f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GiB, {m['os']}, Python {m['python']}, "
+             f"torch {m['torch']}; load average at start {m['load_avg_at_start']}",
+             f"command: {results['command']}"]
+    parts = results["parts"]
+    for part in ("recovery", "scaling-world", "scaling-state"):
+        if part in parts:
+            lines += ["", f"== {part}: SIGKILL of one rank from outside; recovery time (tr/ft: torchrun/ftrun, pairwise median)"]
+            lines += fault_table(parts[part])
+            lines += ["", f"== {part}: where ftrun's recovery time goes (medians, seconds)"]
+            lines += breakdown_table(parts[part])
+    if "overhead" in parts:
+        lines += ["", "== overhead: fault-free step time, ftrun against plain torchrun DDP (pairwise median)"]
+        lines += overhead_table(parts["overhead"])
+    memory_runs = parts.get("scaling-world") or parts.get("memory")
+    if memory_runs:
+        lines += ["", "== memory: peak RSS (VmHWM) in MB by world size"]
+        lines += memory_table(memory_runs)
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], directory: Path) -> list[Path]:
+    """PNG figures of recovery time against world size and against state size, both launchers.
+
+    matplotlib is imported here, so the package does not depend on it.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    specs = [("scaling-world", "ranks", "world size (ranks)", "recovery_vs_world_size.png", False),
+             ("scaling-state", "state_mb", "training state (MB, params + AdamW moments)", "recovery_vs_state_size.png", True)]
+    for part, xkey, xlabel, name, logx in specs:
+        runs = results["parts"].get(part)
+        if not runs:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for launcher, marker in zip(LAUNCHERS, ("o", "s")):
+            points: dict[float, list[float]] = {}
+            for r in runs:
+                if r["launcher"] == launcher and r["recover_s"] is not None:
+                    x = r["case"]["ranks"] if xkey == "ranks" else r["state_mb"]
+                    points.setdefault(x, []).append(r["recover_s"])
+            xs = sorted(points)
+            med = [statistics.median(points[x]) for x in xs]
+            lo = [m - min(points[x]) for m, x in zip(med, xs)]
+            hi = [max(points[x]) - m for m, x in zip(med, xs)]
+            ax.errorbar(xs, med, yerr=[lo, hi], marker=marker, capsize=3, label=f"{launcher}" + (" (ARF)" if launcher == "ftrun" else " (restart + checkpoint)"))
+        if logx:
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("recovery time (s): kill -> failed step done")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        ax.set_title(f"{part}: median, bars = min..max")
+        fig.tight_layout()
+        path = directory / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    runs = [r for r in results["parts"].get("scaling-state", []) if r["launcher"] == "ftrun" and r["breakdown"].get("transfer")]
+    if runs:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        xs = [r["breakdown"]["bytes"] / 1e6 for r in runs]
+        ax.loglog(xs, [r["breakdown"]["transfer"] for r in runs], "o", label="ftrun state transfer")
+        ref = sorted(xs)
+        ax.loglog(ref, [x / 1e3 for x in ref], "--", color="gray", label="1 GB/s")
+        ax.set_xlabel("state transferred (MB)")
+        ax.set_ylabel("transfer time (s)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
+        ax.set_title("ftrun: state transfer time against state size")
+        fig.tight_layout()
+        path = directory / "transfer_vs_state_size.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each recovery and overhead case per launcher (default 2)")
+    parser.add_argument("--scaling_repeats", type=int, default=1,
+                        help="runs of each case of scaling-world, scaling-state and memory (default 1)")
+    parser.add_argument("--quick", action="store_true", help="short jobs, small worlds and sizes: a smoke run")
+    parser.add_argument("--worlds", default="2,4,8,16", help="world sizes of scaling-world (default 2,4,8,16)")
+    parser.add_argument("--sizes", default="tiny,small,medium,large,xl", help="charlm sizes of scaling-state")
+    parser.add_argument("--json", default="bench_results.json", help="raw results file ('' for none)")
+    parser.add_argument("--plots", default=None, help="write PNG figures to this directory (needs matplotlib)")
+    parser.add_argument("--from_json", default=None, help="report (and plot) a previous run's JSON; run nothing")
+    args = parser.parse_args()
+    args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+    else:
+        results = run_all(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+    print(report(results))
+    if args.plots:
+        for path in plot(results, Path(args.plots)):
+            print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
