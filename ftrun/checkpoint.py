@@ -44,6 +44,7 @@ This module imports neither torch nor numpy at import time: the supervisor uses
 from __future__ import annotations
 
 import atexit
+import ctypes
 import hashlib
 import json
 import os
@@ -827,8 +828,12 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
                 and old.is_contiguous()
                 and reusable(old, src)
             ):
-                out = old.copy_(src)
-            else:
+                _copy_into(old, src)
+                out = old
+            elif src.layout == torch.strided and not src.is_quantized:
+                out = torch.empty(src.shape, dtype=src.dtype)
+                _copy_into(out, src)
+            else:  # sparse, quantized: torch's own copy
                 out = src.to("cpu", copy=True)
             used.add(id(out))
             copies[id(obj)] = out
@@ -857,6 +862,21 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
         return _encode(obj, path)  # primitives, dtypes, devices, sizes; raises on anything else
 
     return copy(state, reuse, "state")
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    """``dst.copy_(src)``; a plain ``memmove`` (one thread, GIL released) for contiguous CPU tensors.
+
+    torch's own copy splits large copies over its intra-op threads, which was 3 to 4 times slower
+    than one ``memmove`` on a busy 2-core machine (the threads wait on each other).
+    """
+    nbytes = src.numel() * src.element_size()
+    plain = not (src.is_conj() or src.is_neg())
+    if plain and src.device.type == "cpu" and src.is_contiguous() and dst.is_contiguous() and dst.dtype == src.dtype and dst.shape == src.shape:
+        if nbytes:
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+    else:
+        dst.copy_(src)
 
 
 class AsyncCheckpointer:
