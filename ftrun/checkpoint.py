@@ -728,6 +728,8 @@ def resolve_resume(root: str | os.PathLike[str] | None, resume: str, on_skip: On
     path = Path(choice).expanduser()
     if not path.exists():
         raise CheckpointError(path, "no such checkpoint")
+    if path.is_file() and path.name != MANIFEST:
+        raise CheckpointError(path, f"is a file; give a step directory (or its {MANIFEST}) or a directory of them")
     if path.is_file() or (path / MANIFEST).exists() or _step_of(path) is not None:
         return verify(path)
     if not _step_dirs(path):

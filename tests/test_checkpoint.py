@@ -240,6 +240,8 @@ def test_resolve_resume(tmp_path: Path) -> None:
         ckpt.resolve_resume(root, str(bad))  # an explicit PATH must verify
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         ckpt.resolve_resume(root, str(tmp_path / "missing"))
+    with pytest.raises(CheckpointError, match="is a file"):
+        ckpt.resolve_resume(root, str(good / "shard_0.pt"))
     (good / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="no usable checkpoint"):
         ckpt.resolve_resume(None, str(root), on_skip=quiet)
