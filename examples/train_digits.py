@@ -47,15 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     n_train = len(ds.train_y)
 
     for step in ft.steps(args.steps):
-        idx = dc.batch_indices(args.seed, step, ft.rank, ft.world_size, args.batch_size, n_train)
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(ds.train_x[idx]), ds.train_y[idx])
-        loss.backward()
-        if not opt.step():  # averages gradients over the ranks; updates only if that succeeded
-            continue  # the step failed (a peer died): ft.steps() recovers and retries it
-        ft.report(step, loss=loss.item())
-        if args.log_every and ft.rank == 0 and step % args.log_every == 0:
-            print(f"step {step} loss {loss.item():.4f} time {time.time():.3f}", flush=True)
+        with step:  # a RecoverableError raised in here is repaired in place (UCE)
+            idx = dc.batch_indices(args.seed, step, ft.rank, ft.world_size, args.batch_size, n_train)
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(ds.train_x[idx]), ds.train_y[idx])
+            loss.backward()
+            if not opt.step():  # averages gradients over the ranks; updates only if that succeeded
+                continue  # the step failed (a peer died): ft.steps() recovers and retries it
+            ft.report(step, loss=loss.item())
+            if args.log_every and ft.rank == 0 and step % args.log_every == 0:
+                print(f"step {step} loss {loss.item():.4f} time {time.time():.3f}", flush=True)
 
     if ft.rank == 0:
         with torch.no_grad():

@@ -30,7 +30,11 @@ def report(step: int, **metrics: Any) -> None:
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("init", "RecoverableError", "Worker"):
+    if name == "RecoverableError":
+        from .errors import RecoverableError
+
+        return RecoverableError
+    if name in ("init", "Worker"):
         from . import worker
 
         return getattr(worker, name)

@@ -14,7 +14,7 @@ import os
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -46,6 +46,9 @@ class Channel:
         self._sock.setsockopt(zmq.LINGER, 1000)
         self._sock.connect(addr)
         self._closed = False
+        # Called on the I/O thread with each message from the supervisor, before it is queued: the
+        # one way to act while the training thread is blocked (e.g. inside a collective).
+        self.on_receive: Callable[[Message], None] | None = None
         self._thread = threading.Thread(target=self._run, name="ftrun-channel", daemon=True)
         self._thread.start()
 
@@ -108,9 +111,12 @@ class Channel:
                     except zmq.Again:
                         break
                     try:
-                        self._inbox.put(decode(frame, self.token))
+                        msg = decode(frame, self.token)
                     except ProtocolError:
-                        pass  # only the supervisor knows our secret; anything else is dropped
+                        continue  # only the supervisor knows our secret; anything else is dropped
+                    if self.on_receive is not None:
+                        self.on_receive(msg)
+                    self._inbox.put(msg)
         self._sock.close(linger=1000)
         os.close(self._wake_r)
         os.close(self._wake_w)

@@ -46,7 +46,7 @@ TFT_SWITCHES: dict[str, str] = {
     "UCE": "in-place repair of a recoverable error, state from a replica",
     "HCCE": "communication error recovery without respawning",
 }
-TFT_IMPLEMENTED: frozenset[str] = frozenset({"ARF"})
+TFT_IMPLEMENTED: frozenset[str] = frozenset({"ARF", "UCE", "HCCE"})
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,8 @@ class TftSwitches:
 
     arf: bool = True
     ttp: bool = True
-    uce: bool = False
-    hcce: bool = False
+    uce: bool = True
+    hcce: bool = True
 
     def enabled(self) -> list[str]:
         """Names of the switches that are on, in MindSpore's spelling (e.g. ``["ARF", "TTP"]``)."""
@@ -145,6 +145,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("heartbeat_interval", float, 1.0, "Seconds between a rank's heartbeats to the supervisor."),
     Option("pg_timeout", float, 300.0, "Timeout in seconds of the process group's collectives (gloo/NCCL)."),
     Option("tft", str, None, "Fault-tolerance switches, e.g. '{ARF:1,TTP:1}' (also FTRUN_TFT / MS_ENABLE_TFT)."),
+    Option("heartbeat_timeout", float, 5.0, "Seconds without a heartbeat after which a rank is declared hung (frozen) and replaced."),
+    Option("step_timeout", float, 0.0, "Seconds without step progress after which the job is declared hung (0: computed from observed step times)."),
+    Option("step_timeout_factor", float, 10.0, "Automatic step timeout: the largest observed step time times this factor."),
+    Option("step_timeout_min", float, 3.0, "Automatic step timeout: never below this many seconds."),
+    Option("warmup_steps", int, 3, "Steps per rank left out of the automatic step timeout (compilation, caches)."),
+    Option("setup_timeout", float, 300.0, "Seconds a rank may take from its start to its first steps (imports, compilation, rendezvous)."),
+    Option("recoverable_errors", str, "", "More exception types repaired in place (UCE), e.g. 'torch.OutOfMemoryError,MyError'."),
+    Option("checkpoint_dir", str, "ftrun_checkpoints", "Directory of checkpoints (periodic and dying-gasp)."),
+    Option("save_steps", int, 0, "Write a checkpoint every N committed steps, in the background (0: never)."),
+    Option("keep_checkpoints", int, 3, "Keep the newest K complete checkpoints (0: keep all)."),
+    Option("resume", str, "auto", "Start from a checkpoint: 'auto' (the newest complete one, when TTP is on), a PATH, or 'none'."),
 )
 OPTIONS_BY_NAME: dict[str, Option] = {opt.name: opt for opt in OPTIONS}
 
@@ -173,6 +184,14 @@ class JobSpec:
         pg_timeout: collective timeout of the training process group, seconds.
         tft: fault-tolerance switches.
         tft_explicit: whether the switches were given (not the default).
+        heartbeat_timeout: seconds without a heartbeat before a rank is declared hung.
+        step_timeout: seconds without progress before the job is declared hung (0: automatic).
+        step_timeout_factor, step_timeout_min: the automatic step timeout is
+            max(step_timeout_min, largest observed step time * step_timeout_factor).
+        warmup_steps: steps per rank not used for the automatic step timeout.
+        setup_timeout: seconds from a rank's start to its first steps.
+        recoverable_errors: extra exception type names repaired in place (UCE).
+        checkpoint_dir, save_steps, keep_checkpoints, resume: checkpoints (TTP).
         config_file: the TOML file the spec was read from, if any.
     """
 
@@ -196,6 +215,17 @@ class JobSpec:
     pg_timeout: float = 300.0
     tft: TftSwitches = field(default_factory=TftSwitches)
     tft_explicit: bool = False
+    heartbeat_timeout: float = 5.0
+    step_timeout: float = 0.0
+    step_timeout_factor: float = 10.0
+    step_timeout_min: float = 3.0
+    warmup_steps: int = 3
+    setup_timeout: float = 300.0
+    recoverable_errors: tuple[str, ...] = ()
+    checkpoint_dir: str = "ftrun_checkpoints"
+    save_steps: int = 0
+    keep_checkpoints: int = 3
+    resume: str = "auto"
     config_file: str | None = None
 
     @property
@@ -212,6 +242,7 @@ class JobSpec:
         data = dataclasses.asdict(self)
         data["script_args"] = list(self.script_args)
         data["tail_worker_log"] = None if self.tail_worker_log is None else list(self.tail_worker_log)
+        data["recoverable_errors"] = list(self.recoverable_errors)
         return data
 
     @classmethod
@@ -222,6 +253,7 @@ class JobSpec:
         if values["tail_worker_log"] is not None:
             values["tail_worker_log"] = tuple(values["tail_worker_log"])
         values["tft"] = TftSwitches(**values["tft"])
+        values["recoverable_errors"] = tuple(values.get("recoverable_errors", ()))
         return cls(**values)
 
 
@@ -429,13 +461,33 @@ def resolve(
         raise ConfigError(f"--master_port {port} is not a TCP port; use 1..65535 (or 0 to pick a free one)")
     if port == 0 and nnodes > 1:
         raise ConfigError("--master_port 0 (pick a free port) works on one node only; give a fixed port")
-    for name in ("cluster_time_out", "monitor_interval", "heartbeat_interval", "pg_timeout"):
+    for name in ("cluster_time_out", "monitor_interval", "heartbeat_interval", "pg_timeout", "heartbeat_timeout",
+                 "step_timeout_min", "setup_timeout"):
         if values[name] <= 0:
             raise ConfigError(f"--{name} must be a positive number of seconds, got {values[name]}")
     if values["grace_period"] < 0:
         raise ConfigError(f"--grace_period must be >= 0 seconds, got {values['grace_period']}")
     if values["max_restarts"] < 0:
         raise ConfigError(f"--max_restarts must be >= 0, got {values['max_restarts']}")
+    if values["heartbeat_timeout"] <= values["heartbeat_interval"]:
+        raise ConfigError(
+            f"--heartbeat_timeout {values['heartbeat_timeout']:g} must be longer than --heartbeat_interval "
+            f"{values['heartbeat_interval']:g}; a few intervals (e.g. 5 x) avoid false alarms"
+        )
+    if values["step_timeout"] < 0:
+        raise ConfigError(f"--step_timeout must be >= 0 seconds (0: automatic), got {values['step_timeout']}")
+    if values["step_timeout_factor"] < 1:
+        raise ConfigError(f"--step_timeout_factor must be at least 1, got {values['step_timeout_factor']}")
+    for name in ("warmup_steps", "save_steps", "keep_checkpoints"):
+        if values[name] < 0:
+            raise ConfigError(f"--{name} must be >= 0, got {values[name]}")
+    recoverable = tuple(n.strip() for n in values["recoverable_errors"].split(",") if n.strip())
+    for name in recoverable:
+        if not re.fullmatch(r"[A-Za-z_][\w.]*", name):
+            raise ConfigError(f"--recoverable_errors: {name!r} is not an exception type name; write e.g. 'torch.OutOfMemoryError'")
+    resume = values["resume"].strip()
+    if not resume:
+        raise ConfigError("--resume is empty; use 'auto', 'none' or the path of a checkpoint")
     tft = TftSwitches() if values["tft"] is None else parse_tft(values["tft"], sources.get("tft", "FTRUN_TFT"))
     check_script(script, module, no_python)
     return JobSpec(
@@ -459,5 +511,16 @@ def resolve(
         pg_timeout=values["pg_timeout"],
         tft=tft,
         tft_explicit=values["tft"] is not None,
+        heartbeat_timeout=values["heartbeat_timeout"],
+        step_timeout=values["step_timeout"],
+        step_timeout_factor=values["step_timeout_factor"],
+        step_timeout_min=values["step_timeout_min"],
+        warmup_steps=values["warmup_steps"],
+        setup_timeout=values["setup_timeout"],
+        recoverable_errors=recoverable,
+        checkpoint_dir=values["checkpoint_dir"],
+        save_steps=values["save_steps"],
+        keep_checkpoints=values["keep_checkpoints"],
+        resume=resume,
         config_file=config_file,
     )

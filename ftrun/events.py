@@ -35,6 +35,7 @@ class EventKind(str, Enum):
     RANK_JOINED = "rank_joined"
     RANK_EXITED = "rank_exited"
     RANK_FAILED = "rank_failed"
+    RANK_HUNG = "rank_hung"
     JOB_RESTARTING = "job_restarting"
     RANK_RESPAWNED = "rank_respawned"
     RECOVERY_STARTED = "recovery_started"

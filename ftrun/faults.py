@@ -15,11 +15,17 @@ Keys:
         ``recover`` (any rank entering a recovery, before it rebuilds the group), ``rejoin`` (a
         rank receiving state, after the new group is built and before it receives), ``transfer``
         (a donor, after part of the state was sent). Default ``before_forward``.
-    kind: ``kill`` (SIGKILL itself), ``exit`` (``os._exit(code)``), ``exception`` (raise
-        :class:`InjectedFault`, uncaught), ``segv`` (SIGSEGV). Default ``kill``.
+    kind: what happens. Deaths: ``kill`` (SIGKILL itself), ``exit`` (``os._exit(code)``),
+        ``exception`` (raise :class:`InjectedFault`, uncaught), ``segv`` (SIGSEGV). Hangs:
+        ``stop`` (SIGSTOP itself: frozen, no heartbeat), ``hang`` (an endless Python loop),
+        ``deadlock`` (block forever on a Python lock). Soft faults: ``comm`` (cut this rank's
+        data-plane connections, as a connection reset would; the collective then fails on every
+        rank), ``recoverable`` (raise :class:`InjectedRecoverableError`, a
+        :class:`~ftrun.errors.RecoverableError`). Default ``kill``.
     code: exit code for ``kind=exit`` (default 1).
     incarnation: which process serving the rank faults (default 0, so a respawned rank does not
-        repeat its predecessor's fault).
+        repeat its predecessor's fault). A fault fires at most once per process, so a process
+        that survives it (``comm``, ``recoverable``) does not fault again when the step is retried.
     attempt: which whole-job attempt (default 0).
 
 Raises:
@@ -30,14 +36,23 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from dataclasses import dataclass
+from typing import Callable
+
+from .errors import RecoverableError
 
 POINTS = ("before_forward", "allreduce", "optimizer", "between_steps", "init", "recover", "rejoin", "transfer")
-KINDS = ("kill", "exit", "exception", "segv")
+KINDS = ("kill", "exit", "exception", "segv", "stop", "hang", "deadlock", "comm", "recoverable")
 
 
 class InjectedFault(RuntimeError):
     """The exception raised by ``kind=exception``."""
+
+
+class InjectedRecoverableError(RecoverableError):
+    """The exception raised by ``kind=recoverable``."""
 
 
 @dataclass(frozen=True)
@@ -61,8 +76,12 @@ class Fault:
             and (self.step is None or self.step == step)
         )
 
-    def fire(self) -> None:
-        """Carry the fault out in this process (does not return, except for nothing)."""
+    def fire(self, cut_connections: Callable[[], None] | None = None) -> None:
+        """Carry the fault out in this process.
+
+        Returns only for ``comm`` (after calling ``cut_connections``) and for a ``stop`` that was
+        continued; raises for ``exception`` and ``recoverable``; never returns otherwise.
+        """
         print(f"ftrun: injecting fault {self}", flush=True)
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -70,6 +89,23 @@ class Fault:
             os.kill(os.getpid(), signal.SIGSEGV)
         elif self.kind == "exit":
             os._exit(self.code)
+        elif self.kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
+        elif self.kind == "hang":
+            deadline = float("inf")
+            while time.monotonic() < deadline:  # an endless loop that still lets other threads run
+                pass
+        elif self.kind == "deadlock":
+            lock = threading.Lock()
+            lock.acquire()
+            lock.acquire()  # never returns
+        elif self.kind == "comm":
+            if cut_connections is not None:
+                cut_connections()
+            return
+        elif self.kind == "recoverable":
+            raise InjectedRecoverableError(f"injected recoverable error at {self.point}, step {self.step}")
         raise InjectedFault(f"injected fault at {self.point}, step {self.step}")
 
 
@@ -123,6 +159,8 @@ class FaultInjector:
         self.rank = rank
         self.incarnation = incarnation
         self.attempt = attempt
+        self.cut_connections: Callable[[], None] | None = None  # what ``kind=comm`` calls
+        self.fired: set[Fault] = set()
 
     @classmethod
     def from_env(cls, rank: int, incarnation: int, attempt: int) -> "FaultInjector":
@@ -131,5 +169,6 @@ class FaultInjector:
     def point(self, name: str, step: int | None) -> None:
         """Called by the worker library at each named point; fires a matching fault."""
         for fault in self.faults:
-            if fault.matches(self.rank, self.incarnation, self.attempt, name, step):
-                fault.fire()
+            if fault not in self.fired and fault.matches(self.rank, self.incarnation, self.attempt, name, step):
+                self.fired.add(fault)  # once per process: a retried step must not fault again
+                fault.fire(self.cut_connections)

@@ -40,11 +40,13 @@ class MsgType(str, Enum):
     HELLO = "hello"
     HEARTBEAT = "heartbeat"
     STEP_BEGIN = "step_begin"
+    COLLECTIVE = "collective"  # entering the step's gradient all-reduce (waiting on peers from here)
     UPDATE_BEGIN = "update_begin"
     UPDATE_END = "update_end"
     PROGRESS = "progress"
     FAULT = "fault"
     RECOVERED = "recovered"
+    STEPS_END = "steps_end"  # left the step loop: no step watchdog from here on
     DONE = "done"
     ERROR = "error"
     RECONFIGURE = "reconfigure"
@@ -66,11 +68,13 @@ SCHEMA: dict[MsgType, dict[str, tuple[type, ...]]] = {
     },
     MsgType.HEARTBEAT: {"rank": _INT, "incarnation": _INT},
     MsgType.STEP_BEGIN: {"rank": _INT, "incarnation": _INT, "step": _INT},
+    MsgType.COLLECTIVE: {"rank": _INT, "incarnation": _INT, "step": _INT},
     MsgType.UPDATE_BEGIN: {"rank": _INT, "incarnation": _INT, "step": _INT},
     MsgType.UPDATE_END: {"rank": _INT, "incarnation": _INT, "step": _INT},
     MsgType.PROGRESS: {"rank": _INT, "incarnation": _INT, "step": _INT, "metrics": (dict,)},
     MsgType.FAULT: {"rank": _INT, "incarnation": _INT, "generation": _INT, "step": _INT, "committed": _INT, "reason": _STR},
     MsgType.RECOVERED: {"rank": _INT, "incarnation": _INT, "generation": _INT, "role": _STR, "bytes": _INT, "seconds": _NUM},
+    MsgType.STEPS_END: {"rank": _INT, "incarnation": _INT},
     MsgType.DONE: {"rank": _INT, "incarnation": _INT},
     MsgType.ERROR: {"rank": _INT, "incarnation": _INT, "reason": _STR},
     MsgType.RECONFIGURE: {"generation": _INT, "world_size": _INT, "step": _INT, "transfers": (list,)},

@@ -10,6 +10,12 @@ ftrun.supervisor``), reads its :class:`~ftrun.config.JobSpec` from the environme
   frames without the job secret or not matching a live rank's identity are dropped and logged;
 - applies :mod:`ftrun.policy`: respawn only the failed rank and orchestrate the state transfer
   (ARF), restart the whole job (torchrun semantics), or fail with the root cause's exit code;
+- watches for hangs (the watchdog): a rank whose heartbeats stop (frozen), a job whose steps stop
+  advancing (a deadlock, an endless loop, a stuck collective), a rank that never reaches its first
+  step; it asks a hung rank for its Python stacks (faulthandler), writes them to its log and an
+  event, kills it and recovers as for a death; a collective stuck on every rank is rebuilt (HCCE);
+- repairs in place, without a respawn, a communication error (HCCE) or a recoverable error (UCE)
+  that a rank reports;
 - hosts, on node 0, a fresh c10d ``TCPStore`` for every whole-job attempt (so a restarted job never
   meets a previous attempt's keys; the ranks' process groups rendezvous on it);
 - records every event in ``LOG_DIR/events.jsonl`` and pushes events and status snapshots to the
@@ -53,6 +59,8 @@ from .protocol import Message, MsgType, ProtocolError, decode, encode
 log = logging.getLogger("ftrun.supervisor")
 
 STATUS_PERIOD_S = 0.25  # at most four console snapshots a second
+STACK_DUMP_WAIT_S = 2.0  # how long a hung rank gets to write its stacks before it is killed
+_KIND_LABEL = {"comm_error": "HCCE: communication error", "recoverable_error": "UCE: recoverable error"}
 MAX_REJECT_EVENTS = 20  # rejected frames after this many are counted in the log only
 
 
@@ -76,6 +84,14 @@ class Rank:
     restarts: int = 0
     exit_code: int | None = None
     exit_desc: str = ""
+    # watchdog
+    phase: str = "setup"  # setup, compute, collective, update, recovering, done
+    last_progress: float = 0.0  # last step/collective/update/progress message
+    last_begin: tuple[int, float] | None = None  # (step, time) of the last step begin
+    samples: int = 0  # step times observed from this process
+    steps_ended: bool = False
+    kill_reason: str | None = None  # set when ftrun kills it (a hang)
+    hung_since: float = 0.0  # the evidence's start (last heartbeat or progress)
 
     @property
     def pid(self) -> int | None:
@@ -166,6 +182,7 @@ class Supervisor:
         self._last_status = 0.0
         self._pending_exit: int | None = None
         self._sigchld_at: float | None = None  # arrival of the first SIGCHLD not yet acted on
+        self.max_step_time: float | None = None  # largest step time seen after warm-up (seconds)
         self._wakeup_r, self._wakeup_w = os.pipe()
         os.set_blocking(self._wakeup_w, False)
         os.set_blocking(self._wakeup_r, False)
@@ -282,6 +299,8 @@ class Supervisor:
                 "FTRUN_PG_TIMEOUT": str(spec.pg_timeout),
                 "FTRUN_CLUSTER_TIME_OUT": str(spec.cluster_time_out),
                 "FTRUN_ARF": "1" if spec.tft.arf else "0",
+                "FTRUN_UCE": "1" if spec.tft.uce else "0",
+                "FTRUN_RECOVERABLE_ERRORS": ",".join(spec.recoverable_errors),
                 "PYTHONUNBUFFERED": "1",
             }
         )
@@ -308,6 +327,8 @@ class Supervisor:
         r.exit_desc = ""
         r.state = RankState.STARTING
         r.last_heartbeat = 0.0
+        r.phase, r.last_progress, r.last_begin, r.samples = "setup", 0.0, None, 0
+        r.steps_ended, r.kill_reason, r.hung_since = False, None, 0.0
         path = self.log_dir / f"worker_{r.rank}.log"
         with open(path, "ab") as fh:
             header = (
@@ -364,6 +385,9 @@ class Supervisor:
                 break
             self.read_messages()
             exit_code = self._pending_exit
+            if exit_code is None:
+                self.check_hangs()
+                exit_code = self._pending_exit
             self.publish_status()
         self.publish_status(force=True)
         self.close()
@@ -405,6 +429,8 @@ class Supervisor:
             if rc is None:
                 continue
             code, desc = procs.describe_exit(rc)
+            if r.kill_reason is not None:
+                desc = f"{r.kill_reason}; killed by ftrun"
             r.exit_code, r.exit_desc = code, desc
             procs.signal_group(r.proc, signal.SIGKILL)  # leave none of its children behind
             if code == 0:
@@ -412,7 +438,8 @@ class Supervisor:
                 self.emit(EventKind.RANK_EXITED, f"rank {r.rank} finished ({desc})", rank=r.rank, exit_code=0)
                 continue
             r.state = RankState.FAILED
-            failure = Failure(r.rank, r.pid, code, desc, now, detection_seconds=max(0.0, now - (died_at or now)))
+            evidence_at = r.hung_since if r.kill_reason is not None else (died_at or now)
+            failure = Failure(r.rank, r.pid, code, desc, now, detection_seconds=max(0.0, now - evidence_at))
             self.failures.append(failure)
             self.round_failures.append(failure)
             self.emit(
@@ -513,10 +540,16 @@ class Supervisor:
         return code
 
     # ----------------------------------------------------------------- ARF recovery
-    def start_recovery(self, failed: set[int], reason: str) -> None:
-        """Begin (or restart) a recovery round: respawn ``failed`` and ask survivors to report."""
+    def start_recovery(self, failed: set[int], reason: str, kind: str = "death") -> None:
+        """Begin (or restart) a recovery round: respawn ``failed`` and ask survivors to report.
+
+        ``kind`` names the fault for the events: death, hang, comm_error (HCCE) or
+        recoverable_error (UCE); the last two respawn nothing.
+        """
         now = time.time()
         self.generation += 1
+        for x in self.ranks.values():
+            x.last_begin = None  # a step time measured across a recovery says nothing about steps
         if self.recovery is None:
             detection = max((f.detection_seconds for f in self.round_failures if f.rank in failed), default=0.0)
             self.recovery = Recovery(
@@ -524,9 +557,11 @@ class Supervisor:
             )
             self.emit(
                 EventKind.RECOVERY_STARTED,
-                f"recovery of rank(s) {sorted(failed)} started: generation {self.generation}",
+                f"recovery of rank(s) {sorted(failed)} started: generation {self.generation}"
+                if failed else f"{_KIND_LABEL.get(kind, kind)}: {reason}; rebuilding the group (generation {self.generation}), no respawn",
                 failed=sorted(failed),
                 reason=reason,
+                fault=kind,
             )
         else:
             rec = self.recovery
@@ -543,6 +578,7 @@ class Supervisor:
                 failed=sorted(failed),
                 reason=reason,
                 round=rec.rounds,
+                fault=kind,
             )
         for rank in sorted(failed):
             r = self.ranks[rank]
@@ -632,7 +668,8 @@ class Supervisor:
                 respawn_s[str(rank)] = round(ready - t, 3)
             self.emit(
                 EventKind.RECOVERY_FINISHED,
-                f"recovered rank(s) {sorted(rec.failed)} in {now - rec.started_at:.2f} s (detection "
+                (f"recovered rank(s) {sorted(rec.failed)}" if rec.failed else "repaired in place")
+                + f" in {now - rec.started_at:.2f} s (detection "
                 f"{rec.detection_seconds:.3f} s, respawn {max(map(float, respawn_s.values()), default=0.0):.2f} s, "
                 f"group rebuild {rebuild_s:.2f} s, transfer {transfer_s:.3f} s): resuming at step {rec.plan.step + 1}, "
                 f"{total_bytes / 1e6:.2f} MB transferred",
@@ -648,6 +685,120 @@ class Supervisor:
             )
             self.recovery = None
             self.round_failures = []
+            for x in self.ranks.values():
+                x.last_progress, x.phase = now, "compute"
+
+    # ----------------------------------------------------------------- watchdog
+    def step_timeout(self) -> float:
+        """Seconds without progress after which the job is hung: ``--step_timeout``, else
+        max(step_timeout_min, largest step after warm-up x step_timeout_factor), else (still
+        warming up) ``--setup_timeout``."""
+        spec = self.spec
+        if spec.step_timeout > 0:
+            return spec.step_timeout
+        if self.max_step_time is None:
+            return spec.setup_timeout
+        return max(spec.step_timeout_min, self.max_step_time * spec.step_timeout_factor)
+
+    def check_hangs(self) -> None:
+        """The watchdog: heartbeats, set-up time, and step progress (NVRx's and torchrun's idea of
+        a rank that is alive but not progressing). Acts on the first hang it finds."""
+        spec = self.spec
+        now = time.time()
+        for r in self.ranks.values():
+            if not r.alive() or r.kill_reason is not None:
+                continue
+            if r.identity is not None and now - r.last_heartbeat > spec.heartbeat_timeout:
+                r.hung_since = r.last_heartbeat
+                self.declare_hung(r, "no_heartbeat", f"no heartbeat for {now - r.last_heartbeat:.1f} s (--heartbeat_timeout {spec.heartbeat_timeout:g})")
+                return
+            if r.library and r.step is None and not r.steps_ended and now - r.started_at > spec.setup_timeout:
+                r.hung_since = r.started_at
+                self.declare_hung(r, "setup", f"no step begun {now - r.started_at:.0f} s after start (--setup_timeout {spec.setup_timeout:g})")
+                return
+        if self.recovery is not None or any(r.alive() and r.kill_reason is not None for r in self.ranks.values()):
+            return  # recovering ranks wait for each other (set-up and heartbeats still apply); or a kill is pending
+        live = [r for r in self.ranks.values() if r.alive() and r.library and r.step is not None and not r.steps_ended]
+        if not live:
+            return
+        timeout = self.step_timeout()
+        last = max(r.last_progress for r in live)
+        if now - last <= timeout:
+            return
+        stalled = f"no step progress for {now - last:.1f} s (step timeout {timeout:.1f} s)"
+        culprits = [r for r in live if r.phase != "collective"]
+        if culprits:
+            for r in culprits:
+                r.hung_since = last
+                self.declare_hung(r, "no_progress", f"{stalled}; rank {r.rank} stuck at step {r.step} ({r.phase}) while its peers wait in the collective")
+            return
+        reason = f"{stalled}; every rank waits in the collective of step {max(r.step or 0 for r in live)}"
+        self.emit(EventKind.WARNING, f"communication hang: {reason}", fault="comm_hang")
+        if spec.tft.hcce and spec.tft.arf:
+            self.start_recovery(set(), reason, kind="comm_error")
+        else:
+            self._pending_exit = self.restart_job(f"communication hang ({reason}) and HCCE is off")
+
+    def declare_hung(self, r: Rank, kind: str, evidence: str) -> None:
+        """Dump a hung rank's stacks into its log and an event, then SIGKILL it (recovered as a death)."""
+        path = self.log_dir / f"worker_{r.rank}.log"
+        stacks, note = self.dump_stacks(r, path)
+        r.kill_reason = f"hung: {evidence}"
+        try:
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.write(f"===== ftrun: rank {r.rank} (pid {r.pid}) hung: {evidence}; {note}; killing it =====\n")
+        except OSError:
+            pass
+        self.emit(
+            EventKind.RANK_HUNG,
+            f"rank {r.rank} hung: {evidence}; {note}",
+            rank=r.rank,
+            fault=kind,
+            evidence=evidence,
+            step=r.step,
+            phase=r.phase,
+            heartbeat_age=round(time.time() - r.last_heartbeat, 3) if r.identity is not None else None,
+            stack_dump=str(path) if stacks else None,
+            stacks=stacks[-80:],
+        )
+        if r.proc is not None:
+            procs.signal_group(r.proc, signal.SIGKILL)
+
+    def dump_stacks(self, r: Rank, path: Path) -> tuple[list[str], str]:
+        """Ask rank ``r`` for the Python stacks of all its threads (faulthandler, set up by the
+        worker library on SIGUSR1) and return the lines it wrote to its log, and a note.
+
+        A frozen (stopped) process cannot answer; it is not waited for.
+        """
+        import psutil
+
+        if not r.library or r.pid is None:
+            return [], "no stack dump (the rank does not use the worker library)"
+        try:
+            if psutil.Process(r.pid).status() == psutil.STATUS_STOPPED:
+                return [], "no stack dump (the process is stopped)"
+            start = path.stat().st_size
+            os.kill(r.pid, signal.SIGUSR1)
+        except (OSError, psutil.Error):
+            return [], "no stack dump (the process is gone)"
+        deadline = time.monotonic() + STACK_DUMP_WAIT_S
+        size, changed = start, time.monotonic()
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            try:
+                now_size = path.stat().st_size
+            except OSError:
+                break
+            if now_size != size:
+                size, changed = now_size, time.monotonic()
+            elif size > start and time.monotonic() - changed >= 0.2:
+                break  # written and quiet: the dump is complete
+        if size <= start:
+            return [], f"no stack dump within {STACK_DUMP_WAIT_S:g} s"
+        with open(path, "rb") as fh:
+            fh.seek(start)
+            lines = fh.read(size - start).decode("utf-8", "replace").splitlines()
+        return lines, f"stacks of all threads written to {path}"
 
     # ----------------------------------------------------------------- messages
     def send(self, r: Rank, msg_type: MsgType, **fields: Any) -> None:
@@ -705,34 +856,65 @@ class Supervisor:
         if identity != r.identity:
             self.reject(identity, f"{msg.type.value} for rank {r.rank} from a connection that did not say hello")
             return
-        r.last_heartbeat = time.time()
+        now = time.time()
+        r.last_heartbeat = now
         if msg.type == MsgType.HEARTBEAT:
             return
         if msg.type in (MsgType.STEP_BEGIN, MsgType.PROGRESS):
             r.step = msg["step"]
+            r.last_progress = now
             if msg.type == MsgType.PROGRESS:
                 r.metrics = {str(k): v for k, v in msg["metrics"].items() if isinstance(v, (int, float, str))}
+            else:
+                self.observe_step(r, msg["step"], now)
             self._status_dirty = True
+        elif msg.type in (MsgType.COLLECTIVE, MsgType.UPDATE_BEGIN):
+            r.phase, r.last_progress = ("collective" if msg.type == MsgType.COLLECTIVE else "update"), now
         elif msg.type == MsgType.UPDATE_END:
             r.committed = msg["step"]
+            r.phase, r.last_progress = "compute", now
+        elif msg.type == MsgType.STEPS_END:
+            r.steps_ended, r.phase = True, "done"
         elif msg.type == MsgType.FAULT:
             r.committed = msg["committed"]
-            rec = self.recovery
-            if rec is not None and rec.plan is not None and msg["generation"] == rec.generation and self.spec.tft.arf:
-                # The plan itself failed (a transfer or the new group broke) with no death seen: next round.
-                self.start_recovery(set(), f"rank {r.rank} could not carry out the plan: {msg['reason']}")
-            elif rec is not None:
-                self.on_report(r, msg["generation"], msg["committed"])
-            elif msg["generation"] == self.generation and self.spec.tft.arf:
-                # A collective failed but no rank died (yet): rebuild the group, no respawn.
-                self.start_recovery(set(), f"rank {r.rank} reported a communication error: {msg['reason']}")
-                self.on_report(r, self.generation, msg["committed"])
+            r.phase = "recovering"
+            self.on_fault(r, msg)
         elif msg.type == MsgType.RECOVERED:
             self.on_recovered(r, msg)
         elif msg.type == MsgType.DONE:
             r.state = RankState.SUCCEEDED if r.state != RankState.FAILED else r.state
         elif msg.type == MsgType.ERROR:
             self.emit(EventKind.WARNING, f"rank {r.rank} reported: {msg['reason']}", rank=r.rank)
+
+    def observe_step(self, r: Rank, step: int, now: float) -> None:
+        """Record the time of the step before ``step`` (for the automatic step timeout)."""
+        if r.last_begin is not None and r.last_begin[0] == step - 1:
+            r.samples += 1
+            if r.samples > self.spec.warmup_steps:
+                self.max_step_time = max(self.max_step_time or 0.0, now - r.last_begin[1])
+        r.last_begin = (step, now)
+        r.phase = "compute"
+
+    def on_fault(self, r: Rank, msg: Message) -> None:
+        """A rank reports a failed collective, a recoverable error, or its answer to an abort."""
+        rec = self.recovery
+        kind = msg.get("kind", "comm")
+        if rec is not None and rec.plan is not None and msg["generation"] == rec.generation and self.spec.tft.arf:
+            # The plan itself failed (a transfer or the new group broke) with no death seen: next round.
+            self.start_recovery(set(), f"rank {r.rank} could not carry out the plan: {msg['reason']}", kind="comm_error")
+        elif rec is not None:
+            self.on_report(r, msg["generation"], msg["committed"])
+        elif msg["generation"] == self.generation and kind in ("comm", "recoverable"):
+            # No rank died (yet): repair in place, no respawn. UCE: the rank reloads from a replica.
+            event_kind = "recoverable_error" if kind == "recoverable" else "comm_error"
+            allowed = self.spec.tft.arf and (self.spec.tft.uce if kind == "recoverable" else self.spec.tft.hcce)
+            reason = f"rank {r.rank} reported {msg['reason']}"
+            if not allowed:
+                switch = "UCE" if kind == "recoverable" else "HCCE"
+                self._pending_exit = self.restart_job(f"{reason} and {switch} is off")
+                return
+            self.start_recovery(set(), reason, kind=event_kind)
+            self.on_report(r, self.generation, msg["committed"])
 
     def close(self) -> None:
         self.router.close(0)

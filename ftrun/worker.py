@@ -34,8 +34,10 @@ the group from the ``env://`` variables and simply trains, without recovery.
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -45,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from .channel import Channel
+from .errors import RecoverableError
 from .faults import FaultInjector
 from .policy import INITIAL, NO_STATE
 from .protocol import Message, MsgType
@@ -53,9 +56,7 @@ from .transfer import RNGState, recv_state, send_state
 BUCKET_BYTES = 25 << 20  # gradient all-reduce bucket (DDP's default cap)
 
 
-class RecoverableError(RuntimeError):
-    """An error after which a rank may repair its state in place (UCE). Subclass it for your own."""
-
+DUMP_SIGNAL = signal.SIGUSR1  # the supervisor asks a hung rank for its Python stacks with this
 
 class GroupFailure(RuntimeError):
     """A collective on ftrun's process group failed (recorded, then recovered by :meth:`Worker.steps`)."""
@@ -162,7 +163,16 @@ class Worker:
         self.joining = self.managed and (self.incarnation > 0 and self.generation > 0)
         self.committed = NO_STATE if self.joining else INITIAL
         self._private_group: Any = None
+        self.uce = os.environ.get("FTRUN_UCE", "1") == "1"
+        self.recoverable_names = {n.strip() for n in os.environ.get("FTRUN_RECOVERABLE_ERRORS", "").split(",") if n.strip()}
+        self._in_collective = False
+        self.faults.cut_connections = self._cut_connections
+        if self.channel is not None:
+            self.channel.on_receive = self._on_io_message
+            # Stacks of every thread into this rank's log when the supervisor suspects a hang.
+            faulthandler.register(DUMP_SIGNAL, all_threads=True, chain=False)
         self._error: str | None = None
+        self._error_kind = "comm"  # what kind of fault _error is: comm, recoverable
         self._abort_generation: int | None = None
         self._store: Any = None
         self._current_step: int | None = None
@@ -351,6 +361,9 @@ class Worker:
             return False
         grads = [p.grad for p in params if p.grad is not None]
         failure: str | None = None
+        recoverable: str | None = None
+        self._send(MsgType.COLLECTIVE, step=self._current_step if self._current_step is not None else -1)
+        self._in_collective = True
         try:
             self.faults.point("allreduce", self._current_step)
             for bucket in _buckets(grads, BUCKET_BYTES):
@@ -363,11 +376,51 @@ class Worker:
                     offset += g.numel()
         except Exception as err:  # gloo/NCCL raise RuntimeError subclasses; any of them breaks the step
             failure = f"gradient all-reduce failed: {type(err).__name__}: {_first_line(err)}"
+            recoverable = _describe(err) if self.is_recoverable(err) else None  # no reference kept
+        finally:
+            self._in_collective = False
+        if recoverable is not None:
+            self._repair_in_place(recoverable, drop=True)
+            return False
         if failure is not None:
             # Outside the except block: its traceback would keep the group alive (DESIGN.md).
             self._record_error(failure)
             return False
         return True
+
+    def _cut_connections(self) -> None:
+        """Shut this process's data-plane connections down (all but the store's and the supervisor's)."""
+        if self.backend == "gloo":
+            _shutdown_peer_connections(keep_ports={int(os.environ.get("MASTER_PORT", "0")), _control_port()})
+
+    def _on_io_message(self, msg: Message) -> None:
+        """On the channel's I/O thread: an abort for a newer generation releases a training thread
+        blocked in a collective (a hung peer, a communication stall) by cutting its connections;
+        the collective then fails at once and the step loop recovers."""
+        if msg.type == MsgType.ABORT and self._in_collective and self.managed and msg["generation"] > self.generation:
+            self._cut_connections()
+
+    def is_recoverable(self, err: BaseException) -> bool:
+        """Whether ``err`` is repaired in place (UCE): a :class:`RecoverableError`, or a type named in
+        ``--recoverable_errors`` (``module.Class`` or ``Class``, matched along its MRO)."""
+        if not (self.managed and self.uce):
+            return False
+        if isinstance(err, RecoverableError):
+            return True
+        return any(
+            f"{cls.__module__}.{cls.__qualname__}" in self.recoverable_names or cls.__qualname__ in self.recoverable_names
+            for cls in type(err).__mro__
+        )
+
+    def _repair_in_place(self, error: str, drop: bool) -> None:
+        """Record a recoverable error (``"Type: message"``): this rank's state is suspect, so it
+        takes a replica's (UCE). ``drop``: tear the group down now (never inside an ``except``)."""
+        self._error = f"recoverable error at step {self._current_step}: {error}"
+        self._error_kind = "recoverable"
+        self.committed = NO_STATE
+        print(f"ftrun: rank {self.rank}: {self._error}; repairing in place", file=sys.stderr, flush=True)
+        if drop:
+            self._drop_group()
 
     def _record_error(self, reason: str) -> None:
         """Record a failed collective and tear the group down at once.
@@ -384,6 +437,8 @@ class Worker:
         """Yield step numbers ``start .. num_steps-1``; failed steps are recovered and retried.
 
         A respawned rank first recovers (receives its state) and starts at the recovery step + 1.
+        Each step is a :class:`Step`: an ``int`` that is also a context manager; ``with step:``
+        around the step's body lets a :class:`RecoverableError` raised there be repaired in place.
         """
         step = start
         if self.joining:
@@ -402,13 +457,14 @@ class Worker:
             self._send(MsgType.STEP_BEGIN, step=step)
             if self.seed is not None:
                 seed_everything(step_seed(self.seed, step, self.rank))
-            yield step
+            yield Step(step, self)
             if self._error is not None or (self.managed and self._abort_generation is not None):
                 reason, self._error = self._error, None
                 step = self._recover(reason) + 1
                 continue
             self.faults.point("between_steps", step)
             step += 1
+        self._send(MsgType.STEPS_END)
 
     def _poll_abort(self, timeout: float = 0.0, newer_than: int | None = None) -> bool:
         """Take supervisor messages; True once an abort for a generation newer than
@@ -427,7 +483,7 @@ class Worker:
             if self._abort_generation is None or msg["generation"] > self._abort_generation:
                 self._abort_generation = msg["generation"]
                 self._send(MsgType.FAULT, generation=msg["generation"], step=self._current_step or -1,
-                           committed=self.committed, reason=msg["reason"])
+                           committed=self.committed, reason=msg["reason"], kind="abort")
         elif msg.type == MsgType.RECONFIGURE:
             self._plan = msg
         elif msg.type == MsgType.STOP:
@@ -446,7 +502,8 @@ class Worker:
         if reason is not None and self._abort_generation is None:
             # Tell the supervisor now; it answers with an abort naming the next generation.
             self._send(MsgType.FAULT, generation=self.generation, step=self._current_step or -1,
-                       committed=self.committed, reason=reason)
+                       committed=self.committed, reason=reason, kind=self._error_kind)
+        self._error_kind = "comm"
         self._plan = None
         while True:
             msg = self.channel.receive(timeout=1.0)
@@ -465,7 +522,7 @@ class Worker:
             if role == "failed":
                 self._drop_group()
                 self._send(MsgType.FAULT, generation=generation, step=plan["step"], committed=self.committed,
-                           reason="state transfer failed")
+                           reason="state transfer failed", kind="comm")
                 continue
             self._abort_generation = None
             self.committed = plan["step"]
@@ -518,6 +575,33 @@ class Worker:
         _worker = None
 
 
+class Step(int):
+    """A step number (an ``int``) that guards the step's body when used as ``with step:``.
+
+    A :class:`RecoverableError` (or a type named in ``--recoverable_errors``) raised inside the
+    block does not end the process: the exception is suppressed, the rank reports it, drops its
+    state, takes a replica's, and every rank retries the step (MindSpore's UCE). Any other
+    exception propagates, the process dies, and ARF replaces it.
+    """
+
+    _worker: Worker
+
+    def __new__(cls, value: int, worker: Worker) -> "Step":
+        obj = super().__new__(cls, value)
+        obj._worker = worker
+        return obj
+
+    def __enter__(self) -> "Step":
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, _tb: Any) -> bool:
+        if exc is None or not isinstance(exc, Exception) or not self._worker.is_recoverable(exc):
+            return False
+        # The group is dropped by steps() right after this, once the traceback is gone.
+        self._worker._repair_in_place(_describe(exc), drop=False)
+        return True
+
+
 class FTOptimizer:
     """Wraps a torch optimizer: averages gradients over ftrun's group, then updates only on success.
 
@@ -544,8 +628,17 @@ class FTOptimizer:
             return False
         step = w._current_step if w._current_step is not None else w.committed + 1
         w._send(MsgType.UPDATE_BEGIN, step=step)
-        w.faults.point("optimizer", step)
-        self.optimizer.step(closure)
+        failed: str | None = None
+        try:
+            w.faults.point("optimizer", step)
+            self.optimizer.step(closure)
+        except Exception as err:
+            if not w.is_recoverable(err):
+                raise
+            failed = _describe(err)
+        if failed is not None:  # outside the except block (see _record_error)
+            w._repair_in_place(failed, drop=True)
+            return False
         w.commit(step)
         w._send(MsgType.UPDATE_END, step=step)
         return True
@@ -584,6 +677,10 @@ def _shutdown_peer_connections(keep_ports: set[int]) -> None:
             pass
         finally:
             sock.close()
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {_first_line(err)}"
 
 
 def _first_line(err: BaseException) -> str:

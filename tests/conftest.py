@@ -191,3 +191,24 @@ def read_events(log_dir: Path) -> list[dict[str, Any]]:
 
 def kinds(events: Sequence[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [e for e in events if e["kind"] == kind]
+
+
+# --------------------------------------------------------------------------- the digits job's references
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """params_sha256 of the fault-free 4-rank digits job (STEPS steps), shared by the test files."""
+    import digits_job
+
+    digest, events, _ = digits_job.run(tmp_path_factory.mktemp("reference"))
+    assert not [e for e in events if e["kind"] in ("rank_failed", "recovery_started", "rank_hung")]
+    return digest
+
+
+@pytest.fixture(scope="session")
+def long_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """params_sha256 of the fault-free long run (LONG_STEPS steps)."""
+    import digits_job
+
+    return digits_job.run(tmp_path_factory.mktemp("long_reference"), steps=digits_job.LONG_STEPS)[0]

@@ -6,98 +6,24 @@ run, and ranks that did not fault must keep their first process (same PID) throu
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
+import digits_job as dj
 import msgpack
 import pytest
 import zmq
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "examples" / "train_digits.py"
-STEPS = "24"
-LONG_STEPS = "150"  # long enough that a test acts while the job still trains
-FINAL = re.compile(r"final step=(\d+) loss=\S+ test_accuracy=(\S+) params_sha256=([0-9a-f]{64})")
-
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
-
-
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FTRUN_", "TORCHELASTIC_", "MS_ENABLE_TFT"))}
-    env.update(extra or {})
-    return env
-
-
-def _cmd(log_dir: Path, steps: str = STEPS) -> list[str]:
-    return [sys.executable, "-m", "ftrun", "--worker_num", "4", "--master_port", "0", "--plain",
-            "--log_dir", str(log_dir), "--tail_worker_log", "0", "--max_restarts", "4",
-            str(SCRIPT), "--steps", steps, "--log_every", "10"]
-
-
-def _events(log_dir: Path) -> list[dict]:
-    path = log_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _digest(stdout: str, steps: str = STEPS) -> str:
-    match = FINAL.search(stdout)
-    assert match, f"no final line in output:\n{stdout[-3000:]}"
-    assert match.group(1) == steps
-    return match.group(3)
-
-
-def _run(tmp_path: Path, fault: str | None = None, steps: str = STEPS, extra: tuple[str, ...] = ()) -> tuple[str, list[dict], str]:
-    log_dir = tmp_path / "logs"
-    env = _env({"FTRUN_FAULT": fault} if fault else None)
-    proc = subprocess.run([*_cmd(log_dir, steps), *extra], env=env, capture_output=True, text=True, timeout=220, cwd=tmp_path)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
-    return _digest(proc.stdout, steps), _events(log_dir), proc.stdout
-
-
-def _started(events: list[dict]) -> dict[int, list[int]]:
-    """rank -> PIDs of its processes, in order."""
-    pids: dict[int, list[int]] = {}
-    for ev in events:
-        if ev["kind"] == "rank_started":
-            pids.setdefault(ev["rank"], []).append(ev["pid"])
-    return pids
-
-
-def _assert_survivors_kept_pids(events: list[dict], faulted: set[int]) -> None:
-    pids = _started(events)
-    for rank in range(4):
-        if rank not in faulted:
-            assert len(pids[rank]) == 1, f"rank {rank} was restarted: {pids[rank]}"
-    assert not [e for e in events if e["kind"] == "job_restarting"], "ARF fell back to a whole-job restart"
-    assert [e for e in events if e["kind"] == "recovery_finished"], "no recovery finished"
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    digest, events, _ = _run(tmp_path_factory.mktemp("reference"))
-    assert not [e for e in events if e["kind"] in ("rank_failed", "recovery_started")]
-    return digest
-
-
-@pytest.fixture(scope="module")
-def long_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return _run(tmp_path_factory.mktemp("long_reference"), steps=LONG_STEPS)[0]
 
 
 @pytest.mark.parametrize("rank", [0, 3])
 @pytest.mark.parametrize("point", ["before_forward", "allreduce", "optimizer", "between_steps"])
 def test_kill_at_each_point_is_exactly_once(reference: str, tmp_path: Path, rank: int, point: str) -> None:
-    digest, events, _ = _run(tmp_path, f"rank={rank},step=9,point={point},kind=kill")
+    digest, events, _ = dj.run(tmp_path, f"rank={rank},step=9,point={point},kind=kill")
     assert digest == reference
-    _assert_survivors_kept_pids(events, {rank})
+    dj.assert_survivors_kept_pids(events, {rank})
     failed = [e for e in events if e["kind"] == "rank_failed"]
     assert [e["rank"] for e in failed] == [rank]
     finished = [e for e in events if e["kind"] == "recovery_finished"][-1]
@@ -105,24 +31,24 @@ def test_kill_at_each_point_is_exactly_once(reference: str, tmp_path: Path, rank
 
 
 def test_two_faults_on_different_ranks(reference: str, tmp_path: Path) -> None:
-    digest, events, _ = _run(tmp_path, "rank=1,step=6,point=allreduce,kind=kill; rank=2,step=15,point=optimizer,kind=exit,code=3")
+    digest, events, _ = dj.run(tmp_path, "rank=1,step=6,point=allreduce,kind=kill; rank=2,step=15,point=optimizer,kind=exit,code=3")
     assert digest == reference
-    _assert_survivors_kept_pids(events, {1, 2})
+    dj.assert_survivors_kept_pids(events, {1, 2})
     assert len([e for e in events if e["kind"] == "recovery_finished"]) == 2
 
 
 def test_new_rank_killed_while_rejoining(reference: str, tmp_path: Path) -> None:
-    digest, events, _ = _run(tmp_path, "rank=1,step=8,kind=kill; rank=1,point=rejoin,incarnation=1,kind=kill")
+    digest, events, _ = dj.run(tmp_path, "rank=1,step=8,kind=kill; rank=1,point=rejoin,incarnation=1,kind=kill")
     assert digest == reference
-    _assert_survivors_kept_pids(events, {1})
-    assert len(_started(events)[1]) == 3  # first process, the one killed while rejoining, the one that made it
+    dj.assert_survivors_kept_pids(events, {1})
+    assert len(dj.started(events)[1]) == 3  # first process, the one killed while rejoining, the one that made it
 
 
 def test_donor_killed_during_transfer(reference: str, tmp_path: Path) -> None:
     # Rank 3 dies; rank 0 is the donor and dies after sending part of the state; rank 1 takes over.
-    digest, events, _ = _run(tmp_path, "rank=3,step=8,kind=kill; rank=0,point=transfer,kind=kill")
+    digest, events, _ = dj.run(tmp_path, "rank=3,step=8,kind=kill; rank=0,point=transfer,kind=kill")
     assert digest == reference
-    _assert_survivors_kept_pids(events, {0, 3})
+    dj.assert_survivors_kept_pids(events, {0, 3})
     plans = [e for e in events if e["kind"] == "recovery_planned"]
     assert plans[0]["detail"]["transfers"] == [[0, 3]]
     assert any(1 in t[:1] for p in plans[1:] for t in p["detail"]["transfers"])
@@ -130,9 +56,9 @@ def test_donor_killed_during_transfer(reference: str, tmp_path: Path) -> None:
 
 def test_second_rank_dies_during_recovery(reference: str, tmp_path: Path) -> None:
     # Rank 1 dies; rank 2, a survivor, dies as it enters that recovery: one recovery, two rounds.
-    digest, events, _ = _run(tmp_path, "rank=1,step=8,kind=kill; rank=2,point=recover,kind=kill")
+    digest, events, _ = dj.run(tmp_path, "rank=1,step=8,kind=kill; rank=2,point=recover,kind=kill")
     assert digest == reference
-    _assert_survivors_kept_pids(events, {1, 2})
+    dj.assert_survivors_kept_pids(events, {1, 2})
     finished = [e for e in events if e["kind"] == "recovery_finished"]
     assert len(finished) == 1
     assert finished[0]["detail"]["failed"] == [1, 2] and finished[0]["detail"]["rounds"] == 2
@@ -141,15 +67,15 @@ def test_second_rank_dies_during_recovery(reference: str, tmp_path: Path) -> Non
 @pytest.mark.parametrize("fault", ["rank=2,step=0,kind=kill", "rank=2,point=init,kind=kill"])
 def test_death_before_the_first_step(reference: str, tmp_path: Path, fault: str) -> None:
     # Nothing is committed yet: the ranks holding rank 0's initial weights give them to the others.
-    digest, events, _ = _run(tmp_path, fault)
+    digest, events, _ = dj.run(tmp_path, fault)
     assert digest == reference
-    _assert_survivors_kept_pids(events, {2})
+    dj.assert_survivors_kept_pids(events, {2})
     assert [e for e in events if e["kind"] == "recovery_finished"][-1]["detail"]["resume_step"] == 0
 
 
 def test_rank0_dies_before_its_broadcast_falls_back_to_a_restart(reference: str, tmp_path: Path) -> None:
     # No live rank holds rank 0's initial weights: ARF cannot recover; the job restarts, with a reason.
-    digest, events, _ = _run(tmp_path, "rank=0,point=init,kind=exit")
+    digest, events, _ = dj.run(tmp_path, "rank=0,point=init,kind=exit")
     assert digest == reference
     fallback = [e for e in events if e["kind"] == "recovery_fallback"]
     assert fallback and "holds the training state" in fallback[0]["message"]
@@ -158,62 +84,41 @@ def test_rank0_dies_before_its_broadcast_falls_back_to_a_restart(reference: str,
 
 def test_ddp_model_recovers_with_the_same_result(reference: str, tmp_path: Path) -> None:
     # DDP over a private one-rank group with a pass-through hook: same bits as the plain module.
-    digest, events, _ = _run(tmp_path, "rank=3,step=7,point=allreduce,kind=kill", extra=("--ddp",))
+    digest, events, _ = dj.run(tmp_path, "rank=3,step=7,point=allreduce,kind=kill", extra=("--ddp",))
     assert digest == reference
-    _assert_survivors_kept_pids(events, {3})
+    dj.assert_survivors_kept_pids(events, {3})
 
 
 def test_other_exit_kinds(reference: str, tmp_path: Path) -> None:
-    digest, events, _ = _run(tmp_path, "rank=2,step=5,kind=segv; rank=1,step=12,kind=exception")
+    digest, events, _ = dj.run(tmp_path, "rank=2,step=5,kind=segv; rank=1,step=12,kind=exception")
     assert digest == reference
-    _assert_survivors_kept_pids(events, {1, 2})
+    dj.assert_survivors_kept_pids(events, {1, 2})
     causes = {e["rank"]: e["detail"]["cause"] for e in events if e["kind"] == "rank_failed"}
     assert causes == {2: "killed by SIGSEGV", 1: "exit code 1"}
 
 
-def _wait_for(predicate, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
-
-
-def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
-    log_dir = tmp_path / "logs"
-    proc = subprocess.Popen(_cmd(log_dir, LONG_STEPS), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=tmp_path, start_new_session=True)
-    return proc, log_dir
-
-
-def _training(log_dir: Path) -> bool:
-    """Every rank has connected and rank 0 has printed step 20 (so steps are being committed)."""
-    joined = len({e["rank"] for e in _events(log_dir) if e["kind"] == "rank_joined"}) == 4
-    log = log_dir / "worker_0.log"
-    return joined and log.exists() and "step 20 loss" in log.read_text()
-
-
 def test_kill_from_outside(long_reference: str, tmp_path: Path) -> None:
-    proc, log_dir = _start(tmp_path)
+    proc, log_dir = dj.start(tmp_path)
     try:
-        _wait_for(lambda: _training(log_dir))
-        victim = _started(_events(log_dir))[2][0]
+        dj.wait_for(lambda: dj.training(log_dir))
+        victim = dj.started(dj.events(log_dir))[2][0]
         os.kill(victim, signal.SIGKILL)
         out, _ = proc.communicate(timeout=200)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-3000:]
-    assert _digest(out, LONG_STEPS) == long_reference
-    _assert_survivors_kept_pids(_events(log_dir), {2})
+    assert dj.digest(out, dj.LONG_STEPS) == long_reference
+    dj.assert_survivors_kept_pids(dj.events(log_dir), {2})
 
 
 def test_forged_messages_change_nothing(long_reference: str, tmp_path: Path) -> None:
-    proc, log_dir = _start(tmp_path)
+    proc, log_dir = dj.start(tmp_path)
     try:
-        _wait_for(lambda: _training(log_dir))
-        events = _events(log_dir)
+        dj.wait_for(lambda: dj.training(log_dir))
+        events = dj.events(log_dir)
         control = next(e for e in events if e["kind"] == "job_started")["detail"]["control"]
-        pids = _started(events)
+        pids = dj.started(events)
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 5000)
@@ -231,7 +136,7 @@ def test_forged_messages_change_nothing(long_reference: str, tmp_path: Path) -> 
             sock.send(frame)
         sock.send_multipart([b"a", b"b", b"c"])
         # Keep the connection until the supervisor has seen every frame (connecting is asynchronous).
-        _wait_for(lambda: len([e for e in _events(log_dir) if e["kind"] == "message_rejected"]) >= len(forged) + 1)
+        dj.wait_for(lambda: len([e for e in dj.events(log_dir) if e["kind"] == "message_rejected"]) >= len(forged) + 1)
         sock.close()
         ctx.term()
         out, _ = proc.communicate(timeout=200)
@@ -239,8 +144,8 @@ def test_forged_messages_change_nothing(long_reference: str, tmp_path: Path) -> 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-3000:]
-    assert _digest(out, LONG_STEPS) == long_reference
-    events = _events(log_dir)
+    assert dj.digest(out, dj.LONG_STEPS) == long_reference
+    events = dj.events(log_dir)
     assert len([e for e in events if e["kind"] == "message_rejected"]) >= len(forged)
     assert not [e for e in events if e["kind"] in ("rank_failed", "recovery_started", "job_restarting")]
-    assert all(len(p) == 1 for p in _started(events).values())
+    assert all(len(p) == 1 for p in dj.started(events).values())

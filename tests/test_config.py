@@ -206,7 +206,7 @@ def test_parse_tft(text, expected):
 def test_tft_helpers():
     sw = parse_tft("{ARF:1,UCE:1,HCCE:1}")
     assert sw.enabled() == ["ARF", "TTP", "UCE", "HCCE"]
-    assert sw.not_implemented() == ["TTP", "UCE", "HCCE"]
+    assert sw.not_implemented() == ["TTP"]
     assert str(sw) == "{ARF:1,TTP:1,UCE:1,HCCE:1}"
     assert parse_tft(str(sw)) == sw
 
@@ -232,7 +232,7 @@ def test_parse_tft_errors(text, hint):
 
 def test_tft_default_when_nothing_given(tmp_path, script):
     tft = res(tmp_path, script).tft
-    assert tft.arf and tft.ttp and not tft.uce and not tft.hcce
+    assert tft.arf and tft.ttp and tft.uce and tft.hcce
 
 
 def test_ftrun_tft_beats_ms_enable_tft(tmp_path, script):

@@ -1,0 +1,132 @@
+"""Hangs and soft faults end to end on the 4-rank digits job: watchdog, stack dumps, HCCE and UCE.
+
+Each faulted run must end with the fault-free run's ``params_sha256``. A hung rank is replaced (its
+Python stacks first land in its log); a communication error or a recoverable error is repaired with
+no process replaced at all.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import digits_job as dj
+import pytest
+
+from ftrun.errors import RecoverableError
+from ftrun.worker import Step
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+def _kinds(events: list[dict], kind: str) -> list[dict]:
+    return [e for e in events if e["kind"] == kind]
+
+
+def _assert_nobody_replaced(events: list[dict]) -> None:
+    assert all(len(pids) == 1 for pids in dj.started(events).values()), dj.started(events)
+    assert not _kinds(events, "rank_failed") and not _kinds(events, "rank_respawned")
+    assert not _kinds(events, "job_restarting")
+
+
+def _assert_hang_replaced(events: list[dict], rank: int, fault: str) -> dict:
+    hung = _kinds(events, "rank_hung")
+    assert [e["rank"] for e in hung] == [rank], hung
+    assert hung[0]["detail"]["fault"] == fault
+    dj.assert_survivors_kept_pids(events, {rank})
+    failed = _kinds(events, "rank_failed")
+    assert [e["rank"] for e in failed] == [rank] and "hung" in failed[0]["detail"]["cause"]
+    return hung[0]
+
+
+@pytest.mark.parametrize("kind, frame", [("hang", "in fire"), ("deadlock", "in fire")])
+def test_stuck_step_is_detected_dumped_and_replaced(reference: str, tmp_path: Path, kind: str, frame: str) -> None:
+    # An endless loop inside a step, or a deadlock on a Python lock after a committed step: the
+    # rank keeps sending heartbeats, but the job's steps stop; its peers wait in the collective.
+    point = "before_forward" if kind == "hang" else "between_steps"
+    digest, events, _ = dj.run(tmp_path, f"rank=1,step=9,point={point},kind={kind}")
+    assert digest == reference
+    hung = _assert_hang_replaced(events, 1, "no_progress")
+    log = (tmp_path / "logs" / "worker_1.log").read_text()
+    assert hung["detail"]["stack_dump"] and "Thread 0x" in log and "faults.py" in log and frame in log
+    assert any("faults.py" in line for line in hung["detail"]["stacks"])
+
+
+def test_frozen_rank_is_replaced(long_reference: str, tmp_path: Path) -> None:
+    # SIGSTOP from outside: no heartbeat, no stack dump possible; killed after heartbeat_timeout.
+    proc, log_dir = dj.start(tmp_path)
+    try:
+        dj.wait_for(lambda: dj.training(log_dir))
+        victim = dj.started(dj.events(log_dir))[2][0]
+        os.kill(victim, signal.SIGSTOP)
+        out, _ = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    assert dj.digest(out, dj.LONG_STEPS) == long_reference
+    hung = _assert_hang_replaced(dj.events(log_dir), 2, "no_heartbeat")
+    assert "stopped" in hung["message"] and hung["detail"]["heartbeat_age"] > 5.0
+
+
+def test_communication_error_rebuilds_the_group_without_respawn(reference: str, tmp_path: Path) -> None:
+    # HCCE: rank 1's connections are cut inside the all-reduce of step 9; every rank is alive.
+    digest, events, _ = dj.run(tmp_path, "rank=1,step=9,point=allreduce,kind=comm")
+    assert digest == reference
+    _assert_nobody_replaced(events)
+    started = _kinds(events, "recovery_started")
+    assert started and started[0]["detail"]["fault"] == "comm_error"
+    plan = _kinds(events, "recovery_planned")[0]["detail"]
+    assert plan["step"] == 8 and plan["transfers"] == []  # nobody committed step 9: nothing to move
+    assert _kinds(events, "recovery_finished")[0]["detail"]["bytes"] == 0
+
+
+@pytest.mark.parametrize("point", ["optimizer", "allreduce"])
+def test_recoverable_error_is_repaired_in_place(reference: str, tmp_path: Path, point: str) -> None:
+    # UCE: the rank stays alive, drops its state, takes a replica's; all retry the step.
+    digest, events, _ = dj.run(tmp_path, f"rank=3,step=9,point={point},kind=recoverable")
+    assert digest == reference
+    _assert_nobody_replaced(events)
+    started = _kinds(events, "recovery_started")
+    assert started and started[0]["detail"]["fault"] == "recoverable_error"
+    plan = _kinds(events, "recovery_planned")[0]["detail"]
+    assert [t[1] for t in plan["transfers"]] == [3]
+    assert _kinds(events, "recovery_finished")[0]["detail"]["bytes"] > 0
+
+
+def test_recoverable_error_with_uce_off_replaces_the_rank(reference: str, tmp_path: Path) -> None:
+    # Without UCE the error is an ordinary exception: the process dies and ARF replaces it.
+    digest, events, _ = dj.run(tmp_path, "rank=3,step=9,point=optimizer,kind=recoverable",
+                               extra_env={"FTRUN_TFT": "{ARF:1,UCE:0}"})
+    assert digest == reference
+    dj.assert_survivors_kept_pids(events, {3})
+    assert [e["rank"] for e in _kinds(events, "rank_failed")] == [3]
+
+
+class _FakeWorker:
+    def __init__(self, recoverable: bool) -> None:
+        self.recoverable = recoverable
+        self.repaired: list[str] = []
+
+    def is_recoverable(self, err: BaseException) -> bool:
+        return self.recoverable
+
+    def _repair_in_place(self, error: str, drop: bool) -> None:
+        assert drop is False  # inside __exit__ the traceback still holds the frames
+        self.repaired.append(error)
+
+
+@pytest.mark.integration
+def test_step_guard_suppresses_only_recoverable_errors() -> None:
+    worker = _FakeWorker(recoverable=True)
+    step = Step(7, worker)  # type: ignore[arg-type]
+    assert step == 7 and step + 1 == 8 and f"{step}" == "7"
+    with step:
+        raise RecoverableError("bit flip")
+    assert worker.repaired == ["RecoverableError: bit flip"]
+    worker = _FakeWorker(recoverable=False)
+    with pytest.raises(ValueError):
+        with Step(7, worker):  # type: ignore[arg-type]
+            raise ValueError("a bug")
+    assert worker.repaired == []
