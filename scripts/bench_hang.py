@@ -1,0 +1,112 @@
+"""Time to recover from a hung rank with ftrun's default settings: SIGSTOP from outside, or a hang
+inside a step injected with ``FTRUN_FAULT`` (an endless loop, a deadlock on a Python lock).
+
+    python scripts/bench_hang.py [--ranks 4] [--hang_step 60] [--repeats 3] [--kinds stop,hang,deadlock]
+
+The 4-rank digits job (``examples/train_digits.py``) runs under ftrun with its defaults
+(``--heartbeat_timeout 5``, automatic step timeout: 10 x the largest step after warm-up, at least
+3 s). When rank 0 prints step ``--hang_step``, rank ``--victim`` is frozen with SIGSTOP (``stop``),
+or the victim hangs by itself at that step (``hang``, ``deadlock``). Measured, from the ranks' own
+clocks: ``recover_s`` = the hang's start to rank 0 finishing the step that hung, split from ftrun's
+events into detection (the watchdog noticing, stack dump included) and the rest (respawn, rebuild,
+transfer, the retried step). Target of the hang issue: under 10 s. (torchrun has no watchdog: its
+ranks would sit in the collective until the process group's timeout, 30 minutes by default.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import FINAL, STEP, Case, command, find_rank_pid  # noqa: E402
+
+
+def run_once(kind: str, args: argparse.Namespace) -> dict[str, float]:
+    """One job with one hang; returns recover_s, detection_s, the failed step."""
+    case = Case("digits", "-", args.ranks, args.steps, args.hang_step, victim=args.victim)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-hang-"))
+    try:
+        cmd, env, script = command("ftrun", case, workdir)
+        cmd[cmd.index("--max_restarts") + 1] = "3"
+        if kind != "stop":
+            # Both hang once step hang_step is committed: the deadlock right after it, the loop
+            # at the start of the next step.
+            where = f"step={args.hang_step},point=between_steps" if kind == "deadlock" else f"step={args.hang_step + 1},point=before_forward"
+            env["FTRUN_FAULT"] = f"rank={args.victim},{where},kind={kind}"
+        proc = subprocess.Popen(cmd, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        lines: list[tuple[int, float]] = []
+        tail: list[str] = []
+        stopped: dict[str, float] = {}
+
+        def reader() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                tail.append(line.rstrip())
+                match = STEP.search(line)
+                if not match:
+                    continue
+                step, stamp = int(match.group(1)), float(match.group(2))
+                lines.append((step, stamp))
+                if kind == "stop" and step == args.hang_step and "time" not in stopped:
+                    pid = find_rank_pid(proc.pid, args.victim, script)
+                    if pid is not None:
+                        stopped["time"] = time.time()
+                        os.kill(pid, signal.SIGSTOP)
+
+        thread = threading.Thread(target=reader, daemon=True)
+        thread.start()
+        proc.wait(timeout=600)
+        thread.join(timeout=10)
+        if proc.returncode != 0 or not FINAL.search("\n".join(tail)):
+            raise RuntimeError(f"{kind}: exit {proc.returncode}\n" + "\n".join(tail[-40:]))
+        events = [json.loads(x) for x in (workdir / "logs" / "events.jsonl").read_text().splitlines()]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    # The hang starts after rank 0's line for hang_step (SIGSTOP: when we sent it); it is over when
+    # rank 0 prints the first step after it.
+    start = stopped.get("time") or next(t for s, t in lines if s == args.hang_step)
+    resumed = next(t for s, t in lines if s > args.hang_step and t > start)
+    hung = next(e for e in events if e["kind"] == "rank_hung")
+    finished = next(e for e in events if e["kind"] == "recovery_finished")["detail"]
+    return {
+        "recover_s": resumed - start,
+        "detection_s": hung["time"] - start,
+        "respawn_s": max(float(v) for v in finished["respawn_seconds"].values()),
+        "fault": hung["detail"]["fault"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--hang_step", type=int, default=60)
+    parser.add_argument("--victim", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kinds", default="stop,hang,deadlock")
+    args = parser.parse_args()
+    print(f"digits job, {args.ranks} ranks, rank {args.victim} hangs after step {args.hang_step}, ftrun defaults, "
+          f"{args.repeats} repeat(s)")
+    print(f"{'hang':<9} {'detected by':<13} {'recover_s':>9} {'spread_s':>9} {'detect_s':>9} {'respawn_s':>9}")
+    for kind in args.kinds.split(","):
+        runs = [run_once(kind, args) for _ in range(args.repeats)]
+        rec = [r["recover_s"] for r in runs]
+        print(f"{kind:<9} {runs[0]['fault']:<13} {statistics.median(rec):>9.2f} {max(rec) - min(rec):>9.2f} "
+              f"{statistics.median(r['detection_s'] for r in runs):>9.2f} "
+              f"{statistics.median(r['respawn_s'] for r in runs):>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
