@@ -366,7 +366,10 @@ def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
                                   for w in worlds]
     if "scaling-state" in args.parts:
         sizes = ["tiny", "small"] if q else args.sizes.split(",")
-        parts["scaling-state"] = [Case("charlm", s, 2, 10, 5, victim=1, ckpt_every=4, args=charlm_small) for s in sizes]
+        # Short jobs for the slow sizes; fast ones need more steps after the kill, or they finish
+        # before the kill (delivered on seeing rank 0's line through the log) lands.
+        parts["scaling-state"] = [Case("charlm", s, 2, *((10, 5) if s in ("medium", "large", "xl") else (30, 15)),
+                                       victim=1, ckpt_every=4, args=charlm_small) for s in sizes]
     if "overhead" in args.parts:
         parts["overhead"] = [
             Case("digits", "-", 4, 60 if q else 150, None),
@@ -380,7 +383,7 @@ def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
 
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
     """Run every case of every part ``args.repeats`` times, both launchers back to back."""
-    results: dict[str, Any] = {"machine": machine(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    results: dict[str, Any] = {"machine": machine(), "command": " ".join(["python scripts/bench.py", *sys.argv[1:]]),
                                "parts": {}}
     for part, cases in plan(args).items():
         runs: list[dict[str, Any]] = []
@@ -548,6 +551,8 @@ def report(results: dict[str, Any]) -> str:
     if "overhead" in parts:
         lines += ["", "== overhead: fault-free step time, ftrun against plain torchrun DDP (pairwise median)"]
         lines += overhead_table(parts["overhead"])
+    if results.get("errors"):
+        lines += ["", f"{len(results['errors'])} run(s) failed and are left out; their output is under 'errors' in the JSON"]
     memory_runs = parts.get("scaling-world") or parts.get("memory")
     if memory_runs:
         lines += ["", "== memory: peak RSS (VmHWM) in MB by world size"]
@@ -618,6 +623,16 @@ def plot(results: dict[str, Any], directory: Path) -> list[Path]:
     return written
 
 
+def merge(many: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs' results as one: runs of the same part are pooled, commands joined by ' ; '."""
+    out: dict[str, Any] = {"machine": many[0]["machine"], "command": " ; ".join(r["command"] for r in many), "parts": {}}
+    for results in many:
+        for part, runs in results["parts"].items():
+            out["parts"].setdefault(part, []).extend(runs)
+        out.setdefault("errors", []).extend(results.get("errors", []))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
@@ -629,14 +644,14 @@ def main() -> None:
     parser.add_argument("--sizes", default="tiny,small,medium,large,xl", help="charlm sizes of scaling-state")
     parser.add_argument("--json", default="bench_results.json", help="raw results file ('' for none)")
     parser.add_argument("--plots", default=None, help="write PNG figures to this directory (needs matplotlib)")
-    parser.add_argument("--from_json", default=None, help="report (and plot) a previous run's JSON; run nothing")
+    parser.add_argument("--from_json", default=None, help="report (and plot) previous runs' JSON files (comma-separated, pooled); run nothing")
     args = parser.parse_args()
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(args.parts) - set(PARTS))
     if unknown:
         parser.error(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")
     if args.from_json:
-        results = json.loads(Path(args.from_json).read_text())
+        results = merge([json.loads(Path(f).read_text()) for f in args.from_json.split(",")])
     else:
         results = run_all(args)
         if args.json:
