@@ -156,7 +156,6 @@ class MemorySampler:
         self.script = script
         self.interval = interval
         self.peaks: dict[str, float] = {}
-        self._roles: dict[int, str | None] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -169,18 +168,17 @@ class MemorySampler:
         self._thread.join(timeout=5)
 
     def _role(self, proc: psutil.Process) -> str | None:
-        if proc.pid not in self._roles:
-            try:
-                cmdline = " ".join(proc.cmdline())
-            except psutil.Error:
-                return None
-            self._roles[proc.pid] = (
-                "launcher" if proc.pid == self.root_pid
-                else "supervisor" if "ftrun.supervisor" in cmdline
-                else "rank" if self.script in cmdline
-                else None
-            )
-        return self._roles[proc.pid]
+        # Read the command line at every poll, never cached: a rank the supervisor respawns is,
+        # between fork and exec, a copy of the supervisor under the same PID.
+        try:
+            cmdline = " ".join(proc.cmdline())
+        except psutil.Error:
+            return None
+        if proc.pid == self.root_pid:
+            return "launcher"
+        if "ftrun.supervisor" in cmdline:
+            return "supervisor"
+        return "rank" if self.script in cmdline else None
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -375,9 +373,9 @@ def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
             Case("digits", "-", 4, 60 if q else 150, None),
             Case("charlm", "small", 2, 30 if q else 80, None, args=charlm_small),
         ]
-    if "memory" in args.parts and "scaling-world" not in args.parts:
+    if "memory" in args.parts:
         worlds = [2, 4] if q else [int(w) for w in args.worlds.split(",")]
-        parts["memory"] = [Case("charlm", "tiny", w, 20, None, args=charlm_small) for w in worlds]
+        parts["memory"] = [Case("charlm", "tiny", w, 30, 15, victim=1, ckpt_every=10, args=charlm_small) for w in worlds]
     return parts
 
 
@@ -553,7 +551,7 @@ def report(results: dict[str, Any]) -> str:
         lines += overhead_table(parts["overhead"])
     if results.get("errors"):
         lines += ["", f"{len(results['errors'])} run(s) failed and are left out; their output is under 'errors' in the JSON"]
-    memory_runs = parts.get("scaling-world") or parts.get("memory")
+    memory_runs = parts.get("memory") or parts.get("scaling-world")
     if memory_runs:
         lines += ["", "== memory: peak RSS (VmHWM) in MB by world size"]
         lines += memory_table(memory_runs)
