@@ -36,10 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = dc.add_common_args(argparse.ArgumentParser(description=__doc__))
     parser.add_argument("--log_every", type=int, default=50, help="print the loss every N steps (0: never)")
     parser.add_argument("--ddp", action="store_true", help="train through DistributedDataParallel (same result)")
+    parser.add_argument("--replica_groups", default=None,
+                        help="declare replica groups, e.g. '0,2;1,3' (a DP x TP layout's shape; default: all ranks)")
     args = parser.parse_args(argv)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
-    ft = ftrun.init(backend="gloo", seed=args.seed)
+    groups = [[int(r) for r in g.split(",")] for g in args.replica_groups.split(";")] if args.replica_groups else None
+    ft = ftrun.init(backend="gloo", seed=args.seed, replica_groups=groups)
     ds = dc.load_dataset(args.data, args.seed)
     torch.manual_seed(args.seed)
     model = ft.wrap_model(dc.build_model(ds.in_features), ddp=args.ddp)

@@ -133,6 +133,13 @@ def run(
         no_python=no_python,
         config_file=config,
     )
+    if spec.resume.lower() not in ("auto", "none"):
+        from .checkpoint import CheckpointError, resolve_resume
+
+        try:
+            resolve_resume(None, spec.resume, on_skip=lambda *_: None)
+        except CheckpointError as err:
+            raise ConfigError(f"--resume {spec.resume}: {err}; give a checkpoint directory, 'auto' or 'none'") from None
     from .console import make_console
     from .launcher import Launcher
 

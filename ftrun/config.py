@@ -46,7 +46,7 @@ TFT_SWITCHES: dict[str, str] = {
     "UCE": "in-place repair of a recoverable error, state from a replica",
     "HCCE": "communication error recovery without respawning",
 }
-TFT_IMPLEMENTED: frozenset[str] = frozenset({"ARF", "UCE", "HCCE"})
+TFT_IMPLEMENTED: frozenset[str] = frozenset({"ARF", "TTP", "UCE", "HCCE"})
 
 
 @dataclass(frozen=True)

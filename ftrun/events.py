@@ -44,6 +44,8 @@ class EventKind(str, Enum):
     RECOVERY_FINISHED = "recovery_finished"
     RECOVERY_FALLBACK = "recovery_fallback"
     MESSAGE_REJECTED = "message_rejected"
+    CHECKPOINT_SAVED = "checkpoint_saved"
+    RESUMED = "resumed"
     STOP_REQUESTED = "stop_requested"
     JOB_FINISHED = "job_finished"
 

@@ -51,6 +51,8 @@ class MsgType(str, Enum):
     ERROR = "error"
     RECONFIGURE = "reconfigure"
     ABORT = "abort"
+    SAVE = "save"  # write your shard of the given committed step (TTP dying gasp)
+    SAVED = "saved"  # a shard file was written (periodic or dying gasp)
     STOP = "stop"
     EVENT = "event"
     STATUS = "status"
@@ -79,6 +81,11 @@ SCHEMA: dict[MsgType, dict[str, tuple[type, ...]]] = {
     MsgType.ERROR: {"rank": _INT, "incarnation": _INT, "reason": _STR},
     MsgType.RECONFIGURE: {"generation": _INT, "world_size": _INT, "step": _INT, "transfers": (list,)},
     MsgType.ABORT: {"generation": _INT, "reason": _STR},
+    MsgType.SAVE: {"generation": _INT, "step": _INT, "shard": _INT, "directory": _STR, "reason": _STR},
+    MsgType.SAVED: {
+        "rank": _INT, "incarnation": _INT, "step": _INT, "shard": _INT, "info": (dict,), "seconds": _NUM,
+        "torch_version": _STR, "reason": _STR,
+    },
     MsgType.STOP: {"reason": _STR},
     MsgType.EVENT: {"event": (dict,)},
     MsgType.STATUS: {"ranks": (list,)},

@@ -16,6 +16,11 @@ ftrun.supervisor``), reads its :class:`~ftrun.config.JobSpec` from the environme
   event, kills it and recovers as for a death; a collective stuck on every rank is rebuilt (HCCE);
 - repairs in place, without a respawn, a communication error (HCCE) or a recoverable error (UCE)
   that a rank reports;
+- keeps the training state when it cannot repair (TTP): before a whole-job restart, a failure with
+  the budget used up, or a stop by SIGTERM/SIGINT, it has one live replica of each shard write the
+  newest step every shard committed (a *dying-gasp* checkpoint), completes periodic checkpoints
+  (``--save_steps``) with their manifest, and starts every attempt from the newest complete
+  checkpoint (``--resume``);
 - hosts, on node 0, a fresh c10d ``TCPStore`` for every whole-job attempt (so a restarted job never
   meets a previous attempt's keys; the ranks' process groups rendezvous on it);
 - records every event in ``LOG_DIR/events.jsonl`` and pushes events and status snapshots to the
@@ -40,6 +45,7 @@ from typing import Any
 
 import zmq
 
+from . import checkpoint as ckpt
 from . import procs
 from .config import JobSpec
 from .events import Event, EventKind, EventLog
@@ -60,6 +66,8 @@ log = logging.getLogger("ftrun.supervisor")
 
 STATUS_PERIOD_S = 0.25  # at most four console snapshots a second
 STACK_DUMP_WAIT_S = 2.0  # how long a hung rank gets to write its stacks before it is killed
+TTP_REPORT_WAIT_S = 10.0  # how long live ranks get to reach a safe point and report (dying gasp)
+TTP_WRITE_WAIT_S = 300.0  # how long the shard writers get to write (dying gasp)
 _KIND_LABEL = {"comm_error": "HCCE: communication error", "recoverable_error": "UCE: recoverable error"}
 MAX_REJECT_EVENTS = 20  # rejected frames after this many are counted in the log only
 
@@ -183,6 +191,10 @@ class Supervisor:
         self._pending_exit: int | None = None
         self._sigchld_at: float | None = None  # arrival of the first SIGCHLD not yet acted on
         self.max_step_time: float | None = None  # largest step time seen after warm-up (seconds)
+        self.checkpoint_root = Path(spec.checkpoint_dir).resolve()
+        self.resume_from: ckpt.Manifest | None = None  # the checkpoint this attempt starts from
+        self.pending_saves: dict[int, dict[int, Message]] = {}  # step -> shard -> its SAVED report
+        self._gasp: dict[str, Any] | None = None  # the dying gasp in progress
         self._wakeup_r, self._wakeup_w = os.pipe()
         os.set_blocking(self._wakeup_w, False)
         os.set_blocking(self._wakeup_r, False)
@@ -301,9 +313,17 @@ class Supervisor:
                 "FTRUN_ARF": "1" if spec.tft.arf else "0",
                 "FTRUN_UCE": "1" if spec.tft.uce else "0",
                 "FTRUN_RECOVERABLE_ERRORS": ",".join(spec.recoverable_errors),
+                "FTRUN_CHECKPOINT_DIR": str(self.checkpoint_root),
+                "FTRUN_SAVE_STEPS": str(spec.save_steps),
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        if self.resume_from is not None:
+            env["FTRUN_RESUME_DIR"] = str(self.resume_from.directory)
+            env["FTRUN_RESUME_STEP"] = str(self.resume_from.step)
+        else:
+            env.pop("FTRUN_RESUME_DIR", None)
+            env.pop("FTRUN_RESUME_STEP", None)
         if spec.local_worker_num > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = "1"  # as torchrun does: ranks would oversubscribe the cores
         return env
@@ -350,8 +370,42 @@ class Supervisor:
 
     def start_attempt(self) -> None:
         self.attempt_port = self._attempt_store_port()
+        self.resume_from = self.choose_checkpoint()
+        self.pending_saves.clear()
         for r in self.ranks.values():
             self.spawn(r, self.attempt_port)
+
+    def choose_checkpoint(self) -> ckpt.Manifest | None:
+        """The checkpoint this attempt starts from: ``--resume`` for the first attempt (``auto``:
+        the newest complete one, when TTP is on), the newest complete one for a whole-job restart.
+        Each checkpoint skipped (no manifest, a size or checksum mismatch) is a warning event."""
+        spec = self.spec
+
+        def skipped(path: Path, reason: str) -> None:
+            self.emit(EventKind.WARNING, f"skipping checkpoint {path}: {reason}", path=str(path), reason=reason)
+
+        choice = spec.resume
+        if choice == "auto" and not spec.tft.ttp:
+            choice = "none"
+        manifest = None
+        try:
+            if self.attempt > 0 and choice != "none":
+                manifest = ckpt.find_latest(self.checkpoint_root, skipped) or self.resume_from
+            else:
+                manifest = ckpt.resolve_resume(self.checkpoint_root, choice, skipped)
+        except ckpt.CheckpointError as err:  # checked by the launcher; it may have changed since
+            skipped(err.path, err.problem)
+        if manifest is not None and manifest.world_size != spec.worker_num:
+            skipped(manifest.directory, f"written by {manifest.world_size} ranks, this job has {spec.worker_num}")
+            manifest = None
+        if manifest is not None:
+            self.emit(
+                EventKind.RESUMED,
+                f"starting from checkpoint {manifest.directory} (step {manifest.step}; training resumes at step {manifest.step + 1})",
+                path=str(manifest.directory),
+                step=manifest.step,
+            )
+        return manifest
 
     # ----------------------------------------------------------------- main loop
     def run(self) -> int:
@@ -487,9 +541,11 @@ class Supervisor:
         return self.restart_job(decision.reason)
 
     def restart_job(self, reason: str) -> int | None:
-        """Stop every rank and start them all again (torchrun semantics)."""
+        """Stop every rank and start them all again (torchrun semantics), from the newest checkpoint
+        (a dying-gasp one if the live ranks could write it)."""
         if self.restarts_used + 1 > self.spec.max_restarts:
             return self.finish_failed(f"{reason}; restart budget exhausted (max_restarts={self.spec.max_restarts})")
+        self.dying_gasp(reason)
         self.restarts_used += 1
         self.emit(
             EventKind.JOB_RESTARTING,
@@ -511,6 +567,8 @@ class Supervisor:
         return None
 
     def finish_failed(self, reason: str) -> int:
+        self.dying_gasp(reason)
+        resume_hint = self.resume_hint()
         procs.stop_all([r.proc for r in self.ranks.values() if r.proc is not None], self.spec.grace_period)
         for r in self.ranks.values():
             if r.state not in (RankState.SUCCEEDED, RankState.FAILED):
@@ -519,7 +577,7 @@ class Supervisor:
         tail = tail_lines(self.log_dir / f"worker_{root.rank}.log", 20)
         self.emit(
             EventKind.JOB_FINISHED,
-            f"job failed: {reason}; root cause: rank {root.rank} ({root.description})",
+            f"job failed: {reason}; root cause: rank {root.rank} ({root.description}){resume_hint}",
             rank=root.rank,
             pid=root.pid,
             exit_code=root.exit_code,
@@ -532,11 +590,12 @@ class Supervisor:
 
     def stop(self, code: int, reason: str) -> int:
         self.emit(EventKind.STOP_REQUESTED, f"{reason}: stopping all ranks (grace {self.spec.grace_period:g} s)")
+        self.dying_gasp(reason)
         procs.stop_all([r.proc for r in self.ranks.values() if r.proc is not None], self.spec.grace_period)
         for r in self.ranks.values():
             if r.state not in (RankState.SUCCEEDED, RankState.FAILED):
                 r.state = RankState.STOPPED
-        self.emit(EventKind.JOB_FINISHED, f"job {reason}", exit_code=code, reason=reason)
+        self.emit(EventKind.JOB_FINISHED, f"job {reason}{self.resume_hint()}", exit_code=code, reason=reason)
         return code
 
     # ----------------------------------------------------------------- ARF recovery
@@ -610,9 +669,8 @@ class Supervisor:
     def make_plan(self, live: list[int]) -> None:
         rec = self.recovery
         assert rec is not None
-        declared = {x.rank: list(x.replica_group) for x in self.ranks.values() if x.replica_group}
         try:
-            groups = replica_groups_from_hello(self.spec.worker_num, declared) if declared else default_replica_groups(self.spec.worker_num)
+            groups = self.replica_groups()
             plan = plan_recovery({rank: rec.reports[rank] for rank in live}, groups)
         except (NoLiveReplica, ValueError) as err:
             self.emit(EventKind.RECOVERY_FALLBACK, f"ARF cannot recover: {err}; falling back to a whole-job restart", reason=str(err))
@@ -634,6 +692,17 @@ class Supervisor:
         for x in self.ranks.values():
             if x.alive():
                 self.send(x, MsgType.RECONFIGURE, generation=rec.generation, world_size=self.spec.worker_num, step=plan.step, transfers=transfers)
+
+    def replica_groups(self) -> list[list[int]]:
+        """The job's replica groups, as the ranks declared them in their hello.
+
+        Raises:
+            ValueError: the declarations are not a partition of the ranks.
+        """
+        declared = {x.rank: list(x.replica_group) for x in self.ranks.values() if x.replica_group}
+        if not declared:
+            return default_replica_groups(self.spec.worker_num)
+        return replica_groups_from_hello(self.spec.worker_num, declared)
 
     def on_recovered(self, r: Rank, msg: Message) -> None:
         rec = self.recovery
@@ -878,13 +947,135 @@ class Supervisor:
         elif msg.type == MsgType.FAULT:
             r.committed = msg["committed"]
             r.phase = "recovering"
+            if self._gasp is not None:
+                if msg["generation"] == self._gasp["generation"]:
+                    self._gasp["reports"][r.rank] = msg["committed"]
+                return
             self.on_fault(r, msg)
+        elif msg.type == MsgType.SAVED:
+            if self._gasp is not None and msg["step"] == self._gasp.get("step"):
+                self._gasp["saved"][msg["shard"]] = msg
+            elif msg["reason"] == "periodic":
+                self.on_periodic_save(msg)
         elif msg.type == MsgType.RECOVERED:
             self.on_recovered(r, msg)
         elif msg.type == MsgType.DONE:
             r.state = RankState.SUCCEEDED if r.state != RankState.FAILED else r.state
         elif msg.type == MsgType.ERROR:
             self.emit(EventKind.WARNING, f"rank {r.rank} reported: {msg['reason']}", rank=r.rank)
+            if self._gasp is not None and r.rank in self._gasp.get("writers", {}).values():
+                self._gasp["failed"] = f"rank {r.rank}: {msg['reason']}"
+
+    # ----------------------------------------------------------------- checkpoints (TTP)
+    def on_periodic_save(self, msg: Message) -> None:
+        """A shard of a periodic checkpoint is written; once every shard is, write the manifest."""
+        try:
+            groups = self.replica_groups()
+        except ValueError:
+            return
+        saves = self.pending_saves.setdefault(msg["step"], {})
+        saves[msg["shard"]] = msg
+        if len(saves) < len(groups):
+            return
+        del self.pending_saves[msg["step"]]
+        for old in [s for s in self.pending_saves if s < msg["step"]]:
+            del self.pending_saves[old]  # a shard of it never came: that checkpoint stays incomplete
+        self.complete_checkpoint(msg["step"], groups, saves, "periodic")
+
+    def complete_checkpoint(self, step: int, groups: list[list[int]], saves: dict[int, Message], reason: str) -> None:
+        directory = ckpt.step_dir(self.checkpoint_root, step)
+        try:
+            ckpt.write_manifest(
+                directory, step, self.spec.worker_num, groups, {k: m["info"] for k, m in saves.items()},
+                reason=reason, torch_version=next(iter(saves.values()))["torch_version"],
+            )
+            removed = ckpt.prune(self.checkpoint_root, self.spec.keep_checkpoints) if self.spec.keep_checkpoints else []
+        except (OSError, ckpt.CheckpointError) as err:
+            self.emit(EventKind.WARNING, f"checkpoint of step {step} not completed: {err}", step=step)
+            return
+        nbytes = sum(int(m["info"]["bytes"]) for m in saves.values())
+        seconds = max(float(m["seconds"]) for m in saves.values())
+        self.emit(
+            EventKind.CHECKPOINT_SAVED,
+            f"checkpoint of step {step} written ({reason}): {nbytes / 1e6:.2f} MB in {seconds:.2f} s, {directory}",
+            step=step,
+            bytes=nbytes,
+            seconds=round(seconds, 3),
+            path=str(directory),
+            reason=reason,
+            pruned=[str(p) for p in removed],
+        )
+
+    def resume_hint(self) -> str:
+        """'; newest checkpoint: ...' for a failure summary, or '' when there is none."""
+        if not self.spec.tft.ttp:
+            return ""
+        newest = ckpt.find_latest(self.checkpoint_root, on_skip=lambda *_: None, checksums=False)
+        if newest is None:
+            return ""
+        return f"; newest checkpoint: step {newest.step} in {newest.directory} (the same command resumes from it)"
+
+    def dying_gasp(self, reason: str) -> None:
+        """TTP: have one live replica of each shard write the newest step every shard committed.
+
+        Live ranks are aborted (a new generation) so that each stops at a safe point (its group
+        down, its state exactly its committed step) and reports that step; the step S is chosen as
+        for a recovery; the lowest-ranked replica holding S writes each shard; the manifest is
+        written once every shard is in. A shard without a live replica holding S means no
+        checkpoint at all (never a partial one), said in an event.
+        """
+        spec = self.spec
+        live = [r for r in self.ranks.values() if r.alive() and r.library and r.identity is not None and r.kill_reason is None]
+        if not spec.tft.ttp or not live:
+            return
+        started = time.time()
+        self.recovery = None
+        self.generation += 1
+        gasp: dict[str, Any] = {"generation": self.generation, "reports": {}, "saved": {}, "writers": {}}
+        self._gasp = gasp
+        try:
+            for r in live:
+                self.send(r, MsgType.ABORT, generation=self.generation, reason=f"saving a dying-gasp checkpoint: {reason}")
+            self._pump(lambda: set(gasp["reports"]) >= {r.rank for r in live if r.alive()}, TTP_REPORT_WAIT_S)
+            reports = {rank: c for rank, c in gasp["reports"].items() if self.ranks[rank].alive()}
+            try:
+                groups = self.replica_groups()
+                plan = plan_recovery(reports, groups)
+            except (NoLiveReplica, ValueError) as err:
+                self.emit(EventKind.WARNING, f"TTP: no dying-gasp checkpoint, nothing written: {err}", reason=str(err))
+                return
+            step = plan.step
+            if step < 0:
+                return  # nothing committed yet: nothing to keep
+            newest = ckpt.find_latest(self.checkpoint_root, on_skip=lambda *_: None, checksums=False)
+            if newest is not None and newest.step >= step:
+                self.emit(EventKind.WARNING, f"TTP: step {step} is already in checkpoint {newest.directory}; nothing to write")
+                return
+            groups = ckpt.canonical_groups(groups)
+            writers = {k: min(r for r in g if reports.get(r) == step) for k, g in enumerate(groups)}
+            gasp.update(step=step, writers=writers)
+            directory = ckpt.step_dir(self.checkpoint_root, step)
+            for shard, rank in writers.items():
+                self.send(self.ranks[rank], MsgType.SAVE, generation=self.generation, step=step, shard=shard,
+                          directory=str(directory), reason="dying gasp")
+            self._pump(lambda: len(gasp["saved"]) == len(writers) or "failed" in gasp
+                       or not all(self.ranks[w].alive() for w in writers.values()), TTP_WRITE_WAIT_S)
+            if len(gasp["saved"]) < len(writers):
+                missing = sorted(set(writers) - set(gasp["saved"]))
+                why = gasp.get("failed") or f"shard(s) {missing} not written"
+                self.emit(EventKind.WARNING, f"TTP: dying-gasp checkpoint of step {step} incomplete ({why}); not completed")
+                return
+            self.complete_checkpoint(step, groups, gasp["saved"], f"dying gasp ({reason})")
+            log.info("dying gasp took %.2f s", time.time() - started)
+        finally:
+            self._gasp = None
+
+    def _pump(self, done: Any, timeout: float) -> None:
+        """Handle control messages until ``done()`` or ``timeout`` seconds (a dying gasp)."""
+        deadline = time.monotonic() + timeout
+        while not done() and time.monotonic() < deadline:
+            if self.router.poll(timeout=100):
+                self.read_messages()
 
     def observe_step(self, r: Rank, step: int, now: float) -> None:
         """Record the time of the step before ``step`` (for the automatic step timeout)."""

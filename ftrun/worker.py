@@ -41,6 +41,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -154,6 +155,7 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.replica_group = self._my_replica_group(replica_groups)
+        self.replica_groups = [list(g) for g in replica_groups] if replica_groups else [list(range(self.world_size))]
         self.registry: dict[str, Any] = {}
         self.faults = FaultInjector.from_env(self.rank, self.incarnation, self.attempt)
         self.channel = _open_channel(True, self.replica_group, self.generation)
@@ -164,6 +166,13 @@ class Worker:
         self.committed = NO_STATE if self.joining else INITIAL
         self._private_group: Any = None
         self.uce = os.environ.get("FTRUN_UCE", "1") == "1"
+        # Checkpoints (TTP): where, how often, and the one to start from (not for a respawned rank,
+        # which takes a live replica's newer state).
+        self.checkpoint_dir = os.environ.get("FTRUN_CHECKPOINT_DIR") or None
+        self.save_steps = _env_int("FTRUN_SAVE_STEPS", 0)
+        self.resume_dir = None if self.joining else (os.environ.get("FTRUN_RESUME_DIR") or None)
+        self._checkpointer: Any = None
+        self._save_request: Message | None = None
         self.recoverable_names = {n.strip() for n in os.environ.get("FTRUN_RECOVERABLE_ERRORS", "").split(",") if n.strip()}
         self._in_collective = False
         self.faults.cut_connections = self._cut_connections
@@ -441,6 +450,8 @@ class Worker:
         around the step's body lets a :class:`RecoverableError` raised there be repaired in place.
         """
         step = start
+        if self.resume_dir is not None:
+            step = max(step, self._resume() + 1)
         if self.joining:
             self.joining = False
             self._abort_generation = self.generation  # its hello was its report for this generation
@@ -462,6 +473,8 @@ class Worker:
                 reason, self._error = self._error, None
                 step = self._recover(reason) + 1
                 continue
+            if self.save_steps and (step + 1) % self.save_steps == 0 and self.committed == step:
+                self._save_periodic(step)
             self.faults.point("between_steps", step)
             step += 1
         self._send(MsgType.STEPS_END)
@@ -486,6 +499,8 @@ class Worker:
                            committed=self.committed, reason=msg["reason"], kind="abort")
         elif msg.type == MsgType.RECONFIGURE:
             self._plan = msg
+        elif msg.type == MsgType.SAVE:
+            self._save_request = msg
         elif msg.type == MsgType.STOP:
             sys.exit(0)
 
@@ -509,6 +524,8 @@ class Worker:
             msg = self.channel.receive(timeout=1.0)
             if msg is not None:
                 self._on_message(msg)
+            if self._save_request is not None:
+                self._save_dying_gasp()
             plan = self._plan
             if plan is None or plan["generation"] != self._abort_generation:
                 continue
@@ -561,6 +578,68 @@ class Worker:
         role = "recipient" if as_recipient else "donor" if as_donor else "none"
         return role, nbytes, time.monotonic() - started
 
+    # ------------------------------------------------------------------ checkpoints (TTP)
+    def _shard(self) -> int:
+        from .checkpoint import shard_of_rank
+
+        return shard_of_rank(self.rank, self.replica_groups)
+
+    def _resume(self) -> int:
+        """Load this rank's shard of the checkpoint the supervisor chose; returns its step."""
+        from .checkpoint import load_shard
+
+        started = time.monotonic()
+        directory, self.resume_dir = Path(self.resume_dir or ""), None
+        state = load_shard(directory, self._shard())
+        for name, obj in self.registry.items():
+            if name in state:
+                obj.load_state_dict(state[name])
+        self.committed = _env_int("FTRUN_RESUME_STEP", -1)
+        print(f"ftrun: rank {self.rank} resumed from {directory} (step {self.committed}) in "
+              f"{time.monotonic() - started:.2f} s", flush=True)
+        return self.committed
+
+    def _save_periodic(self, step: int) -> None:
+        """Snapshot the state of committed ``step`` and write it in the background, if this rank is
+        its replica group's writer (the lowest rank); the supervisor completes the checkpoint."""
+        if self.checkpoint_dir is None or self.rank != min(self.replica_group):
+            return
+        from .checkpoint import AsyncCheckpointer
+
+        if self._checkpointer is None:
+            self._checkpointer = AsyncCheckpointer(self.checkpoint_dir, self._shard())
+        started = time.monotonic()
+
+        def done(saved_step: int, result: Any) -> None:
+            if isinstance(result, BaseException):
+                self._send(MsgType.ERROR, reason=f"checkpoint of step {saved_step} failed: {_describe(result)}")
+            else:
+                self._send(MsgType.SAVED, step=saved_step, shard=self._shard(), info=result.to_json(),
+                           seconds=time.monotonic() - started, torch_version=torch.__version__, reason="periodic")
+
+        self._checkpointer.save(step, self.state_dict(), on_done=done)
+
+    def _save_dying_gasp(self) -> None:
+        """Write this rank's shard of the step the supervisor names (TTP), at a safe point: the
+        group is down and the state is exactly that of the committed step."""
+        from .checkpoint import save_shard
+
+        req, self._save_request = self._save_request, None
+        assert req is not None
+        started = time.monotonic()
+        failure: str | None = None
+        try:
+            if self.committed != req["step"]:
+                raise RuntimeError(f"this rank holds step {self.committed}, not {req['step']}")
+            info = save_shard(Path(req["directory"]), req["shard"], self.state_dict())
+        except Exception as err:
+            failure = _describe(err)
+        if failure is not None:
+            self._send(MsgType.ERROR, reason=f"dying-gasp checkpoint failed: {failure}")
+            return
+        self._send(MsgType.SAVED, step=req["step"], shard=req["shard"], info=info.to_json(),
+                   seconds=time.monotonic() - started, torch_version=torch.__version__, reason=req["reason"])
+
     def commit(self, step: int) -> None:
         """Mark ``step`` committed (called by the optimizer wrapper after its update)."""
         self.committed = step
@@ -568,6 +647,8 @@ class Worker:
     def finish(self) -> None:
         """Say the rank is done, tear the group down and close the channel."""
         global _worker
+        if self._checkpointer is not None:
+            self._checkpointer.close()  # the last periodic checkpoint is written before we leave
         self._send(MsgType.DONE)
         self._drop_group()
         if self.channel is not None:
