@@ -624,9 +624,10 @@ def plot(results: dict[str, Any], directory: Path) -> list[Path]:
 def merge(many: list[dict[str, Any]]) -> dict[str, Any]:
     """Several runs' results as one: runs of the same part are pooled, commands joined by ' ; '."""
     out: dict[str, Any] = {"machine": many[0]["machine"], "command": " ; ".join(r["command"] for r in many), "parts": {}}
-    for results in many:
+    for index, results in enumerate(many):
         for part, runs in results["parts"].items():
-            out["parts"].setdefault(part, []).extend(runs)
+            # Pairs are matched by repeat index: keep each file's pairs apart.
+            out["parts"].setdefault(part, []).extend(r | {"repeat": index * 1000 + r["repeat"]} for r in runs)
         out.setdefault("errors", []).extend(results.get("errors", []))
     return out
 
