@@ -66,6 +66,7 @@ log = logging.getLogger("ftrun.supervisor")
 
 STATUS_PERIOD_S = 0.25  # at most four console snapshots a second
 STACK_DUMP_WAIT_S = 2.0  # how long a hung rank gets to write its stacks before it is killed
+UNREPAIRED_GRACE_S = 1.0  # wait this long for a death to explain a failed collective before restarting
 TTP_REPORT_WAIT_S = 10.0  # how long live ranks get to reach a safe point and report (dying gasp)
 TTP_WRITE_WAIT_S = 300.0  # how long the shard writers get to write (dying gasp)
 _KIND_LABEL = {"comm_error": "HCCE: communication error", "recoverable_error": "UCE: recoverable error"}
@@ -195,6 +196,7 @@ class Supervisor:
         self.resume_from: ckpt.Manifest | None = None  # the checkpoint this attempt starts from
         self.pending_saves: dict[int, dict[int, Message]] = {}  # step -> shard -> its SAVED report
         self._gasp: dict[str, Any] | None = None  # the dying gasp in progress
+        self._unrepaired: tuple[float, str] | None = None  # a fault reported that no switch repairs
         self._wakeup_r, self._wakeup_w = os.pipe()
         os.set_blocking(self._wakeup_w, False)
         os.set_blocking(self._wakeup_r, False)
@@ -774,6 +776,12 @@ class Supervisor:
         a rank that is alive but not progressing). Acts on the first hang it finds."""
         spec = self.spec
         now = time.time()
+        if self._unrepaired is not None and (self.recovery is not None or self.round_failures):
+            self._unrepaired = None  # a death explains it; ARF or the restart policy handles that
+        if self._unrepaired is not None and now - self._unrepaired[0] > UNREPAIRED_GRACE_S:
+            reason, self._unrepaired = self._unrepaired[1], None
+            self._pending_exit = self.restart_job(reason)
+            return
         for r in self.ranks.values():
             if not r.alive() or r.kill_reason is not None:
                 continue
@@ -1101,8 +1109,11 @@ class Supervisor:
             allowed = self.spec.tft.arf and (self.spec.tft.uce if kind == "recoverable" else self.spec.tft.hcce)
             reason = f"rank {r.rank} reported {msg['reason']}"
             if not allowed:
+                # A collective also fails when a peer dies, and its report can beat the peer's
+                # SIGCHLD: wait a moment for a death before restarting the whole job.
                 switch = "UCE" if kind == "recoverable" else "HCCE"
-                self._pending_exit = self.restart_job(f"{reason} and {switch} is off")
+                if self._unrepaired is None:
+                    self._unrepaired = (time.time(), f"{reason} and {switch} is off")
                 return
             self.start_recovery(set(), reason, kind=event_kind)
             self.on_report(r, self.generation, msg["committed"])

@@ -725,7 +725,7 @@ class FTOptimizer:
         return True
 
 
-def _local_gradients_hook(_state: Any, bucket: Any) -> Any:
+def _local_gradients_hook(_state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
     """DDP comm hook that communicates nothing: gradients stay local until the optimizer wrapper
     averages them over ftrun's group."""
     fut: torch.futures.Future = torch.futures.Future()
