@@ -7,10 +7,12 @@ A plain single-process CPU training loop (an MLP trained with Adam) is timed thr
   *every* step (snapshot at the step boundary, written by the background thread);
 - ``sync``: the same save done inline with :func:`ftrun.checkpoint.save_shard` (for reference).
 
-For each model (a large one, ``--hidden 2048`` with four layers: about 12.6 M parameters, 150 MB
+For each model (a large one, width 2048 with four hidden layers: 13.7 M parameters, 164 MB
 of saved state with Adam's moments; and a small one) it prints the mean and median step time,
 the overhead of saving against ``none``, the time ``save()`` blocked training (snapshot copy plus
-any wait for the previous write) and the background write time. Every step is saved, so the
+any wait for the previous write), the background write time, and the process CPU time per step
+(all threads; less sensitive than wall time to other load on the machine, though torch's
+spinning worker threads count in it). Every step is saved, so the
 background write must take less than a step or training waits for it; the step time is set by
 ``--batch``. Run::
 
