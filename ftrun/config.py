@@ -151,6 +151,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("step_timeout_min", float, 3.0, "Automatic step timeout: never below this many seconds."),
     Option("warmup_steps", int, 3, "Steps per rank left out of the automatic step timeout (compilation, caches)."),
     Option("setup_timeout", float, 300.0, "Seconds a rank may take from its start to its first steps (imports, compilation, rendezvous)."),
+    Option("warm_spares", int, 1, "Processes kept with torch already imported, to replace a failed rank faster (ARF; 0: none)."),
     Option("recoverable_errors", str, "", "More exception types repaired in place (UCE), e.g. 'torch.OutOfMemoryError,MyError'."),
     Option("checkpoint_dir", str, "ftrun_checkpoints", "Directory of checkpoints (periodic and dying-gasp)."),
     Option("save_steps", int, 0, "Write a checkpoint every N committed steps, in the background (0: never)."),
@@ -190,6 +191,7 @@ class JobSpec:
             max(step_timeout_min, largest observed step time * step_timeout_factor).
         warmup_steps: steps per rank not used for the automatic step timeout.
         setup_timeout: seconds from a rank's start to its first steps.
+        warm_spares: processes kept with torch imported, to replace failed ranks faster.
         recoverable_errors: extra exception type names repaired in place (UCE).
         checkpoint_dir, save_steps, keep_checkpoints, resume: checkpoints (TTP).
         config_file: the TOML file the spec was read from, if any.
@@ -221,6 +223,7 @@ class JobSpec:
     step_timeout_min: float = 3.0
     warmup_steps: int = 3
     setup_timeout: float = 300.0
+    warm_spares: int = 1
     recoverable_errors: tuple[str, ...] = ()
     checkpoint_dir: str = "ftrun_checkpoints"
     save_steps: int = 0
@@ -478,7 +481,7 @@ def resolve(
         raise ConfigError(f"--step_timeout must be >= 0 seconds (0: automatic), got {values['step_timeout']}")
     if values["step_timeout_factor"] < 1:
         raise ConfigError(f"--step_timeout_factor must be at least 1, got {values['step_timeout_factor']}")
-    for name in ("warmup_steps", "save_steps", "keep_checkpoints"):
+    for name in ("warmup_steps", "save_steps", "keep_checkpoints", "warm_spares"):
         if values[name] < 0:
             raise ConfigError(f"--{name} must be >= 0, got {values[name]}")
     recoverable = tuple(n.strip() for n in values["recoverable_errors"].split(",") if n.strip())
@@ -517,6 +520,7 @@ def resolve(
         step_timeout_min=values["step_timeout_min"],
         warmup_steps=values["warmup_steps"],
         setup_timeout=values["setup_timeout"],
+        warm_spares=values["warm_spares"],
         recoverable_errors=recoverable,
         checkpoint_dir=values["checkpoint_dir"],
         save_steps=values["save_steps"],

@@ -55,6 +55,7 @@ def spawn(
     stderr: int | None = None,
     death_signal: int = signal.SIGKILL,
     cwd: str | None = None,
+    stdin: int | None = subprocess.DEVNULL,
 ) -> subprocess.Popen:
     """Start ``argv`` in its own session, tied to this process's life by ``death_signal``.
 
@@ -62,6 +63,7 @@ def spawn(
         argv: the command line.
         env: the complete environment of the child.
         stdout, stderr: file descriptors (or None to inherit).
+        stdin: a file descriptor, ``subprocess.PIPE``, or (default) ``/dev/null``.
         death_signal: signal the child receives when this process dies.
         cwd: working directory.
 
@@ -71,7 +73,7 @@ def spawn(
     return subprocess.Popen(
         list(argv),
         env=env,
-        stdin=subprocess.DEVNULL,
+        stdin=stdin,
         stdout=stdout,
         stderr=stderr,
         cwd=cwd,

@@ -197,6 +197,7 @@ class Supervisor:
         self.pending_saves: dict[int, dict[int, Message]] = {}  # step -> shard -> its SAVED report
         self._gasp: dict[str, Any] | None = None  # the dying gasp in progress
         self._unrepaired: tuple[float, str] | None = None  # a fault reported that no switch repairs
+        self.spares: list[subprocess.Popen] = []  # warm spares (ftrun.spare), torch imported, idle
         self._wakeup_r, self._wakeup_w = os.pipe()
         os.set_blocking(self._wakeup_w, False)
         os.set_blocking(self._wakeup_r, False)
@@ -338,8 +339,8 @@ class Supervisor:
             return [sys.executable, "-u", "-m", spec.script, *spec.script_args]
         return [sys.executable, "-u", spec.script, *spec.script_args]
 
-    def spawn(self, r: Rank, attempt_port: int) -> None:
-        """Start the next incarnation of rank ``r``."""
+    def spawn(self, r: Rank, attempt_port: int, use_spare: bool = False) -> None:
+        """Start the next incarnation of rank ``r`` (in a warm spare if ``use_spare`` and one is idle)."""
         r.incarnation += 1
         r.identity = None  # r.library stays: a respawned rank runs the same script as before
         r.step = None
@@ -359,16 +360,67 @@ class Supervisor:
             )
             fh.write(header.encode())
             fh.flush()
-            r.proc = procs.spawn(
+            spare = self.take_spare(r, attempt_port, path) if use_spare else None
+            r.proc = spare or procs.spawn(
                 self.argv(), env=self.worker_env(r, attempt_port), stdout=fh.fileno(), stderr=subprocess.STDOUT
             )
         r.started_at = time.time()
         self.emit(
             EventKind.RANK_STARTED,
-            f"rank {r.rank} started (pid {r.proc.pid}, incarnation {r.incarnation})",
+            f"rank {r.rank} started (pid {r.proc.pid}, incarnation {r.incarnation}{', in a warm spare' if spare else ''})",
             rank=r.rank,
             log=str(path),
+            warm_spare=spare is not None,
         )
+
+    # ----------------------------------------------------------------- warm spares
+    def keep_spares(self) -> None:
+        """Start warm spares once a rank has said hello through the worker library (only such jobs
+        use ARF; the spare imports while the ranks set up), never while a recovery runs (it would
+        compete with the recovery for the CPU)."""
+        spec = self.spec
+        self.spares = [p for p in self.spares if p.poll() is None]
+        if (
+            len(self.spares) >= spec.warm_spares
+            or not spec.tft.arf
+            or spec.no_python
+            or spec.nnodes > 1
+            or self.recovery is not None
+            or not any(r.library for r in self.ranks.values())
+        ):
+            return
+        model = next(iter(self.ranks.values()))
+        with open(self.log_dir / "spares.log", "ab") as fh:
+            spare = procs.spawn(
+                [sys.executable, "-u", "-m", "ftrun.spare"],
+                env=self.worker_env(model, self.attempt_port),
+                stdout=fh.fileno(),
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.PIPE,
+            )
+        self.spares.append(spare)
+        log.info("warm spare started (pid %d)", spare.pid)
+
+    def take_spare(self, r: Rank, attempt_port: int, log_path: Path) -> subprocess.Popen | None:
+        """Hand rank ``r``'s next incarnation to an idle warm spare; None if there is none."""
+        while self.spares:
+            spare = self.spares.pop(0)
+            if spare.poll() is not None or spare.stdin is None:
+                continue
+            job = {
+                "env": self.worker_env(r, attempt_port),
+                "argv": [self.spec.script, *self.spec.script_args],
+                "module": self.spec.module,
+                "log": str(log_path),
+                "cwd": os.getcwd(),
+            }
+            try:
+                spare.stdin.write(json.dumps(job).encode())
+                spare.stdin.close()
+            except OSError:
+                continue  # it died just now
+            return spare
+        return None
 
     def start_attempt(self) -> None:
         self.attempt_port = self._attempt_store_port()
@@ -444,8 +496,11 @@ class Supervisor:
             if exit_code is None:
                 self.check_hangs()
                 exit_code = self._pending_exit
+            if exit_code is None and self.spec.warm_spares:
+                self.keep_spares()
             self.publish_status()
         self.publish_status(force=True)
+        procs.stop_all(self.spares, 0.0)
         self.close()
         return exit_code
 
@@ -645,7 +700,7 @@ class Supervisor:
             r = self.ranks[rank]
             self.restarts_used += 1
             r.restarts += 1
-            self.spawn(r, self.attempt_port)
+            self.spawn(r, self.attempt_port, use_spare=True)
             self.recovery.respawned_at[rank] = time.time()
             self.emit(
                 EventKind.RANK_RESPAWNED,

@@ -1,0 +1,62 @@
+"""A warm spare: a process that has already paid for ``import torch`` and waits to become a rank.
+
+Respawning a rank costs a new interpreter and its imports (about 1.2 s for torch alone on an idle
+machine, several seconds on a busy one; DESIGN.md), and that is most of an ARF recovery. The
+supervisor therefore keeps ``--warm_spares`` processes started with ``python -m ftrun.spare``: each
+imports torch, torch.distributed, numpy and the worker library, then blocks reading its standard
+input. To replace a failed rank, the supervisor writes one JSON object there and closes it::
+
+    {"env": {...the rank's environment...}, "argv": [script, args...], "module": false,
+     "log": "/path/worker_<rank>.log", "cwd": "/path"}
+
+The spare takes that environment, sends its output to the rank's log, and runs the script as
+``__main__`` (``runpy``), exactly as ``python script args`` would, in a process that is already
+the supervisor's child, in its own session and tied to the supervisor's life. JSON only: nothing
+arriving here is unpickled. An idea from hot-spare schemes in elastic training (e.g. MindCluster's
+standby processes), applied to the interpreter rather than the node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+
+
+def main() -> None:
+    # What a respawned rank would otherwise import after its start (the slow part).
+    import numpy  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+    from . import worker  # noqa: F401
+
+    raw = sys.stdin.buffer.read()
+    if not raw:
+        sys.exit(0)  # the supervisor closed our input without an assignment: not needed
+    job = json.loads(raw)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    log = os.open(job["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.environ.clear()
+    os.environ.update(job["env"])
+    os.chdir(job["cwd"])
+    argv = [str(a) for a in job["argv"]]
+    sys.argv = argv
+    if job["module"]:
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
