@@ -59,7 +59,7 @@ STEP = re.compile(r"step (\d+) loss \S+ time (\d+\.\d+)")
 FINAL = re.compile(r"final step=(\d+) loss=\S+ test_accuracy=(\S+) params_sha256=([0-9a-f]{64})")
 STATE_MB = re.compile(r"state_mb=(\S+)")
 LAUNCHERS = ("ftrun", "torchrun")
-PARTS = ("recovery", "scaling-world", "scaling-state", "overhead", "memory")
+PARTS = ("recovery", "scaling-world", "scaling-state", "overhead", "memory", "transfer")
 WARMUP_STEPS = 3
 SCRIPTS = {
     ("digits", "ftrun"): "train_digits.py",
@@ -383,6 +383,10 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     """Run every case of every part ``args.repeats`` times, both launchers back to back."""
     results: dict[str, Any] = {"machine": machine(), "command": " ".join(["python scripts/bench.py", *sys.argv[1:]]),
                                "parts": {}}
+    if "transfer" in args.parts:
+        print("[transfer] raw send_state/recv_state between two processes ...", file=sys.stderr, flush=True)
+        sizes = [1, 10, 100] if args.quick else [1, 10, 100, 400, 1000]
+        results["transfer"] = run_transfer(sizes, 1 if args.quick else 3)
     for part, cases in plan(args).items():
         runs: list[dict[str, Any]] = []
         results["parts"][part] = runs
@@ -423,6 +427,8 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "ftrun_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                       text=True).stdout.strip() or "?",
     }
 
 
@@ -537,7 +543,7 @@ def report(results: dict[str, Any]) -> str:
     """All tables, as text."""
     m = results["machine"]
     lines = [f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GiB, {m['os']}, Python {m['python']}, "
-             f"torch {m['torch']}; load average at start {m['load_avg_at_start']}",
+             f"torch {m['torch']}; ftrun {m.get('ftrun_commit', '?')}; load average at start {m['load_avg_at_start']}",
              f"command: {results['command']}"]
     parts = results["parts"]
     for part in ("recovery", "scaling-world", "scaling-state"):
@@ -549,6 +555,10 @@ def report(results: dict[str, Any]) -> str:
     if "overhead" in parts:
         lines += ["", "== overhead: fault-free step time, ftrun against plain torchrun DDP (pairwise median)"]
         lines += overhead_table(parts["overhead"])
+    if results.get("transfer"):
+        lines += ["", "== transfer: ftrun.transfer between two otherwise idle processes over gloo, no training "
+                      "(into: into tensors the recipient has; fresh: into new ones)"]
+        lines += transfer_table(results["transfer"])
     if results.get("errors"):
         lines += ["", f"{len(results['errors'])} run(s) failed and are left out; their output is under 'errors' in the JSON"]
     memory_runs = parts.get("memory") or parts.get("scaling-world")
@@ -621,6 +631,62 @@ def plot(results: dict[str, Any], directory: Path) -> list[Path]:
     return written
 
 
+def transfer_worker(rank: int, port: int, sizes_mb: list[float], repeats: int) -> None:
+    """One side of the raw transfer measurement: rank 0 sends ``ftrun.transfer`` states of each
+    size to rank 1, which receives them into tensors it already has ("into") and into none ("fresh",
+    what a respawned rank's optimizer state does). Rank 1 prints one JSON line per measurement."""
+    import torch
+    import torch.distributed as dist
+
+    from ftrun.transfer import recv_state, send_state
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    for size in sizes_mb:
+        tensors = max(1, int(size / 4))  # 4 MB tensors, like a model's layers
+        state = {"model": {f"w{i}": torch.full((int(size * 1e6 / 4 / tensors),), float(rank)) for i in range(tensors)}}
+        for mode in ("into", "fresh"):
+            for _ in range(repeats):
+                dist.barrier()
+                started = time.perf_counter()
+                if rank == 0:
+                    nbytes = send_state(state, 1)
+                else:
+                    _, nbytes = recv_state(0, state if mode == "into" else {})
+                seconds = time.perf_counter() - started
+                if rank == 1:
+                    print(json.dumps({"mb": nbytes / 1e6, "mode": mode, "seconds": seconds}), flush=True)
+    dist.destroy_process_group()
+
+
+def run_transfer(sizes_mb: list[float], repeats: int) -> list[dict[str, Any]]:
+    """Raw state-transfer throughput between two idle processes over gloo (no training)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    sizes = ",".join(str(x) for x in sizes_mb)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--_transfer_worker"]
+    procs = [subprocess.Popen([*cmd, f"{rank},{port},{sizes},{repeats}"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+             for rank in (0, 1)]
+    out = [p.communicate(timeout=600)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"transfer measurement failed: exit codes {[p.returncode for p in procs]}")
+    return [json.loads(line) for line in out[1].splitlines() if line.startswith("{")]
+
+
+def transfer_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Median seconds and GB/s per size and mode."""
+    out = [f"{'state_MB':>8} {'mode':<6} {'seconds':>8} {'GB/s':>6}"]
+    keys = sorted({(round(r["mb"], 1), r["mode"]) for r in rows}, key=lambda k: (k[0], k[1] != "into"))
+    for mb, mode in keys:
+        sec = statistics.median(r["seconds"] for r in rows if round(r["mb"], 1) == mb and r["mode"] == mode)
+        out.append(f"{mb:>8.1f} {mode:<6} {sec:>8.3f} {mb / 1e3 / sec:>6.2f}")
+    return out
+
+
 def merge(many: list[dict[str, Any]]) -> dict[str, Any]:
     """Several runs' results as one: runs of the same part are pooled, commands joined by ' ; '."""
     out: dict[str, Any] = {"machine": many[0]["machine"], "command": " ; ".join(r["command"] for r in many), "parts": {}}
@@ -629,6 +695,7 @@ def merge(many: list[dict[str, Any]]) -> dict[str, Any]:
             # Pairs are matched by repeat index: keep each file's pairs apart.
             out["parts"].setdefault(part, []).extend(r | {"repeat": index * 1000 + r["repeat"]} for r in runs)
         out.setdefault("errors", []).extend(results.get("errors", []))
+        out.setdefault("transfer", []).extend(results.get("transfer", []))
     return out
 
 
@@ -644,7 +711,12 @@ def main() -> None:
     parser.add_argument("--json", default="bench_results.json", help="raw results file ('' for none)")
     parser.add_argument("--plots", default=None, help="write PNG figures to this directory (needs matplotlib)")
     parser.add_argument("--from_json", default=None, help="report (and plot) previous runs' JSON files (comma-separated, pooled); run nothing")
+    parser.add_argument("--_transfer_worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args._transfer_worker:
+        rank, port, *sizes, repeats = args._transfer_worker.split(",")  # RANK,PORT,MB,...,REPEATS
+        transfer_worker(int(rank), int(port), [float(x) for x in sizes], int(repeats))
+        return
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(args.parts) - set(PARTS))
     if unknown:
