@@ -27,7 +27,8 @@ step, this script SIGKILLs the victim rank from outside (no help from any librar
   setup (the new rank's own start-up: data, model, until it enters recovery), rebuild (the new
   process group), transfer (state, point to point), retried (the failed step run again) and other;
   for torchrun into restart (kill to the first step after the restart) and recompute;
-- peak resident memory (VmHWM) of the launcher, of ftrun's supervisor and of the largest rank.
+- peak resident memory (VmHWM) of the launcher, of ftrun's supervisor, of the largest rank and of
+  ftrun's warm spare (which, once promoted to replace the killed rank, keeps its command line).
 
 Ratios (torchrun/ftrun recovery, ftrun/torchrun step time) are taken pair by pair: each repeat runs
 both launchers back to back, so load on the machine hits both alike. ``--json`` keeps every raw run.
@@ -178,6 +179,8 @@ class MemorySampler:
             return "launcher"
         if "ftrun.supervisor" in cmdline:
             return "supervisor"
+        if "ftrun.spare" in cmdline:
+            return "spare"  # a warm spare, idle or (same command line) promoted to a rank
         return "rank" if self.script in cmdline else None
 
     def _loop(self) -> None:
@@ -529,13 +532,14 @@ def overhead_table(runs: list[dict[str, Any]]) -> list[str]:
 
 def memory_table(runs: list[dict[str, Any]]) -> list[str]:
     """Peak RSS (MB, median over repeats) of launcher, supervisor and the largest rank by world size."""
-    out = [f"{'case':<18} {'ft_launcher':>11} {'ft_superv':>9} {'ft_rank':>8} {'tr_launcher':>11} {'tr_rank':>8}"]
+    out = [f"{'case':<18} {'ft_launcher':>11} {'ft_superv':>9} {'ft_rank':>8} {'ft_spare':>8} {'tr_launcher':>11} {'tr_rank':>8}"]
     for key, group in _groups(runs).items():
         def peak(launcher: str, role: str) -> str:
             return _fmt(_med([r["peak_rss_mb"].get(role) for r in group[launcher]]), 0)
 
         out.append(f"{_label(key):<18} {peak('ftrun', 'launcher'):>11} {peak('ftrun', 'supervisor'):>9} "
-                   f"{peak('ftrun', 'rank'):>8} {peak('torchrun', 'launcher'):>11} {peak('torchrun', 'rank'):>8}")
+                   f"{peak('ftrun', 'rank'):>8} {peak('ftrun', 'spare'):>8} {peak('torchrun', 'launcher'):>11} "
+                   f"{peak('torchrun', 'rank'):>8}")
     return out
 
 
