@@ -19,14 +19,20 @@ background write must take less than a step or training waits for it; the step t
     python scripts/bench_checkpoint.py                 # both models, default sizes
     python scripts/bench_checkpoint.py --models large --steps 30 --batch-large 2048
 
+With ``--digits``, it also runs the real 4-rank digits job under ftrun with and without
+``--save_steps 1`` and prints the median step time from rank 0's own timestamps.
+
 Figures are printed, not asserted (benchmarks measure speed, tests do not).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -110,6 +116,27 @@ def run(mode: str, hidden: int, layers: int, batch: int, steps: int, warmup: int
     }
 
 
+def digits_step_time(save_steps: int, steps: int) -> float:
+    """Median seconds per step of ``ftrun --worker_num 4 examples/train_digits.py`` (rank 0's
+    ``step N loss L time T`` lines, after 20 warm-up steps), checkpointing every ``save_steps``."""
+    work = Path(tempfile.mkdtemp(prefix="ftrun-bench-digits-"))
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FTRUN_")}
+        cmd = [sys.executable, "-m", "ftrun", "--worker_num", "4", "--master_port", "0", "--plain",
+               "--tail_worker_log", "0", "--log_dir", str(work / "logs"), "--checkpoint_dir", str(work / "ckpt"),
+               "--save_steps", str(save_steps), str(Path(__file__).resolve().parent.parent / "examples" / "train_digits.py"),
+               "--steps", str(steps), "--log_every", "1"]
+        proc = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stdout[-2000:])
+        log = (work / "logs" / "worker_0.log").read_text()
+        stamps = [(int(m.group(1)), float(m.group(2))) for m in re.finditer(r"step (\d+) loss \S+ time (\S+)", log)]
+        gaps = [t1 - t0 for (s0, t0), (s1, t1) in zip(stamps, stamps[1:]) if s1 == s0 + 1 and s0 >= 20]
+        return statistics.median(gaps)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["large", "small"])
@@ -120,7 +147,17 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each mode, interleaved; the best mean is kept")
     parser.add_argument("--dir", type=Path, default=None, help="checkpoint directory (default: a temporary one)")
+    parser.add_argument("--digits", action="store_true", help="also time the 4-rank digits job with --save_steps 1")
+    parser.add_argument("--digits-steps", type=int, default=300)
     args = parser.parse_args()
+    if args.digits:
+        runs = {0: [], 1: []}
+        for _ in range(args.repeats):
+            for save in (0, 1):
+                runs[save].append(digits_step_time(save, args.digits_steps))
+        none, every = min(runs[0]), min(runs[1])
+        print(f"digits job, 4 ranks, {args.digits_steps} steps: step {none * 1e3:.2f} ms without checkpoints, "
+              f"{every * 1e3:.2f} ms with --save_steps 1 ({(every / none - 1) * 100:+.1f}%); best of {args.repeats}", flush=True)
     base = args.dir or Path(tempfile.mkdtemp(prefix="ftrun-bench-ckpt-"))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; checkpoints in {base}; every step saved", flush=True)
     try:
