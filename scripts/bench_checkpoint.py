@@ -147,9 +147,14 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each mode, interleaved; the best mean is kept")
     parser.add_argument("--dir", type=Path, default=None, help="checkpoint directory (default: a temporary one)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for training (default: torch's choice); 1 on 2 cores leaves a core to the writer, "
+                             "as a GPU job leaves its CPU cores")
     parser.add_argument("--digits", action="store_true", help="also time the 4-rank digits job with --save_steps 1")
     parser.add_argument("--digits-steps", type=int, default=300)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.digits:
         runs = {0: [], 1: []}
         for _ in range(args.repeats):

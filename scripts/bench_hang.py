@@ -74,10 +74,12 @@ def run_once(kind: str, args: argparse.Namespace) -> dict[str, float]:
         events = [json.loads(x) for x in (workdir / "logs" / "events.jsonl").read_text().splitlines()]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    # The hang starts after rank 0's line for hang_step (SIGSTOP: when we sent it); it is over when
-    # rank 0 prints the first step after it.
+    # The hang starts after rank 0's line for hang_step (SIGSTOP: when we sent it, which can be a few
+    # steps later, as lines reach us late); it is over at the end of the longest pause in rank 0's
+    # step lines after that.
     start = stopped.get("time") or next(t for s, t in lines if s == args.hang_step)
-    resumed = next(t for s, t in lines if s > args.hang_step and t > start)
+    pauses = [(t1 - max(t0, start), t1) for (_, t0), (_, t1) in zip(lines, lines[1:]) if t1 > start]
+    resumed = max(pauses)[1]
     hung = next(e for e in events if e["kind"] == "rank_hung")
     finished = next(e for e in events if e["kind"] == "recovery_finished")["detail"]
     return {
