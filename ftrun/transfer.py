@@ -6,8 +6,9 @@ position, user objects) of its replica group:
 1. a *skeleton*: the nested ``state_dict`` structure with every tensor replaced by a reference
    ``{"__tensor__": i, "dtype": ..., "shape": [...]}``, encoded with msgpack (never pickle), sent as
    a length then a uint8 tensor;
-2. the tensors' bytes, small ones coalesced into chunks of up to :data:`CHUNK_BYTES` so the number
-   of messages stays small, large ones sent as they are, with no copy. The recipient receives
+2. the tensors' bytes, those under :data:`ALONE_BYTES` coalesced into chunks of up to
+   :data:`CHUNK_BYTES` so the number of messages stays small, larger ones sent as they are, with
+   no copy. The recipient receives
    straight into its own tensors where its current state has a tensor of the same name, dtype and
    shape (the model's parameters, existing optimizer buffers), so memory is not doubled.
 
@@ -25,7 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-CHUNK_BYTES = 16 << 20  # coalesce tensors smaller than this into chunks of up to this many bytes
+CHUNK_BYTES = 16 << 20  # small tensors are coalesced into chunks of up to this many bytes
+ALONE_BYTES = 1 << 20  # tensors of this size or more travel alone, with no copy on either side
 
 
 
@@ -114,7 +116,7 @@ def _chunks(sizes: list[int]) -> Iterator[list[int]]:
     chunk: list[int] = []
     total = 0
     for i, size in enumerate(sizes):
-        if size >= CHUNK_BYTES:
+        if size >= ALONE_BYTES:
             if chunk:
                 yield chunk
                 chunk, total = [], 0
