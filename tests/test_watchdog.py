@@ -30,10 +30,10 @@ def _assert_nobody_replaced(events: list[dict]) -> None:
     assert not _kinds(events, "job_restarting")
 
 
-def _assert_hang_replaced(events: list[dict], rank: int, fault: str) -> dict:
+def _assert_hang_replaced(events: list[dict], rank: int, fault: str | None) -> dict:
     hung = _kinds(events, "rank_hung")
     assert [e["rank"] for e in hung] == [rank], hung
-    assert hung[0]["detail"]["fault"] == fault
+    assert fault is None or hung[0]["detail"]["fault"] == fault
     dj.assert_survivors_kept_pids(events, {rank})
     failed = _kinds(events, "rank_failed")
     assert [e["rank"] for e in failed] == [rank] and "hung" in failed[0]["detail"]["cause"]
@@ -66,8 +66,13 @@ def test_frozen_rank_is_replaced(long_reference: str, tmp_path: Path) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-3000:]
     assert dj.digest(out, dj.LONG_STEPS) == long_reference
-    hung = _assert_hang_replaced(dj.events(log_dir), 2, "no_heartbeat")
-    assert "stopped" in hung["message"] and hung["detail"]["heartbeat_age"] > 5.0
+    # Whichever bound runs out first catches it: its heartbeats stop (5 s), and so do the job's steps
+    # (the automatic step timeout, at least 3 s). A stopped process cannot dump its stacks.
+    hung = _assert_hang_replaced(dj.events(log_dir), 2, None)
+    assert hung["detail"]["fault"] in ("no_heartbeat", "no_progress")
+    assert "stopped" in hung["message"] and not hung["detail"]["stack_dump"]
+    if hung["detail"]["fault"] == "no_heartbeat":
+        assert hung["detail"]["heartbeat_age"] > 5.0
 
 
 def test_communication_error_rebuilds_the_group_without_respawn(reference: str, tmp_path: Path) -> None:
