@@ -40,6 +40,8 @@ class Channel:
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        self._wake_lock = threading.Lock()
+        self._wake_pending = False
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, f"{rank}:{incarnation}:{os.getpid()}".encode())
@@ -56,8 +58,15 @@ class Channel:
         """Queue a message (rank and incarnation are added). Never blocks on the network."""
         if self._closed:
             return
-        self._outbox.put(encode(msg_type, self.token, rank=self.rank, incarnation=self.incarnation, **fields))
-        os.write(self._wake_w, b"x")
+        frame = encode(msg_type, self.token, rank=self.rank, incarnation=self.incarnation, **fields)
+        # Wake the I/O thread once per burst: until it has taken the wake-up, it will drain
+        # everything queued meanwhile (a step sends several messages; a system call each was
+        # measurable on small steps).
+        with self._wake_lock:
+            self._outbox.put(frame)
+            if not self._wake_pending:
+                self._wake_pending = True
+                os.write(self._wake_w, b"x")
 
     def receive(self, timeout: float | None = 0.0) -> Message | None:
         """Take the next message from the supervisor, waiting up to ``timeout`` seconds (None: forever)."""
@@ -91,10 +100,12 @@ class Channel:
                 next_beat = now + self.heartbeat_interval
             events = dict(poller.poll(timeout=max(0, int((next_beat - now) * 1000))))
             if self._wake_r in events:
-                try:
-                    os.read(self._wake_r, 65536)
-                except BlockingIOError:
-                    pass
+                with self._wake_lock:
+                    self._wake_pending = False  # messages queued from now on wake us again
+                    try:
+                        os.read(self._wake_r, 65536)
+                    except BlockingIOError:
+                        pass
             while True:
                 try:
                     frame = self._outbox.get_nowait()
