@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# The parameters' digest and the final line are the digits examples' own, so both workloads print
+# (and tests and benchmarks parse) one format. This file sits beside digits_common.py.
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+from digits_common import final_line, params_sha256  # noqa: E402
 
 __all__ = [
     "SIZES",
@@ -236,19 +244,6 @@ def evaluate(model: nn.Module, held_out: torch.Tensor, context: int, windows: in
         return correct / (n * context)
     finally:
         model.train(was_training)
-
-
-def params_sha256(model: nn.Module) -> str:
-    """Hex sha256 over the raw bytes of all parameters in ``named_parameters()`` order."""
-    h = hashlib.sha256()
-    for _, p in model.named_parameters():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-def final_line(step: int, loss: float, acc: float, digest: str) -> str:
-    """The one-line summary tests and benchmarks grep for (the digits examples' format)."""
-    return f"final step={step} loss={loss:.6f} test_accuracy={acc:.4f} params_sha256={digest}"
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
