@@ -271,6 +271,24 @@ def _temp_name(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{os.getpid()}-{threading.get_ident()}")
 
 
+def _write_atomically(final: Path, fill: Callable[[Any], Any]) -> Any:
+    """Write ``final`` through a temporary name in its directory: ``fill(binary file)``, flush,
+    fsync, rename into place, fsync the directory. Returns what ``fill`` returned; on any error the
+    temporary file is removed and ``final`` is untouched."""
+    tmp = _temp_name(final)
+    try:
+        with open(tmp, "wb") as f:
+            result = fill(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(final.parent)
+    return result
+
+
 class _HashingWriter:
     """A write-only file object that hashes and counts what goes through it."""
 
@@ -447,18 +465,13 @@ def save_shard(directory: str | os.PathLike[str], shard: int, state: Mapping[str
     payload = {"format": FORMAT, "version": VERSION, "shard": int(shard), "state": _encode(state)}
     final = directory / shard_file(shard)
     _make_dir(directory)
-    tmp = _temp_name(final)
-    try:
-        with open(tmp, "wb") as f:
-            writer = _HashingWriter(f)
-            torch.save(payload, writer)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(directory)
+
+    def fill(f: Any) -> _HashingWriter:
+        writer = _HashingWriter(f)
+        torch.save(payload, writer)
+        return writer
+
+    writer = _write_atomically(final, fill)
     return ShardInfo(final.name, writer.bytes, writer.hexdigest())
 
 
@@ -576,18 +589,8 @@ def write_manifest(
         extra=dict(extra or {}),
     )
     final = directory / MANIFEST
-    tmp = _temp_name(final)
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(manifest.to_json(), f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(directory)
+    text = json.dumps(manifest.to_json(), indent=1) + "\n"
+    _write_atomically(final, lambda f: f.write(text.encode("utf-8")))
     return final
 
 
