@@ -91,3 +91,21 @@ def training(log_dir: Path) -> bool:
     joined = len({e["rank"] for e in events(log_dir) if e["kind"] == "rank_joined"}) == 4
     log = log_dir / "worker_0.log"
     return joined and log.exists() and "step 20 loss" in log.read_text()
+
+
+def signal_rank_and_finish(tmp_path: Path, rank: int, sig: int) -> tuple[str, Path]:
+    """Start the long job, send ``sig`` to ``rank``'s first process once it trains, and let the job
+    run to its end; returns (its output, its log dir). Asserts exit code 0; kills everything left
+    on the way out."""
+    import signal
+
+    proc, log_dir = start(tmp_path)
+    try:
+        wait_for(lambda: training(log_dir))
+        os.kill(started(events(log_dir))[rank][0], sig)
+        out, _ = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    return out, log_dir

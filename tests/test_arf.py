@@ -98,16 +98,7 @@ def test_other_exit_kinds(reference: str, tmp_path: Path) -> None:
 
 
 def test_kill_from_outside(long_reference: str, tmp_path: Path) -> None:
-    proc, log_dir = dj.start(tmp_path)
-    try:
-        dj.wait_for(lambda: dj.training(log_dir))
-        victim = dj.started(dj.events(log_dir))[2][0]
-        os.kill(victim, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=200)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-3000:]
+    out, log_dir = dj.signal_rank_and_finish(tmp_path, 2, signal.SIGKILL)
     assert dj.digest(out, dj.LONG_STEPS) == long_reference
     dj.assert_survivors_kept_pids(dj.events(log_dir), {2})
 

@@ -7,7 +7,6 @@ no process replaced at all.
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
@@ -55,16 +54,7 @@ def test_stuck_step_is_detected_dumped_and_replaced(reference: str, tmp_path: Pa
 
 def test_frozen_rank_is_replaced(long_reference: str, tmp_path: Path) -> None:
     # SIGSTOP from outside: no heartbeat, no stack dump possible; killed after heartbeat_timeout.
-    proc, log_dir = dj.start(tmp_path)
-    try:
-        dj.wait_for(lambda: dj.training(log_dir))
-        victim = dj.started(dj.events(log_dir))[2][0]
-        os.kill(victim, signal.SIGSTOP)
-        out, _ = proc.communicate(timeout=200)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-3000:]
+    out, log_dir = dj.signal_rank_and_finish(tmp_path, 2, signal.SIGSTOP)
     assert dj.digest(out, dj.LONG_STEPS) == long_reference
     # Whichever bound runs out first catches it: its heartbeats stop (5 s), and so do the job's steps
     # (the automatic step timeout, at least 3 s). A stopped process cannot dump its stacks.
