@@ -57,6 +57,7 @@ from .transfer import RNGState, recv_state, send_state
 BUCKET_BYTES = 25 << 20  # gradient all-reduce bucket (DDP's default cap)
 
 
+UCE_REPORT_WAIT_S = 2.0  # how long a rank repairing in place waits for the supervisor's abort
 DUMP_SIGNAL = signal.SIGUSR1  # the supervisor asks a hung rank for its Python stacks with this
 
 class GroupFailure(RuntimeError):
@@ -428,6 +429,14 @@ class Worker:
         self._error_kind = "recoverable"
         self.committed = NO_STATE
         print(f"ftrun: rank {self.rank}: {self._error}; repairing in place", file=sys.stderr, flush=True)
+        # Report before anything breaks the peers' collectives, and give the supervisor a moment to
+        # answer: otherwise a peer's "collective failed" can reach it first and the round is taken
+        # for a communication error. (Once the abort is here, _recover sends no second report.)
+        self._send(MsgType.FAULT, generation=self.generation, step=self._current_step or -1,
+                   committed=self.committed, reason=self._error, kind="recoverable")
+        deadline = time.monotonic() + UCE_REPORT_WAIT_S
+        while not self._poll_abort(timeout=0.01) and time.monotonic() < deadline:
+            pass
         if drop:
             self._drop_group()
 
