@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import msgpack
 import pytest
 
 import ftrun.cli
@@ -31,15 +30,6 @@ from ftrun.policy import (
     default_replica_groups,
     plan_recovery,
     replica_groups_from_hello,
-)
-from ftrun.protocol import (
-    MAX_FRAME_BYTES,
-    PROTOCOL_VERSION,
-    MsgType,
-    ProtocolError,
-    decode,
-    encode,
-    new_token,
 )
 
 # --------------------------------------------------------------------------- helpers
@@ -674,96 +664,3 @@ def test_replica_groups_dp_x_tp():
 def test_replica_groups_invalid(world, declared, hint):
     with pytest.raises(ValueError, match=hint):
         replica_groups_from_hello(world, declared)
-
-
-# --------------------------------------------------------------------------- protocol
-
-
-TOKEN = "a" * 64
-
-
-def test_protocol_round_trip():
-    token = new_token()
-    assert len(token) == 64 and token != new_token()
-    frame = encode(MsgType.HELLO, token, rank=1, incarnation=0, pid=123, generation=0, replica_group=[0, 1],
-                   library=True, extra="kept")
-    msg = decode(frame, token)
-    assert msg.type == MsgType.HELLO
-    assert msg["rank"] == 1 and msg["replica_group"] == [0, 1] and msg["library"] is True
-    assert msg.get("extra") == "kept" and msg.get("absent", 7) == 7
-    assert "v" not in msg.fields and "tok" not in msg.fields and "type" not in msg.fields
-
-
-def test_protocol_round_trip_every_type():
-    samples = {
-        MsgType.HEARTBEAT: dict(rank=0, incarnation=1),
-        MsgType.PROGRESS: dict(rank=0, incarnation=1, step=3, metrics={"loss": 0.5}),
-        MsgType.FAULT: dict(rank=0, incarnation=1, generation=2, step=3, committed=2, reason="x"),
-        MsgType.RECOVERED: dict(rank=0, incarnation=1, generation=2, role="donor", bytes=10, seconds=1),
-        MsgType.RECONFIGURE: dict(generation=1, world_size=4, step=9, transfers=[[0, 1]]),
-        MsgType.EVENT: dict(event={"kind": "job_started"}),
-        MsgType.STATUS: dict(ranks=[]),
-        MsgType.STOP: dict(reason="bye"),
-    }
-    for msg_type, fields in samples.items():
-        msg = decode(encode(msg_type, TOKEN, **fields), TOKEN)
-        assert msg.type == msg_type and msg.fields == fields
-
-
-def raw(**data) -> bytes:
-    return msgpack.packb(data, use_bin_type=True)
-
-
-REJECT_CASES = [
-    (encode(MsgType.HEARTBEAT, "b" * 64, rank=0, incarnation=0), "secret"),
-    (raw(v=PROTOCOL_VERSION, type="heartbeat", rank=0, incarnation=0), "secret"),
-    (raw(v=PROTOCOL_VERSION, tok=123, type="heartbeat", rank=0, incarnation=0), "secret"),
-    (raw(v=PROTOCOL_VERSION, tok=TOKEN.encode(), type="heartbeat", rank=0, incarnation=0), "secret"),
-    (raw(v=2, tok=TOKEN, type="heartbeat", rank=0, incarnation=0), "version"),
-    (raw(tok=TOKEN, type="heartbeat", rank=0, incarnation=0), "version"),
-    (raw(v="1", tok=TOKEN, type="heartbeat", rank=0, incarnation=0), "version"),
-    (raw(v=PROTOCOL_VERSION, tok=TOKEN, type="launch_missiles"), "unknown message type"),
-    (raw(v=PROTOCOL_VERSION, tok=TOKEN, rank=0), "unknown message type"),
-    (raw(v=PROTOCOL_VERSION, tok=TOKEN, type="heartbeat", rank=0), "missing field 'incarnation'"),
-    (raw(v=PROTOCOL_VERSION, tok=TOKEN, type="heartbeat", rank="0", incarnation=0), "type str"),
-    (raw(v=PROTOCOL_VERSION, tok=TOKEN, type="heartbeat", rank=0.0, incarnation=0), "type float"),
-    (raw(v=PROTOCOL_VERSION, tok=TOKEN, type="heartbeat", rank=True, incarnation=0), "type bool"),
-    (raw(v=PROTOCOL_VERSION, tok=TOKEN, type="heartbeat", rank=None, incarnation=0), "type NoneType"),
-    (raw(v=PROTOCOL_VERSION, tok=TOKEN, type="progress", rank=0, incarnation=0, step=1, metrics=[1]), "metrics"),
-    (raw(v=PROTOCOL_VERSION, tok=TOKEN, type="recovered", rank=0, incarnation=0, generation=1, role="x",
-         bytes=1, seconds=False), "type bool"),
-    (msgpack.packb([1, 2, 3]), "not a map"),
-    (msgpack.packb("heartbeat"), "not a map"),
-    (b"\xc1", "not msgpack"),
-    (b"\x92\x01", "not msgpack"),  # truncated array
-    (raw(v=1, tok=TOKEN) + b"trailing", "not msgpack"),
-    (b"", "not msgpack"),
-    (bytes(range(256)) * 4, "not msgpack"),
-    (msgpack.packb({1: 2}), "not msgpack"),  # non-string map key
-    (b"\x00" * (MAX_FRAME_BYTES + 1), "exceeds"),
-    (raw(v=PROTOCOL_VERSION, tok=TOKEN, type="status", ranks=["x" * MAX_FRAME_BYTES]), "exceeds"),
-]
-
-
-@pytest.mark.parametrize("frame, hint", REJECT_CASES, ids=[f"{i}-{h.split()[0]}" for i, (_, h) in enumerate(REJECT_CASES)])
-def test_protocol_rejects(frame, hint):
-    with pytest.raises(ProtocolError, match=hint):
-        decode(frame, TOKEN)
-
-
-def test_protocol_error_is_value_error():
-    assert issubclass(ProtocolError, ValueError)
-
-
-def test_encode_checks_fields():
-    with pytest.raises(ProtocolError, match="missing field 'step'"):
-        encode(MsgType.STEP_BEGIN, TOKEN, rank=0, incarnation=0)
-    with pytest.raises(ProtocolError, match="type bool"):
-        encode(MsgType.STEP_BEGIN, TOKEN, rank=0, incarnation=0, step=False)
-
-
-@pytest.mark.parametrize("version", [True, 1.0])
-def test_protocol_rejects_non_int_version(version):
-    frame = msgpack.packb({"v": version, "tok": TOKEN, "type": "heartbeat", "rank": 0, "incarnation": 0})
-    with pytest.raises(ProtocolError, match="version"):
-        decode(frame, TOKEN)
