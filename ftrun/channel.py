@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 import queue
+import secrets
 import threading
 import time
 from typing import Any, Callable
 
 import zmq
 
-from .protocol import Message, MsgType, ProtocolError, decode, encode
+from .protocol import MAX_FRAME_BYTES, FrameAuth, Message, MsgType, ProtocolError, decode, encode
 
 
 class Channel:
@@ -32,7 +33,7 @@ class Channel:
     """
 
     def __init__(self, addr: str, token: str, rank: int, incarnation: int, heartbeat_interval: float) -> None:
-        self.token = token
+        self.token = FrameAuth(token)
         self.rank = rank
         self.incarnation = incarnation
         self.heartbeat_interval = heartbeat_interval
@@ -44,7 +45,11 @@ class Channel:
         self._wake_pending = False
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.IDENTITY, f"{rank}:{incarnation}:{os.getpid()}".encode())
+        # An unguessable routing identity: the supervisor binds this rank's messages to the
+        # connection whose hello verified, and its ROUTER never hands an identity over to another
+        # connection, so no local process can take this rank's place on the control plane.
+        self._sock.setsockopt(zmq.IDENTITY, b"r" + secrets.token_bytes(15))
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._sock.setsockopt(zmq.LINGER, 1000)
         self._sock.connect(addr)
         self._closed = False

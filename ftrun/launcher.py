@@ -64,14 +64,15 @@ def host_store(spec: JobSpec) -> tuple[Any, int]:
 
     timeout = timedelta(seconds=spec.cluster_time_out)
     if spec.node_rank == 0:
+        from .stores import StoreBindError, bind_host, serve_store
+
         try:
-            store = TCPStore("0.0.0.0", spec.master_port, is_master=True, wait_for_workers=False, timeout=timeout)
-        except (RuntimeError, OSError) as err:
+            return serve_store(bind_host(spec.master_addr, spec.nnodes), spec.master_port, spec.cluster_time_out)
+        except StoreBindError as err:
             raise ConfigError(
-                f"cannot host the rendezvous store on port {spec.master_port} ({str(err).splitlines()[0]}); "
+                f"cannot host the rendezvous store on port {spec.master_port} ({err.strerror}); "
                 "pick another --master_port"
             ) from None
-        return store, int(store.port)
     try:
         store = TCPStore(spec.master_addr, spec.master_port, is_master=False, timeout=timeout)
     except (RuntimeError, OSError) as err:

@@ -60,7 +60,7 @@ from .policy import (
     plan_recovery,
     replica_groups_from_hello,
 )
-from .protocol import Message, MsgType, ProtocolError, decode, encode
+from .protocol import MAX_FRAME_BYTES, FrameAuth, Message, MsgType, ProtocolError, decode, encode
 
 log = logging.getLogger("ftrun.supervisor")
 
@@ -71,6 +71,8 @@ TTP_REPORT_WAIT_S = 10.0  # how long live ranks get to reach a safe point and re
 TTP_WRITE_WAIT_S = 300.0  # how long the shard writers get to write (dying gasp)
 _KIND_LABEL = {"comm_error": "HCCE: communication error", "recoverable_error": "UCE: recoverable error"}
 MAX_REJECT_EVENTS = 20  # rejected frames after this many are counted in the log only
+OFFENDER_REJECTS = 8  # a connection that sent this many rejected frames is not read any more
+READ_BUDGET = 2000  # frames handled per pass of the main loop (then deaths and hangs are checked)
 
 
 @dataclass
@@ -101,6 +103,7 @@ class Rank:
     steps_ended: bool = False
     kill_reason: str | None = None  # set when ftrun kills it (a hang)
     hung_since: float = 0.0  # the evidence's start (last heartbeat or progress)
+    final_step: int | None = None  # the committed step it claimed when it called ft.finish()
 
     @property
     def pid(self) -> int | None:
@@ -158,13 +161,17 @@ class Supervisor:
 
     def __init__(self, spec: JobSpec, token: str, events_addr: str | None, store_port: int) -> None:
         self.spec = spec
-        self.token = token
+        self.token = token  # handed to the ranks in their environment; never sent on a socket
+        self.auth = FrameAuth(token)
         self.store_port = store_port
         self.log_dir = Path(spec.log_dir)
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # No ROUTER_HANDOVER: a second connection presenting a connected rank's identity is
+        # refused, never given that rank's traffic. Oversized frames are dropped by ZeroMQ before
+        # they are buffered (the connection that sent one is closed).
+        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         port = self.router.bind_to_random_port("tcp://127.0.0.1")
         self.control_addr = f"tcp://127.0.0.1:{port}"
         self.push: zmq.Socket | None = None
@@ -185,6 +192,8 @@ class Supervisor:
         self.recovery: Recovery | None = None
         self.stop_signal: int | None = None
         self.rejected = 0
+        self._reject_counts: dict[bytes, int] = {}
+        self._offenders: set[bytes] = set()
         self.attempt_store: Any = None
         self.main_store: Any = None
         self._status_dirty = True
@@ -220,7 +229,7 @@ class Supervisor:
         self.event_log.write(event)
         log.info("%s %s", kind.value, message)
         if self.push is not None:
-            self.push.send(encode(MsgType.EVENT, self.token, event=event.to_json()))
+            self.push.send(encode(MsgType.EVENT, self.auth, event=event.to_json()))
         self._status_dirty = True
         return event
 
@@ -229,7 +238,7 @@ class Supervisor:
         if self.push is None or not (force or (self._status_dirty and now - self._last_status >= STATUS_PERIOD_S)):
             return
         ranks = [r.status(now) for r in self.ranks.values()]
-        self.push.send(encode(MsgType.STATUS, self.token, ranks=ranks, attempt=self.attempt, generation=self.generation))
+        self.push.send(encode(MsgType.STATUS, self.auth, ranks=ranks, attempt=self.attempt, generation=self.generation))
         self._status_dirty = False
         self._last_status = now
 
@@ -244,14 +253,13 @@ class Supervisor:
         """
         if self.attempt == 0:
             return self.store_port
-        from torch.distributed import TCPStore  # imported late: only a whole-job restart needs it
-
         if self.spec.node_rank == 0:
+            from .stores import bind_host, serve_store  # imports torch: only a whole-job restart needs it
+
             self.attempt_store = None  # release the previous attempt's store first
-            self.attempt_store = TCPStore(
-                "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=_timedelta(self.spec.cluster_time_out)
+            self.attempt_store, port = serve_store(
+                bind_host(self.spec.master_addr, self.spec.nnodes), 0, self.spec.cluster_time_out
             )
-            port = int(self.attempt_store.port)
             if self.spec.nnodes > 1:
                 self._main_store().set(f"ftrun/attempt/{self.attempt}/port", str(port))
             return port
@@ -351,7 +359,7 @@ class Supervisor:
         r.state = RankState.STARTING
         r.last_heartbeat = 0.0
         r.phase, r.last_progress, r.last_begin, r.samples = "setup", 0.0, None, 0
-        r.steps_ended, r.kill_reason, r.hung_since = False, None, 0.0
+        r.steps_ended, r.kill_reason, r.hung_since, r.final_step = False, None, 0.0, None
         path = self.log_dir / f"worker_{r.rank}.log"
         with open(path, "ab") as fh:
             header = (
@@ -936,20 +944,27 @@ class Supervisor:
     def send(self, r: Rank, msg_type: MsgType, **fields: Any) -> None:
         if r.identity is None:
             return  # not connected yet: it will get the current state when it says hello
-        self.router.send_multipart([r.identity, encode(msg_type, self.token, **fields)])
+        self.router.send_multipart([r.identity, encode(msg_type, self.auth, **fields)])
 
-    def read_messages(self) -> None:
-        while True:
+    def read_messages(self, budget: int = READ_BUDGET) -> None:
+        """Handle up to ``budget`` frames waiting on the ROUTER.
+
+        The budget bounds the time one call takes whatever arrives (a flood of forged frames), so
+        the loop gets back to reaping deaths (SIGCHLD) and to the watchdog between batches.
+        """
+        for _ in range(budget):
             try:
                 frames = self.router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            identity = frames[0]
+            if identity in self._offenders:
+                continue  # dropped unread: no MAC, no decode, no log
             if len(frames) != 2:
-                self.reject(b"?", "wrong number of frames")
+                self.reject(identity, "wrong number of frames")
                 continue
-            identity, frame = frames
             try:
-                msg = decode(frame, self.token)
+                msg = decode(frames[1], self.auth)
             except ProtocolError as err:
                 self.reject(identity, str(err))
                 continue
@@ -958,10 +973,23 @@ class Supervisor:
                 return
 
     def reject(self, identity: bytes, why: str) -> None:
+        """Count a rejected frame; log and emit only the first few, and drop a connection's frames
+        unread once it has sent :data:`OFFENDER_REJECTS` bad ones (a flood costs almost nothing)."""
         self.rejected += 1
-        log.warning("rejected message from %r: %s", identity[:32], why)
+        per_peer = self._reject_counts[identity] = self._reject_counts.get(identity, 0) + 1
+        if per_peer >= OFFENDER_REJECTS and identity not in {r.identity for r in self.ranks.values()}:
+            self._offenders.add(identity)
+            self._reject_counts.pop(identity, None)
+            if len(self._offenders) <= MAX_REJECT_EVENTS:
+                log.warning("dropping every further frame from connection %r (%d rejected)", identity[:16], per_peer)
+        if len(self._reject_counts) > 10_000:
+            self._reject_counts.clear()
         if self.rejected <= MAX_REJECT_EVENTS:
+            log.warning("rejected message from %r: %s", identity[:32], why)
             self.emit(EventKind.MESSAGE_REJECTED, f"rejected a control message: {why}", reason=why, total=self.rejected)
+        elif self.rejected in (MAX_REJECT_EVENTS + 1, 1000, 100_000) or self.rejected % 1_000_000 == 0:
+            log.warning("%d control messages rejected so far (only the first %d are logged one by one)",
+                        self.rejected, MAX_REJECT_EVENTS)
 
     def handle(self, identity: bytes, msg: Message) -> None:
         r = self.ranks.get(msg.get("rank")) if "rank" in msg.fields else None
@@ -1023,11 +1051,26 @@ class Supervisor:
         elif msg.type == MsgType.RECOVERED:
             self.on_recovered(r, msg)
         elif msg.type == MsgType.DONE:
-            r.state = RankState.SUCCEEDED if r.state != RankState.FAILED else r.state
+            self.on_done(r, msg)
         elif msg.type == MsgType.ERROR:
             self.emit(EventKind.WARNING, f"rank {r.rank} reported: {msg['reason']}", rank=r.rank)
             if self._gasp is not None and r.rank in self._gasp.get("writers", {}).values():
                 self._gasp["failed"] = f"rank {r.rank}: {msg['reason']}"
+
+    def on_done(self, r: Rank, msg: Message) -> None:
+        """A rank says it called ``ft.finish()``: a claim, never the job's end.
+
+        The job ends when every rank's *process* has exited (code after ``finish()`` -- saving the
+        model, writing metrics -- runs, as under torchrun). The claim is checked: ranks that
+        finished at different committed steps are named in a warning (a diverged job).
+        """
+        r.steps_ended, r.phase = True, "done"
+        committed = msg.get("committed")
+        if isinstance(committed, int) and not isinstance(committed, bool):
+            r.final_step = committed
+            claims = {x.rank: x.final_step for x in self.ranks.values() if x.final_step is not None}
+            if len(set(claims.values())) > 1:
+                self.emit(EventKind.WARNING, f"ranks finished at different committed steps: {claims}", claims=claims)
 
     # ----------------------------------------------------------------- checkpoints (TTP)
     def on_periodic_save(self, msg: Message) -> None:

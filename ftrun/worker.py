@@ -658,7 +658,7 @@ class Worker:
         global _worker
         if self._checkpointer is not None:
             self._checkpointer.close()  # the last periodic checkpoint is written before we leave
-        self._send(MsgType.DONE)
+        self._send(MsgType.DONE, committed=self.committed)
         self._drop_group()
         if self.channel is not None:
             self.channel.close()

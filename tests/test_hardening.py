@@ -1,0 +1,165 @@
+"""Hardening: the control plane against a local outsider, and the end of a job.
+
+Found by a fault campaign run as an outside tester would (issue 15): a local process took a live
+rank's routing identity, read the job secret from the supervisor's next frame and forged ``done``
+for every rank ("job succeeded" at step 250 of 3,000); a flood of forged frames delayed the
+detection of a real death by 16.5 s; code after ``ft.finish()`` never ran; the single-node store
+listened on every interface.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import digits_job as dj
+import msgpack
+import psutil
+import pytest
+import zmq
+
+from ftrun.protocol import PROTOCOL_VERSION
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def _forged_frames(rank: int, pid: int) -> list[bytes]:
+    """What an outsider without the secret can send: the old clear-secret format with a guess,
+    and the new format with a made-up tag."""
+    body = {"rank": rank, "incarnation": 0}
+    v1 = {"v": 1, "tok": "0" * 64, **body}
+    v2 = msgpack.packb({"v": PROTOCOL_VERSION, "type": "done", "committed": 10**6, **body})
+    return [
+        msgpack.packb({**v1, "type": "hello", "pid": pid, "generation": 0, "replica_group": [0, 1, 2, 3], "library": True}),
+        msgpack.packb({**v1, "type": "done"}),
+        os.urandom(32) + v2,
+        b"\x00" * 32 + v2,
+    ]
+
+
+def test_hijack_and_forged_done_change_nothing(long_reference: str, tmp_path: Path) -> None:
+    """Connections presenting each rank's old, guessable routing identity get no frame of the
+    job's and cannot end it; the job ends with the fault-free parameters. Also: every socket the
+    launcher and the supervisor listen on is on loopback (single node)."""
+    proc, log_dir = dj.start(tmp_path)
+    ctx = zmq.Context()
+    received: list[bytes] = []
+    listening: set[str] = set()
+    try:
+        dj.wait_for(lambda: dj.training(log_dir))
+        events = dj.events(log_dir)
+        control = next(e for e in events if e["kind"] == "job_started")["detail"]["control"]
+        pids = dj.started(events)
+        socks = []
+        for rank in range(4):
+            for identity in (f"{rank}:0:{pids[rank][0]}".encode(), None):
+                sock = ctx.socket(zmq.DEALER)
+                if identity is not None:
+                    sock.setsockopt(zmq.IDENTITY, identity)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(control)
+                for frame in _forged_frames(rank, pids[rank][0]):
+                    sock.send(frame)
+                socks.append(sock)
+        launcher = psutil.Process(proc.pid)
+        for p in [launcher, *launcher.children(recursive=False)]:
+            listening |= {c.laddr.ip for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        poller = zmq.Poller()
+        for sock in socks:
+            poller.register(sock, zmq.POLLIN)
+        # Listen on every forged connection for as long as the job runs: nothing may arrive.
+        while proc.poll() is None:
+            for sock, _ in poller.poll(100):
+                received.append(sock.recv())
+        out = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        ctx.destroy(linger=0)
+    assert proc.returncode == 0, out[-3000:]
+    assert received == [], "an outsider received a frame meant for a rank"
+    assert dj.digest(out, dj.LONG_STEPS) == long_reference
+    events = dj.events(log_dir)
+    assert len([e for e in events if e["kind"] == "message_rejected"]) >= 8
+    assert not [e for e in events if e["kind"] in ("rank_failed", "rank_hung", "recovery_started", "job_restarting")]
+    assert listening and listening <= {"127.0.0.1"}, f"listening on {listening}"
+
+
+def test_flood_does_not_delay_death_detection(long_reference: str, tmp_path: Path) -> None:
+    """A flood of forged frames from three local sockets while a rank is SIGKILLed: the death is
+    still seen at once, recovered exactly once, and the supervisor's log stays small."""
+    proc, log_dir = dj.start(tmp_path)
+    stop = threading.Event()
+    sent = [0, 0, 0]
+
+    def flood(i: int, control: str) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.connect(control)
+        frame = os.urandom(32) + msgpack.packb({"v": PROTOCOL_VERSION, "type": "heartbeat", "rank": 0, "incarnation": 0})
+        while not stop.is_set():
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+                sent[i] += 1
+            except zmq.Again:
+                time.sleep(0.001)
+        ctx.destroy(linger=0)
+
+    threads: list[threading.Thread] = []
+    try:
+        dj.wait_for(lambda: dj.training(log_dir))
+        control = next(e for e in dj.events(log_dir) if e["kind"] == "job_started")["detail"]["control"]
+        threads = [threading.Thread(target=flood, args=(i, control), daemon=True) for i in range(3)]
+        for t in threads:
+            t.start()
+        dj.wait_for(lambda: sum(sent) > 20_000)
+        os.kill(dj.started(dj.events(log_dir))[2][0], signal.SIGKILL)
+        dj.wait_for(lambda: any(e["kind"] == "recovery_finished" for e in dj.events(log_dir)))
+        stop.set()
+        out, _ = proc.communicate(timeout=200)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    assert dj.digest(out, dj.LONG_STEPS) == long_reference
+    events = dj.events(log_dir)
+    dj.assert_survivors_kept_pids(events, {2})
+    failed = [e for e in events if e["kind"] == "rank_failed"]
+    assert [e["rank"] for e in failed] == [2]
+    # 16.5 s before the fix; a generous bound for a loaded 2-core machine.
+    assert failed[0]["detail"]["detection_seconds"] < 5.0, failed[0]["detail"]
+    assert (log_dir / "supervisor.log").stat().st_size < 1_000_000
+
+
+AFTER_FINISH = """
+import os, sys, time
+import ftrun
+ft = ftrun.init(backend="gloo")
+for step in ft.steps(3):
+    pass
+ft.finish()
+time.sleep(1.0)  # work after finish(): saving a model, uploading results...
+with open(os.path.join(sys.argv[1], "after_finish_" + os.environ["RANK"]), "w") as fh:
+    fh.write("written")
+"""
+
+
+def test_code_after_finish_runs(ftrun_proc, tmp_path: Path) -> None:
+    """The job is done when the rank processes exit, not when they say they are done."""
+    script = tmp_path / "after_finish.py"
+    script.write_text(AFTER_FINISH)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    proc = ftrun_proc(["--worker_num", "2", "--master_port", "0", "--plain", "--log_dir", str(tmp_path / "logs"),
+                       str(script), str(out_dir)])
+    result = proc.wait(timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert sorted(p.name for p in out_dir.iterdir()) == ["after_finish_0", "after_finish_1"]
