@@ -4,8 +4,11 @@ Option names follow msrun (``--worker_num``, ``--local_worker_num``, ``--master_
 ``--master_port``, ``--node_rank``, ``--log_dir``, ``--join``, ``--cluster_time_out``,
 ``--tail_worker_log``) and torchrun where msrun has none (``--nproc_per_node``, ``--max_restarts``,
 ``--monitor_interval``, ``-m/--module``, ``--no_python``). Hyphenated spellings are accepted too.
-Values are read as text and converted by :mod:`ftrun.config`, so a bad value from the command line,
-the environment or TOML gets the same one-line error and exit code 2.
+torchrun's whole command line is accepted as well (``--nnodes``, ``--standalone``, ``--rdzv-backend``,
+``--rdzv-endpoint``, ``--rdzv-id``, ``--rdzv-conf``, ``--local-addr``, ``--run-path``, ``-r``, ``-t``,
+``--local-ranks-filter``, ``--shutdown-timeout``), and the torchrun flags ftrun does not implement are
+refused by name with the reason. Values are read as text and converted by :mod:`ftrun.config`, so a
+bad value from the command line, the environment or TOML gets the same one-line error and exit code 2.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import List, Optional
 
 import typer
 
-from .config import OPTIONS, ConfigError, resolve
+from .config import OPTIONS, ConfigError, TorchrunFlags, count_local_devices, resolve
 
 def _exception_types(names: tuple[str, ...]) -> tuple[type[BaseException], ...]:
     """The named exception classes of click and of typer's vendored copy of click, where present
@@ -33,7 +36,22 @@ def _exception_types(names: tuple[str, ...]) -> tuple[type[BaseException], ...]:
 
 
 _CLICK_ERRORS = _exception_types(("ClickException",))
+_NO_SUCH_OPTION = _exception_types(("NoSuchOption",))
 _ABORTS = _exception_types(("Abort",))
+
+# torchrun flags ftrun does not implement, and why (both spellings are looked up).
+UNSUPPORTED_TORCHRUN_FLAGS: dict[str, str] = {
+    "--start-method": "ranks are always started as new processes running a fresh interpreter, as torchrun's "
+    "default 'spawn'",
+    "--role": "every rank has the role 'default' (ROLE_NAME)",
+    "--event-log-handler": "ftrun writes its events to LOG_DIR/events.jsonl",
+    "--logs-specs": "ftrun writes each rank's output to LOG_DIR/worker_<rank>.log",
+    "--duplicate-stdout-filters": "each rank's output is in LOG_DIR/worker_<rank>.log; filter that file",
+    "--duplicate-stderr-filters": "each rank's output is in LOG_DIR/worker_<rank>.log; filter that file",
+    "--numa-binding": "ranks are not bound to CPUs; bind them in the script (os.sched_setaffinity) if needed",
+    "--signals-to-handle": "ftrun forwards SIGINT and SIGTERM to the ranks",
+    "--virtual-local-rank": "LOCAL_RANK is always the rank's index on its node",
+}
 
 app = typer.Typer(
     add_completion=False,
@@ -53,7 +71,24 @@ def _flags(name: str) -> list[str]:
 def _opt(name: str) -> typer.models.OptionInfo:
     opt = next(o for o in OPTIONS if o.name == name)
     default = "" if opt.default is None else f" [default: {str(opt.default).lower() if opt.type is bool else opt.default}]"
-    return typer.Option(None, *_flags(name), help=opt.help + default + f" Env: FTRUN_{name.upper()}.", show_default=False)
+    bounds = f" Range: {opt.range_text()}." if opt.range_text() else ""
+    return typer.Option(
+        None,
+        *_flags(name),
+        help=opt.help + bounds + default + f" Env: FTRUN_{name.upper()}.",
+        show_default=False,
+    )
+
+
+def _torchrun_opt(name: str, help: str, *short: str) -> typer.models.OptionInfo:
+    return typer.Option(None, *short, *_flags(name), help=help + " (torchrun; command line only).", show_default=False)
+
+
+def _same(first: Optional[str], first_flag: str, second: Optional[str], second_flag: str) -> Optional[str]:
+    """Two flags with one meaning: the one given, or ConfigError if both are given and differ."""
+    if first is not None and second is not None and first.strip() != second.strip():
+        raise ConfigError(f"{first_flag} {first} and {second_flag} {second} disagree; give only one of them")
+    return first if first is not None else second
 
 
 @app.command()
@@ -62,10 +97,23 @@ def run(
     script_args: Optional[List[str]] = typer.Argument(None, help="Arguments passed to the script.", show_default=False),
     worker_num: Optional[str] = _opt("worker_num"),
     local_worker_num: Optional[str] = _opt("local_worker_num"),
-    nproc_per_node: Optional[str] = typer.Option(None, *_flags("nproc_per_node"), help="torchrun's name for --local_worker_num.", show_default=False),
+    nproc_per_node: Optional[str] = typer.Option(None, *_flags("nproc_per_node"), help="torchrun's name for --local_worker_num; also auto, cpu, gpu or xpu (that many ranks as devices).", show_default=False),
+    nnodes: Optional[str] = _opt("nnodes"),
     master_addr: Optional[str] = _opt("master_addr"),
     master_port: Optional[str] = _opt("master_port"),
     node_rank: Optional[str] = _opt("node_rank"),
+    run_id: Optional[str] = _opt("run_id"),
+    rdzv_id: Optional[str] = _torchrun_opt("rdzv_id", "The run id: same as --run_id"),
+    local_addr: Optional[str] = _opt("local_addr"),
+    token_file: Optional[str] = _opt("token_file"),
+    standalone: bool = typer.Option(False, "--standalone", help="Single-node job: the store on 127.0.0.1 on a free port (torchrun)."),
+    rdzv_backend: Optional[str] = _torchrun_opt("rdzv_backend", "c10d or static: both mean ftrun's own store on node 0"),
+    rdzv_endpoint: Optional[str] = _torchrun_opt("rdzv_endpoint", "HOST[:PORT] of node 0's store ([ADDR]:PORT for IPv6; port 29400 by default): sets --master_addr/--master_port"),
+    rdzv_conf: Optional[str] = _torchrun_opt("rdzv_conf", "KEY=VALUE,...: is_host, join_timeout or timeout (set --cluster_time_out); read_timeout, last_call_timeout, close_timeout are accepted and ignored"),
+    run_path: bool = typer.Option(False, *_flags("run_path"), help="Run SCRIPT as a Python file (torchrun runs it with runpy.run_path; so does ftrun's default)."),
+    redirects: Optional[str] = _torchrun_opt("redirects", "0-3 or e.g. 0:3,1:1; ftrun always writes every rank's output to LOG_DIR/worker_<rank>.log, so this only decides with --tee which local ranks reach the console (3 without --tee: none)", "-r"),
+    tee: Optional[str] = _torchrun_opt("tee", "0-3 or e.g. 0:3,1:1: local ranks whose output is also shown on the console", "-t"),
+    local_ranks_filter: Optional[str] = _torchrun_opt("local_ranks_filter", "e.g. 0,1: only these local ranks on the console"),
     log_dir: Optional[str] = _opt("log_dir"),
     join: Optional[str] = _opt("join"),
     cluster_time_out: Optional[str] = _opt("cluster_time_out"),
@@ -73,6 +121,7 @@ def run(
     max_restarts: Optional[str] = _opt("max_restarts"),
     monitor_interval: Optional[str] = _opt("monitor_interval"),
     grace_period: Optional[str] = _opt("grace_period"),
+    shutdown_timeout: Optional[str] = _torchrun_opt("shutdown_timeout", "Same as --grace_period"),
     heartbeat_interval: Optional[str] = _opt("heartbeat_interval"),
     pg_timeout: Optional[str] = _opt("pg_timeout"),
     tft: Optional[str] = _opt("tft"),
@@ -94,16 +143,23 @@ def run(
     plain: bool = typer.Option(False, "--plain", help="Plain timestamped lines even on a terminal."),
 ) -> None:
     """Launch SCRIPT on --worker_num ranks; on a fault, respawn only the failed rank (ARF)."""
-    if nproc_per_node is not None:
-        if local_worker_num is not None and local_worker_num != nproc_per_node:
-            raise ConfigError("--nproc_per_node and --local_worker_num disagree; give only one of them")
-        local_worker_num = nproc_per_node
+    if nproc_per_node is not None and not nproc_per_node.strip().isdigit():
+        nproc_per_node = str(count_local_devices(nproc_per_node))  # torchrun's auto, cpu, gpu, xpu
+    local_worker_num = _same(nproc_per_node, "--nproc_per_node", local_worker_num, "--local_worker_num")
+    run_id = _same(rdzv_id, "--rdzv-id", run_id, "--run_id")
+    grace_period = _same(shutdown_timeout, "--shutdown-timeout", grace_period, "--grace_period")
+    if run_path and (module or no_python):
+        raise ConfigError("--run-path runs SCRIPT as a Python file; it cannot be combined with -m/--module or --no_python")
     cli_values = {
         "worker_num": worker_num,
         "local_worker_num": local_worker_num,
+        "nnodes": nnodes,
         "master_addr": master_addr,
         "master_port": master_port,
         "node_rank": node_rank,
+        "run_id": run_id,
+        "local_addr": local_addr,
+        "token_file": token_file,
         "log_dir": log_dir,
         "join": join,
         "cluster_time_out": cluster_time_out,
@@ -134,6 +190,15 @@ def run(
         module=module,
         no_python=no_python,
         config_file=config,
+        torchrun=TorchrunFlags(
+            standalone=standalone,
+            rdzv_backend=rdzv_backend,
+            rdzv_endpoint=rdzv_endpoint,
+            rdzv_conf=rdzv_conf,
+            redirects=redirects,
+            tee=tee,
+            local_ranks_filter=local_ranks_filter,
+        ),
     )
     if spec.resume.lower() not in ("auto", "none"):
         from .checkpoint import CheckpointError, resolve_resume
@@ -157,8 +222,16 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as err:
         print(f"ftrun: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except _NO_SUCH_OPTION as err:
+        name = str(getattr(err, "option_name", "") or "")
+        reason = UNSUPPORTED_TORCHRUN_FLAGS.get(name.replace("_", "-"))
+        if reason is None:
+            print(f"ftrun: error: {' '.join(err.format_message().split())} (see ftrun --help)", file=sys.stderr)
+        else:
+            print(f"ftrun: error: ftrun does not support torchrun's {name}: {reason}; remove the flag", file=sys.stderr)
+        sys.exit(2)
     except _CLICK_ERRORS as err:  # unknown option, missing value...: typer's vendored click or click
-        print(f"ftrun: error: {err.format_message()} (see ftrun --help)", file=sys.stderr)
+        print(f"ftrun: error: {' '.join(err.format_message().split())} (see ftrun --help)", file=sys.stderr)
         sys.exit(2)
     except (KeyboardInterrupt, *_ABORTS):
         sys.exit(130)

@@ -29,12 +29,14 @@ Keys:
     attempt: which whole-job attempt (default 0).
 
 Raises:
-    ValueError: from :func:`parse_faults` on a malformed specification.
+    ValueError: from :func:`parse_faults` on a malformed specification (the CLI checks the variable
+    with it before any rank starts).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -109,23 +111,50 @@ class Fault:
         raise InjectedFault(f"injected fault at {self.point}, step {self.step}")
 
 
+_KEYS = ("rank", "step", "point", "kind", "code", "incarnation", "attempt")
+# Integer keys and their smallest value; an exit code is a byte (os._exit(256) would exit with 0).
+_INT_KEYS: dict[str, tuple[int, int | None]] = {
+    "rank": (0, None),
+    "step": (-1, None),
+    "code": (0, 255),
+    "incarnation": (0, None),
+    "attempt": (0, None),
+}
+
+
+def _int_value(chunk: str, key: str, text: str) -> int:
+    low, high = _INT_KEYS[key]
+    if not re.fullmatch(r"[+-]?[0-9]+", text):
+        raise ValueError(f"FTRUN_FAULT {chunk!r}: {key}={text!r} is not an integer")
+    value = int(text)
+    if value < low or (high is not None and value > high):
+        bound = f"{low}..{high}" if high is not None else f"at least {low}"
+        raise ValueError(f"FTRUN_FAULT {chunk!r}: {key}={value} is out of range ({bound})")
+    return value
+
+
 def parse_faults(text: str) -> list[Fault]:
     """Parse an ``FTRUN_FAULT`` value.
 
     Raises:
-        ValueError: unknown key, point or kind, a non-integer number, or no rank.
+        ValueError: an item that is not ``key=value``, an unknown or repeated key, an unknown point
+            or kind, a value that is not an integer (rank, step, code, incarnation, attempt) or is
+            out of range (negative; an exit code outside 0..255), ``code`` with a kind other than
+            ``exit``, or no rank. The message is one line naming the fault and the item.
     """
     faults: list[Fault] = []
     for chunk in filter(None, (c.strip() for c in text.split(";"))):
         values: dict[str, str] = {}
         for item in filter(None, (i.strip() for i in chunk.split(","))):
             key, sep, value = item.partition("=")
+            key, value = key.strip(), value.strip()
             if not sep:
                 raise ValueError(f"FTRUN_FAULT item {item!r} is not key=value")
-            values[key.strip()] = value.strip()
-        unknown = set(values) - {"rank", "step", "point", "kind", "code", "incarnation", "attempt"}
-        if unknown:
-            raise ValueError(f"FTRUN_FAULT: unknown key(s) {sorted(unknown)}")
+            if key not in _KEYS:
+                raise ValueError(f"FTRUN_FAULT {chunk!r}: unknown key {key!r}; known keys: {', '.join(_KEYS)}")
+            if key in values:
+                raise ValueError(f"FTRUN_FAULT {chunk!r}: {key} is given twice")
+            values[key] = value
         if "rank" not in values:
             raise ValueError(f"FTRUN_FAULT {chunk!r} names no rank")
         point = values.get("point", "before_forward")
@@ -134,20 +163,20 @@ def parse_faults(text: str) -> list[Fault]:
             raise ValueError(f"FTRUN_FAULT: unknown point {point!r}; known: {', '.join(POINTS)}")
         if kind not in KINDS:
             raise ValueError(f"FTRUN_FAULT: unknown kind {kind!r}; known: {', '.join(KINDS)}")
-        try:
-            faults.append(
-                Fault(
-                    rank=int(values["rank"]),
-                    step=int(values["step"]) if "step" in values else None,
-                    point=point,
-                    kind=kind,
-                    code=int(values.get("code", 1)),
-                    incarnation=int(values.get("incarnation", 0)),
-                    attempt=int(values.get("attempt", 0)),
-                )
+        if "code" in values and kind != "exit":
+            raise ValueError(f"FTRUN_FAULT {chunk!r}: code= applies to kind=exit only")
+        numbers = {key: _int_value(chunk, key, values[key]) for key in _INT_KEYS if key in values}
+        faults.append(
+            Fault(
+                rank=numbers["rank"],
+                step=numbers.get("step"),
+                point=point,
+                kind=kind,
+                code=numbers.get("code", 1),
+                incarnation=numbers.get("incarnation", 0),
+                attempt=numbers.get("attempt", 0),
             )
-        except ValueError:
-            raise ValueError(f"FTRUN_FAULT {chunk!r}: rank, step, code, incarnation and attempt are integers") from None
+        )
     return faults
 
 

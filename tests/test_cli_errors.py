@@ -23,7 +23,7 @@ from conftest import TAG_VAR, clean_env, tagged
 
 @dataclass
 class Case:
-    """args/env may use {script}, {tmp} and {port}; setup(tmp) prepares files."""
+    """args/env/hint may use {script}, {tmp}, {uid} and {port}; setup(tmp) prepares files."""
 
     args: list[str]
     hint: str
@@ -34,6 +34,13 @@ class Case:
 def _write(name: str, text: str) -> Callable[[Path], None]:
     def setup(tmp: Path) -> None:
         (tmp / name).write_text(text)
+
+    return setup
+
+
+def _write_bytes(name: str, data: bytes) -> Callable[[Path], None]:
+    def setup(tmp: Path) -> None:
+        (tmp / name).write_bytes(data)
 
     return setup
 
@@ -57,7 +64,7 @@ CASES = {
     "nproc-per-node-gt-world": Case(["--nproc-per-node", "4", "--worker-num", "2", "{script}"], "larger than --worker_num"),
     "not-a-multiple": Case(["--worker_num", "5", "--local_worker_num", "2", "{script}"], "not a multiple"),
     "node-rank-out-of-range": Case(["--node_rank", "1", "{script}"], "--node_rank 1"),
-    "port-out-of-range": Case(["--master_port", "70000", "{script}"], "not a TCP port"),
+    "port-out-of-range": Case(["--master_port", "70000", "{script}"], "--master_port must be at least 0 and at most 65535"),
     "port-0-two-nodes": Case(["--worker_num", "4", "--local_worker_num", "2", "--master_port", "0", "{script}"],
                              "one node only"),
     "port-in-use-loopback": Case(["--master_port", "{port}", "--log_dir", "{tmp}/logs", "{script}"], "already in use"),
@@ -91,6 +98,87 @@ CASES = {
     "unknown-option": Case(["--bogus", "{script}"], "--bogus"),
     "option-missing-value": Case(["--worker_num"], "--worker_num"),
     "module-parent-raises": Case(["-m", "brokenpkg.train"], "brokenpkg", setup=_bad_package),
+    # numbers out of their range (accepted before, or overflowing deep inside torch)
+    "monitor-interval-inf": Case(["--monitor_interval", "inf", "{script}"], "--monitor_interval must be at least 0.001"),
+    "monitor-interval-nan": Case(["--monitor_interval", "nan", "{script}"], "got nan"),
+    "heartbeat-interval-nan": Case(["--heartbeat_interval", "nan", "{script}"], "--heartbeat_interval must be"),
+    "cluster-time-out-huge": Case(["--cluster_time_out", "1e15", "{script}"], "at most 604800 s, got 1e15"),
+    "pg-timeout-huge": Case(["--pg_timeout", "1e15", "{script}"], "--pg_timeout must be more than 0 and at most 604800"),
+    "env-pg-timeout-inf": Case(["{script}"], "FTRUN_PG_TIMEOUT must be", env={"FTRUN_PG_TIMEOUT": "inf"}),
+    "env-heartbeat-nan": Case(["{script}"], "FTRUN_HEARTBEAT_INTERVAL must be", env={"FTRUN_HEARTBEAT_INTERVAL": "nan"}),
+    "warm-spares-huge": Case(["--warm_spares", "100000", "{script}"], "--warm_spares must be at least 0 and at most 64"),
+    "config-pg-timeout-huge": Case(["--config", "{tmp}/cfg.toml", "{script}"], "key pg_timeout in",
+                                   setup=_write("cfg.toml", "pg_timeout = 1e15\n")),
+    # TOML values of the wrong type, and files that are not TOML text
+    "config-list-for-string": Case(["--config", "{tmp}/cfg.toml", "{script}"],
+                                   "key master_addr in {tmp}/cfg.toml is an array ([1, 2]); master_addr takes a string",
+                                   setup=_write("cfg.toml", "master_addr = [1, 2]\n")),
+    "config-table-for-string": Case(["--config", "{tmp}/cfg.toml", "{script}"], "log_dir takes a string",
+                                    setup=_write("cfg.toml", "[ftrun]\nlog_dir = {a = 1}\n")),
+    "config-string-for-int": Case(["--config", "{tmp}/cfg.toml", "{script}"], "worker_num takes an integer",
+                                  setup=_write("cfg.toml", "worker_num = '2'\n")),
+    "config-tft-bad-switch-value": Case(["--config", "{tmp}/cfg.toml", "{script}"], "switch ARF",
+                                        setup=_write("cfg.toml", "tft = {ARF = 'no'}\n")),
+    "config-key-twice": Case(["--config", "{tmp}/cfg.toml", "{script}"], "sets worker_num twice",
+                             setup=_write("cfg.toml", "worker-num = 1\nworker_num = 2\n")),
+    "config-nul-in-string": Case(["--config", "{tmp}/cfg.toml", "{script}"], "NUL character",
+                                 setup=_write("cfg.toml", 'log_dir = "a\\u0000b"\n')),
+    "config-binary": Case(["--config", "{tmp}/bin.toml", "{script}"], "is not UTF-8 text",
+                          setup=_write_bytes("bin.toml", b"\x89PNG\r\n\x1a\n\x00\xff\xfe")),
+    "config-too-large": Case(["--config", "{tmp}/big.toml", "{script}"], "larger than 1048576 bytes",
+                             setup=_write("big.toml", "# filler\n" * 150_000)),
+    "pyproject-binary": Case(["{script}"], "is not UTF-8 text", setup=_write_bytes("pyproject.toml", b"\xff\xfe\x00")),
+    "pyproject-tool-not-a-table": Case(["{script}"], "tool in", setup=_write("pyproject.toml", "tool = 3\n")),
+    # FTRUN_FAULT is checked before any rank starts (each rank would fail to import it)
+    "fault-rank-not-integer": Case(["{script}"], "rank='x' is not an integer", env={"FTRUN_FAULT": "rank=x"}),
+    "fault-unknown-kind": Case(["{script}"], "unknown kind 'boom'", env={"FTRUN_FAULT": "rank=0,kind=boom"}),
+    "fault-rank-outside-job": Case(["--worker_num", "2", "{script}"], "names rank 5",
+                                   env={"FTRUN_FAULT": "rank=5,step=3"}),
+    # addresses
+    "master-addr-bad-ipv4": Case(["--master_addr", "999.1.1.1", "{script}"], "not a valid IPv4 address"),
+    "master-addr-unresolvable": Case(["--master_addr", "no-such-host-{uid}.invalid", "{script}"], "cannot resolve"),
+    "env-master-addr-bad": Case(["{script}"], "FTRUN_MASTER_ADDR", env={"FTRUN_MASTER_ADDR": "1.2.3.4.5"}),
+    "local-addr-bad": Case(["--local-addr", "fe80::zz", "{script}"], "--local_addr"),
+    # the checkpoint directory (TTP is on by default)
+    "checkpoint-dir-is-a-file": Case(["--checkpoint_dir", "{tmp}/afile", "{script}"], "is a file",
+                                     setup=_write("afile", "x")),
+    "checkpoint-dir-under-a-file": Case(["--checkpoint_dir", "{tmp}/afile/ckpt", "{script}"],
+                                        "cannot create --checkpoint_dir", setup=_write("afile", "x")),
+    "checkpoint-dir-read-only": Case(["--checkpoint_dir", "/proc/ftrun-{uid}", "{script}"], "--checkpoint_dir"),
+    # torchrun's command line
+    "nnodes-not-a-count": Case(["--nnodes", "two", "{script}"], "--nnodes 'two' is not a node count"),
+    "nnodes-min-above-max": Case(["--nnodes", "4:2", "{script}"], "MIN 4 is larger than MAX 2"),
+    "nnodes-disagrees-with-worker-num": Case(["--nnodes", "2", "--nproc-per-node", "2", "--worker_num", "3", "{script}"],
+                                             "disagrees"),
+    "multi-node-without-token": Case(["--nnodes", "2", "--nproc-per-node", "1", "{script}"], "needs a shared secret"),
+    "multi-node-short-token": Case(["--nnodes", "2", "{script}"], "at least 16", env={"FTRUN_TOKEN": "short"}),
+    "token-file-missing": Case(["--token_file", "{tmp}/nope_{uid}", "{script}"], "cannot read --token_file"),
+    "token-twice": Case(["--token-file", "{tmp}/tok", "{script}"], "both set", env={"FTRUN_TOKEN": "x" * 32},
+                        setup=_write("tok", "y" * 32)),
+    "standalone-with-endpoint": Case(["--standalone", "--rdzv-endpoint", "node0:29400", "{script}"], "drop --rdzv-endpoint"),
+    "standalone-multi-node": Case(["--standalone", "--nnodes", "2", "{script}"], "--standalone runs a single-node job"),
+    "standalone-with-master-addr": Case(["--standalone", "--master-addr", "10.1.2.3", "{script}"], "drop --master_addr"),
+    "rdzv-backend-etcd": Case(["--rdzv-backend", "etcd", "{script}"], "--rdzv-backend 'etcd' is not supported"),
+    "rdzv-endpoint-bad-port": Case(["--rdzv-endpoint", "node0:99999", "{script}"], "is not a TCP port"),
+    "rdzv-endpoint-bad-host": Case(["--rdzv_endpoint", "999.0.0.1:29400", "{script}"], "--rdzv-endpoint '999.0.0.1'"),
+    "rdzv-conf-unknown-key": Case(["--rdzv-conf", "foo=1", "{script}"], "unknown key 'foo'"),
+    "rdzv-conf-not-key-value": Case(["--rdzv-conf", "join_timeout", "{script}"], "is not KEY=VALUE"),
+    "rdzv-c10d-multi-node-without-node-rank": Case(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                                                    "127.0.0.1:29400", "{script}"], "give each node its --node_rank",
+                                                   env={"FTRUN_TOKEN": "x" * 32}),
+    "tee-bad": Case(["-t", "7", "{script}"], "--tee '7'"),
+    "redirects-bad-rank": Case(["--redirects", "3:3", "{script}"], "is not a local rank"),
+    "local-ranks-filter-out-of-range": Case(["--nproc-per-node", "2", "--local-ranks-filter", "5", "{script}"],
+                                            "--local-ranks-filter '5': '5' is not a local rank 0..1"),
+    "tee-and-tail-worker-log": Case(["--tee", "3", "--tail_worker_log", "0", "{script}"], "give one of them"),
+    "run-path-with-module": Case(["--run-path", "-m", "json"], "--run-path runs SCRIPT as a Python file; it cannot be combined"),
+    "shutdown-timeout-disagrees": Case(["--shutdown-timeout", "5", "--grace_period", "6", "{script}"], "disagree"),
+    "rdzv-id-disagrees": Case(["--rdzv-id", "a", "--run_id", "b", "{script}"], "disagree"),
+    "start-method": Case(["--start-method", "spawn", "{script}"], "ftrun does not support torchrun's --start-method"),
+    "start-method-underscore": Case(["--start_method=fork", "{script}"], "does not support torchrun's --start_method"),
+    "role": Case(["--role", "trainer", "{script}"], "does not support torchrun's --role"),
+    "numa-binding": Case(["--numa-binding", "node", "{script}"], "does not support torchrun's --numa-binding"),
+    "logs-specs": Case(["--logs-specs", "x", "{script}"], "does not support torchrun's --logs-specs"),
 }
 
 
@@ -177,7 +265,7 @@ def test_cli_error(case: Case, tmp_path: Path, listening_ports):
     lines = result.stderr.splitlines()
     assert len(lines) == 1, detail
     assert lines[0].startswith("ftrun: error: ") and lines[0].strip() != "ftrun: error:", detail
-    assert case.hint in lines[0], detail
+    assert _fill(case.hint, fmt) in lines[0], detail
     assert not leftovers, f"processes left behind: {leftovers}\n{detail}"
     assert _pids_of_children() <= before, detail
     assert not marker.exists(), "the script ran although the input was invalid"

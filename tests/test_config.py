@@ -1,4 +1,4 @@
-"""Unit tests of ftrun.config, ftrun.policy and ftrun.protocol (no processes, fast)."""
+"""Unit tests of ftrun.config and ftrun.policy (no processes, fast)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,26 @@ import pytest
 import ftrun.cli
 import ftrun.launcher
 from ftrun.config import (
+    MAX_CONFIG_BYTES,
+    MAX_TIMEOUT_S,
     OPTIONS,
+    OPTIONS_BY_NAME,
     ConfigError,
     JobSpec,
     TftSwitches,
+    TorchrunFlags,
+    check_address,
+    parse_nnodes,
+    parse_rdzv_conf,
+    parse_rdzv_endpoint,
+    parse_std_streams,
     parse_tail,
     parse_tft,
+    read_job_token,
     read_toml,
     resolve,
 )
+from ftrun.faults import parse_faults
 from ftrun.policy import (
     INITIAL,
     NO_STATE,
@@ -52,6 +63,11 @@ def cli(**values):
 def write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+# A shared secret for multi-node jobs (they refuse to start without one).
+TOKEN = "0123456789abcdef0123"
+TOKEN_ENV = {"FTRUN_TOKEN": TOKEN}
 
 
 def res(tmp_path: Path, script: str, cli_values=None, environ=None, config_file=None, **kw) -> JobSpec:
@@ -133,7 +149,7 @@ def test_config_file_ftrun_table_and_hyphenated_keys(tmp_path, script):
         "[ftrun]\nworker-num = 4\nlocal-worker-num = 2\nmaster-port = 1234\nnode-rank = 1\n"
         "tail-worker-log = '0'\njoin = true\ncluster-time-out = 7\n",
     )
-    spec = res(tmp_path, script, config_file=config)
+    spec = res(tmp_path, script, config_file=config, environ=TOKEN_ENV)
     assert (spec.worker_num, spec.local_worker_num, spec.master_port, spec.node_rank) == (4, 2, 1234, 1)
     assert spec.tail_worker_log == (0,) and spec.join is True and spec.cluster_time_out == 7.0
     assert spec.global_rank(1) == 3
@@ -269,14 +285,14 @@ def test_tft_from_toml_string_and_table(tmp_path, script):
         ({"worker_num": "2", "local_worker_num": "0"}, {}, "--local_worker_num must be at least 1"),
         ({"worker_num": "5", "local_worker_num": "2"}, {}, "not a multiple"),
         ({"worker_num": "4", "local_worker_num": "2", "node_rank": "2", "master_port": "1234"}, {}, "outside 0..1"),
-        ({"node_rank": "-1"}, {}, "--node_rank -1"),
-        ({"master_port": "65536"}, {}, "not a TCP port"),
-        ({"master_port": "-1"}, {}, "not a TCP port"),
+        ({"node_rank": "-1"}, {}, "--node_rank must be at least 0"),
+        ({"master_port": "65536"}, {}, "--master_port must be at least 0 and at most 65535, got 65536 (a TCP port"),
+        ({"master_port": "-1"}, {}, "--master_port must be at least 0"),
         ({"worker_num": "4", "local_worker_num": "2", "master_port": "0"}, {}, "one node only"),
-        ({"max_restarts": "-1"}, {}, "--max_restarts must be >= 0"),
+        ({"max_restarts": "-1"}, {}, "--max_restarts must be at least 0"),
         ({"grace_period": "-0.5"}, {}, "--grace_period"),
-        ({"monitor_interval": "0"}, {}, "--monitor_interval must be a positive"),
-        ({"cluster_time_out": "-1"}, {}, "--cluster_time_out must be a positive"),
+        ({"monitor_interval": "0"}, {}, "--monitor_interval must be at least 0.001"),
+        ({"cluster_time_out": "-1"}, {}, "--cluster_time_out must be more than 0"),
         ({"worker_num": "abc"}, {}, "'abc' is not valid for worker_num; it must be an integer"),
         ({"worker_num": "2.5"}, {}, "must be an integer"),
         ({"grace_period": "soon"}, {}, "must be a number"),
@@ -300,9 +316,9 @@ def test_resolve_errors(tmp_path, script, cli_values, environ, hint):
 
 
 def test_errors_from_env_layer_also_checked(tmp_path, script):
-    with pytest.raises(ConfigError, match="--worker_num must be at least 1"):
+    with pytest.raises(ConfigError, match="FTRUN_WORKER_NUM must be at least 1"):
         res(tmp_path, script, environ={"FTRUN_WORKER_NUM": "0"})
-    with pytest.raises(ConfigError, match="larger than"):
+    with pytest.raises(ConfigError, match="FTRUN_LOCAL_WORKER_NUM 3 is larger than FTRUN_WORKER_NUM 2"):
         res(tmp_path, script, environ={"FTRUN_LOCAL_WORKER_NUM": "3", "FTRUN_WORKER_NUM": "2"})
 
 
@@ -334,10 +350,10 @@ def test_invalid_pyproject(tmp_path, script):
 
 def test_toml_wrong_type(tmp_path, script):
     config = write(tmp_path / "cfg.toml", "worker_num = 'many'\n")
-    with pytest.raises(ConfigError, match="key worker_num: 'many' is not valid"):
+    with pytest.raises(ConfigError, match=r"key worker_num in .*cfg.toml is a string \('many'\); worker_num takes an integer"):
         res(tmp_path, script, config_file=config)
     config = write(tmp_path / "cfg2.toml", "worker_num = true\n")
-    with pytest.raises(ConfigError, match="must be an integer"):
+    with pytest.raises(ConfigError, match="is a boolean .* takes an integer"):
         res(tmp_path, script, config_file=config)
 
 
@@ -399,6 +415,7 @@ def test_jobspec_json_round_trip(tmp_path, script):
         {"worker_num": "8", "local_worker_num": "4", "node_rank": "1", "tft": "{UCE:1,HCCE:1}"},
         config_file=config,
         script_args=("--lr", "0.1"),
+        environ=TOKEN_ENV,
     )
     data = json.loads(json.dumps(spec.to_json()))
     assert JobSpec.from_json(data) == spec
@@ -445,7 +462,8 @@ def cli_spec(tmp_path, monkeypatch, script):
     return run
 
 
-def test_cli_hyphenated_flags(cli_spec, script):
+def test_cli_hyphenated_flags(cli_spec, monkeypatch, script):
+    monkeypatch.setenv("FTRUN_TOKEN", TOKEN)
     spec = cli_spec("--worker-num", "4", "--local-worker-num", "2", "--master-port", "1234", "--node-rank", "1",
                     "--max-restarts", "0", "--tail-worker-log", "1", "--grace-period", "2", script, "a", "--b")
     assert (spec.worker_num, spec.local_worker_num, spec.node_rank, spec.master_port) == (4, 2, 1, 1234)
@@ -472,13 +490,15 @@ def test_cli_beats_env(cli_spec, monkeypatch, script):
 
 @pytest.mark.parametrize("flag", ["--local_worker_num", "--nproc_per_node"])
 def test_cli_local_worker_num_keeps_worker_num_from_env(cli_spec, monkeypatch, script, flag):
+    monkeypatch.setenv("FTRUN_TOKEN", TOKEN)
     # Two nodes of 2 ranks: the world size comes from the environment, the node's share from the CLI.
     monkeypatch.setenv("FTRUN_WORKER_NUM", "4")
     spec = cli_spec(flag, "2", "--master_port", "1234", script)
     assert spec.worker_num == 4 and spec.local_worker_num == 2 and spec.nnodes == 2
 
 
-def test_cli_local_worker_num_keeps_worker_num_from_config(cli_spec, tmp_path, script):
+def test_cli_local_worker_num_keeps_worker_num_from_config(cli_spec, tmp_path, monkeypatch, script):
+    monkeypatch.setenv("FTRUN_TOKEN", TOKEN)
     config = write(tmp_path / "cfg.toml", "worker_num = 4\n")
     spec = cli_spec("--config", str(config), "--local_worker_num", "2", "--master_port", "1234", script)
     assert spec.worker_num == 4 and spec.local_worker_num == 2
@@ -490,6 +510,598 @@ def test_cli_nproc_per_node_conflict(tmp_path, monkeypatch, script, capsys):
         ftrun.cli.main(["--nproc_per_node", "2", "--local_worker_num", "3", script])
     assert info.value.code == 2
     assert "disagree" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- bounds of every number option
+
+
+NUMBER_OPTIONS = [opt for opt in OPTIONS if opt.type in (int, float)]
+
+
+def test_every_number_option_is_bounded():
+    for opt in NUMBER_OPTIONS:
+        assert opt.low is not None and opt.high is not None, opt.name
+        assert opt.range_text(), opt.name
+        if opt.name in ("cluster_time_out", "pg_timeout", "heartbeat_timeout", "step_timeout", "step_timeout_min",
+                        "setup_timeout"):
+            assert opt.high == MAX_TIMEOUT_S == 604800 and opt.unit == "s", opt.name
+    for opt in OPTIONS:  # defaults are inside the bounds
+        if opt.type in (int, float) and opt.default is not None:
+            opt.check_range(opt.default, "default")
+
+
+def _outside(opt):
+    """Values of ``opt`` that must be refused, as text."""
+    bad = [str(opt.high * 10 + 1), "-1e300" if opt.type is float else "-99999999"]
+    if opt.type is float:
+        bad += ["nan", "inf", "-inf", "1e15", "NaN", "infinity"]
+        if opt.low_open:
+            bad.append(str(opt.low))
+    elif opt.low > 0:
+        bad.append(str(opt.low - 1))
+    return bad
+
+
+@pytest.mark.parametrize("opt", NUMBER_OPTIONS, ids=[o.name for o in NUMBER_OPTIONS])
+def test_number_option_bounds_on_every_layer(tmp_path, script, opt):
+    for bad in _outside(opt):
+        if opt.type is int and bad.startswith("-1e"):
+            continue
+        with pytest.raises(ConfigError) as info:
+            res(tmp_path, script, {opt.name: bad})
+        assert str(info.value).startswith(f"--{opt.name} must be ") and "\n" not in str(info.value), str(info.value)
+        with pytest.raises(ConfigError, match=f"^FTRUN_{opt.name.upper()} must be "):
+            res(tmp_path, script, environ={f"FTRUN_{opt.name.upper()}": bad})
+    toml_bad = opt.high * 10 + 1 if opt.type is int else float(opt.high) * 10 + 1
+    config = write(tmp_path / "cfg.toml", f"{opt.name} = {toml_bad}\n")
+    with pytest.raises(ConfigError, match=f"^key {opt.name} in .*cfg.toml must be "):
+        res(tmp_path, script, config_file=config)
+    if opt.type is float:
+        config = write(tmp_path / "nan.toml", f"{opt.name} = nan\n")
+        with pytest.raises(ConfigError, match="got nan"):
+            res(tmp_path, script, config_file=config)
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [("pg_timeout", "604800"), ("cluster_time_out", "0.5"), ("monitor_interval", "0.001"),
+     ("monitor_interval", "3600"), ("heartbeat_interval", "0.01"), ("grace_period", "0"), ("step_timeout", "0"),
+     ("max_restarts", "0"), ("warm_spares", "64"), ("master_port", "65535"), ("save_steps", "1000000000")],
+)
+def test_bounds_themselves_are_accepted(tmp_path, script, name, value):
+    spec = res(tmp_path, script, {name: value})
+    assert getattr(spec, name) == OPTIONS_BY_NAME[name].type(value)
+
+
+def test_range_error_gives_range_and_reason(tmp_path, script):
+    with pytest.raises(ConfigError) as info:
+        res(tmp_path, script, {"pg_timeout": "1e15"})
+    assert str(info.value) == (
+        "--pg_timeout must be more than 0 and at most 604800 s, got 1e15 (7 days is the longest timeout ftrun "
+        "accepts; torch's timers overflow on far longer ones)"
+    )
+
+
+def test_help_shows_the_bounds(capsys):
+    try:
+        ftrun.cli.main(["--help"])
+    except SystemExit as exit_:
+        assert exit_.code in (0, None)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Range: more than 0 and at most 604800 s." in text
+    assert "Range: at least 0.001 and at most 3600 s." in text
+
+
+@pytest.mark.parametrize("text", ["1_000", "١٢", "0x10", "1e3", " ", "2.0"])
+def test_int_text_must_be_plain_digits(tmp_path, script, text):
+    with pytest.raises(ConfigError, match="must be an integer"):
+        res(tmp_path, script, {"max_restarts": text})
+
+
+# --------------------------------------------------------------------------- TOML types
+
+
+@pytest.mark.parametrize(
+    "line, hint",
+    [
+        ("master_addr = [1, 2]", r"key master_addr in .*cfg.toml is an array \(\[1, 2\]\); master_addr takes a string"),
+        ("log_dir = {a = 1}", "is a table .* log_dir takes a string"),
+        ("resume = 3", "is an integer .* resume takes a string"),
+        ("checkpoint_dir = true", "is a boolean .* checkpoint_dir takes a string"),
+        ("run_id = 1979-05-27", "is a date/time"),
+        ("worker_num = '2'", "is a string .* worker_num takes an integer, e.g. worker_num = 1"),
+        ("worker_num = 2.5", "is a float .* takes an integer"),
+        ("worker_num = [2]", "is an array"),
+        ("pg_timeout = '30'", "pg_timeout takes a number, e.g. pg_timeout = 300.0"),
+        ("pg_timeout = true", "is a boolean"),
+        ("join = 1", "join takes true or false, e.g. join = true"),
+        ("join = 'yes'", "join takes true or false"),
+        ("tail_worker_log = [0, true]", "a string or an array of local ranks"),
+        ("recoverable_errors = [1]", "a string or an array of strings"),
+        ("tft = {ARF = 2}", "switch ARF = 2 must be true/false or 1/0"),
+        ("tft = {ARF = 'yes'}", "switch ARF"),
+        ("tft = [1]", "tft takes a string"),
+        ("worker_num = inf", "is a float .* takes an integer"),
+        ("worker_num = 1e300", "must be at least 1 and at most 1048576, got 1e\\+300"),
+        ("pg_timeout = 1e400", "got inf"),
+    ],
+)
+def test_toml_value_must_have_the_option_type(tmp_path, script, line, hint):
+    config = write(tmp_path / "cfg.toml", line + "\n")
+    with pytest.raises(ConfigError, match=hint) as info:
+        res(tmp_path, script, config_file=config)
+    assert "\n" not in str(info.value)
+
+
+def test_toml_accepted_types(tmp_path, script):
+    config = write(
+        tmp_path / "cfg.toml",
+        "worker_num = 4.0\npg_timeout = 30\nmonitor_interval = 0.5\njoin = true\ntail_worker_log = [0, 3]\n"
+        "recoverable_errors = ['A', 'b.C']\ntft = {ARF = true, HCCE = 0}\nnnodes = 1\n",
+    )
+    spec = res(tmp_path, script, config_file=config)
+    assert spec.worker_num == 4 and spec.pg_timeout == 30.0 and isinstance(spec.pg_timeout, float)
+    assert spec.monitor_interval == 0.5 and spec.join is True and spec.tail_worker_log == (0, 3)
+    assert spec.recoverable_errors == ("A", "b.C") and spec.tft == TftSwitches(arf=True, ttp=True, uce=False, hcce=False)
+    write(tmp_path / "cfg.toml", "tail_worker_log = -1\n")
+    assert res(tmp_path, script, config_file=tmp_path / "cfg.toml").tail_worker_log is None
+
+
+def test_toml_binary_large_and_odd_files(tmp_path, script):
+    (tmp_path / "bin.toml").write_bytes(b"worker_num = 2\n\xff\xfe")
+    with pytest.raises(ConfigError, match=r"bin.toml is not UTF-8 text \(byte 0xff at offset 15\)"):
+        res(tmp_path, script, config_file=tmp_path / "bin.toml")
+    write(tmp_path / "big.toml", "#" * (MAX_CONFIG_BYTES + 1))
+    with pytest.raises(ConfigError, match="larger than"):
+        res(tmp_path, script, config_file=tmp_path / "big.toml")
+    write(tmp_path / "pyproject.toml", "[tool]\nftrun = 'x'\n")
+    with pytest.raises(ConfigError, match=r"tool.ftrun in .*pyproject.toml is not a table"):
+        res(tmp_path, script)
+    write(tmp_path / "twice.toml", "[ftrun]\nmax-restarts = 1\nmax_restarts = 2\n")
+    with pytest.raises(ConfigError, match="sets max_restarts twice"):
+        res(tmp_path, script, config_file=tmp_path / "twice.toml")
+    write(tmp_path / "nul.toml", 'master_addr = "a\\u0000b"\n')
+    with pytest.raises(ConfigError, match="NUL"):
+        res(tmp_path, script, config_file=tmp_path / "nul.toml")
+
+
+def test_error_names_the_layer_that_gave_the_value(tmp_path, script):
+    write(tmp_path / "pyproject.toml", "[tool.ftrun]\nworker_num = 2\nlocal_worker_num = 4\n")
+    with pytest.raises(ConfigError, match=r"local_worker_num in .*pyproject.toml \[tool.ftrun\] 4 is larger than "
+                                          r"worker_num in .*pyproject.toml \[tool.ftrun\] 2"):
+        res(tmp_path, script)
+    with pytest.raises(ConfigError, match="--local_worker_num 4 is larger than FTRUN_WORKER_NUM 2"):
+        res(tmp_path, script, {"local_worker_num": "4"}, environ={"FTRUN_WORKER_NUM": "2"})
+
+
+# --------------------------------------------------------------------------- addresses
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [("127.0.0.1", "127.0.0.1"), ("10.1.2.3", "10.1.2.3"), ("::1", "::1"), ("[::1]", "::1"),
+     ("fe80::1%lo", "fe80::1%lo"), ("[10.0.0.1]", "10.0.0.1"), ("localhost", "localhost"), (" 127.0.0.1 ", "127.0.0.1")],
+)
+def test_check_address_accepts(given, expected):
+    assert check_address(given, "--master_addr") == expected
+
+
+@pytest.mark.parametrize(
+    "given, hint",
+    [("999.1.1.1", "not a valid IPv4 address"), ("1.2.3", "not a valid IPv4 address"),
+     ("1.2.3.4.5", "not a valid IPv4 address"), ("", "is empty"), ("[]", "is empty"),
+("fe80::zz", "not a valid IPv6"), ("bad_host!", "nor a valid host name"),
+     ("-lead.example", "nor a valid host name"), ("no-such-host-ftrun-test.invalid", "cannot resolve host name")],
+)
+def test_check_address_refuses(given, hint):
+    with pytest.raises(ConfigError, match=hint) as info:
+        check_address(given, "--master_addr")
+    assert str(info.value).startswith("--master_addr")
+
+
+def test_master_and_local_addr_checked_in_resolve(tmp_path, script):
+    with pytest.raises(ConfigError, match="FTRUN_MASTER_ADDR '300.0.0.1' is not a valid IPv4"):
+        res(tmp_path, script, environ={"FTRUN_MASTER_ADDR": "300.0.0.1"})
+    with pytest.raises(ConfigError, match="--local_addr"):
+        res(tmp_path, script, {"local_addr": "1.2.3.400"})
+    spec = res(tmp_path, script, {"master_addr": "[::1]", "local_addr": "localhost"})
+    assert spec.master_addr == "::1" and spec.local_addr == "localhost"
+
+
+# --------------------------------------------------------------------------- checkpoint directory, FTRUN_FAULT
+
+
+def test_checkpoint_dir_created_and_checked_when_ttp_on(tmp_path, script):
+    spec = res(tmp_path, script, {"checkpoint_dir": "ck/sub"})
+    assert (tmp_path / "ck" / "sub").is_dir() and list((tmp_path / "ck" / "sub").iterdir()) == []
+    assert spec.checkpoint_dir == "ck/sub"
+    write(tmp_path / "afile", "x")
+    with pytest.raises(ConfigError, match="--checkpoint_dir afile is a file, not a directory"):
+        res(tmp_path, script, {"checkpoint_dir": "afile"})
+    with pytest.raises(ConfigError, match="cannot create FTRUN_CHECKPOINT_DIR .*afile/x: Not a directory"):
+        res(tmp_path, script, environ={"FTRUN_CHECKPOINT_DIR": str(tmp_path / "afile" / "x")})
+    with pytest.raises(ConfigError, match="cannot create --checkpoint_dir /proc/ftrun-test-ckpt"):
+        res(tmp_path, script, {"checkpoint_dir": "/proc/ftrun-test-ckpt"})
+    with pytest.raises(ConfigError, match="--checkpoint_dir is empty"):
+        res(tmp_path, script, {"checkpoint_dir": " "})
+    # TTP off: nothing is written there, so nothing is checked
+    assert res(tmp_path, script, {"checkpoint_dir": "afile", "tft": "{HCCE:1}"}).checkpoint_dir == "afile"
+
+
+def test_checkpoint_dir_not_writable(tmp_path, script, monkeypatch):
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    with pytest.raises(ConfigError, match="cannot write to --checkpoint_dir ro: Permission denied"):
+        res(tmp_path, script, {"checkpoint_dir": "ro"})
+
+
+@pytest.mark.parametrize(
+    "fault, hint",
+    [
+        ("rank=x", "rank='x' is not an integer"),
+        ("rank=0,kind=boom", "unknown kind 'boom'"),
+        ("rank=0,point=nowhere", "unknown point 'nowhere'"),
+        ("rank=0,when=3", "unknown key 'when'"),
+        ("step=3", "names no rank"),
+        ("rank=0,step=", "step='' is not an integer"),
+        ("rank=0,step=1.5", "step='1.5' is not an integer"),
+        ("rank=-1", "rank=-1 is out of range"),
+        ("rank=0,kind=exit,code=300", "code=300 is out of range"),
+        ("rank=0,code=3", "code= applies to kind=exit only"),
+        ("rank=0,rank=1", "rank is given twice"),
+        ("rank=0 step=3", "rank='0 step=3' is not an integer"),
+        ("rank=4,step=3", "names rank 4, but the job has ranks 0..3"),
+        ("rank=0,step=3; rank=1,kind=oops", "unknown kind 'oops'"),
+    ],
+)
+def test_ftrun_fault_checked_before_launch(tmp_path, script, fault, hint):
+    with pytest.raises(ConfigError) as info:
+        res(tmp_path, script, {"worker_num": "4"}, environ={"FTRUN_FAULT": fault})
+    message = str(info.value)
+    assert hint in message and "fix or unset FTRUN_FAULT" in message and "\n" not in message
+
+
+def test_ftrun_fault_valid_values_pass(tmp_path, script):
+    for fault in ("rank=2,step=50,point=allreduce,kind=kill", "rank=0,step=20,kind=kill; rank=3,step=40,point=optimizer,"
+                  "kind=exit,code=7", "rank=1,point=rejoin,incarnation=1,kind=kill", "  ", "rank=0,point=init,kind=exit"):
+        res(tmp_path, script, {"worker_num": "4"}, environ={"FTRUN_FAULT": fault})
+    assert parse_faults("rank=3,step=9,point=optimizer,kind=recoverable")[0].kind == "recoverable"
+
+
+# --------------------------------------------------------------------------- torchrun's command line: parsers
+
+
+@pytest.mark.parametrize("text, expected", [("1", (1, 1)), ("2:2", (2, 2)), ("1:4", (1, 4)), (" 3 ", (3, 3))])
+def test_parse_nnodes(text, expected):
+    assert parse_nnodes(text) == expected
+
+
+@pytest.mark.parametrize("text, hint", [("0", "at least 1"), ("x", "not a node count"), ("1:", "not a node count"),
+                                        ("4:2", "MIN 4 is larger than MAX 2"), ("-1", "not a node count"),
+                                        ("1:2:3", "not a node count"), ("99999999", "at most")])
+def test_parse_nnodes_errors(text, hint):
+    with pytest.raises(ConfigError, match=hint):
+        parse_nnodes(text)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("node0", ("node0", 29400)), ("node0:1234", ("node0", 1234)), ("10.0.0.1:0", ("10.0.0.1", 0)),
+     ("[::1]:29500", ("::1", 29500)), ("[::1]", ("::1", 29400)), ("fe80::1", ("fe80::1", 29400)),
+     (" localhost:5 ", ("localhost", 5))],
+)
+def test_parse_rdzv_endpoint(text, expected):
+    assert parse_rdzv_endpoint(text) == expected
+
+
+@pytest.mark.parametrize("text, hint", [("", "names no host"), (":1234", "names no host"), ("h:x", "not a TCP port"),
+                                        ("h:65536", "not a TCP port"), ("[::1:5", "unbalanced"), ("h:", "not a TCP port")])
+def test_parse_rdzv_endpoint_errors(text, hint):
+    with pytest.raises(ConfigError, match=hint):
+        parse_rdzv_endpoint(text)
+
+
+def test_parse_rdzv_conf():
+    assert parse_rdzv_conf("") == {}
+    assert parse_rdzv_conf("join_timeout=900, is_host = true,read_timeout=60") == {
+        "join_timeout": 900.0, "is_host": True, "read_timeout": 60.0}
+    assert parse_rdzv_conf("is_host=0,timeout=5,last_call_timeout=1,close_timeout=2") == {
+        "is_host": False, "timeout": 5.0, "last_call_timeout": 1.0, "close_timeout": 2.0}
+
+
+@pytest.mark.parametrize("text, hint", [("foo=1", "unknown key 'foo'"), ("join_timeout", "is not KEY=VALUE"),
+                                        ("join_timeout=", "is not KEY=VALUE"), (",", "is not KEY=VALUE"),
+                                        ("is_host=maybe", "must be 1 or 0"), ("join_timeout=1e15", "at most 604800"),
+                                        ("timeout=nan", "timeout='nan'"), ("read_timeout=-1", "more than 0")])
+def test_parse_rdzv_conf_errors(text, hint):
+    with pytest.raises(ConfigError, match=hint):
+        parse_rdzv_conf(text)
+
+
+def test_parse_std_streams():
+    assert parse_std_streams("3", "--tee", 2) == {0: 3, 1: 3}
+    assert parse_std_streams("0:1,2:2", "--tee", 3) == {0: 1, 1: 0, 2: 2}
+    for bad in ("4", "a", "0:4", "0:1,", "0=1"):
+        with pytest.raises(ConfigError, match="--tee"):
+            parse_std_streams(bad, "--tee", 2)
+    with pytest.raises(ConfigError, match="not a local rank 0..1"):
+        parse_std_streams("2:1", "-r", 2)
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (TorchrunFlags(), None),  # torchrun's defaults: every rank prints to the console
+        (TorchrunFlags(redirects="3"), ()),  # all redirected to files, nothing teed
+        (TorchrunFlags(redirects="3", tee="3"), None),
+        (TorchrunFlags(redirects="3", tee="0:3,2:1"), (0, 2)),
+        (TorchrunFlags(redirects="1"), None),  # stderr still reaches the console
+        (TorchrunFlags(redirects="0:3"), (1, 2, 3)),
+        (TorchrunFlags(tee="3", local_ranks_filter="1,3"), (1, 3)),
+        (TorchrunFlags(local_ranks_filter="0"), (0,)),
+        (TorchrunFlags(local_ranks_filter=""), None),
+    ],
+)
+def test_console_ranks(flags, expected):
+    assert flags.console_ranks(4) == expected
+
+
+# --------------------------------------------------------------------------- torchrun's command line: resolve
+
+
+def test_nnodes_sets_the_world(tmp_path, script):
+    spec = res(tmp_path, script, {"nnodes": "2", "local_worker_num": "4"}, environ=TOKEN_ENV)
+    assert (spec.worker_num, spec.local_worker_num, spec.nnodes, spec.warnings) == (8, 4, 2, ())
+    spec = res(tmp_path, script, {"nnodes": "2", "worker_num": "6"}, environ=TOKEN_ENV)
+    assert (spec.worker_num, spec.local_worker_num, spec.nnodes) == (6, 3, 2)
+    spec = res(tmp_path, script, {"nnodes": "3"}, environ=TOKEN_ENV)
+    assert (spec.worker_num, spec.local_worker_num) == (3, 1)  # torchrun's --nproc-per-node defaults to 1
+    spec = res(tmp_path, script, {"nnodes": "1:1", "local_worker_num": "4"})
+    assert (spec.worker_num, spec.local_worker_num, spec.nnodes) == (4, 4, 1)
+    spec = res(tmp_path, script, environ={"FTRUN_NNODES": "2", "FTRUN_LOCAL_WORKER_NUM": "2", **TOKEN_ENV})
+    assert spec.worker_num == 4 and spec.nnodes == 2
+
+
+def test_nnodes_range_runs_max_with_a_warning(tmp_path, script):
+    spec = res(tmp_path, script, {"nnodes": "1:4", "local_worker_num": "2"}, environ=TOKEN_ENV)
+    assert (spec.worker_num, spec.nnodes) == (8, 4)
+    assert spec.warnings == ("ftrun does not resize jobs: --nnodes 1:4 runs with 4 nodes; all 4 must join within "
+                             "--cluster_time_out",)
+
+
+@pytest.mark.parametrize(
+    "cli_values, hint",
+    [
+        ({"nnodes": "2", "local_worker_num": "2", "worker_num": "5"}, "--worker_num 5 disagrees with --nnodes 2 x "
+                                                                       "--local_worker_num 2 = 4"),
+        ({"nnodes": "2", "worker_num": "5"}, "cannot be split over --nnodes 2 nodes"),
+        ({"nnodes": "2", "local_worker_num": "4096", "worker_num": "8192"}, None),
+        ({"nnodes": "1048576", "local_worker_num": "2"}, "a job has at most 1048576"),
+        ({"nnodes": "0"}, "--nnodes '0'"),
+    ],
+)
+def test_nnodes_errors(tmp_path, script, cli_values, hint):
+    if hint is None:
+        assert res(tmp_path, script, cli_values, environ=TOKEN_ENV).nnodes == 2
+        return
+    with pytest.raises(ConfigError, match=hint):
+        res(tmp_path, script, cli_values, environ=TOKEN_ENV)
+
+
+def test_standalone(tmp_path, script):
+    spec = res(tmp_path, script, {"local_worker_num": "4"}, environ={"FTRUN_MASTER_ADDR": "10.0.0.9"},
+               torchrun=TorchrunFlags(standalone=True))
+    assert (spec.master_addr, spec.master_port, spec.worker_num) == ("127.0.0.1", 0, 4)
+    spec = res(tmp_path, script, {"master_port": "29501", "master_addr": "localhost"},
+               torchrun=TorchrunFlags(standalone=True, rdzv_backend="c10d"))
+    assert (spec.master_addr, spec.master_port) == ("localhost", 29501)
+    for cli_values, flags, hint in [
+        ({}, TorchrunFlags(standalone=True, rdzv_endpoint="h:1"), "drop --rdzv-endpoint"),
+        ({"master_addr": "10.0.0.1"}, TorchrunFlags(standalone=True), "drop --master_addr 10.0.0.1"),
+        ({"nnodes": "2"}, TorchrunFlags(standalone=True), "--standalone runs a single-node job"),
+        ({"worker_num": "4", "local_worker_num": "2"}, TorchrunFlags(standalone=True), "make 2 nodes"),
+    ]:
+        with pytest.raises(ConfigError, match=hint):
+            res(tmp_path, script, cli_values, environ=TOKEN_ENV, torchrun=flags)
+
+
+def test_rdzv_endpoint_backend_and_conf(tmp_path, script):
+    flags = TorchrunFlags(rdzv_backend="c10d", rdzv_endpoint="[::1]:29555", rdzv_conf="join_timeout=900,read_timeout=9")
+    spec = res(tmp_path, script, {"run_id": "job-7"}, torchrun=flags)
+    assert (spec.master_addr, spec.master_port, spec.cluster_time_out, spec.run_id) == ("::1", 29555, 900.0, "job-7")
+    assert spec.warnings == ("--rdzv-conf read_timeout is ignored: ftrun's store has no separate read timeout",)
+    spec = res(tmp_path, script, torchrun=TorchrunFlags(rdzv_backend="STATIC", rdzv_endpoint="localhost",
+                                                        rdzv_conf="timeout=30"))
+    assert (spec.master_addr, spec.master_port, spec.cluster_time_out) == ("localhost", 29400, 30.0)
+    spec = res(tmp_path, script, {"master_addr": "127.0.0.1", "master_port": "29400"},
+               torchrun=TorchrunFlags(rdzv_endpoint="127.0.0.1"))  # saying the same twice is fine
+    assert spec.master_port == 29400
+    # the endpoint is a flag: it beats the environment
+    spec = res(tmp_path, script, environ={"FTRUN_MASTER_PORT": "1"}, torchrun=TorchrunFlags(rdzv_endpoint="::1"))
+    assert spec.master_port == 29400
+
+
+@pytest.mark.parametrize(
+    "cli_values, flags, hint",
+    [
+        ({}, TorchrunFlags(rdzv_backend="etcd-v2"), "--rdzv-backend 'etcd-v2' is not supported"),
+        ({"master_addr": "10.0.0.2"}, TorchrunFlags(rdzv_endpoint="10.0.0.1:5"), "name different hosts"),
+        ({"master_port": "6"}, TorchrunFlags(rdzv_endpoint="10.0.0.1:5"), "master_port 5, but --master_port gives 6"),
+        ({"cluster_time_out": "6"}, TorchrunFlags(rdzv_conf="join_timeout=5"), "cluster_time_out 5"),
+        ({}, TorchrunFlags(rdzv_endpoint="999.1.1.1:5"), "--rdzv-endpoint '999.1.1.1' is not a valid IPv4"),
+        ({"nnodes": "2"}, TorchrunFlags(rdzv_backend="c10d", rdzv_endpoint="127.0.0.1"), "give each node its --node_rank"),
+        ({"nnodes": "2", "node_rank": "1"}, TorchrunFlags(rdzv_conf="is_host=1"), "is_host=1 makes this node 0"),
+        ({"nnodes": "2"}, TorchrunFlags(rdzv_conf="is_host=0"), "give its --node_rank"),
+        ({}, TorchrunFlags(tee="0:3", local_ranks_filter="x"), "--local-ranks-filter"),
+        ({"tail_worker_log": "0"}, TorchrunFlags(redirects="3"), "give one of them"),
+        ({"run_id": "has space"}, TorchrunFlags(), "printable characters without spaces"),
+        ({"run_id": "x" * 257}, TorchrunFlags(), "1 to 256"),
+    ],
+)
+def test_torchrun_errors(tmp_path, script, cli_values, flags, hint):
+    with pytest.raises(ConfigError, match=hint) as info:
+        res(tmp_path, script, cli_values, environ=TOKEN_ENV, torchrun=flags)
+    assert "\n" not in str(info.value)
+
+
+def test_multi_node_with_c10d_and_node_rank_or_is_host(tmp_path, script):
+    flags = TorchrunFlags(rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:29400")
+    assert res(tmp_path, script, {"nnodes": "2", "node_rank": "1"}, environ=TOKEN_ENV, torchrun=flags).node_rank == 1
+    flags = TorchrunFlags(rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:29400", rdzv_conf="is_host=1")
+    assert res(tmp_path, script, {"nnodes": "2"}, environ=TOKEN_ENV, torchrun=flags).node_rank == 0
+
+
+def test_tee_chooses_console_ranks_over_env(tmp_path, script):
+    spec = res(tmp_path, script, {"local_worker_num": "4"}, environ={"FTRUN_TAIL_WORKER_LOG": "1"},
+               torchrun=TorchrunFlags(redirects="3", tee="0:3"))
+    assert spec.tail_worker_log == (0,)
+
+
+# --------------------------------------------------------------------------- the job's secret
+
+
+def test_token_single_node_optional(tmp_path, script):
+    spec = res(tmp_path, script)
+    assert read_job_token(spec, {}) is None
+    assert read_job_token(spec, {"FTRUN_TOKEN": "  " + TOKEN + "\n"}) == TOKEN
+
+
+def test_token_multi_node_required(tmp_path, script):
+    with pytest.raises(ConfigError) as info:
+        res(tmp_path, script, {"worker_num": "4", "local_worker_num": "2"})
+    assert str(info.value) == (
+        "a multi-node job needs a shared secret: set FTRUN_TOKEN (the same value on every node) or --token_file "
+        "FILE; e.g. FTRUN_TOKEN=$(python -c 'import secrets; print(secrets.token_hex(32))')"
+    )
+    spec = JobSpec(script="x.py", worker_num=4, local_worker_num=2)
+    with pytest.raises(ConfigError, match="needs a shared secret"):
+        read_job_token(spec, {})
+
+
+def test_token_file(tmp_path, script):
+    write(tmp_path / "tok", f"\n  {TOKEN}  \n")
+    spec = res(tmp_path, script, {"nnodes": "2", "token_file": "tok"})
+    assert spec.token_file == str(tmp_path / "tok")  # made absolute
+    assert read_job_token(spec, {}) == TOKEN
+    spec = res(tmp_path, script, {"nnodes": "2"}, environ={"FTRUN_TOKEN_FILE": str(tmp_path / "tok")})
+    assert read_job_token(spec, {}) == TOKEN
+
+
+SECRET = "s3cr3t-value"
+
+
+@pytest.mark.parametrize(
+    "content, environ, hint",
+    [
+        (None, {}, "cannot read --token_file .*: No such file or directory"),
+        ("", {}, "is empty"),
+        ("   \n", {}, "is empty"),
+        (SECRET, {}, "is 12 characters long; the job's secret must be at least 16"),
+        (SECRET + " and more words", {}, "holds spaces"),
+        (SECRET + "é" * 10, {}, "printable ASCII"),
+        (b"\xff\xfe" + b"x" * 20, {}, "is not text"),
+        ("x" * 5000, {}, "larger than 4096 bytes"),
+        ("x" * 20, {"FTRUN_TOKEN": "y" * 20}, "both set"),
+    ],
+)
+def test_token_file_errors(tmp_path, script, content, environ, hint):
+    path = tmp_path / "tok"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match=hint) as info:
+        res(tmp_path, script, {"nnodes": "2", "token_file": str(path)}, environ=environ)
+    assert SECRET not in str(info.value)  # the secret is never printed
+
+
+@pytest.mark.parametrize("value, hint", [("", "FTRUN_TOKEN is empty"), ("short", "is 5 characters long"),
+                                         (SECRET + " " + SECRET, "holds spaces")])
+def test_env_token_errors(tmp_path, script, value, hint):
+    with pytest.raises(ConfigError, match=hint) as info:
+        res(tmp_path, script, {"nnodes": "2"}, environ={"FTRUN_TOKEN": value})
+    assert SECRET not in str(info.value)
+
+
+def test_token_file_is_a_directory(tmp_path, script):
+    with pytest.raises(ConfigError, match="cannot read --token_file .*: Is a directory"):
+        res(tmp_path, script, {"token_file": str(tmp_path)})
+    with pytest.raises(ConfigError, match="--token_file is empty"):
+        res(tmp_path, script, {"token_file": " "})
+
+
+def test_jobspec_json_round_trip_new_fields(tmp_path, script):
+    write(tmp_path / "tok", TOKEN)
+    spec = res(tmp_path, script, {"nnodes": "1:2", "run_id": "r1", "local_addr": "127.0.0.1", "token_file": "tok"})
+    assert spec.warnings and spec.run_id == "r1" and spec.local_addr == "127.0.0.1"
+    data = json.loads(json.dumps(spec.to_json()))
+    assert JobSpec.from_json(data) == spec and data["warnings"] == list(spec.warnings)
+    old = {k: v for k, v in data.items() if k not in ("run_id", "local_addr", "token_file", "warnings")}
+    assert JobSpec.from_json(old).warnings == ()  # a spec from an older writer still loads
+
+
+# --------------------------------------------------------------------------- torchrun's command line, in process
+
+
+def test_cli_torchrun_single_node_command_line(cli_spec, script):
+    spec = cli_spec("--standalone", "--nnodes=1", "--nproc-per-node=4", "--max-restarts=0", "--monitor-interval=0.5",
+                    "--rdzv-id", "exp1", "-r", "3", "-t", "0:3", "--log-dir", "L", "--run-path", script, "--lr", "1")
+    assert (spec.worker_num, spec.local_worker_num, spec.master_addr, spec.master_port) == (4, 4, "127.0.0.1", 0)
+    assert spec.max_restarts == 0 and spec.monitor_interval == 0.5 and spec.run_id == "exp1" and spec.log_dir == "L"
+    assert spec.tail_worker_log == (0,) and spec.script == script and spec.script_args == ("--lr", "1")
+    assert not spec.module and not spec.no_python
+
+
+def test_cli_torchrun_multi_node_command_line(cli_spec, monkeypatch, script):
+    monkeypatch.setenv("FTRUN_TOKEN", TOKEN)
+    spec = cli_spec("--nnodes", "2", "--nproc_per_node", "2", "--node_rank", "1", "--rdzv_backend", "c10d",
+                    "--rdzv_endpoint", "localhost:29411", "--rdzv_conf", "join_timeout=120", "--local_addr", "127.0.0.1",
+                    "--shutdown-timeout", "9", "--local-ranks-filter", "1", script)
+    assert (spec.worker_num, spec.local_worker_num, spec.node_rank, spec.nnodes) == (4, 2, 1, 2)
+    assert (spec.master_addr, spec.master_port, spec.cluster_time_out) == ("localhost", 29411, 120.0)
+    assert spec.local_addr == "127.0.0.1" and spec.grace_period == 9.0 and spec.tail_worker_log == (1,)
+    monkeypatch.delenv("FTRUN_TOKEN")
+    token_file = Path(script).parent / "token"
+    token_file.write_text(TOKEN)
+    spec = cli_spec("--master-addr", "127.0.0.1", "--master-port", "29412", "--node-rank", "0", "--nnodes", "2",
+                    "--rdzv-backend", "static", "--token-file", str(token_file), script)
+    assert (spec.master_port, spec.nnodes) == (29412, 2)
+
+
+def test_cli_nproc_per_node_cpu(cli_spec, script):
+    import os
+
+    assert cli_spec("--nproc-per-node", "cpu", script).local_worker_num == (os.cpu_count() or 1)
+
+
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (["--start-method", "spawn"], "ftrun does not support torchrun's --start-method: ranks are always started"),
+        (["--start_method=fork"], "does not support torchrun's --start_method"),
+        (["--role", "x"], "does not support torchrun's --role"),
+        (["--event-log-handler", "x"], "--event-log-handler"),
+        (["--signals-to-handle", "SIGUSR1"], "--signals-to-handle"),
+        (["--virtual-local-rank"], "--virtual-local-rank"),
+        (["--duplicate_stdout_filters", "a"], "--duplicate_stdout_filters"),
+        (["--no-such-flag"], "No such option: --no-such-flag"),
+        (["--nproc_per_node", "2", "--local_worker_num", "3"], "disagree"),
+        (["--nproc_per_node", "tpu"], "--nproc_per_node 'tpu': give a number of ranks, or one of auto, cpu, gpu, xpu"),
+        (["--rdzv-id", "a", "--run-id", "b"], "--rdzv-id a and --run_id b disagree"),
+        (["--run-path", "--no-python"], "--run-path"),
+    ],
+)
+def test_cli_refusals(tmp_path, monkeypatch, script, capsys, argv, hint):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        ftrun.cli.main([*argv, script])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ftrun: error: ") and hint in err and err.count("\n") == 1, err
 
 
 # --------------------------------------------------------------------------- policy: decide_on_failure
