@@ -1,6 +1,6 @@
 """Job events: what happened, to which rank, when.
 
-The supervisor is the single writer of ``LOG_DIR/events.jsonl``: one JSON object per line, with
+The job coordinator (node 0) is the single writer of ``LOG_DIR/events.jsonl``: one JSON object per line, with
 these keys (the schema is also documented in the README):
 
 - ``time``: Unix time in seconds (float).
@@ -48,6 +48,8 @@ class EventKind(str, Enum):
     RESUMED = "resumed"
     STOP_REQUESTED = "stop_requested"
     JOB_FINISHED = "job_finished"
+    NODE_JOINED = "node_joined"
+    NODE_LOST = "node_lost"
 
 
 @dataclass

@@ -29,6 +29,38 @@ from .protocol import MsgType, ProtocolError, decode, new_token
 FIRST_STOP_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
+def job_token(spec: JobSpec) -> str:
+    """The job secret: ``FTRUN_TOKEN`` or ``--token_file`` where given (required for several
+    nodes, so that every launcher has the same one), else a fresh one for this single-node job.
+
+    Raises:
+        ConfigError: an unreadable or too short token (see :func:`ftrun.config.read_job_token`).
+    """
+    from . import config
+
+    reader = getattr(config, "read_job_token", None)
+    token = reader(spec, os.environ) if reader is not None else (os.environ.get("FTRUN_TOKEN") or None)
+    if token is None and spec.nnodes > 1:
+        raise ConfigError("a multi-node job needs a shared secret: set FTRUN_TOKEN (the same value on every node) "
+                          "or --token_file FILE")
+    return token or new_token()
+
+
+def wait_for_control_addr(store: Any, spec: JobSpec) -> str:
+    """The coordinator's control-plane endpoint, published by node 0 in the job's store.
+
+    Raises:
+        ConfigError: node 0 did not publish it within ``--cluster_time_out`` seconds.
+    """
+    try:
+        return store.get("ftrun/control_addr").decode()
+    except Exception as err:  # torch raises DistStoreError/RuntimeError on a timeout or a lost store
+        raise ConfigError(
+            f"node 0's coordinator did not come up within {spec.cluster_time_out:g} s ({str(err).splitlines()[0]}); "
+            "start node 0 first, with the same --master_addr/--master_port"
+        ) from None
+
+
 def check_port_free(addr: str, port: int) -> None:
     """Fail early, before importing torch, when the master port is taken.
 
@@ -127,7 +159,12 @@ class Launcher:
         except OSError as err:
             raise ConfigError(f"cannot write to --log_dir {spec.log_dir}: {err.strerror}; choose a writable directory") from None
         store, port = host_store(spec)  # checks the port first, before importing torch
-        token = new_token()
+        # A multi-node job shares its secret through every launcher's environment (FTRUN_TOKEN or
+        # --token_file; checked by the configuration); a single-node job makes its own.
+        token = job_token(spec)
+        control_addr = None
+        if spec.node_rank != 0:
+            control_addr = wait_for_control_addr(store, spec)
         ctx = zmq.Context()
         pull = ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
@@ -136,17 +173,24 @@ class Launcher:
         env.update(
             {
                 "FTRUN_SUPERVISOR_SPEC": json.dumps(spec.to_json()),
+                "FTRUN_AGENT_SPEC": json.dumps(spec.to_json()),
                 "FTRUN_TOKEN_FOR_SUPERVISOR": token,
                 "FTRUN_EVENTS_ADDR": f"tcp://127.0.0.1:{events_port}",
                 "FTRUN_STORE_PORT": str(port),
-                "TORCHELASTIC_RUN_ID": env.get("TORCHELASTIC_RUN_ID") or f"ftrun-{os.getpid()}-{int(time.time())}",
+                "TORCHELASTIC_RUN_ID": getattr(spec, "run_id", None) or env.get("TORCHELASTIC_RUN_ID")
+                or f"ftrun-{os.getpid()}-{int(time.time())}",
             }
         )
+        if control_addr is not None:
+            env["FTRUN_CONTROL_FOR_AGENT"] = control_addr
         console = self.console or make_console(f"ftrun: {spec.script} on {spec.worker_num} rank(s)")
         self._install_signals()
-        with open(log_dir / "supervisor.log", "ab") as sup_err:
+        own_log = log_dir / ("supervisor.log" if spec.node_rank == 0 else f"agent_{spec.node_rank}.log")
+        with open(own_log, "ab") as sup_err:
+            # Node 0 runs the job coordinator with its own agent; every other node runs an agent.
+            role = "ftrun.supervisor" if spec.node_rank == 0 else "ftrun.agent"
             supervisor = procs.spawn(
-                [sys.executable, "-m", "ftrun.supervisor"],
+                [sys.executable, "-m", role],
                 env=env,
                 stdout=sup_err.fileno(),
                 stderr=sup_err.fileno(),
@@ -190,9 +234,9 @@ class Launcher:
         code = supervisor.returncode
         if code < 0:
             code, desc = procs.describe_exit(code)
-            last_finish = {"message": f"the ftrun supervisor was {desc}; see {log_dir / 'supervisor.log'}", "detail": {}}
+            last_finish = {"message": f"the ftrun {'supervisor' if spec.node_rank == 0 else 'agent'} was {desc}; see {own_log}", "detail": {}}
         elif last_finish is None:
-            last_finish = {"message": f"the ftrun supervisor exited with code {code}; see {log_dir / 'supervisor.log'}", "detail": {}}
+            last_finish = {"message": f"the ftrun {'supervisor' if spec.node_rank == 0 else 'agent'} exited with code {code}; see {own_log}", "detail": {}}
         if self.stop_signals and (code == 0 or handled > 1):
             code = FIRST_STOP_EXIT.get(self.stop_signals[0], 128 + self.stop_signals[0])
         console.finish(code, last_finish)

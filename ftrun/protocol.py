@@ -20,6 +20,9 @@ Worker -> supervisor (DEALER -> ROUTER): ``hello``, ``heartbeat``, ``step_begin`
 Supervisor -> worker: ``abort`` (drop the group, report your committed step for generation g),
 ``reconfigure`` (the plan of generation g), ``stop``.
 Supervisor -> launcher (PUSH -> PULL): ``event``, ``status``.
+Node agent -> coordinator: ``agent_hello``, ``agent_beat``, ``spawned``, ``exited``, ``stacks``.
+Coordinator -> node agent: ``agent_beat``, ``spawn``, ``signal``, ``kill_hung``, ``stop_ranks``,
+``spares``, ``shutdown``.
 """
 
 from __future__ import annotations
@@ -64,6 +67,18 @@ class MsgType(str, Enum):
     STOP = "stop"
     EVENT = "event"
     STATUS = "status"
+    # node agent <-> coordinator
+    AGENT_HELLO = "agent_hello"  # an agent joins (node index, pid, host)
+    AGENT_BEAT = "agent_beat"  # liveness, both directions
+    SPAWN = "spawn"  # start this incarnation of this rank with these variables
+    SPAWNED = "spawned"  # it runs, as this pid
+    EXITED = "exited"  # a rank process ended (returncode as Popen gives it)
+    SIGNAL = "signal"  # send this signal to that rank's process group
+    KILL_HUNG = "kill_hung"  # dump a hung rank's stacks into its log, then SIGKILL it
+    STACKS = "stacks"  # the stacks a hung rank wrote (answer to kill_hung)
+    STOP_RANKS = "stop_ranks"  # stop every rank of the node (SIGTERM, grace, SIGKILL)
+    SPARES = "spares"  # keep this many warm spares
+    SHUTDOWN = "shutdown"  # the job is over: exit with this code
 
 
 _INT = (int,)
@@ -97,6 +112,17 @@ SCHEMA: dict[MsgType, dict[str, tuple[type, ...]]] = {
     MsgType.STOP: {"reason": _STR},
     MsgType.EVENT: {"event": (dict,)},
     MsgType.STATUS: {"ranks": (list,)},
+    MsgType.AGENT_HELLO: {"node": _INT, "pid": _INT, "host": _STR},
+    MsgType.AGENT_BEAT: {"node": _INT},
+    MsgType.SPAWN: {"rank": _INT, "incarnation": _INT, "vars": (dict,), "header": _STR, "use_spare": (bool,)},
+    MsgType.SPAWNED: {"node": _INT, "rank": _INT, "incarnation": _INT, "pid": _INT, "spare": (bool,)},
+    MsgType.EXITED: {"node": _INT, "rank": _INT, "incarnation": _INT, "pid": _INT, "returncode": _INT, "at": _NUM},
+    MsgType.SIGNAL: {"rank": _INT, "incarnation": _INT, "signal": _INT},
+    MsgType.KILL_HUNG: {"rank": _INT, "incarnation": _INT, "line": _STR, "dump": (bool,)},
+    MsgType.STACKS: {"node": _INT, "rank": _INT, "incarnation": _INT, "lines": (list,), "note": _STR},
+    MsgType.STOP_RANKS: {"grace": _NUM},
+    MsgType.SPARES: {"count": _INT, "vars": (dict,)},
+    MsgType.SHUTDOWN: {"code": _INT, "message": _STR},
 }
 
 

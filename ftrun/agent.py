@@ -1,0 +1,416 @@
+"""Node agents: the processes of each node, carried out as the job coordinator says.
+
+One agent per node plays MindCluster's ``reset_process`` role: it spawns, reaps and kills its
+node's ranks and warm spares (:class:`~ftrun.spawner.RankProcesses`), sees a death at once (it is
+the parent: ``SIGCHLD``), dumps a hung rank's stacks, and reports every exit to the coordinator. It
+decides nothing. The coordinator sees every agent through the same interface, :class:`AgentHandle`:
+
+- :class:`LocalAgent`: node 0's agent, in the coordinator's own process (a single-node job is the
+  coordinator and one local agent; no extra hop on the path from a death to its recovery);
+- :class:`RemoteAgent`: the coordinator's proxy of another node's agent process
+  (``python -m ftrun.agent``, :func:`main`), which talks to the coordinator over the authenticated
+  control plane (:mod:`ftrun.protocol`).
+
+Results come back the same way from both: :meth:`AgentHandle.take_reports` returns what happened
+since the last call (spawned, exited, stacks). An agent that loses its coordinator (no
+``agent_beat`` for ``--heartbeat_timeout`` seconds) stops its ranks and exits: no rank outlives
+the job's decision-maker. A coordinator that loses an agent treats the node as lost.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import zmq
+
+from .protocol import MAX_FRAME_BYTES, FrameAuth, Message, MsgType, ProtocolError, decode, encode
+from .spawner import ExitReport, RankProcesses, rank_argv
+
+log = logging.getLogger("ftrun.agent")
+
+
+@dataclass(frozen=True)
+class Spawned:
+    """A rank process started on a node (``spare``: a warm spare took it)."""
+
+    rank: int
+    incarnation: int
+    pid: int
+    spare: bool
+
+
+@dataclass(frozen=True)
+class Stacks:
+    """The stacks a hung rank wrote before it was killed (``lines`` may be empty; ``note`` says why)."""
+
+    rank: int
+    incarnation: int
+    lines: list[str]
+    note: str
+
+
+Report = Spawned | ExitReport | Stacks
+
+
+class AgentHandle:
+    """What the coordinator can ask of a node's agent. Calls never block on the network; what
+    they cause comes back through :meth:`take_reports`."""
+
+    node: int
+
+    def spawn(self, rank: int, incarnation: int, rank_vars: Mapping[str, str], header: str, use_spare: bool) -> None:
+        raise NotImplementedError
+
+    def signal(self, rank: int, incarnation: int, sig: int) -> None:
+        raise NotImplementedError
+
+    def kill_hung(self, rank: int, incarnation: int, line: str, dump: bool) -> None:
+        """Dump the rank's stacks into its log (if ``dump``: only the worker library answers the
+        request), write ``line`` there (``{note}`` replaced by how the dump went), then SIGKILL it."""
+        raise NotImplementedError
+
+    def stop_ranks(self, grace_period: float) -> None:
+        """SIGTERM every rank of the node, SIGKILL after ``grace_period`` seconds; exits are reported."""
+        raise NotImplementedError
+
+    def keep_spares(self, count: int, model_vars: Mapping[str, str]) -> None:
+        raise NotImplementedError
+
+    def shutdown(self, code: int, message: str) -> None:
+        raise NotImplementedError
+
+    def take_reports(self) -> list[Report]:
+        raise NotImplementedError
+
+    def connected(self) -> bool:
+        return True
+
+
+class LocalAgent(AgentHandle):
+    """Node 0's agent, in the coordinator's process: direct calls on :class:`RankProcesses`."""
+
+    def __init__(self, node: int, processes: RankProcesses) -> None:
+        self.node = node
+        self.processes = processes
+        self._reports: list[Report] = []
+
+    def spawn(self, rank: int, incarnation: int, rank_vars: Mapping[str, str], header: str, use_spare: bool) -> None:
+        try:
+            pid, spare = self.processes.spawn(rank, incarnation, rank_vars, header, use_spare)
+        except OSError as err:
+            log.error("cannot start rank %d: %s", rank, err)
+            self._reports.append(ExitReport(rank, incarnation, 0, 127, time.time()))
+            return
+        self._reports.append(Spawned(rank, incarnation, pid, spare))
+
+    def signal(self, rank: int, incarnation: int, sig: int) -> None:
+        self.processes.signal(rank, incarnation, sig)
+
+    def kill_hung(self, rank: int, incarnation: int, line: str, dump: bool) -> None:
+        self._reports.append(kill_hung(self.processes, rank, incarnation, line, dump))
+
+    def stop_ranks(self, grace_period: float) -> None:
+        self._reports.extend(self.processes.stop(grace_period))
+
+    def keep_spares(self, count: int, model_vars: Mapping[str, str]) -> None:
+        self.processes.keep_spares(count, model_vars)
+
+    def shutdown(self, code: int, message: str) -> None:
+        self.processes.stop_spares()
+
+    def take_reports(self) -> list[Report]:
+        reports, self._reports = self._reports + self.processes.reap(), []
+        return reports
+
+
+@dataclass
+class RemoteAgent(AgentHandle):
+    """The coordinator's view of another node's agent process: commands go out as frames on the
+    coordinator's ROUTER; the agent's reports are queued by :meth:`on_message`.
+
+    Attributes:
+        node: the node index.
+        identity: the ZeroMQ routing identity of its connection (the one whose hello verified).
+        send_frame: sends one frame to that identity.
+        last_seen: monotonic time of its last message, seconds.
+    """
+
+    node: int
+    identity: bytes
+    send_frame: Callable[[bytes, MsgType, dict[str, Any]], None]
+    last_seen: float
+    host: str = ""
+    pid: int = 0
+    lost: bool = False
+    leaving: str | None = None  # the reason it gave for leaving (its launcher was stopped or killed)
+    _reports: list[Report] = field(default_factory=list)
+
+    def _send(self, msg_type: MsgType, **fields: Any) -> None:
+        if not self.lost:
+            self.send_frame(self.identity, msg_type, fields)
+
+    def spawn(self, rank: int, incarnation: int, rank_vars: Mapping[str, str], header: str, use_spare: bool) -> None:
+        self._send(MsgType.SPAWN, rank=rank, incarnation=incarnation, vars=dict(rank_vars), header=header, use_spare=use_spare)
+
+    def signal(self, rank: int, incarnation: int, sig: int) -> None:
+        self._send(MsgType.SIGNAL, rank=rank, incarnation=incarnation, signal=int(sig))
+
+    def kill_hung(self, rank: int, incarnation: int, line: str, dump: bool) -> None:
+        self._send(MsgType.KILL_HUNG, rank=rank, incarnation=incarnation, line=line, dump=dump)
+
+    def stop_ranks(self, grace_period: float) -> None:
+        self._send(MsgType.STOP_RANKS, grace=grace_period)
+
+    def keep_spares(self, count: int, model_vars: Mapping[str, str]) -> None:
+        self._send(MsgType.SPARES, count=count, vars=dict(model_vars))
+
+    def shutdown(self, code: int, message: str) -> None:
+        self._send(MsgType.SHUTDOWN, code=code, message=message)
+
+    def beat(self) -> None:
+        self._send(MsgType.AGENT_BEAT, node=0)
+
+    def connected(self) -> bool:
+        return not self.lost
+
+    def on_message(self, msg: Message, now: float) -> None:
+        """Queue a report from the agent (spawned, exited, stacks); any message proves it alive."""
+        self.last_seen = now
+        if msg.type == MsgType.AGENT_BEAT and isinstance(msg.get("leaving"), str):
+            self.leaving = msg["leaving"][:500]
+        elif msg.type == MsgType.SPAWNED:
+            self._reports.append(Spawned(msg["rank"], msg["incarnation"], msg["pid"], msg["spare"]))
+        elif msg.type == MsgType.EXITED:
+            error = msg.get("error")
+            self._reports.append(ExitReport(msg["rank"], msg["incarnation"], msg["pid"], msg["returncode"], float(msg["at"]),
+                                            error[:500] if isinstance(error, str) else None))
+        elif msg.type == MsgType.STACKS:
+            lines = [str(x) for x in msg["lines"]][-200:]
+            self._reports.append(Stacks(msg["rank"], msg["incarnation"], lines, msg["note"]))
+
+    def take_reports(self) -> list[Report]:
+        reports, self._reports = self._reports, []
+        return reports
+
+
+def kill_hung(processes: RankProcesses, rank: int, incarnation: int, line: str, dump: bool) -> Stacks:
+    """Dump a hung rank's stacks (if ``dump``), note it in its log, SIGKILL it; the stacks."""
+    if dump:
+        lines, note = processes.dump_stacks(rank, incarnation)
+    else:
+        lines, note = [], "no stack dump (the rank does not use the worker library)"
+    processes.note_in_log(rank, line.replace("{note}", note))
+    processes.signal(rank, incarnation, signal.SIGKILL)
+    return Stacks(rank, incarnation, lines, note)
+
+
+# --------------------------------------------------------------------------- the agent process
+class NodeAgent:
+    """The agent process of a node other than node 0 (``python -m ftrun.agent``).
+
+    Args:
+        node: this node's index.
+        control_addr: the coordinator's ROUTER endpoint.
+        token: the job secret.
+        processes: this node's :class:`RankProcesses`.
+        heartbeat_interval: seconds between beats to the coordinator.
+        coordinator_timeout: seconds without a beat from the coordinator before it is taken as lost.
+        events_addr: the launcher's PULL endpoint for console events, or None.
+    """
+
+    def __init__(self, node: int, control_addr: str, token: str, processes: RankProcesses, heartbeat_interval: float,
+                 coordinator_timeout: float, events_addr: str | None) -> None:
+        self.node = node
+        self.auth = FrameAuth(token)
+        self.processes = processes
+        self.heartbeat_interval = heartbeat_interval
+        self.coordinator_timeout = coordinator_timeout
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, b"a" + os.urandom(15))
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self.sock.connect(control_addr)
+        self.push: zmq.Socket | None = None
+        if events_addr:
+            self.push = self.ctx.socket(zmq.PUSH)
+            self.push.setsockopt(zmq.LINGER, 2000)
+            self.push.connect(events_addr)
+        self.exit_code: int | None = None
+        self.stop_signal: int | None = None
+        self._wakeup_r, self._wakeup_w = os.pipe()
+        os.set_blocking(self._wakeup_r, False)
+        os.set_blocking(self._wakeup_w, False)
+
+    def send(self, msg_type: MsgType, **fields: Any) -> None:
+        self.sock.send(encode(msg_type, self.auth, **fields))
+
+    def event(self, kind: str, message: str, **detail: Any) -> None:
+        """An event for this node's console (the job's events.jsonl is the coordinator's)."""
+        log.info("%s %s", kind, message)
+        if self.push is not None:
+            event = {"time": time.time(), "kind": kind, "node": self.node, "rank": detail.pop("rank", None),
+                     "message": message, "detail": detail}
+            self.push.send(encode(MsgType.EVENT, self.auth, event=event))
+
+    def run(self) -> int:
+        """Serve the coordinator until it shuts the job down or is lost; returns the exit code."""
+        signal.set_wakeup_fd(self._wakeup_w)
+        signal.signal(signal.SIGCHLD, lambda *_: setattr(self.processes, "sigchld_at", self.processes.sigchld_at or time.time()))
+        signal.signal(signal.SIGTERM, lambda s, _f: setattr(self, "stop_signal", s))
+        signal.signal(signal.SIGINT, lambda s, _f: setattr(self, "stop_signal", s))
+        self.send(MsgType.AGENT_HELLO, node=self.node, pid=os.getpid(), host=socket.gethostname())
+        if self.processes.interface_note:
+            self.event("warning", self.processes.interface_note)
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._wakeup_r, zmq.POLLIN)
+        last_heard = time.monotonic()
+        next_beat = 0.0
+        while self.exit_code is None:
+            now = time.monotonic()
+            if now >= next_beat:
+                self.send(MsgType.AGENT_BEAT, node=self.node)
+                next_beat = now + self.heartbeat_interval
+            events = dict(poller.poll(timeout=int(min(self.heartbeat_interval, 0.5) * 1000)))
+            if self._wakeup_r in events:
+                try:
+                    while os.read(self._wakeup_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            self.report_exits()
+            if self.sock in events:
+                for _ in range(1000):
+                    try:
+                        frame = self.sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        msg = decode(frame, self.auth)
+                    except ProtocolError as err:
+                        log.warning("dropped a frame: %s", err)
+                        continue
+                    last_heard = time.monotonic()
+                    self.handle(msg)
+            if self.stop_signal is not None and self.exit_code is None:
+                # This node's launcher was stopped (or died: its death signal is SIGTERM). Tell the
+                # coordinator first, so that it takes the node as gone rather than respawning its
+                # ranks here, then stop them.
+                reason = f"its launcher was stopped by {signal.Signals(self.stop_signal).name} or died"
+                self.send(MsgType.AGENT_BEAT, node=self.node, leaving=reason)
+                self.stop_all(reason)
+                self.event("job_finished", f"node {self.node} left the job: {reason}", exit_code=128 + self.stop_signal)
+                self.exit_code = 128 + self.stop_signal
+            elif self.exit_code is None and time.monotonic() - last_heard > self.coordinator_timeout:
+                message = (f"lost the job coordinator on node 0 (nothing heard for {self.coordinator_timeout:g} s); "
+                           "stopping this node's ranks")
+                self.stop_all(message)
+                self.event("job_finished", f"job failed: {message}", exit_code=1)
+                self.exit_code = 1
+        self.processes.stop_spares()
+        self.sock.close(2000)
+        if self.push is not None:
+            self.push.close(2000)
+        self.ctx.term()
+        return self.exit_code
+
+    def stop_all(self, reason: str) -> None:
+        log.warning("%s", reason)
+        for report in self.processes.stop(0.0 if self.exit_code is not None else 2.0):
+            self._send_exit(report)
+
+    def report_exits(self) -> None:
+        for report in self.processes.reap():
+            self._send_exit(report)
+
+    def _send_exit(self, r: ExitReport) -> None:
+        self.send(MsgType.EXITED, node=self.node, rank=r.rank, incarnation=r.incarnation, pid=r.pid,
+                  returncode=r.returncode, at=r.at, error=r.error)
+
+    def handle(self, msg: Message) -> None:
+        """Carry out one command of the coordinator (a dispatch table, one handler a type)."""
+        handler = self._handlers.get(msg.type)
+        if handler is not None:
+            handler(self, msg)
+
+    def _on_spawn(self, msg: Message) -> None:
+        rank_vars = {str(k): str(v) for k, v in msg["vars"].items()}
+        try:
+            pid, spare = self.processes.spawn(msg["rank"], msg["incarnation"], rank_vars, msg["header"], msg["use_spare"])
+        except OSError as err:
+            log.error("cannot start rank %d: %s", msg["rank"], err)
+            self.send(MsgType.EXITED, node=self.node, rank=msg["rank"], incarnation=msg["incarnation"], pid=0,
+                      returncode=127, at=time.time())
+            return
+        self.send(MsgType.SPAWNED, node=self.node, rank=msg["rank"], incarnation=msg["incarnation"], pid=pid, spare=spare)
+        self.event("rank_started", f"rank {msg['rank']} started (pid {pid}, incarnation {msg['incarnation']})", rank=msg["rank"])
+
+    def _on_signal(self, msg: Message) -> None:
+        self.processes.signal(msg["rank"], msg["incarnation"], msg["signal"])
+
+    def _on_kill_hung(self, msg: Message) -> None:
+        stacks = kill_hung(self.processes, msg["rank"], msg["incarnation"], msg["line"], bool(msg.get("dump", True)))
+        self.send(MsgType.STACKS, node=self.node, rank=stacks.rank, incarnation=stacks.incarnation,
+                  lines=stacks.lines[-200:], note=stacks.note)
+
+    def _on_stop_ranks(self, msg: Message) -> None:
+        for report in self.processes.stop(float(msg["grace"])):
+            self._send_exit(report)
+
+    def _on_spares(self, msg: Message) -> None:
+        self.processes.keep_spares(msg["count"], {str(k): str(v) for k, v in msg["vars"].items()})
+
+    def _on_shutdown(self, msg: Message) -> None:
+        for report in self.processes.stop(2.0):
+            self._send_exit(report)
+        kind = "job_finished"
+        self.event(kind, msg["message"], exit_code=msg["code"])
+        self.exit_code = msg["code"]
+
+    _handlers: dict[MsgType, Callable[["NodeAgent", Message], None]] = {
+        MsgType.SPAWN: _on_spawn,
+        MsgType.SIGNAL: _on_signal,
+        MsgType.KILL_HUNG: _on_kill_hung,
+        MsgType.STOP_RANKS: _on_stop_ranks,
+        MsgType.SPARES: _on_spares,
+        MsgType.SHUTDOWN: _on_shutdown,
+    }
+
+
+def main() -> None:
+    """Entry point of ``python -m ftrun.agent`` (started by a launcher on a node other than 0)."""
+    from .config import JobSpec
+
+    spec = JobSpec.from_json(json.loads(os.environ["FTRUN_AGENT_SPEC"]))
+    log_dir = Path(spec.log_dir)
+    logging.basicConfig(filename=log_dir / f"agent_{spec.node_rank}.log", level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    processes = RankProcesses(
+        rank_argv(spec.no_python, spec.module, spec.script, list(spec.script_args)),
+        [spec.script, *spec.script_args], spec.module, log_dir, spec.local_worker_num, spec.master_addr,
+        multi_node=spec.nnodes > 1,
+    )
+    agent = NodeAgent(spec.node_rank, os.environ["FTRUN_CONTROL_FOR_AGENT"], os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"],
+                      processes, spec.heartbeat_interval, max(spec.heartbeat_timeout, 3 * spec.heartbeat_interval),
+                      os.environ.get("FTRUN_EVENTS_ADDR"))
+    try:
+        code = agent.run()
+    except BaseException:
+        log.exception("agent crashed")
+        raise
+    logging.shutdown()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+"""The processes of one node: ranks and warm spares, spawned, reaped, signalled (no torch here).
+
+This is the machinery of a node agent (MindCluster's ``reset_process`` role), used by node 0's
+in-process agent and by the agent process of every other node alike. It follows the two process
+rules of DESIGN.md: whoever spawns a process reaps it (exit codes and signals are exact), and no
+process outlives its parent (``PR_SET_PDEATHSIG``, see :mod:`ftrun.procs`). It decides nothing:
+the coordinator tells it what to spawn and what to kill, and it reports each exit.
+
+Each rank's environment is this node's own environment plus the variables the coordinator sends
+(torchrun's, msrun's and ftrun's contract, :meth:`Coordinator.rank_vars`), so that what differs
+between hosts (paths, interfaces, virtual environments) stays each host's.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from . import errorfile, procs
+
+log = logging.getLogger("ftrun.spawner")
+
+STACK_DUMP_WAIT_S = 2.0  # how long a hung rank gets to write its stacks before it is killed
+# Variables of ftrun's own processes that a rank must not inherit.
+INTERNAL_VARS = (
+    "FTRUN_TOKEN_FOR_SUPERVISOR", "FTRUN_SUPERVISOR_SPEC", "FTRUN_EVENTS_ADDR", "FTRUN_STORE_PORT",
+    "FTRUN_AGENT_SPEC", "FTRUN_CONTROL_FOR_AGENT",
+)
+
+
+@dataclass(frozen=True)
+class ExitReport:
+    """A rank process that ended, as its parent saw it.
+
+    Attributes:
+        rank, incarnation, pid: the process.
+        error: the uncaught exception it recorded (torchrun's ``@record`` error file), one line.
+        returncode: ``Popen.returncode`` (negative: killed by that signal).
+        at: Unix time the exit was seen (the SIGCHLD's arrival when there was one), seconds.
+    """
+
+    rank: int
+    incarnation: int
+    pid: int
+    returncode: int
+    at: float
+    error: str | None = None  # "Type: message" from the rank's torchrun error file (@record), if any
+
+
+@dataclass
+class _Proc:
+    rank: int
+    incarnation: int
+    proc: subprocess.Popen
+    log_path: Path
+    error_file: Path | None = None
+
+
+def loopback_hostname() -> bool:
+    """True when this host's name resolves to a loopback address (common in containers and
+    network namespaces): gloo would then bind its data plane to loopback and never meet the
+    other hosts (the classic torchrun multi-node hang)."""
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
+    except OSError:
+        return True
+    return all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+def interface_towards(addr: str) -> str | None:
+    """The name of the network interface this host uses to reach ``addr``, or None.
+
+    A UDP socket is "connected" to ``addr`` (which sends nothing) and its local address is matched
+    against the interfaces' addresses (psutil).
+    """
+    import psutil
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((addr, 9))
+            local = sock.getsockname()[0]
+    except OSError:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == local for a in addrs):
+            return name
+    return None
+
+
+class RankProcesses:
+    """Owns one node's rank processes and warm spares.
+
+    Args:
+        argv: the command line of a rank (``python -u script args`` or a program).
+        script_argv: the script and its arguments as a warm spare runs them (``runpy``).
+        module: whether the script is a module (``-m``).
+        log_dir: where ``worker_<rank>.log`` and ``spares.log`` go.
+        local_worker_num: ranks on this node (for ``OMP_NUM_THREADS``).
+        master_addr: node 0's address (to choose the data-plane interface).
+        multi_node: whether the job spans several nodes.
+    """
+
+    def __init__(self, argv: list[str], script_argv: list[str], module: bool, log_dir: Path, local_worker_num: int,
+                 master_addr: str, multi_node: bool) -> None:
+        self.argv = argv
+        self.script_argv = script_argv
+        self.module = module
+        self.log_dir = log_dir
+        self.local_worker_num = local_worker_num
+        self.procs: dict[int, _Proc] = {}
+        self.spares: list[subprocess.Popen] = []
+        self.sigchld_at: float | None = None  # arrival of the first SIGCHLD not yet acted on
+        self.interface_note: str | None = None
+        self._extra_env: dict[str, str] = {}
+        if multi_node and "GLOO_SOCKET_IFNAME" not in os.environ and loopback_hostname():
+            iface = interface_towards(master_addr)
+            if iface is not None:
+                self._extra_env["GLOO_SOCKET_IFNAME"] = iface
+                self.interface_note = (
+                    f"this host's name resolves to a loopback address; ranks get GLOO_SOCKET_IFNAME={iface} "
+                    f"(the interface that routes to {master_addr}); set GLOO_SOCKET_IFNAME to choose another"
+                )
+
+    # ----------------------------------------------------------------- environment
+    def environment(self, rank_vars: Mapping[str, str]) -> dict[str, str]:
+        """This node's environment, less ftrun's internal variables, plus ``rank_vars``."""
+        env = {k: v for k, v in os.environ.items() if k not in INTERNAL_VARS}
+        if "FTRUN_RESUME_DIR" not in rank_vars:
+            env.pop("FTRUN_RESUME_DIR", None)
+            env.pop("FTRUN_RESUME_STEP", None)
+        env.update(self._extra_env)
+        env.update(rank_vars)
+        if self.local_worker_num > 1 and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = "1"  # as torchrun does: ranks would oversubscribe the cores
+        return env
+
+    # ----------------------------------------------------------------- spawning
+    def spawn(self, rank: int, incarnation: int, rank_vars: Mapping[str, str], header: str, use_spare: bool) -> tuple[int, bool]:
+        """Start ``incarnation`` of ``rank`` (in an idle warm spare if ``use_spare`` and one is up).
+
+        Args:
+            rank, incarnation: the identity of the new process.
+            rank_vars: the coordinator's variables for it.
+            header: the line written to its log before it starts.
+            use_spare: hand it to a warm spare when one is idle.
+
+        Returns:
+            (its pid, whether a warm spare took it).
+
+        Raises:
+            OSError: the program cannot be executed.
+        """
+        path = self.log_dir / f"worker_{rank}.log"
+        env = self.environment(rank_vars)
+        # torchrun's contract: @record writes the rank's uncaught exception here (read at its exit)
+        error_file = errorfile.error_file_path(self.log_dir, rank, incarnation, int(rank_vars.get("FTRUN_ATTEMPT", "0")))
+        errorfile.prepare_error_file(error_file)
+        env.update(errorfile.error_file_env(error_file))
+        with open(path, "ab") as fh:
+            fh.write(header.encode())
+            fh.flush()
+            proc = self._take_spare(env, path) if use_spare else None
+            spare = proc is not None
+            if proc is None:
+                proc = procs.spawn(self.argv, env=env, stdout=fh.fileno(), stderr=subprocess.STDOUT)
+        self.procs[rank] = _Proc(rank, incarnation, proc, path, error_file)
+        return proc.pid, spare
+
+    def keep_spares(self, count: int, model_vars: Mapping[str, str]) -> None:
+        """Keep ``count`` warm spares running (each has imported torch and waits on its stdin)."""
+        self.spares = [p for p in self.spares if p.poll() is None]
+        while len(self.spares) < count:
+            with open(self.log_dir / "spares.log", "ab") as fh:
+                spare = procs.spawn([sys.executable, "-u", "-m", "ftrun.spare"], env=self.environment(model_vars),
+                                    stdout=fh.fileno(), stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
+            self.spares.append(spare)
+            log.info("warm spare started (pid %d)", spare.pid)
+
+    def _take_spare(self, env: dict[str, str], log_path: Path) -> subprocess.Popen | None:
+        while self.spares:
+            spare = self.spares.pop(0)
+            if spare.poll() is not None or spare.stdin is None:
+                continue
+            job = {"env": env, "argv": self.script_argv, "module": self.module, "log": str(log_path), "cwd": os.getcwd()}
+            try:
+                spare.stdin.write(json.dumps(job).encode())
+                spare.stdin.close()
+            except OSError:
+                continue  # it died just now
+            return spare
+        return None
+
+    # ----------------------------------------------------------------- reaping and signals
+    def reap(self) -> list[ExitReport]:
+        """Reap every rank process that has ended (and SIGKILL what it left in its session)."""
+        died_at, self.sigchld_at = self.sigchld_at, None
+        reports = []
+        for rank, p in list(self.procs.items()):
+            rc = p.proc.poll()
+            if rc is None:
+                continue
+            procs.signal_group(p.proc, signal.SIGKILL)  # leave none of its children behind
+            del self.procs[rank]
+            error = errorfile.read_error_file(p.error_file) if rc != 0 and p.error_file is not None else None
+            reports.append(ExitReport(rank, p.incarnation, p.proc.pid, rc, died_at or time.time(),
+                                      error.summary()[:500] if error is not None else None))
+        return reports
+
+    def pid(self, rank: int, incarnation: int) -> int | None:
+        p = self.procs.get(rank)
+        return p.proc.pid if p is not None and p.incarnation == incarnation else None
+
+    def signal(self, rank: int, incarnation: int, sig: int) -> None:
+        """Send ``sig`` to the process group of that rank's process, if it is still that process."""
+        p = self.procs.get(rank)
+        if p is not None and p.incarnation == incarnation:
+            procs.signal_group(p.proc, sig)
+
+    def stop(self, grace_period: float) -> list[ExitReport]:
+        """Stop every rank (SIGTERM, then SIGKILL after ``grace_period`` s) and reap them."""
+        procs.stop_all([p.proc for p in self.procs.values()], grace_period)
+        return self.reap()
+
+    def stop_spares(self) -> None:
+        procs.stop_all(self.spares, 0.0)
+        self.spares = []
+
+    def dump_stacks(self, rank: int, incarnation: int) -> tuple[list[str], str]:
+        """Ask a rank for the Python stacks of all its threads (faulthandler on SIGUSR1, set up by
+        the worker library) and return the lines it wrote to its log, and a note. A stopped
+        process cannot answer and is not waited for; the wait is at most
+        :data:`STACK_DUMP_WAIT_S` seconds."""
+        import psutil
+
+        p = self.procs.get(rank)
+        if p is None or p.incarnation != incarnation:
+            return [], "no stack dump (the process is gone)"
+        path = p.log_path
+        try:
+            if psutil.Process(p.proc.pid).status() == psutil.STATUS_STOPPED:
+                return [], "no stack dump (the process is stopped)"
+            start = path.stat().st_size
+            os.kill(p.proc.pid, signal.SIGUSR1)
+        except (OSError, psutil.Error):
+            return [], "no stack dump (the process is gone)"
+        deadline = time.monotonic() + STACK_DUMP_WAIT_S
+        size, changed = start, time.monotonic()
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            try:
+                now_size = path.stat().st_size
+            except OSError:
+                break
+            if now_size != size:
+                size, changed = now_size, time.monotonic()
+            elif size > start and time.monotonic() - changed >= 0.2:
+                break  # written and quiet: the dump is complete
+        if size <= start:
+            return [], f"no stack dump within {STACK_DUMP_WAIT_S:g} s"
+        with open(path, "rb") as fh:
+            fh.seek(start)
+            lines = fh.read(size - start).decode("utf-8", "replace").splitlines()
+        return lines, f"stacks of all threads written to {path}"
+
+    def note_in_log(self, rank: int, line: str) -> None:
+        try:
+            with open(self.log_dir / f"worker_{rank}.log", "a", encoding="utf-8") as fh:
+                fh.write(line + "\n")
+        except OSError:
+            pass
+
+
+def tail_lines(path: Path, n: int) -> list[str]:
+    """The last ``n`` lines a rank's current incarnation wrote to its log (empty if unreadable)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 64 * 1024))
+            data = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    lines = data.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("===== ftrun:")]
+    return lines[(starts[-1] + 1) if starts else 0 :][-n:]
+
+
+def rank_argv(no_python: bool, module: bool, script: str, script_args: list[str]) -> list[str]:
+    """A rank's command line: the program itself, ``python -u -m module``, or ``python -u script``."""
+    if no_python:
+        return [script, *script_args]
+    if module:
+        return [sys.executable, "-u", "-m", script, *script_args]
+    return [sys.executable, "-u", script, *script_args]
+
+
+def kw(obj: Any, name: str, default: Any = None) -> Any:
+    """``getattr`` for JobSpec fields that older specs may lack."""
+    return getattr(obj, name, default)

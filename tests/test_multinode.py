@@ -1,0 +1,213 @@
+"""Multi-node jobs on test hosts (network namespaces): one coordinator, one agent per node.
+
+Each host runs its own ``ftrun`` launcher, as on a real cluster (``--node_rank``, ``--master_addr``
+of host 0, a shared ``FTRUN_TOKEN``). No test sets ``GLOO_SOCKET_IFNAME``: inside a namespace the
+host name resolves to 127.0.0.1, and ftrun must choose the interface that routes to node 0 itself.
+The correctness bar is the single-node one: a faulted run ends with the parameters of the
+fault-free run, and ranks that did not fault keep their PID.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import digits_job as dj
+import psutil
+import pytest
+from nethosts import NetHost, net_hosts  # noqa: F401
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(360)]
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "multi-node-test-secret-" + "0" * 40
+
+
+@dataclass
+class NodeRun:
+    host: NetHost
+    proc: subprocess.Popen
+    out_path: Path
+    log_dir: Path
+
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+
+def start_job(hosts: list[NetHost], tmp_path: Path, script: Path = dj.SCRIPT, steps: str = dj.STEPS, local: int = 2,
+              fault: str | None = None, extra: tuple[str, ...] = (), script_args: tuple[str, ...] = ("--log_every", "10"),
+              extra_env: dict[str, str] | None = None) -> list[NodeRun]:
+    """One launcher per host, node i on host i; node 0's output and events carry the job's result."""
+    env = dj.env({"FTRUN_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", **({"FTRUN_FAULT": fault} if fault else {}),
+                  **(extra_env or {})})
+    runs = []
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    for i, host in enumerate(hosts):
+        log_dir = tmp_path / f"logs{i}"
+        cmd = [sys.executable, "-m", "ftrun", "--worker_num", str(local * len(hosts)), "--local_worker_num", str(local),
+               "--node_rank", str(i), "--master_addr", hosts[0].addr, "--master_port", "29500", "--plain",
+               "--log_dir", str(log_dir), "--checkpoint_dir", str(tmp_path / "ckpt"), "--max_restarts", "4",
+               "--tail_worker_log", "0" if i == 0 else "", *extra, str(script), "--steps", steps, *script_args]
+        out_path = tmp_path / f"out{i}.txt"
+        with open(out_path, "wb") as out:
+            proc = host.popen(cmd, env=env, cwd=str(tmp_path), stdout=out, stderr=subprocess.STDOUT)
+        runs.append(NodeRun(host, proc, out_path, log_dir))
+    return runs
+
+
+def wait_all(runs: list[NodeRun], timeout: float = 240.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for run in runs:
+        try:
+            codes.append(run.proc.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"node {runs.index(run)} did not end in time:\n" + "\n---\n".join(r.output()[-3000:] for r in runs))
+    return codes
+
+
+def run_job(hosts: list[NetHost], tmp_path: Path, **kw) -> tuple[str, list[dict], list[NodeRun]]:
+    runs = start_job(hosts, tmp_path, **kw)
+    codes = wait_all(runs)
+    assert codes == [0] * len(runs), "\n---\n".join(r.output()[-3000:] for r in runs)
+    steps = kw.get("steps", dj.STEPS)
+    return dj.digest(runs[0].output(), steps), dj.events(runs[0].log_dir), runs
+
+
+def all_pids(runs: list[NodeRun]) -> list[int]:
+    """Every process a test started in the hosts (launchers and their descendants), still alive."""
+    found = []
+    for run in runs:
+        found += [p for p in run.host.pids()]
+    return found
+
+
+def test_two_hosts_fault_free_matches_single_node(net_hosts, reference: str, tmp_path: Path) -> None:  # noqa: F811
+    hosts = net_hosts(2)
+    digest, events, runs = run_job(hosts, tmp_path)
+    assert digest == reference
+    assert {e["detail"].get("node") for e in events if e["kind"] == "rank_started"} == {0, 1}
+    assert [e for e in events if e["kind"] == "node_joined"]
+    # ftrun chose the data-plane interface itself (the host name resolves to loopback here)
+    assert "GLOO_SOCKET_IFNAME=eth0" in runs[1].output()
+    assert not [e for e in events if e["kind"] in ("rank_failed", "recovery_started", "job_restarting")]
+
+
+@pytest.mark.parametrize("point", ["allreduce", "optimizer"])
+def test_kill_on_last_node_is_recovered_across_nodes(net_hosts, reference: str, tmp_path: Path, point: str) -> None:  # noqa: F811
+    hosts = net_hosts(2)
+    digest, events, _ = run_job(hosts, tmp_path, fault=f"rank=3,step=9,point={point},kind=kill")
+    assert digest == reference
+    dj.assert_survivors_kept_pids(events, {3})
+    plans = [e for e in events if e["kind"] == "recovery_planned"]
+    assert plans and all(t[1] == 3 for t in plans[0]["detail"]["transfers"])
+    assert plans[0]["detail"]["transfers"][0][0] in (0, 1, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["before_forward", "between_steps"])
+def test_kill_on_last_node_more_points(net_hosts, reference: str, tmp_path: Path, point: str) -> None:  # noqa: F811
+    hosts = net_hosts(2)
+    digest, events, _ = run_job(hosts, tmp_path, fault=f"rank=3,step=9,point={point},kind=kill")
+    assert digest == reference
+    dj.assert_survivors_kept_pids(events, {3})
+
+
+def _signal_rank_on_node1(hosts: list[NetHost], tmp_path: Path, sig: int) -> tuple[str, list[dict]]:
+    runs = start_job(hosts, tmp_path, steps=dj.LONG_STEPS)
+    try:
+        dj.wait_for(lambda: dj.training(runs[0].log_dir), timeout=180)
+        pid = dj.started(dj.events(runs[0].log_dir))[2][0]
+        os.kill(pid, sig)  # rank 2 runs on node 1 (pids are global on this machine)
+        codes = wait_all(runs)
+    finally:
+        for run in runs:
+            if run.proc.poll() is None:
+                os.killpg(run.proc.pid, signal.SIGKILL)
+    assert codes == [0, 0], "\n---\n".join(r.output()[-3000:] for r in runs)
+    return dj.digest(runs[0].output(), dj.LONG_STEPS), dj.events(runs[0].log_dir)
+
+
+def test_sigkill_from_outside_on_node1(net_hosts, long_reference: str, tmp_path: Path) -> None:  # noqa: F811
+    digest, events = _signal_rank_on_node1(net_hosts(2), tmp_path, signal.SIGKILL)
+    assert digest == long_reference
+    dj.assert_survivors_kept_pids(events, {2})
+
+
+def test_frozen_rank_on_node1(net_hosts, long_reference: str, tmp_path: Path) -> None:  # noqa: F811
+    digest, events = _signal_rank_on_node1(net_hosts(2), tmp_path, signal.SIGSTOP)
+    assert digest == long_reference
+    dj.assert_survivors_kept_pids(events, {2})
+    hung = [e for e in events if e["kind"] == "rank_hung"]
+    assert [e["rank"] for e in hung] == [2] and hung[0]["detail"]["fault"] == "no_heartbeat"
+
+
+def test_new_rank_and_donor_killed_across_nodes(net_hosts, reference: str, tmp_path: Path) -> None:  # noqa: F811
+    # Rank 3 (node 1) dies; its respawn dies while rejoining; the donor dies mid-transfer.
+    hosts = net_hosts(2)
+    digest, events, _ = run_job(
+        hosts, tmp_path,
+        fault="rank=3,step=8,kind=kill; rank=3,point=rejoin,incarnation=1,kind=kill; rank=0,point=transfer,kind=kill")
+    assert digest == reference
+    dj.assert_survivors_kept_pids(events, {0, 3})
+
+
+def test_torchrun_script_restarts_on_every_node(net_hosts, tmp_path: Path) -> None:  # noqa: F811
+    """An unmodified env:// script: a SIGKILL of a rank on node 1 restarts the job on both nodes
+    (one coordinated whole-job restart, a fresh store), and it ends as without the fault."""
+    hosts = net_hosts(2)
+    script = ROOT / "examples" / "train_digits_torchrun.py"
+    clean, _, _ = run_job(hosts, tmp_path / "clean", script=script, script_args=())
+    runs = start_job(hosts, tmp_path / "faulted", script=script, script_args=())
+    try:
+        dj.wait_for(lambda: len(dj.started(dj.events(runs[0].log_dir))) == 4, timeout=120)
+        victim = dj.started(dj.events(runs[0].log_dir))[3][0]
+        os.kill(victim, signal.SIGKILL)
+        codes = wait_all(runs)
+    finally:
+        for run in runs:
+            if run.proc.poll() is None:
+                os.killpg(run.proc.pid, signal.SIGKILL)
+    events = dj.events(runs[0].log_dir)
+    assert codes == [0, 0], "\n---\n".join(r.output()[-3000:] for r in runs)
+    assert dj.digest(runs[0].output()) == clean
+    restarts = [e for e in events if e["kind"] == "job_restarting"]
+    assert len(restarts) == 1
+    assert all(len(p) == 2 for p in dj.started(events).values()), "every rank on every node restarts once"
+
+
+@pytest.mark.parametrize("node", [1, 0])
+def test_launcher_killed_ends_every_node(net_hosts, tmp_path: Path, node: int) -> None:  # noqa: F811
+    hosts = net_hosts(2)
+    runs = start_job(hosts, tmp_path, steps=dj.LONG_STEPS)
+    try:
+        dj.wait_for(lambda: dj.training(runs[0].log_dir), timeout=180)
+        os.kill(runs[node].proc.pid, signal.SIGKILL)
+        other = runs[1 - node]
+        code = other.proc.wait(timeout=90)  # bounded: the other node never waits forever
+        runs[node].proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while (all_pids(runs)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = all_pids(runs)
+    finally:
+        for run in runs:
+            if run.proc.poll() is None:
+                os.killpg(run.proc.pid, signal.SIGKILL)
+    assert left == [], f"processes left behind: {[psutil.Process(p).cmdline() for p in left if psutil.pid_exists(p)]}"
+    assert code != 0
+    out = other.output()
+    if node == 1:
+        assert "node 1" in out, out[-3000:]
+        events = dj.events(runs[0].log_dir)
+        finished = [e for e in events if e["kind"] == "job_finished"][-1]
+        assert "node 1" in finished["message"]
+        saved = [e for e in events if e["kind"] == "checkpoint_saved"]
+        assert saved, "no dying-gasp checkpoint although node 0's ranks hold every shard"
+    else:
+        assert "coordinator" in out or "stopped" in out, out[-3000:]
