@@ -56,6 +56,10 @@ class Channel:
         # Called on the I/O thread with each message from the supervisor, before it is queued: the
         # one way to act while the training thread is blocked (e.g. inside a collective).
         self.on_receive: Callable[[Message], None] | None = None
+        # Called on the I/O thread at each heartbeat: extra fields that describe what the training
+        # thread is doing (the watchdog's evidence), e.g. {"in_dist": True} while it waits in a
+        # torch.distributed call.
+        self.probe: Callable[[], dict[str, Any]] | None = None
         self._thread = threading.Thread(target=self._run, name="ftrun-channel", daemon=True)
         self._thread.start()
 
@@ -101,7 +105,13 @@ class Channel:
         while running:
             now = time.monotonic()
             if now >= next_beat:
-                self._sock.send(heartbeat, zmq.NOBLOCK)
+                beat = heartbeat
+                if self.probe is not None:
+                    try:
+                        beat = encode(MsgType.HEARTBEAT, self.token, rank=self.rank, incarnation=self.incarnation, **self.probe())
+                    except Exception:  # a probe must never stop the heartbeats
+                        beat = heartbeat
+                self._sock.send(beat, zmq.NOBLOCK)
                 next_beat = now + self.heartbeat_interval
             events = dict(poller.poll(timeout=max(0, int((next_beat - now) * 1000))))
             if self._wake_r in events:

@@ -68,6 +68,8 @@ from .spawner import ExitReport, tail_lines
 log = logging.getLogger("ftrun.coordinator")
 
 STATUS_PERIOD_S = 0.25  # at most four console snapshots a second
+REPORT_DEADLINE_S = 10.0  # a survivor answers an abort in milliseconds; after this it is hung
+PLAN_DEADLINE_S = 60.0  # to build the new group and move the state, unless waiting in torch.distributed
 UNREPAIRED_GRACE_S = 1.0  # wait this long for a death to explain a failed collective before restarting
 TTP_REPORT_WAIT_S = 10.0  # how long live ranks get to reach a safe point and report (dying gasp)
 TTP_WRITE_WAIT_S = 300.0  # how long the shard writers get to write (dying gasp)
@@ -116,6 +118,7 @@ class Rank:
     hung_since: float = 0.0  # the evidence's start (last heartbeat or progress)
     final_step: int | None = None  # the committed step it claimed when it called ft.finish()
     finished: bool = False  # it called ft.finish(): its channel is closed, its code after that runs unwatched
+    in_dist: bool | None = None  # its last heartbeat: training thread inside torch.distributed (None: unknown)
 
     def alive(self) -> bool:
         return self.running
@@ -163,6 +166,7 @@ class Recovery:
     respawned_at: dict[int, float] = field(default_factory=dict)
     joined_at: dict[int, float] = field(default_factory=dict)
     rounds: int = 1
+    round_started: float = 0.0  # when the current round began (its deadlines count from here)
 
 
 class Coordinator:
@@ -267,7 +271,7 @@ class Coordinator:
         return event
 
     def publish_status(self, force: bool = False) -> None:
-        now = time.time()
+        now = self.clock()
         if self.push is None or not (force or (self._status_dirty and now - self._last_status >= STATUS_PERIOD_S)):
             return
         ranks = [r.status(now) for r in self.ranks.values()]
@@ -372,7 +376,8 @@ class Coordinator:
         r.last_heartbeat = 0.0
         r.phase, r.last_progress, r.last_begin, r.samples = "setup", 0.0, None, 0
         r.steps_ended, r.kill_reason, r.hung_since, r.final_step, r.finished = False, None, 0.0, None, False
-        r.started_at = time.time()
+        r.in_dist = None
+        r.started_at = self.clock()
         header = (
             f"===== ftrun: rank {r.rank} incarnation {r.incarnation} attempt {self.attempt} "
             f"generation {self.generation} started {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n"
@@ -411,7 +416,7 @@ class Coordinator:
             or not any(r.library for r in self.ranks.values())
         ):
             return
-        now = time.monotonic()
+        now = self.clock()
         if now - self._spares_sent < 1.0:
             return  # at most once a second: an agent refills what a promotion used
         self._spares_sent = now
@@ -462,7 +467,7 @@ class Coordinator:
     # ----------------------------------------------------------------- main loop
     def run(self) -> int:
         """Run the job to its end and return the exit code."""
-        self.run_id = os.environ.get("TORCHELASTIC_RUN_ID") or f"ftrun-{os.getppid()}-{int(time.time())}"
+        self.run_id = os.environ.get("TORCHELASTIC_RUN_ID") or f"ftrun-{os.getppid()}-{int(self.clock())}"
         self._install_signals()
         spec = self.spec
         self.emit(
@@ -524,7 +529,7 @@ class Coordinator:
         Until node replacement exists, a lost node ends the job: the survivors write a dying-gasp
         checkpoint and the failure names the node.
         """
-        now = time.monotonic()
+        now = self.clock()
         timeout = max(self.spec.heartbeat_timeout, 3 * self.spec.heartbeat_interval)
         if now >= self._next_agent_beat:
             self._next_agent_beat = now + self.spec.heartbeat_interval
@@ -549,7 +554,7 @@ class Coordinator:
         if isinstance(agent, RemoteAgent):
             agent.lost = True
         self.lost_nodes[node] = reason
-        now = time.time()
+        now = self.clock()
         lost = [r for r in self.ranks.values() if r.node == node]
         for r in lost:
             if r.state != RankState.SUCCEEDED:
@@ -564,7 +569,7 @@ class Coordinator:
     def on_agent_message(self, identity: bytes, msg: Message) -> None:
         """An agent's hello, beat or report. A hello binds the node to the connection that sent
         it; any other agent message must come from that connection."""
-        now = time.monotonic()
+        now = self.clock()
         node = msg.get("node")
         if msg.type == MsgType.AGENT_HELLO:
             if not isinstance(node, int) or not 0 < node < self.spec.nnodes:
@@ -604,7 +609,7 @@ class Coordinator:
             # The kernel sends SIGCHLD as a child dies: its arrival time dates the death, which is
             # what detection latency is measured from. The wakeup fd wakes the poll.
             if processes is not None and processes.sigchld_at is None:
-                processes.sigchld_at = time.time()
+                processes.sigchld_at = self.clock()
 
         signal.signal(signal.SIGCHLD, on_child)
 
@@ -619,7 +624,7 @@ class Coordinator:
     def collect_reports(self) -> list[Rank]:
         """Take every agent's reports (spawned, exited, stacks) and apply them; return the ranks
         that failed (exited non-zero) in them."""
-        now = time.time()
+        now = self.clock()
         newly_failed: list[Rank] = []
         for agent in list(self.agents.values()):
             for report in agent.take_reports():
@@ -804,14 +809,15 @@ class Coordinator:
         ``kind`` names the fault for the events: death, hang, comm_error (HCCE) or
         recoverable_error (UCE); the last two respawn nothing.
         """
-        now = time.time()
+        now = self.clock()
         self.generation += 1
         for x in self.ranks.values():
             x.last_begin = None  # a step time measured across a recovery says nothing about steps
         if self.recovery is None:
             detection = max((f.detection_seconds for f in self.round_failures if f.rank in failed), default=0.0)
             self.recovery = Recovery(
-                generation=self.generation, started_at=now - detection, failed=set(failed), detection_seconds=detection
+                generation=self.generation, started_at=now - detection, failed=set(failed), detection_seconds=detection,
+                round_started=now,
             )
             self.emit(
                 EventKind.RECOVERY_STARTED,
@@ -829,6 +835,7 @@ class Coordinator:
             rec.plan = None
             rec.recovered.clear()
             rec.rounds += 1
+            rec.round_started = now
             self.emit(
                 EventKind.RECOVERY_STARTED,
                 f"recovery restarted (round {rec.rounds}): rank(s) {sorted(failed)} failed during recovery; "
@@ -843,7 +850,7 @@ class Coordinator:
             self.restarts_used += 1
             r.restarts += 1
             self.spawn(r, self.attempt_port, use_spare=True)
-            self.recovery.respawned_at[rank] = time.time()
+            self.recovery.respawned_at[rank] = self.clock()
             self.emit(
                 EventKind.RANK_RESPAWNED,
                 f"rank {rank} respawned as incarnation {r.incarnation} (restart {self.restarts_used}/{self.spec.max_restarts})",
@@ -878,7 +885,7 @@ class Coordinator:
                 self._pending_exit = result
             return
         rec.plan = plan
-        rec.planned_at = time.time()
+        rec.planned_at = self.clock()
         transfers = [[t.donor, t.recipient] for t in plan.transfers]
         self.emit(
             EventKind.RECOVERY_PLANNED,
@@ -907,7 +914,7 @@ class Coordinator:
         rec = self.recovery
         if rec is None or msg["generation"] != rec.generation or rec.plan is None:
             return
-        rec.recovered[r.rank] = dict(msg.fields, at=time.time())
+        rec.recovered[r.rank] = dict(msg.fields, at=self.clock())
         r.state = RankState.HEALTHY
         role = msg["role"]
         if role != "none":
@@ -921,7 +928,7 @@ class Coordinator:
                 rebuild_seconds=msg.get("rebuild_seconds"),
             )
         if set(rec.recovered) >= {x.rank for x in self.ranks.values() if x.alive()}:
-            now = time.time()
+            now = self.clock()
             total_bytes = sum(int(v["bytes"]) for v in rec.recovered.values() if v["role"] == "recipient")
             transfer_s = max((float(v["seconds"]) for v in rec.recovered.values()), default=0.0)
             # Survivors wait inside the rebuild for the new rank; the last rank to arrive measures
@@ -972,7 +979,7 @@ class Coordinator:
         """The watchdog: heartbeats, set-up time, and step progress (NVRx's and torchrun's idea of
         a rank that is alive but not progressing). Acts on the first hang it finds."""
         spec = self.spec
-        now = time.time()
+        now = self.clock()
         if self._unrepaired is not None and (self.recovery is not None or self.round_failures):
             self._unrepaired = None  # a death explains it; ARF or the restart policy handles that
         if self._unrepaired is not None and now - self._unrepaired[0] > UNREPAIRED_GRACE_S:
@@ -986,10 +993,8 @@ class Coordinator:
                 r.hung_since = r.last_heartbeat
                 self.declare_hung(r, "no_heartbeat", f"no heartbeat for {now - r.last_heartbeat:.1f} s (--heartbeat_timeout {spec.heartbeat_timeout:g})")
                 return
-            if r.library and r.step is None and not r.steps_ended and now - r.started_at > spec.setup_timeout:
-                r.hung_since = r.started_at
-                self.declare_hung(r, "setup", f"no step begun {now - r.started_at:.0f} s after start (--setup_timeout {spec.setup_timeout:g})")
-                return
+        if self.check_setup(now) or self.check_round_deadline(now):
+            return
         if self.recovery is not None or any(r.alive() and r.kill_reason is not None for r in self.ranks.values()):
             return  # recovering ranks wait for each other (set-up and heartbeats still apply); or a kill is pending
         live = [r for r in self.ranks.values() if r.alive() and r.library and r.step is not None and not r.steps_ended]
@@ -1000,11 +1005,15 @@ class Coordinator:
         if now - last <= timeout:
             return
         stalled = f"no step progress for {now - last:.1f} s (step timeout {timeout:.1f} s)"
-        culprits = [r for r in live if r.phase != "collective"]
+        # The culprit is the rank not waiting for its peers: one that never announced the
+        # collective, or one whose heartbeat thread sees it outside torch.distributed although it
+        # announced it (stuck in its own code between the announcement and the call).
+        culprits = [r for r in live if r.phase != "collective" or r.in_dist is False]
         if culprits:
             for r in culprits:
                 r.hung_since = last
-                self.declare_hung(r, "no_progress", f"{stalled}; rank {r.rank} stuck at step {r.step} ({r.phase}) while its peers wait in the collective")
+                where = "outside the collective it announced" if r.phase == "collective" else f"({r.phase})"
+                self.declare_hung(r, "no_progress", f"{stalled}; rank {r.rank} stuck at step {r.step} {where} while its peers wait in the collective")
             return
         reason = f"{stalled}; every rank waits in the collective of step {max(r.step or 0 for r in live)}"
         self.emit(EventKind.WARNING, f"communication hang: {reason}", fault="comm_hang")
@@ -1013,12 +1022,58 @@ class Coordinator:
         else:
             self._pending_exit = self.restart_job(f"communication hang ({reason}) and HCCE is off")
 
+    def check_setup(self, now: float) -> bool:
+        """Ranks that have not begun a step ``--setup_timeout`` seconds after their start. Only
+        those not waiting in a torch.distributed call (the initial broadcast, a rendezvous) are
+        hung: the others wait for them. True when it acted."""
+        spec = self.spec
+        overdue = [r for r in self.ranks.values() if r.alive() and r.kill_reason is None and not r.finished and r.library
+                   and r.step is None and not r.steps_ended and now - r.started_at > spec.setup_timeout]
+        if not overdue:
+            return False
+        culprits = [r for r in overdue if r.in_dist is not True]
+        if not culprits:
+            waiting = [r for r in self.ranks.values() if r.alive() and r.in_dist is True]
+            if len(waiting) < len([r for r in self.ranks.values() if r.alive()]):
+                return False  # someone not yet overdue is what they wait for: its own timeout comes
+            culprits = overdue  # every rank waits in a collective: nobody else can be blamed
+        for r in culprits:
+            r.hung_since = r.started_at
+            self.declare_hung(r, "setup", f"no step begun {now - r.started_at:.0f} s after start (--setup_timeout {spec.setup_timeout:g})"
+                              + ("" if r.in_dist is None else "; not waiting for its peers"))
+        return True
+
+    def check_round_deadline(self, now: float) -> bool:
+        """Every recovery round has a deadline: a connected rank that has not answered the abort
+        within :data:`REPORT_DEADLINE_S`, or has not carried out the plan within
+        :data:`PLAN_DEADLINE_S` while not waiting in torch.distributed, is hung and replaced,
+        never waited for (a rank stuck in its own code inside a collective, or during a transfer).
+        True when it acted."""
+        rec = self.recovery
+        if rec is None:
+            return False
+        live = [r for r in self.ranks.values() if r.alive() and r.identity is not None and r.kill_reason is None]
+        if rec.plan is None:
+            if now - rec.round_started <= REPORT_DEADLINE_S:
+                return False
+            late = [r for r in live if r.rank not in rec.reports]
+            what = f"did not answer the abort of generation {rec.generation} within {REPORT_DEADLINE_S:g} s"
+        else:
+            if now - rec.planned_at <= PLAN_DEADLINE_S:
+                return False
+            late = [r for r in live if r.rank not in rec.recovered and r.in_dist is not True]
+            what = f"did not carry out the plan of generation {rec.generation} within {PLAN_DEADLINE_S:g} s"
+        for r in late:
+            r.hung_since = rec.round_started if rec.plan is None else rec.planned_at
+            self.declare_hung(r, "recovery", f"rank {r.rank} {what}")
+        return bool(late)
+
     def declare_hung(self, r: Rank, kind: str, evidence: str) -> None:
         """Have the rank's agent dump its stacks into its log and SIGKILL it (then it is recovered
         as a death); the ``rank_hung`` event follows, with the stacks, when the agent reports."""
         r.kill_reason = f"hung: {evidence}"
         self._hung[(r.rank, r.incarnation)] = (kind, evidence, r.step, r.phase,
-                                               round(time.time() - r.last_heartbeat, 3) if r.identity is not None else None)
+                                               round(self.clock() - r.last_heartbeat, 3) if r.identity is not None else None)
         agent = self.agents.get(r.node)
         if agent is not None:
             # Only the worker library installs the SIGUSR1 stack dump; SIGUSR1 would kill any other script.
@@ -1113,7 +1168,7 @@ class Coordinator:
         if identity != r.identity:
             self.reject(identity, f"{msg.type.value} for rank {r.rank} from a connection that did not say hello")
             return
-        r.last_heartbeat = time.time()
+        r.last_heartbeat = self.clock()
         handler = self._rank_handlers.get(msg.type)
         if handler is not None:
             handler(self, r, msg)
@@ -1129,22 +1184,25 @@ class Coordinator:
         r.identity = identity
         r.library = bool(msg["library"])
         r.replica_group = tuple(int(x) for x in msg["replica_group"])
-        r.last_heartbeat = time.time()
+        r.last_heartbeat = self.clock()
         r.state = RankState.HEALTHY if self.recovery is None else RankState.RECOVERING
         self.emit(EventKind.RANK_JOINED, f"rank {r.rank} connected (pid {r.pid})", rank=r.rank, library=r.library)
         if self.recovery is not None:
-            self.recovery.joined_at.setdefault(r.rank, time.time())
+            self.recovery.joined_at.setdefault(r.rank, self.clock())
             if msg["generation"] != self.recovery.generation:
                 self.send(r, MsgType.ABORT, generation=self.recovery.generation, reason="recovery in progress")
             else:
                 self.on_report(r, msg["generation"], NO_STATE)
 
     def on_heartbeat(self, r: Rank, msg: Message) -> None:
-        """Liveness only (recorded for every message by :meth:`handle`)."""
+        """Liveness (recorded for every message by :meth:`handle`), and the heartbeat thread's
+        evidence: whether the training thread waits inside a torch.distributed call."""
+        in_dist = msg.get("in_dist")
+        r.in_dist = in_dist if isinstance(in_dist, bool) else None
 
     def on_step(self, r: Rank, msg: Message) -> None:
         """``step_begin`` or ``progress``: the rank's step (and metrics) moved."""
-        now = time.time()
+        now = self.clock()
         r.step = msg["step"]
         r.last_progress = now
         if msg.type == MsgType.PROGRESS:
@@ -1155,12 +1213,12 @@ class Coordinator:
 
     def on_phase(self, r: Rank, msg: Message) -> None:
         """``collective`` or ``update_begin``: where in the step the rank is (for the watchdog)."""
-        r.phase, r.last_progress = ("collective" if msg.type == MsgType.COLLECTIVE else "update"), time.time()
+        r.phase, r.last_progress = ("collective" if msg.type == MsgType.COLLECTIVE else "update"), self.clock()
 
     def on_update_end(self, r: Rank, msg: Message) -> None:
         """The step's optimizer update finished: that step is committed on this rank."""
         r.committed = msg["step"]
-        r.phase, r.last_progress = "compute", time.time()
+        r.phase, r.last_progress = "compute", self.clock()
 
     def on_steps_end(self, r: Rank, msg: Message) -> None:
         """The rank left its step loop: no step watchdog for it from here on."""
@@ -1282,7 +1340,7 @@ class Coordinator:
         live = [r for r in self.ranks.values() if r.alive() and r.library and r.identity is not None and r.kill_reason is None]
         if not spec.tft.ttp or not live:
             return
-        started = time.time()
+        started = self.clock()
         self.recovery = None
         self.generation += 1
         gasp: dict[str, Any] = {"generation": self.generation, "reports": {}, "saved": {}, "writers": {}}
@@ -1320,7 +1378,7 @@ class Coordinator:
                 self.emit(EventKind.WARNING, f"TTP: dying-gasp checkpoint of step {step} incomplete ({why}); not completed")
                 return
             self.complete_checkpoint(step, groups, gasp["saved"], f"dying gasp ({reason})")
-            log.info("dying gasp took %.2f s", time.time() - started)
+            log.info("dying gasp took %.2f s", self.clock() - started)
         finally:
             self._gasp = None
 
@@ -1361,7 +1419,7 @@ class Coordinator:
                 # SIGCHLD: wait a moment for a death before restarting the whole job.
                 switch = "UCE" if kind == "recoverable" else "HCCE"
                 if self._unrepaired is None:
-                    self._unrepaired = (time.time(), f"{reason} and {switch} is off")
+                    self._unrepaired = (self.clock(), f"{reason} and {switch} is off")
                 return
             self.start_recovery(set(), reason, kind=event_kind)
             self.on_report(r, self.generation, msg["committed"])

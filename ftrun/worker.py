@@ -39,6 +39,7 @@ import hashlib
 import os
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -179,6 +180,7 @@ class Worker:
         self.faults.cut_connections = self._cut_connections
         if self.channel is not None:
             self.channel.on_receive = self._on_io_message
+            self.channel.probe = _training_thread_probe(threading.main_thread().ident)
             # Stacks of every thread into this rank's log when the supervisor suspects a hang.
             faulthandler.register(DUMP_SIGNAL, all_threads=True, chain=False)
         self._error: str | None = None
@@ -740,6 +742,28 @@ def _local_gradients_hook(_state, bucket):  # type: ignore[no-untyped-def]  # DD
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
+
+
+def _training_thread_probe(thread_id: int | None) -> Callable[[], dict[str, Any]]:
+    """A heartbeat probe: whether the training thread is inside a torch.distributed call now.
+
+    The I/O thread looks at the training thread's innermost Python frames
+    (``sys._current_frames``): a rank blocked in a collective sits in ``torch/distributed``; a
+    rank stuck in its own code (an endless loop, a deadlock) does not, even if it had announced
+    the collective. That separates the culprit of a stalled job from the peers waiting for it.
+    """
+    marker = os.sep + os.path.join("torch", "distributed") + os.sep
+
+    def probe() -> dict[str, Any]:
+        frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+        depth = 0
+        while frame is not None and depth < 8:
+            if marker in frame.f_code.co_filename:
+                return {"in_dist": True}
+            frame, depth = frame.f_back, depth + 1
+        return {"in_dist": False}
+
+    return probe
 
 
 def _control_port() -> int:

@@ -1,0 +1,91 @@
+"""scripts/bench.py's multinode part, pure logic only (no process, no namespace): the launchers'
+command lines, the labels, and the digest check of the report."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_under_test", ROOT / "scripts" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
+CASE = bench.Case("digits", "-", 4, 200, 60, victim=3, ckpt_every=25, nodes=2)
+
+
+class FakeHost(SimpleNamespace):
+    def env(self, base):
+        return {**base, "GLOO_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0"}
+
+
+HOSTS = [FakeHost(addr="10.213.7.1"), FakeHost(addr="10.213.7.2")]
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_ftrun_command_one_launcher_per_node_no_ifname(tmp_path: Path) -> None:
+    for node in (0, 1):
+        argv, env, script = bench.multinode_command("ftrun", CASE, node, HOSTS, tmp_path, "s" * 32)
+        assert script == "train_digits.py"
+        assert (_flag(argv, "--worker_num"), _flag(argv, "--local_worker_num")) == ("4", "2")
+        assert _flag(argv, "--node_rank") == str(node)
+        assert _flag(argv, "--master_addr") == "10.213.7.1"
+        assert _flag(argv, "--tail_worker_log") == ("0" if node == 0 else "")
+        assert env["FTRUN_TOKEN"] == "s" * 32
+        assert "GLOO_SOCKET_IFNAME" not in env  # ftrun picks the interface itself
+
+
+def test_torchrun_command_has_what_its_restart_needs(tmp_path: Path) -> None:
+    for node in (0, 1):
+        argv, env, script = bench.multinode_command("torchrun", CASE, node, HOSTS, tmp_path, "s" * 32)
+        assert script == "train_digits_torchrun.py"
+        assert (_flag(argv, "--nnodes"), _flag(argv, "--nproc-per-node")) == ("2", "2")
+        assert _flag(argv, "--rdzv-backend") == "c10d"
+        assert _flag(argv, "--rdzv-endpoint") == "10.213.7.1:29400"
+        assert _flag(argv, "--rdzv-conf") == f"is_host={1 - node}"
+        assert _flag(argv, "--local-addr") == HOSTS[node].addr
+        assert _flag(argv, "--max-restarts") == "1"
+        assert _flag(argv, "--ckpt_every") == "25"
+        assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+        assert env["GLOO_SOCKET_IFNAME"] == "eth0"
+        assert "FTRUN_TOKEN" not in env
+
+
+def test_labels() -> None:
+    assert CASE.label() == "digits 2x2"
+    assert bench.Case("digits", "-", 4, 120, 60).label() == "digits x4"
+    assert bench.Case("charlm", "tiny", 8, 30, 15).label() == "charlm-tiny x8"
+
+
+def test_groups_read_old_json_without_nodes() -> None:
+    old = {"launcher": "ftrun", "repeat": 0, "case": {"workload": "digits", "size": "-", "ranks": 4}}
+    assert list(bench._groups([old])) == [("digits", "-", 4, 1)]
+
+
+def _run(launcher: str, repeat: int, recover: float, digest: str) -> dict:
+    final = f"final step=200 loss=0.1 test_accuracy=0.97 params_sha256={digest * 64}"
+    return {"launcher": launcher, "repeat": repeat, "recover_s": recover, "final": final, "victim_node": 1,
+            "case": {"workload": "digits", "size": "-", "ranks": 4, "nodes": 2}}
+
+
+def test_notes_pairwise_ratios_and_digest_check() -> None:
+    runs = [_run("ftrun", 0, 2.0, "a"), _run("torchrun", 0, 10.0, "b"),
+            _run("ftrun", 1, 4.0, "a"), _run("torchrun", 1, 6.0, "c")]
+    refs = [_run("ftrun", 0, 0.0, "a"), _run("torchrun", 0, 0.0, "b")]
+    notes = bench.multinode_notes(runs, refs)
+    assert notes[0] == "digits 2x2: torchrun/ftrun per pair: 5.00x, 1.50x"
+    assert "ftrun: victim on node(s) [1]; params_sha256 equal to the fault-free ftrun run's: 2/2" in notes[1]
+    assert "torchrun: victim on node(s) [1]; params_sha256 equal to the fault-free torchrun run's: 1/2" in notes[2]
+    assert "no reference run" in bench.multinode_notes(runs, [])[1]

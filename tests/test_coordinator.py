@@ -1,0 +1,334 @@
+"""The job coordinator without processes: fake node agents, fake rank messages, an injected clock.
+
+As torchelastic's agent tests feed ``_monitor_workers`` a sequence of results and NVRx's timeout
+tests feed timestamps, these tests drive :class:`~ftrun.coordinator.Coordinator` directly: the
+agents are :class:`FakeAgent` objects that record what they are told and report what the test
+says happened; rank messages are handed to ``handle()``; time is a number the test moves.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any, Mapping
+
+import pytest
+
+from ftrun.agent import AgentHandle, Spawned, Stacks
+from ftrun.config import JobSpec
+from ftrun.coordinator import PLAN_DEADLINE_S, REPORT_DEADLINE_S, Coordinator
+from ftrun.protocol import Message, MsgType
+from ftrun.spawner import ExitReport
+
+TOKEN = "t" * 64
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeAgent(AgentHandle):
+    """Records the coordinator's orders; spawns and stops "processes" at once."""
+
+    def __init__(self, node: int) -> None:
+        self.node = node
+        self.spawned: list[tuple[int, int, bool, dict[str, str]]] = []
+        self.hung: list[tuple[int, bool]] = []
+        self.stops = 0
+        self.running: dict[int, tuple[int, int]] = {}  # rank -> (incarnation, pid)
+        self.reports: list[Any] = []
+        self.next_pid = 1000 * (node + 1)
+
+    def spawn(self, rank: int, incarnation: int, rank_vars: Mapping[str, str], header: str, use_spare: bool) -> None:
+        self.next_pid += 1
+        self.spawned.append((rank, incarnation, use_spare, dict(rank_vars)))
+        self.running[rank] = (incarnation, self.next_pid)
+        self.reports.append(Spawned(rank, incarnation, self.next_pid, use_spare))
+
+    def signal(self, rank: int, incarnation: int, sig: int) -> None:
+        pass
+
+    def kill_hung(self, rank: int, incarnation: int, line: str, dump: bool) -> None:
+        self.hung.append((rank, dump))
+        self.reports.append(Stacks(rank, incarnation, [], "no stack dump (test)"))
+        self.exit(rank, -signal.SIGKILL)
+
+    def stop_ranks(self, grace_period: float) -> None:
+        self.stops += 1
+        for rank in list(self.running):
+            self.exit(rank, -signal.SIGTERM)
+
+    def keep_spares(self, count: int, model_vars: Mapping[str, str]) -> None:
+        pass
+
+    def shutdown(self, code: int, message: str) -> None:
+        pass
+
+    def take_reports(self) -> list[Any]:
+        out, self.reports = self.reports, []
+        return out
+
+    def exit(self, rank: int, returncode: int, at: float = 0.0) -> None:
+        incarnation, pid = self.running.pop(rank)
+        self.reports.append(ExitReport(rank, incarnation, pid, returncode, at))
+
+
+_made: list[Coordinator] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_coordinators():
+    yield
+    while _made:
+        _made.pop().close()  # its ZeroMQ context would block the interpreter's exit
+
+
+def make(tmp_path: Path, world: int = 4, local: int | None = None, **kw: Any) -> tuple[Coordinator, FakeAgent, Clock]:
+    local = local or world
+    spec = JobSpec(script="train.py", worker_num=world, local_worker_num=local, log_dir=str(tmp_path),
+                   checkpoint_dir=str(tmp_path / "ckpt"), master_port=29500, **kw)
+    clock = Clock()
+    agent = FakeAgent(0)
+    coord = Coordinator(spec, TOKEN, None, 29500, local_agent=agent, clock=clock)
+    coord.run_id = "test"
+    _made.append(coord)
+    coord.start_attempt()
+    assert coord.check_processes() is None
+    return coord, agent, clock
+
+
+def msg(kind: MsgType, **fields: Any) -> Message:
+    return Message(kind, fields)
+
+
+def ident(rank: int, incarnation: int = 0) -> bytes:
+    return f"conn-{rank}-{incarnation}".encode()
+
+
+def hello_all(coord: Coordinator, ranks: list[int] | None = None) -> None:
+    for rank in ranks if ranks is not None else list(coord.ranks):
+        r = coord.ranks[rank]
+        coord.handle(ident(rank, r.incarnation), msg(MsgType.HELLO, rank=rank, incarnation=r.incarnation, pid=r.pid,
+                                                     generation=coord.generation, replica_group=list(coord.ranks), library=True))
+
+
+def send(coord: Coordinator, rank: int, kind: MsgType, **fields: Any) -> None:
+    r = coord.ranks[rank]
+    coord.handle(ident(rank, r.incarnation), msg(kind, rank=rank, incarnation=r.incarnation, **fields))
+
+
+def step(coord: Coordinator, n: int, ranks: list[int] | None = None) -> None:
+    """Every rank begins step n, enters the collective and commits it."""
+    for rank in ranks if ranks is not None else list(coord.ranks):
+        send(coord, rank, MsgType.STEP_BEGIN, step=n)
+        send(coord, rank, MsgType.COLLECTIVE, step=n)
+        send(coord, rank, MsgType.UPDATE_END, step=n)
+
+
+def kinds(tmp_path: Path) -> list[str]:
+    return [json.loads(line)["kind"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+
+
+def events(tmp_path: Path, kind: str) -> list[dict]:
+    return [e for e in map(json.loads, (tmp_path / "events.jsonl").read_text().splitlines()) if e["kind"] == kind]
+
+
+def beat_all(coord: Coordinator, **probe: Any) -> None:
+    for rank, r in coord.ranks.items():
+        if r.alive() and r.identity is not None:
+            send(coord, rank, MsgType.HEARTBEAT, **probe)
+
+
+def test_every_rank_is_spawned_through_its_nodes_agent(tmp_path: Path) -> None:
+    coord, agent, _ = make(tmp_path)
+    assert [s[:3] for s in agent.spawned] == [(0, 0, False), (1, 0, False), (2, 0, False), (3, 0, False)]
+    env = agent.spawned[2][3]
+    assert env["RANK"] == "2" and env["WORLD_SIZE"] == "4" and env["FTRUN_TOKEN"] == TOKEN
+    assert kinds(tmp_path).count("rank_started") == 4
+
+
+def test_death_is_recovered_by_respawning_only_that_rank(tmp_path: Path) -> None:
+    coord, agent, clock = make(tmp_path)
+    hello_all(coord)
+    step(coord, 0)
+    agent.exit(2, -signal.SIGKILL, at=clock.now)
+    assert coord.check_processes() is None
+    assert agent.spawned[-1][:3] == (2, 1, True)  # incarnation 1, in a warm spare
+    assert coord.check_processes() is None  # the spawn report
+    for rank in (0, 1, 3):
+        send(coord, rank, MsgType.FAULT, generation=1, step=1, committed=0, reason="abort")
+    hello_all(coord, [2])  # the new rank's hello is its report: it holds no state
+    plan = events(tmp_path, "recovery_planned")[-1]["detail"]
+    assert plan["step"] == 0 and plan["transfers"][0][1] == 2
+    for rank in range(4):
+        send(coord, rank, MsgType.RECOVERED, generation=1, role="recipient" if rank == 2 else "none", bytes=10, seconds=0.1)
+    assert events(tmp_path, "recovery_finished")[-1]["detail"]["resume_step"] == 1
+    assert coord.recovery is None and coord.restarts_used == 1
+
+
+def test_done_is_a_claim_the_job_ends_when_processes_exit(tmp_path: Path) -> None:
+    coord, agent, clock = make(tmp_path)
+    hello_all(coord)
+    for rank in range(4):
+        send(coord, rank, MsgType.DONE, committed=99)
+    assert coord.check_processes() is None, "a 'done' message ended the job"
+    clock.now += 60  # code after ft.finish() runs without heartbeats: not a hang
+    coord.check_hangs()
+    assert agent.hung == []
+    for rank in range(4):
+        agent.exit(rank, 0)
+    assert coord.check_processes() == 0
+
+
+def test_diverged_done_claims_are_reported(tmp_path: Path) -> None:
+    coord, _, _ = make(tmp_path)
+    hello_all(coord)
+    send(coord, 0, MsgType.DONE, committed=99)
+    send(coord, 1, MsgType.DONE, committed=250)
+    assert any("different committed steps" in e["message"] for e in events(tmp_path, "warning"))
+
+
+def test_frozen_rank_is_found_by_its_missing_heartbeats(tmp_path: Path) -> None:
+    coord, agent, clock = make(tmp_path, heartbeat_timeout=5.0)
+    hello_all(coord)
+    clock.now += 4.0
+    beat_all(coord)
+    clock.now += 4.0
+    for rank in (0, 1, 3):
+        send(coord, rank, MsgType.HEARTBEAT)
+    coord.check_hangs()
+    assert agent.hung == []
+    clock.now += 1.5
+    coord.check_hangs()
+    assert agent.hung == [(2, True)]
+    coord.check_processes()
+    hung = events(tmp_path, "rank_hung")
+    assert hung[0]["rank"] == 2 and hung[0]["detail"]["fault"] == "no_heartbeat"
+
+
+def test_rank_stuck_inside_the_collective_it_announced_is_the_culprit(tmp_path: Path) -> None:
+    """Every rank said 'collective'; the heartbeat thread of rank 3 sees it outside torch.distributed
+    (an endless loop in its own code): rank 3 is hung, not the communication."""
+    coord, agent, clock = make(tmp_path, step_timeout=10.0)
+    hello_all(coord)
+    step(coord, 0)
+    for rank in range(4):
+        send(coord, rank, MsgType.STEP_BEGIN, step=1)
+        send(coord, rank, MsgType.COLLECTIVE, step=1)
+    for t in range(12):
+        clock.now += 1.0
+        for rank in range(4):
+            send(coord, rank, MsgType.HEARTBEAT, in_dist=rank != 3)
+        coord.check_hangs()
+    assert agent.hung == [(3, True)]
+    assert not events(tmp_path, "recovery_started"), "taken for a communication hang"
+
+
+def test_every_rank_waiting_in_the_collective_is_a_communication_hang(tmp_path: Path) -> None:
+    coord, agent, clock = make(tmp_path, step_timeout=10.0)
+    hello_all(coord)
+    step(coord, 0)
+    for rank in range(4):
+        send(coord, rank, MsgType.STEP_BEGIN, step=1)
+        send(coord, rank, MsgType.COLLECTIVE, step=1)
+    for _ in range(12):
+        clock.now += 1.0
+        beat_all(coord, in_dist=True)
+        coord.check_hangs()
+    assert agent.hung == []
+    assert events(tmp_path, "recovery_started")[0]["detail"]["fault"] == "comm_error"
+
+
+def test_setup_hang_blames_only_the_rank_the_others_wait_for(tmp_path: Path) -> None:
+    """Rank 0 hangs before its initial broadcast; ranks 1-3 wait in it. Only rank 0 is hung
+    (round 2 found all four killed one after another, and the restart budget spent)."""
+    coord, agent, clock = make(tmp_path, setup_timeout=40.0)
+    hello_all(coord)
+    for _ in range(45):
+        clock.now += 1.0
+        for rank in range(4):
+            send(coord, rank, MsgType.HEARTBEAT, in_dist=rank != 0)
+        coord.check_hangs()
+        coord.check_processes()
+    assert [rank for rank, _ in agent.hung] == [0]
+
+
+def test_recovery_round_has_a_deadline(tmp_path: Path) -> None:
+    """A survivor that never answers the abort (hung in its own code) is replaced, not waited for."""
+    coord, agent, clock = make(tmp_path)
+    hello_all(coord)
+    step(coord, 0)
+    agent.exit(1, -signal.SIGKILL, at=clock.now)
+    coord.check_processes()
+    coord.check_processes()
+    for rank in (0, 2):
+        send(coord, rank, MsgType.FAULT, generation=1, step=1, committed=0, reason="abort")
+    hello_all(coord, [1])
+    clock.now += REPORT_DEADLINE_S - 1
+    beat_all(coord)
+    coord.check_hangs()
+    assert agent.hung == []
+    clock.now += 2
+    beat_all(coord)
+    coord.check_hangs()
+    assert [rank for rank, _ in agent.hung] == [3]
+
+
+def test_plan_deadline_spares_ranks_waiting_in_torch_distributed(tmp_path: Path) -> None:
+    coord, agent, clock = make(tmp_path)
+    hello_all(coord)
+    step(coord, 0)
+    agent.exit(1, -signal.SIGKILL, at=clock.now)
+    coord.check_processes()
+    coord.check_processes()
+    for rank in (0, 2, 3):
+        send(coord, rank, MsgType.FAULT, generation=1, step=1, committed=0, reason="abort")
+    hello_all(coord, [1])
+    assert coord.recovery is not None and coord.recovery.plan is not None
+    donor = coord.recovery.plan.transfers[0].donor
+    clock.now += PLAN_DEADLINE_S + 1
+    for rank in range(4):  # the donor is stuck mid-transfer in its own code; the others wait
+        send(coord, rank, MsgType.HEARTBEAT, in_dist=rank != donor)
+    coord.check_hangs()
+    assert [rank for rank, _ in agent.hung] == [donor]
+
+
+def test_agent_hello_binds_a_node_and_a_lost_node_is_fenced(tmp_path: Path) -> None:
+    coord, agent, clock = make(tmp_path, world=4, local=2)
+    assert [s[0] for s in agent.spawned] == [0, 1]  # node 1's ranks wait for its agent
+    assert coord.check_agents() is None
+    coord.on_agent_message(b"agent-1", msg(MsgType.AGENT_HELLO, node=1, pid=77, host="h1"))
+    assert events(tmp_path, "node_joined")
+    coord.on_agent_message(b"agent-1", msg(MsgType.SPAWNED, node=1, rank=2, incarnation=0, pid=5002, spare=False))
+    coord.on_agent_message(b"intruder", msg(MsgType.EXITED, node=1, rank=2, incarnation=0, pid=5002, returncode=0, at=0.0))
+    coord.check_processes()
+    assert coord.ranks[2].pid == 5002 and coord.ranks[2].alive(), "an exit from another connection was believed"
+    clock.now += 30.0  # node 1's agent falls silent
+    code = coord.check_agents()
+    assert code == 1
+    finished = events(tmp_path, "job_finished")[-1]
+    assert "node 1" in finished["message"]
+    assert events(tmp_path, "node_lost")[0]["detail"]["ranks"] == [2, 3]
+    coord.on_agent_message(b"agent-1b", msg(MsgType.AGENT_HELLO, node=1, pid=78, host="h1"))
+    assert any("declared lost" in e["message"] for e in events(tmp_path, "message_rejected"))
+
+
+def test_node_that_never_joins_ends_the_job(tmp_path: Path) -> None:
+    coord, _, clock = make(tmp_path, world=4, local=2, cluster_time_out=30.0)
+    clock.now += 31.0
+    assert coord.check_agents() == 1
+    assert "did not join" in events(tmp_path, "job_finished")[-1]["message"]
+
+
+@pytest.mark.parametrize("frame_identity", [ident(2), b"someone-else"])
+def test_messages_are_bound_to_the_connection_that_said_hello(tmp_path: Path, frame_identity: bytes) -> None:
+    coord, agent, _ = make(tmp_path)
+    hello_all(coord)
+    r = coord.ranks[2]
+    coord.handle(frame_identity, msg(MsgType.STEP_BEGIN, rank=2, incarnation=0, step=5))
+    assert (r.step == 5) == (frame_identity == ident(2))
