@@ -183,6 +183,9 @@ class Launcher:
         )
         if control_addr is not None:
             env["FTRUN_CONTROL_FOR_AGENT"] = control_addr
+        # Whatever the supervisor's ranks started is re-parented to this launcher if the supervisor
+        # dies (SIGKILL): it is found and ended below, never left running.
+        procs.become_subreaper()
         console = self.console or make_console(f"ftrun: {spec.script} on {spec.worker_num} rank(s)")
         self._install_signals()
         own_log = log_dir / ("supervisor.log" if spec.node_rank == 0 else f"agent_{spec.node_rank}.log")
@@ -222,6 +225,7 @@ class Launcher:
                     console.output(tailer.rank, line)
             if supervisor.poll() is not None:
                 break
+        procs.kill_descendants()  # ranks' children left by a supervisor that was killed
         # Drain what the supervisor sent before it exited.
         while pull.poll(200):
             last_finish = self._dispatch(console, pull.recv(), token) or last_finish

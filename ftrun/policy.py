@@ -59,14 +59,16 @@ def decide_on_failure(
     library_ranks: Iterable[int],
     restarts_used: int,
     max_restarts: int,
-    single_node: bool = True,
 ) -> Decision:
     """Decide what to do when ranks ``failed`` (exited non-zero, by a signal, or were killed).
 
-    ARF (respawn only the failed ranks) is chosen when it is switched on, the job runs on one node,
+    ARF (respawn only the failed ranks, on whatever node they run) is chosen when it is switched on
     and every rank of the job has announced the worker library (a plain torchrun-style script cannot
     rejoin a running group); each respawned rank uses one restart from the budget. Otherwise the
-    whole job restarts (one restart). Past ``max_restarts`` the job fails.
+    whole job restarts on every node (one restart). When respawning each failed rank would need
+    more restarts than the budget has left but one whole-job restart fits, the whole job restarts
+    (from the newest checkpoint: the dying gasp keeps what the survivors hold). Past
+    ``max_restarts`` the job fails.
 
     Args:
         failed: global ranks that failed (at least one).
@@ -75,7 +77,6 @@ def decide_on_failure(
         library_ranks: ranks whose current process said hello through the worker library.
         restarts_used: restarts already spent (rank respawns plus whole-job restarts).
         max_restarts: the budget.
-        single_node: whether the job runs on one node (ARF needs a single supervisor today).
 
     Returns:
         The decision.
@@ -83,9 +84,11 @@ def decide_on_failure(
     failed_ranks = tuple(sorted(set(failed)))
     if not failed_ranks:
         raise ValueError("decide_on_failure needs at least one failed rank")
-    arf_possible = arf and single_node and set(library_ranks) >= set(range(world_size))
-    cost = len(failed_ranks) if arf_possible else 1
-    if restarts_used + cost > max_restarts:
+    arf_possible = arf and set(library_ranks) >= set(range(world_size))
+    if arf_possible and restarts_used + len(failed_ranks) <= max_restarts:
+        return Decision(Action.RESPAWN_RANKS, failed_ranks, "ARF: respawn only the failed rank(s)")
+    if restarts_used + 1 > max_restarts:
+        cost = len(failed_ranks) if arf_possible else 1
         return Decision(
             Action.FAIL_JOB,
             failed_ranks,
@@ -93,9 +96,8 @@ def decide_on_failure(
             f"{cost} more needed",
         )
     if arf_possible:
-        return Decision(Action.RESPAWN_RANKS, failed_ranks, "ARF: respawn only the failed rank(s)")
-    if arf and not single_node:
-        why = "ARF runs on one node in this version"
+        why = (f"respawning {len(failed_ranks)} rank(s) would need more than the {max_restarts - restarts_used} "
+               "restart(s) left; one whole-job restart fits")
     elif arf:
         missing = sorted(set(range(world_size)) - set(library_ranks))
         why = f"rank(s) {_ranges(missing)} do not use the ftrun worker library"

@@ -17,6 +17,7 @@ import time
 from typing import Callable, Sequence
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 _libc: ctypes.CDLL | None = None
 
 
@@ -105,6 +106,35 @@ def stop_all(procs: Sequence[subprocess.Popen], grace_period: float, poll: float
         signal_group(proc, signal.SIGKILL)
     for proc in procs:
         proc.wait()
+
+
+def become_subreaper() -> bool:
+    """Make orphaned descendants of this process its children (Linux ``PR_SET_CHILD_SUBREAPER``),
+    so that what a dead child left behind (a rank's data-loader worker, its ``subprocess``) can
+    still be found and ended by :func:`kill_descendants`. False where unsupported."""
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return False
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def kill_descendants() -> int:
+    """SIGKILL every live descendant of this process; returns how many there were."""
+    import psutil
+
+    try:
+        family = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return 0
+    for proc in family:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(family, timeout=5)
+    return len(family)
 
 
 def kill_tree(pid: int) -> None:

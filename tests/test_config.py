@@ -1107,7 +1107,7 @@ def test_cli_refusals(tmp_path, monkeypatch, script, capsys, argv, hint):
 # --------------------------------------------------------------------------- policy: decide_on_failure
 
 
-def decide(failed, *, world=4, arf=True, library=None, used=0, max_restarts=3, single_node=True):
+def decide(failed, *, world=4, arf=True, library=None, used=0, max_restarts=3):
     return decide_on_failure(
         failed,
         world_size=world,
@@ -1115,7 +1115,6 @@ def decide(failed, *, world=4, arf=True, library=None, used=0, max_restarts=3, s
         library_ranks=range(world) if library is None else library,
         restarts_used=used,
         max_restarts=max_restarts,
-        single_node=single_node,
     )
 
 
@@ -1135,9 +1134,9 @@ def test_restart_job_when_no_rank_uses_the_library():
     assert d.action == Action.RESTART_JOB and "0-3" in d.reason
 
 
-def test_restart_job_when_multi_node():
-    d = decide([1], single_node=False)
-    assert d.action == Action.RESTART_JOB and "one node" in d.reason
+def test_arf_whatever_node_the_rank_runs_on():
+    # The policy no longer knows nodes: ARF respawns a rank on its own node, wherever that is.
+    assert decide([3], world=8).action == Action.RESPAWN_RANKS
 
 
 def test_restart_job_when_arf_off():
@@ -1154,11 +1153,13 @@ def test_budget_exhausted_whole_job():
 
 def test_arf_cost_is_number_of_failed_ranks():
     assert decide([0, 1], used=1, max_restarts=3).action == Action.RESPAWN_RANKS  # 1 + 2 <= 3
-    d = decide([0, 1], used=2, max_restarts=3)  # 2 + 2 > 3
-    assert d.action == Action.FAIL_JOB and d.ranks == (0, 1) and "2 more needed" in d.reason
-    # A whole-job restart would cost only one: it is still possible without the library.
+    # 2 + 2 > 3, but one whole-job restart fits: restart the job rather than fail it
+    d = decide([0, 1], used=2, max_restarts=3)
+    assert d.action == Action.RESTART_JOB and d.ranks == (0, 1) and "one whole-job restart fits" in d.reason
     assert decide([0, 1], used=2, max_restarts=3, library=[]).action == Action.RESTART_JOB
-    assert decide([0, 1, 2], max_restarts=2).action == Action.FAIL_JOB
+    assert decide([0, 1, 2], max_restarts=2).action == Action.RESTART_JOB
+    d = decide([0, 1], used=3, max_restarts=3)
+    assert d.action == Action.FAIL_JOB and "2 more needed" in d.reason
 
 
 def test_decide_needs_a_failed_rank():

@@ -283,14 +283,17 @@ def test_sigkill_of_launcher_leaves_nothing(ftrun_proc, tmp_path, out):
 
 
 def test_sigkill_of_supervisor_kills_ranks(ftrun_proc, tmp_path, out):
-    proc = ftrun_proc([*base_args(tmp_path, "--worker_num", "2"), WORKER, out, "--wait"])
-    ranks = procs_of(proc.wait_for_files(ready_files(out, 2)))
+    proc = ftrun_proc([*base_args(tmp_path, "--worker_num", "2"), WORKER, out, "--wait", "--grandchild"])
+    ready = proc.wait_for_files(ready_files(out, 2))
+    ranks = procs_of(ready)
+    grandchildren = procs_of(ready, "grandchild")
     supervisor = supervisor_of(proc.pid)
     supervisor.kill()
     result = proc.wait()
     assert result.returncode == 137, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert "supervisor" in result.stdout
     assert not wait_gone(ranks), "ranks outlived their supervisor"
+    assert not wait_gone(grandchildren), "a rank's child outlived the killed supervisor (issue 15)"
 
 
 # --------------------------------------------------------------------------- (f) tail_worker_log
