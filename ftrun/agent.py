@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping
 import zmq
 
 from .protocol import MAX_FRAME_BYTES, FrameAuth, Message, MsgType, ProtocolError, decode, encode
-from .spawner import ExitReport, RankProcesses, rank_argv
+from .spawner import ExitReport, RankProcesses, rank_argv, shared_dir_marker
 
 log = logging.getLogger("ftrun.agent")
 
@@ -247,6 +247,7 @@ class NodeAgent:
             self.push.connect(events_addr)
         self.exit_code: int | None = None
         self.stop_signal: int | None = None
+        self.checkpoint_marker: Path | None = None  # node 0's marker in the checkpoint dir, if TTP is on
         self._wakeup_r, self._wakeup_w = os.pipe()
         os.set_blocking(self._wakeup_r, False)
         os.set_blocking(self._wakeup_w, False)
@@ -268,7 +269,8 @@ class NodeAgent:
         signal.signal(signal.SIGCHLD, lambda *_: setattr(self.processes, "sigchld_at", self.processes.sigchld_at or time.time()))
         signal.signal(signal.SIGTERM, lambda s, _f: setattr(self, "stop_signal", s))
         signal.signal(signal.SIGINT, lambda s, _f: setattr(self, "stop_signal", s))
-        self.send(MsgType.AGENT_HELLO, node=self.node, pid=os.getpid(), host=socket.gethostname())
+        self.send(MsgType.AGENT_HELLO, node=self.node, pid=os.getpid(), host=socket.gethostname(),
+                  **({} if self.checkpoint_marker is None else {"sees_checkpoint_dir": self.checkpoint_marker.exists()}))
         if self.processes.interface_note:
             self.event("warning", self.processes.interface_note)
         poller = zmq.Poller()
@@ -403,6 +405,9 @@ def main() -> None:
     agent = NodeAgent(spec.node_rank, os.environ["FTRUN_CONTROL_FOR_AGENT"], os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"],
                       processes, spec.heartbeat_interval, max(spec.heartbeat_timeout, 3 * spec.heartbeat_interval),
                       os.environ.get("FTRUN_EVENTS_ADDR"))
+    if spec.tft.ttp:
+        agent.checkpoint_marker = Path(spec.checkpoint_dir).resolve() / shared_dir_marker(
+            os.environ["FTRUN_CONTROL_FOR_AGENT"], os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"])
     try:
         code = agent.run()
     except BaseException:

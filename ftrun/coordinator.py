@@ -63,7 +63,7 @@ from .policy import (
     replica_groups_from_hello,
 )
 from .protocol import MAX_FRAME_BYTES, FrameAuth, Message, MsgType, ProtocolError, decode, encode
-from .spawner import ExitReport, tail_lines
+from .spawner import ExitReport, shared_dir_marker, tail_lines
 
 log = logging.getLogger("ftrun.coordinator")
 
@@ -213,6 +213,8 @@ class Coordinator:
         self._spares_sent = 0.0
         self.lost_nodes: dict[int, str] = {}
         self._final_message: str | None = None
+        self._unshared_warned = False
+        self.observers: list[Callable[[Event], None]] = []  # called with every event (e.g. metrics)
         self._hung: dict[tuple[int, int], tuple[Any, ...]] = {}  # (rank, incarnation) -> what the watchdog saw
         self.push: zmq.Socket | None = None
         if events_addr:
@@ -267,15 +269,45 @@ class Coordinator:
         log.info("%s %s", kind.value, message)
         if self.push is not None:
             self.push.send(encode(MsgType.EVENT, self.auth, event=event.to_json()))
+        for observer in self.observers:
+            try:
+                observer(event)
+            except Exception:  # an observer (metrics) must never break the job
+                log.exception("event observer failed")
         self._status_dirty = True
         return event
 
-    def publish_status(self, force: bool = False) -> None:
+    def status_snapshot(self, now: float) -> dict[str, Any]:
+        """The job as ``ftrun status`` shows it: its phase, counters and every rank's row."""
+        return {
+            "ranks": [r.status(now) for r in self.ranks.values()],
+            "attempt": self.attempt,
+            "generation": self.generation,
+            "restarts_used": self.restarts_used,
+            "max_restarts": self.spec.max_restarts,
+            "recovering": self.recovery is not None,
+            "world_size": self.spec.worker_num,
+            "nnodes": self.spec.nnodes,
+            "lost_nodes": {str(k): v for k, v in self.lost_nodes.items()},
+            "pid": os.getpid(),
+            "updated": time.time(),
+        }
+
+    def publish_status(self, force: bool = False, final: dict[str, Any] | None = None) -> None:
+        """Push a status snapshot to the launcher (the console) and keep ``LOG_DIR/status.json``
+        current for ``ftrun status`` (at most every :data:`STATUS_PERIOD_S` seconds; ``final``: the
+        job's end, written once)."""
         now = self.clock()
-        if self.push is None or not (force or (self._status_dirty and now - self._last_status >= STATUS_PERIOD_S)):
+        if not (force or final or (self._status_dirty and now - self._last_status >= STATUS_PERIOD_S)):
             return
-        ranks = [r.status(now) for r in self.ranks.values()]
-        self.push.send(encode(MsgType.STATUS, self.auth, ranks=ranks, attempt=self.attempt, generation=self.generation))
+        snapshot = self.status_snapshot(now)
+        snapshot["state"] = "running" if final is None else ("succeeded" if final["exit_code"] == 0 else "failed")
+        if final is not None:
+            snapshot.update(final)
+        if self.push is not None:
+            self.push.send(encode(MsgType.STATUS, self.auth, ranks=snapshot["ranks"], attempt=self.attempt,
+                                  generation=self.generation))
+        write_status_file(self.log_dir / "status.json", snapshot)
         self._status_dirty = False
         self._last_status = now
 
@@ -298,9 +330,17 @@ class Coordinator:
 
     def publish_control_addr(self) -> None:
         """Tell the other nodes' launchers where the control plane is, through the launcher's store
-        (the address is no secret: every frame on it is authenticated)."""
+        (the address is no secret: every frame on it is authenticated). First, leave a marker in
+        the checkpoint directory that each agent looks for (multi-node TTP needs one directory that
+        every node sees)."""
         if self.spec.nnodes == 1:
             return
+        if self.spec.tft.ttp:
+            try:
+                self.checkpoint_root.mkdir(parents=True, exist_ok=True)
+                (self.checkpoint_root / shared_dir_marker(self.control_addr, self.token)).write_text("ftrun\n")
+            except OSError as err:
+                self.emit(EventKind.WARNING, f"cannot write to --checkpoint_dir {self.checkpoint_root}: {err}")
         from torch.distributed import TCPStore
 
         self.main_store = TCPStore(self.spec.master_addr, self.store_port, is_master=False,
@@ -510,7 +550,7 @@ class Coordinator:
             if exit_code is None and self.spec.warm_spares:
                 self.keep_spares()
             self.publish_status()
-        self.publish_status(force=True)
+        self.publish_status(final={"exit_code": exit_code, "message": self._final_message or ""})
         self.shutdown_agents(exit_code)
         self.close()
         return exit_code
@@ -584,6 +624,12 @@ class Coordinator:
                                 host=msg["host"], pid=msg["pid"])
             self.agents[node] = agent
             self.emit(EventKind.NODE_JOINED, f"node {node} joined (host {msg['host']}, agent pid {msg['pid']})", node_joined=node)
+            if self.spec.tft.ttp and msg.get("sees_checkpoint_dir") is False and not self._unshared_warned:
+                self._unshared_warned = True
+                self.emit(EventKind.WARNING,
+                          f"--checkpoint_dir {self.checkpoint_root} is not shared with node {node} (host {msg['host']}): "
+                          "checkpoints need one directory every node sees (a shared file system); shards written "
+                          "there would be missing here")
             for order in self._pending_spawns.pop(node, []):
                 agent.spawn(*order)
             return
@@ -1429,6 +1475,18 @@ class Coordinator:
         if self.push is not None:
             self.push.close(2000)
         self.ctx.term()
+
+
+def write_status_file(path: Path, snapshot: dict[str, Any]) -> None:
+    """Replace ``path`` with ``snapshot`` as JSON, atomically (a reader never sees half a file)."""
+    import json
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(snapshot, default=str))
+        os.replace(tmp, path)
+    except OSError as err:
+        log.warning("cannot write %s: %s", path, err)
 
 
 def _timedelta(seconds: float) -> Any:

@@ -307,3 +307,11 @@ def rank_argv(no_python: bool, module: bool, script: str, script_args: list[str]
 def kw(obj: Any, name: str, default: Any = None) -> Any:
     """``getattr`` for JobSpec fields that older specs may lack."""
     return getattr(obj, name, default)
+
+
+def shared_dir_marker(control_addr: str, token: str) -> str:
+    """The name of the marker file that shows a node sees node 0's checkpoint directory (unique to
+    the job: derived from its control address and secret, revealing neither)."""
+    import hashlib
+
+    return ".ftrun-node0-" + hashlib.sha256(f"{control_addr}\0{token}".encode()).hexdigest()[:20]
