@@ -119,6 +119,8 @@ class Rank:
     final_step: int | None = None  # the committed step it claimed when it called ft.finish()
     finished: bool = False  # it called ft.finish(): its channel is closed, its code after that runs unwatched
     in_dist: bool | None = None  # its last heartbeat: training thread inside torch.distributed (None: unknown)
+    total_steps: int | None = None  # the number of steps its loop runs (ft.steps(n)), when known
+    last_step_seconds: float | None = None  # its latest step time (for stragglers)
 
     def alive(self) -> bool:
         return self.running
@@ -134,6 +136,8 @@ class Rank:
             "restarts": self.restarts,
             "incarnation": self.incarnation,
             "node": self.node,
+            "total_steps": self.total_steps,
+            "last_step_seconds": self.last_step_seconds,
             "uptime": (now - self.started_at) if self.running else None,
             "exit": self.exit_desc or None,
         }
@@ -1255,6 +1259,8 @@ class Coordinator:
             r.metrics = {str(k): v for k, v in msg["metrics"].items() if isinstance(v, (int, float, str))}
         else:
             self.observe_step(r, msg["step"], now)
+            total = msg.get("total")
+            r.total_steps = total if isinstance(total, int) and not isinstance(total, bool) else r.total_steps
         self._status_dirty = True
 
     def on_phase(self, r: Rank, msg: Message) -> None:
@@ -1441,6 +1447,7 @@ class Coordinator:
         """Record the time of the step before ``step`` (for the automatic step timeout)."""
         if r.last_begin is not None and r.last_begin[0] == step - 1:
             r.samples += 1
+            r.last_step_seconds = now - r.last_begin[1]
             if r.samples > self.spec.warmup_steps:
                 self.max_step_time = max(self.max_step_time or 0.0, now - r.last_begin[1])
         r.last_begin = (step, now)

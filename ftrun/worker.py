@@ -476,7 +476,7 @@ class Worker:
                 continue
             self.faults.point("before_forward", step)
             self._current_step = step
-            self._send(MsgType.STEP_BEGIN, step=step)
+            self._send(MsgType.STEP_BEGIN, step=step, total=num_steps)
             if self.seed is not None:
                 seed_everything(step_seed(self.seed, step, self.rank))
             yield Step(step, self)
