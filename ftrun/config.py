@@ -277,6 +277,9 @@ OPTIONS: tuple[Option, ...] = (
            low=0, high=MAX_STEPS, why="a number of steps"),
     _timeout("setup_timeout", 300.0, "Seconds a rank may take from its start to its first steps (imports, "
              "compilation, rendezvous)."),
+    _timeout("node_wait_timeout", 300.0, "Seconds the coordinator waits for a replacement launcher of a lost node "
+             "(ARF) before it writes a dying-gasp checkpoint and fails the job (a Kubernetes pod or Slurm step "
+             "restart takes tens of seconds to minutes)."),
     Option("warm_spares", int, 1, "Processes kept with torch already imported, to replace a failed rank faster (ARF; "
            "0: none).", low=0, high=64, why="each spare is an idle process holding torch in memory"),
     Option("recoverable_errors", str, "", "More exception types repaired in place (UCE), e.g. "
@@ -324,6 +327,7 @@ class JobSpec:
             max(step_timeout_min, largest observed step time * step_timeout_factor).
         warmup_steps: steps per rank not used for the automatic step timeout.
         setup_timeout: seconds from a rank's start to its first steps.
+        node_wait_timeout: seconds to wait for a replacement of a lost node (ARF) before failing.
         warm_spares: processes kept with torch imported, to replace failed ranks faster.
         recoverable_errors: extra exception type names repaired in place (UCE).
         checkpoint_dir, save_steps, keep_checkpoints, resume: checkpoints (TTP).
@@ -365,6 +369,7 @@ class JobSpec:
     step_timeout_min: float = 3.0
     warmup_steps: int = 3
     setup_timeout: float = 300.0
+    node_wait_timeout: float = 300.0
     warm_spares: int = 1
     recoverable_errors: tuple[str, ...] = ()
     checkpoint_dir: str = "ftrun_checkpoints"
@@ -1262,6 +1267,7 @@ def resolve(
         step_timeout_min=values["step_timeout_min"],
         warmup_steps=values["warmup_steps"],
         setup_timeout=values["setup_timeout"],
+        node_wait_timeout=values["node_wait_timeout"],
         warm_spares=values["warm_spares"],
         recoverable_errors=recoverable,
         checkpoint_dir=values["checkpoint_dir"],

@@ -211,7 +211,11 @@ class Coordinator:
         self.agents: dict[int, AgentHandle] = {}
         if local_agent is not None:
             self.agents[local_agent.node] = local_agent
-        self.agent_deadline = clock() + spec.cluster_time_out  # every node's agent must have joined by then
+        # node -> when its agent must have joined by: the job's start + --cluster_time_out, or a lost
+        # node's loss + --node_wait_timeout (a replacement launcher with its index).
+        self.node_deadline = {node: clock() + spec.cluster_time_out for node in range(1, spec.nnodes)}
+        self._waiting_for: dict[int, str] = {}  # lost node -> why, while a replacement is awaited
+        self._fenced: dict[bytes, int] = {}  # connection of a lost node's agent -> that node
         self._pending_spawns: dict[int, list[tuple[int, int, dict[str, str], str, bool]]] = {}
         self._next_agent_beat = 0.0
         self._spares_sent = 0.0
@@ -219,6 +223,7 @@ class Coordinator:
         self._final_message: str | None = None
         self._unshared_warned = False
         self.observers: list[Callable[[Event], None]] = []  # called with every event (e.g. metrics)
+        self.ttp_report_wait = TTP_REPORT_WAIT_S  # seconds (real time) live ranks get to report for a dying gasp
         self._hung: dict[tuple[int, int], tuple[Any, ...]] = {}  # (rank, incarnation) -> what the watchdog saw
         self.push: zmq.Socket | None = None
         if events_addr:
@@ -582,8 +587,13 @@ class Coordinator:
                     agent.beat()
         for node in range(self.spec.nnodes):
             agent = self.agents.get(node)
-            if agent is None and self.clock() > self.agent_deadline:
-                return self.node_lost(node, f"node {node} did not join within --cluster_time_out {self.spec.cluster_time_out:g} s")
+            if agent is None and node in self._waiting_for and now > self.node_deadline[node]:
+                reason = (f"{self._waiting_for.pop(node)}; no replacement joined within --node_wait_timeout "
+                          f"{self.spec.node_wait_timeout:g} s")
+                return self.finish_failed(reason)
+            if agent is None and node not in self.lost_nodes and now > self.node_deadline.get(node, float("inf")):
+                return self.node_lost(node, f"node {node} did not join within --cluster_time_out {self.spec.cluster_time_out:g} s",
+                                      replaceable=False)
             if isinstance(agent, RemoteAgent) and not agent.lost and agent.leaving:
                 return self.node_lost(node, f"node {node} left the job: {agent.leaving} (host {agent.host or '?'})")
             if isinstance(agent, RemoteAgent) and not agent.lost and now - agent.last_seen > timeout:
@@ -591,43 +601,72 @@ class Coordinator:
                                             f"(host {agent.host or '?'})")
         return None
 
-    def node_lost(self, node: int, reason: str) -> int:
-        """A node is gone with its ranks: record their failure, save what the survivors hold
-        (dying gasp), stop every other node and fail the job naming the node."""
-        agent = self.agents.get(node)
+    def node_lost(self, node: int, reason: str, replaceable: bool = True) -> int | None:
+        """A node is gone with its ranks (pod-level rescheduling, MindCluster's term).
+
+        Its agent's connection is fenced (any later message from it is answered with ``shutdown``),
+        its ranks are recorded as failed, and the failure goes through the same policy as a rank's
+        death. With ARF on, the survivors are aborted to a safe point and the node's ranks are
+        respawned as soon as a replacement launcher with that node's index joins (from any host,
+        within ``--node_wait_timeout``), then recover from replicas on the surviving nodes; a
+        whole-job restart likewise waits for the node. Without ARF, or past the budget, the job
+        fails after a dying-gasp checkpoint. Returns the exit code once the job ends.
+        """
+        agent = self.agents.pop(node, None)
         if isinstance(agent, RemoteAgent):
             agent.lost = True
+            self._fenced[agent.identity] = node
+        self._pending_spawns.pop(node, None)
         self.lost_nodes[node] = reason
         now = self.clock()
-        lost = [r for r in self.ranks.values() if r.node == node]
+        lost = [r for r in self.ranks.values() if r.node == node and r.state != RankState.SUCCEEDED]
         for r in lost:
-            if r.state != RankState.SUCCEEDED:
-                r.running = False
-                r.exit_code, r.exit_desc, r.state = 1, reason, RankState.FAILED
-                failure = Failure(r.rank, r.pid, 1, reason, now)
-                self.failures.append(failure)
-                self.round_failures.append(failure)
-        self.emit(EventKind.NODE_LOST, reason, node_lost=node, ranks=[r.rank for r in lost])
-        return self.finish_failed(reason)
+            r.running = False
+            r.exit_code, r.exit_desc, r.state = 1, reason, RankState.FAILED
+            failure = Failure(r.rank, r.pid, 1, reason, now)
+            self.failures.append(failure)
+            self.round_failures.append(failure)
+        waits = replaceable and self.spec.tft.arf and bool(lost) and not self.spec.join
+        self.emit(EventKind.NODE_LOST, reason + (f"; waiting up to {self.spec.node_wait_timeout:g} s for a replacement "
+                                                 f"launcher with --node_rank {node}" if waits else ""),
+                  node_lost=node, ranks=[r.rank for r in lost], waiting=waits)
+        if not waits:
+            return self.finish_failed(reason)
+        self._waiting_for[node] = reason
+        self.node_deadline[node] = now + self.spec.node_wait_timeout
+        return self.on_failure([r.rank for r in lost])
 
     def on_agent_message(self, identity: bytes, msg: Message) -> None:
         """An agent's hello, beat or report. A hello binds the node to the connection that sent
-        it; any other agent message must come from that connection."""
+        it (a replacement for a lost node is accepted while it is awaited); any other agent message
+        must come from that connection; a fenced connection (a lost node's old agent, back after a
+        partition) is told to shut down."""
         now = self.clock()
         node = msg.get("node")
+        if identity in self._fenced:
+            self.reject(identity, f"{msg.type.value} from node {self._fenced[identity]}'s old agent, which was "
+                                  "declared lost: fenced (told to stop its ranks)")
+            self._send_to(identity, MsgType.SHUTDOWN, {"code": 1, "message": (
+                f"node {self._fenced[identity]} was declared lost and is fenced off; its ranks belong to an old "
+                "generation and are stopped")})
+            return
         if msg.type == MsgType.AGENT_HELLO:
             if not isinstance(node, int) or not 0 < node < self.spec.nnodes:
                 self.reject(identity, f"agent hello for node {node!r}: not a node of this job")
                 return
-            if node in self.agents:
-                why = ("was declared lost; a returning node is fenced off" if node in self.lost_nodes
+            if node in self.agents or (node in self.lost_nodes and node not in self._waiting_for):
+                why = ("was declared lost and is not awaited any more" if node in self.lost_nodes
                        else "is already connected")
                 self.reject(identity, f"agent hello for node {node}, which {why}")
+                self._send_to(identity, MsgType.SHUTDOWN, {"code": 1, "message": f"node {node} {why}"})
                 return
+            replacing = self._waiting_for.pop(node, None)
             agent = RemoteAgent(node=node, identity=identity, send_frame=self._send_to, last_seen=now,
                                 host=msg["host"], pid=msg["pid"])
             self.agents[node] = agent
-            self.emit(EventKind.NODE_JOINED, f"node {node} joined (host {msg['host']}, agent pid {msg['pid']})", node_joined=node)
+            self.emit(EventKind.NODE_JOINED,
+                      f"{'a replacement for ' if replacing else ''}node {node} joined (host {msg['host']}, agent pid {msg['pid']})",
+                      node_joined=node, replacement=replacing is not None)
             if self.spec.tft.ttp and msg.get("sees_checkpoint_dir") is False and not self._unshared_warned:
                 self._unshared_warned = True
                 self.emit(EventKind.WARNING,
@@ -635,6 +674,7 @@ class Coordinator:
                           "checkpoints need one directory every node sees (a shared file system); shards written "
                           "there would be missing here")
             for order in self._pending_spawns.pop(node, []):
+                self.ranks[order[0]].started_at = self.clock()  # its set-up time counts from now
                 agent.spawn(*order)
             return
         agent = self.agents.get(node) if isinstance(node, int) else None
@@ -1078,7 +1118,8 @@ class Coordinator:
         hung: the others wait for them. True when it acted."""
         spec = self.spec
         overdue = [r for r in self.ranks.values() if r.alive() and r.kill_reason is None and not r.finished and r.library
-                   and r.step is None and not r.steps_ended and now - r.started_at > spec.setup_timeout]
+                   and r.step is None and not r.steps_ended and now - r.started_at > spec.setup_timeout
+                   and r.node in self.agents]  # a rank whose node has not (re)joined is not started yet
         if not overdue:
             return False
         culprits = [r for r in overdue if r.in_dist is not True]
@@ -1400,7 +1441,7 @@ class Coordinator:
         try:
             for r in live:
                 self.send(r, MsgType.ABORT, generation=self.generation, reason=f"saving a dying-gasp checkpoint: {reason}")
-            self._pump(lambda: set(gasp["reports"]) >= {r.rank for r in live if r.alive()}, TTP_REPORT_WAIT_S)
+            self._pump(lambda: set(gasp["reports"]) >= {r.rank for r in live if r.alive()}, self.ttp_report_wait)
             reports = {rank: c for rank, c in gasp["reports"].items() if self.ranks[rank].alive()}
             try:
                 groups = self.replica_groups()

@@ -298,24 +298,70 @@ def test_plan_deadline_spares_ranks_waiting_in_torch_distributed(tmp_path: Path)
     assert [rank for rank, _ in agent.hung] == [donor]
 
 
-def test_agent_hello_binds_a_node_and_a_lost_node_is_fenced(tmp_path: Path) -> None:
+def join_node1(coord: Coordinator, identity: bytes = b"agent-1") -> None:
+    coord.on_agent_message(identity, msg(MsgType.AGENT_HELLO, node=1, pid=77, host="h1"))
+
+
+def test_agent_messages_are_bound_to_the_connection_of_its_hello(tmp_path: Path) -> None:
     coord, agent, clock = make(tmp_path, world=4, local=2)
     assert [s[0] for s in agent.spawned] == [0, 1]  # node 1's ranks wait for its agent
     assert coord.check_agents() is None
-    coord.on_agent_message(b"agent-1", msg(MsgType.AGENT_HELLO, node=1, pid=77, host="h1"))
+    join_node1(coord)
     assert events(tmp_path, "node_joined")
     coord.on_agent_message(b"agent-1", msg(MsgType.SPAWNED, node=1, rank=2, incarnation=0, pid=5002, spare=False))
     coord.on_agent_message(b"intruder", msg(MsgType.EXITED, node=1, rank=2, incarnation=0, pid=5002, returncode=0, at=0.0))
     coord.check_processes()
     assert coord.ranks[2].pid == 5002 and coord.ranks[2].alive(), "an exit from another connection was believed"
-    clock.now += 30.0  # node 1's agent falls silent
-    code = coord.check_agents()
-    assert code == 1
-    finished = events(tmp_path, "job_finished")[-1]
-    assert "node 1" in finished["message"]
-    assert events(tmp_path, "node_lost")[0]["detail"]["ranks"] == [2, 3]
-    coord.on_agent_message(b"agent-1b", msg(MsgType.AGENT_HELLO, node=1, pid=78, host="h1"))
-    assert any("declared lost" in e["message"] for e in events(tmp_path, "message_rejected"))
+    join_node1(coord, b"agent-1-again")
+    assert any("already connected" in e["message"] for e in events(tmp_path, "message_rejected"))
+
+
+def test_lost_node_is_replaced_and_its_old_agent_fenced(tmp_path: Path) -> None:
+    """Pod-level rescheduling: node 1 falls silent; its ranks are respawned when a replacement
+    launcher with --node_rank 1 joins (from another host); the old agent, back after a partition,
+    is told to shut down."""
+    coord, agent, clock = make(tmp_path, world=4, local=2, node_wait_timeout=60.0)
+    join_node1(coord)
+    hello_all(coord)
+    step(coord, 0)
+    clock.now += 30.0  # node 1's agent falls silent; node 0's ranks keep beating
+    beat_all(coord)
+    assert coord.check_agents() is None, "the job ended instead of waiting for a replacement"
+    lost = events(tmp_path, "node_lost")[0]
+    assert lost["detail"]["ranks"] == [2, 3] and lost["detail"]["waiting"]
+    assert coord.recovery is not None and coord.recovery.failed == {2, 3}
+    for rank in (0, 1):
+        send(coord, rank, MsgType.FAULT, generation=coord.generation, step=1, committed=0, reason="abort")
+    assert coord.recovery.plan is None  # the plan waits for the replacement's ranks
+    remote = [c for c in coord.agents.values() if c.node == 1]
+    assert remote == []
+    join_node1(coord, b"agent-1-replacement")
+    replacement = coord.agents[1]
+    sent: list[tuple[bytes, MsgType]] = []
+    coord._send_to = lambda identity, kind, fields: sent.append((identity, kind))  # type: ignore[method-assign]
+    coord.on_agent_message(b"agent-1", msg(MsgType.AGENT_BEAT, node=1))  # the old agent is back
+    assert sent == [(b"agent-1", MsgType.SHUTDOWN)]
+    assert any("fenced" in e["message"] for e in events(tmp_path, "message_rejected"))
+    for rank, pid in ((2, 7002), (3, 7003)):
+        coord.on_agent_message(b"agent-1-replacement", msg(MsgType.SPAWNED, node=1, rank=rank, incarnation=1, pid=pid, spare=False))
+    coord.check_processes()
+    hello_all(coord, [2, 3])
+    plan = events(tmp_path, "recovery_planned")[-1]["detail"]
+    assert sorted(t[1] for t in plan["transfers"]) == [2, 3] and all(t[0] in (0, 1) for t in plan["transfers"])
+    assert replacement.node == 1 and coord.restarts_used == 2  # one restart per respawned rank
+
+
+def test_no_replacement_in_time_fails_naming_the_node(tmp_path: Path) -> None:
+    coord, agent, clock = make(tmp_path, world=4, local=2, node_wait_timeout=60.0)
+    coord.ttp_report_wait = 0.0  # the fake ranks never answer the dying gasp's abort
+    join_node1(coord)
+    hello_all(coord)
+    clock.now += 30.0
+    assert coord.check_agents() is None
+    clock.now += 61.0
+    assert coord.check_agents() == 1
+    message = events(tmp_path, "job_finished")[-1]["message"]
+    assert "node 1" in message and "no replacement joined" in message
 
 
 def test_node_that_never_joins_ends_the_job(tmp_path: Path) -> None:

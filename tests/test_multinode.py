@@ -43,21 +43,28 @@ def start_job(hosts: list[NetHost], tmp_path: Path, script: Path = dj.SCRIPT, st
               fault: str | None = None, extra: tuple[str, ...] = (), script_args: tuple[str, ...] = ("--log_every", "10"),
               extra_env: dict[str, str] | None = None) -> list[NodeRun]:
     """One launcher per host, node i on host i; node 0's output and events carry the job's result."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    return [start_node(host, i, hosts[0].addr, len(hosts), tmp_path, script, steps, local, fault, extra, script_args,
+                       extra_env, tag=str(i))
+            for i, host in enumerate(hosts)]
+
+
+def start_node(host: NetHost, node: int, master: str, nnodes: int, tmp_path: Path, script: Path = dj.SCRIPT,
+               steps: str = dj.STEPS, local: int = 2, fault: str | None = None, extra: tuple[str, ...] = (),
+               script_args: tuple[str, ...] = ("--log_every", "10"), extra_env: dict[str, str] | None = None,
+               tag: str = "") -> NodeRun:
+    """Start one node's launcher on ``host`` (a replacement too: the same command, another host)."""
     env = dj.env({"FTRUN_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", **({"FTRUN_FAULT": fault} if fault else {}),
                   **(extra_env or {})})
-    runs = []
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    for i, host in enumerate(hosts):
-        log_dir = tmp_path / f"logs{i}"
-        cmd = [sys.executable, "-m", "ftrun", "--worker_num", str(local * len(hosts)), "--local_worker_num", str(local),
-               "--node_rank", str(i), "--master_addr", hosts[0].addr, "--master_port", "29500", "--plain",
-               "--log_dir", str(log_dir), "--checkpoint_dir", str(tmp_path / "ckpt"), "--max_restarts", "4",
-               "--tail_worker_log", "0" if i == 0 else "", *extra, str(script), "--steps", steps, *script_args]
-        out_path = tmp_path / f"out{i}.txt"
-        with open(out_path, "wb") as out:
-            proc = host.popen(cmd, env=env, cwd=str(tmp_path), stdout=out, stderr=subprocess.STDOUT)
-        runs.append(NodeRun(host, proc, out_path, log_dir))
-    return runs
+    log_dir = tmp_path / f"logs{tag}"
+    cmd = [sys.executable, "-m", "ftrun", "--worker_num", str(local * nnodes), "--local_worker_num", str(local),
+           "--node_rank", str(node), "--master_addr", master, "--master_port", "29500", "--plain",
+           "--log_dir", str(log_dir), "--checkpoint_dir", str(tmp_path / "ckpt"), "--max_restarts", "4",
+           "--tail_worker_log", "0" if node == 0 else "", *extra, str(script), "--steps", steps, *script_args]
+    out_path = tmp_path / f"out{tag}.txt"
+    with open(out_path, "wb") as out:
+        proc = host.popen(cmd, env=env, cwd=str(tmp_path), stdout=out, stderr=subprocess.STDOUT)
+    return NodeRun(host, proc, out_path, log_dir)
 
 
 def wait_all(runs: list[NodeRun], timeout: float = 240.0) -> list[int]:
@@ -184,7 +191,8 @@ def test_torchrun_script_restarts_on_every_node(net_hosts, tmp_path: Path) -> No
 @pytest.mark.parametrize("node", [1, 0])
 def test_launcher_killed_ends_every_node(net_hosts, tmp_path: Path, node: int) -> None:  # noqa: F811
     hosts = net_hosts(2)
-    runs = start_job(hosts, tmp_path, steps=dj.LONG_STEPS)
+    # No replacement is started: after --node_wait_timeout the job ends (dying gasp, node named).
+    runs = start_job(hosts, tmp_path, steps=dj.LONG_STEPS, extra=("--node_wait_timeout", "3"))
     try:
         dj.wait_for(lambda: dj.training(runs[0].log_dir), timeout=180)
         os.kill(runs[node].proc.pid, signal.SIGKILL)
@@ -211,3 +219,57 @@ def test_launcher_killed_ends_every_node(net_hosts, tmp_path: Path, node: int) -
         assert saved, "no dying-gasp checkpoint although node 0's ranks hold every shard"
     else:
         assert "coordinator" in out or "stopped" in out, out[-3000:]
+
+
+def _replace_node1(hosts: list[NetHost], tmp_path: Path, long_reference: str, partition: bool) -> None:
+    """Hosts 0 and 1 run the job; node 1 dies (every process SIGKILLed) or is cut off (its link
+    down); a replacement launcher with --node_rank 1 starts on host 2; the job ends on nodes 0 and
+    the replacement with the fault-free digest, ranks 0 and 1 keep their PIDs."""
+    runs = start_job(hosts[:2], tmp_path, steps=dj.LONG_STEPS, extra=("--node_wait_timeout", "120"))
+    replacement = None
+    try:
+        dj.wait_for(lambda: dj.training(runs[0].log_dir), timeout=180)
+        if partition:
+            subprocess.run(["ip", "link", "set", hosts[1].veth, "down"], check=True)
+        else:
+            for pid in hosts[1].pids():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        dj.wait_for(lambda: any(e["kind"] == "node_lost" for e in dj.events(runs[0].log_dir)), timeout=60)
+        replacement = start_node(hosts[2], 1, hosts[0].addr, 2, tmp_path, steps=dj.LONG_STEPS, tag="2",
+                                 extra=("--node_wait_timeout", "120"))
+        if partition:
+            dj.wait_for(lambda: any(e["kind"] == "node_joined" and e["detail"].get("replacement")
+                                    for e in dj.events(runs[0].log_dir)), timeout=120)
+            subprocess.run(["ip", "link", "set", hosts[1].veth, "up"], check=True)
+        codes = wait_all([runs[0], replacement])
+        old_code = runs[1].proc.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while hosts[1].pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = hosts[1].pids()
+    finally:
+        for run in [*runs, *([replacement] if replacement else [])]:
+            if run.proc.poll() is None:
+                os.killpg(run.proc.pid, signal.SIGKILL)
+    everything = "\n---\n".join(r.output()[-3000:] for r in [runs[0], replacement, runs[1]])
+    assert codes == [0, 0], everything
+    assert old_code != 0 and left == [], f"the old node 1 was not stopped: {left}\n{everything}"
+    assert dj.digest(runs[0].output(), dj.LONG_STEPS) == long_reference
+    events = dj.events(runs[0].log_dir)
+    pids = dj.started(events)
+    assert len(pids[0]) == 1 and len(pids[1]) == 1, "a rank of the surviving node was restarted"
+    assert len(pids[2]) == 2 and len(pids[3]) == 2
+    assert not [e for e in events if e["kind"] == "job_restarting"]
+    joined = [e for e in events if e["kind"] == "node_joined" and e["detail"].get("replacement")]
+    assert joined and hosts[2].addr not in ("",)
+
+
+def test_lost_node_is_replaced_by_a_new_launcher(net_hosts, long_reference: str, tmp_path: Path) -> None:  # noqa: F811
+    _replace_node1(net_hosts(3), tmp_path, long_reference, partition=False)
+
+
+def test_partitioned_node_is_replaced_and_fenced(net_hosts, long_reference: str, tmp_path: Path) -> None:  # noqa: F811
+    _replace_node1(net_hosts(3), tmp_path, long_reference, partition=True)
