@@ -63,7 +63,6 @@ VERSION = 1
 MANIFEST = "manifest.json"
 STEP_DIGITS = 9
 _STEP_RE = re.compile(r"^step_(\d+)$")
-_NDARRAY = "__ftrun_ndarray__"  # marker key of a numpy array stored as a uint8 tensor
 _HASH_BLOCK = 8 << 20  # bytes read at a time when checksumming a file
 
 
@@ -325,113 +324,13 @@ def _sha256_file(path: Path) -> tuple[int, str]:
 
 
 # ---------------------------------------------------------------------- state encoding (save)
-def _key_path(path: str, key: Any) -> str:
-    return f"{path}[{key!r}]"
-
-
-def _is_primitive(obj: Any) -> bool:
-    return obj is None or isinstance(obj, (bool, int, float, complex, str, bytes))
-
-
-def _check_key(key: Any, path: str) -> Any:
-    import numpy as np
-
-    if isinstance(key, np.generic):
-        key = key.item()
-    if not _is_primitive(key):
-        raise TypeError(f"checkpoint: the key {key!r} at {path} is a {type(key).__name__}; keys must be str, int, float, bool, bytes or None")
-    return key
-
-
-def _new_dict(obj: Mapping[Any, Any]) -> dict[Any, Any]:
-    """An empty dict of the same kind (OrderedDict stays OrderedDict) carrying ``_metadata``."""
-    from collections import OrderedDict
-
-    out: dict[Any, Any] = OrderedDict() if isinstance(obj, OrderedDict) else {}
-    metadata = getattr(obj, "_metadata", None)  # nn.Module.state_dict()'s version information
-    if metadata is not None:
-        out._metadata = _plain_copy(metadata, "_metadata")  # type: ignore[attr-defined]
-    return out
-
-
-def _plain_copy(obj: Any, path: str) -> Any:
-    """A deep copy of containers of primitives (``_metadata``)."""
-    if isinstance(obj, Mapping):
-        return {_check_key(k, path): _plain_copy(v, _key_path(path, k)) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_plain_copy(v, f"{path}[{i}]") for i, v in enumerate(obj))
-    if _is_primitive(obj):
-        return obj
-    raise TypeError(f"checkpoint: cannot save a {type(obj).__name__} at {path}")
-
-
-def _encode(obj: Any, path: str = "state") -> Any:
-    """The state as ``torch.load(weights_only=True)`` accepts it.
-
-    Tensors (a ``Parameter`` becomes its data), dicts (OrderedDict and ``_metadata`` kept), lists,
-    tuples, torch dtypes, devices and sizes, and primitives stay; numpy arrays become
-    ``{_NDARRAY: uint8 tensor, "dtype": str, "shape": list}``; numpy scalars become Python scalars.
-
-    Raises:
-        TypeError: anything else, naming its place in the state (e.g. ``state['opt']['x']``).
-    """
-    import numpy as np
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        if type(obj) is torch.Tensor:
-            return obj
-        if isinstance(obj, torch.nn.Parameter):
-            return obj.detach()
-        raise TypeError(f"checkpoint: cannot save a tensor subclass {type(obj).__name__} at {path}")
-    if isinstance(obj, np.ndarray):
-        if obj.dtype.hasobject or obj.dtype.fields is not None or obj.dtype.itemsize == 0:
-            raise TypeError(f"checkpoint: cannot save a numpy array of dtype {obj.dtype} at {path}")
-        data = np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
-        return {_NDARRAY: torch.from_numpy(data), "dtype": obj.dtype.str, "shape": list(obj.shape)}
-    if isinstance(obj, np.generic):
-        value = obj.item()
-        if not _is_primitive(value):
-            raise TypeError(f"checkpoint: cannot save a numpy {type(obj).__name__} at {path}")
-        return value
-    if isinstance(obj, Mapping):
-        out = _new_dict(obj)
-        for k, v in obj.items():
-            out[_check_key(k, path)] = _encode(v, _key_path(path, k))
-        return out
-    if isinstance(obj, list):
-        return [_encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]
-    if isinstance(obj, torch.Size):
-        return obj
-    if type(obj) is tuple:
-        return tuple(_encode(v, f"{path}[{i}]") for i, v in enumerate(obj))
-    if _is_primitive(obj) or isinstance(obj, (torch.dtype, torch.device)):
-        return obj
-    raise TypeError(
-        f"checkpoint: cannot save a {type(obj).__name__} at {path}; "
-        "state_dict() must hold tensors, numpy arrays, dicts, lists, tuples and primitives"
-    )
-
-
-def _decode(obj: Any) -> Any:
-    """Inverse of :func:`_encode`: numpy markers back to arrays (containers mutated in place)."""
-    import numpy as np
-    import torch
-
-    if isinstance(obj, dict):
-        if _NDARRAY in obj and isinstance(obj[_NDARRAY], torch.Tensor):
-            data = obj[_NDARRAY].numpy()
-            return data.view(np.dtype(obj["dtype"])).reshape(obj["shape"])
-        for k, v in obj.items():
-            obj[k] = _decode(v)
-        return obj
-    if isinstance(obj, list):
-        for i, v in enumerate(obj):
-            obj[i] = _decode(v)
-        return obj
-    if type(obj) is tuple:
-        return tuple(_decode(v) for v in obj)
-    return obj
+# One codec for checkpoints and transfers (ftrun.codec); the names this module has always used.
+from .codec import NDARRAY as _NDARRAY  # noqa: E402
+from .codec import check_key as _check_key  # noqa: E402
+from .codec import decode as _decode  # noqa: E402
+from .codec import encode as _encode  # noqa: E402
+from .codec import key_path as _key_path  # noqa: E402
+from .codec import new_dict as _new_dict  # noqa: E402
 
 
 # ------------------------------------------------------------------------------- shard files

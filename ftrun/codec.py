@@ -1,0 +1,268 @@
+"""The one state codec: what a ``state_dict`` may hold, for transfers, checkpoints and rank state.
+
+A state is nested dicts (``OrderedDict`` stays ``OrderedDict``; a module state dict's ``_metadata``
+is kept), lists, tuples, tensors (a ``Parameter`` becomes its data), numpy arrays and scalars,
+``torch.dtype``, ``torch.device``, ``torch.Size`` and primitives (None, bool, int, float, complex,
+str, bytes). Anything else is refused with a ``TypeError`` naming its place (``state['opt']['x']``):
+ftrun never pickles state.
+
+One walker (:func:`encode` / :func:`decode`), two serialisations of its output:
+
+- a tree ``torch.load(weights_only=True)`` accepts, for checkpoint files (:mod:`ftrun.checkpoint`):
+  numpy arrays become ``{"__ftrun_ndarray__": uint8 tensor, "dtype": str, "shape": list}``;
+- a msgpack *skeleton* plus the list of tensors (:func:`flatten` / :func:`unflatten`), for the wire
+  (:mod:`ftrun.transfer`) and for rank state kept in the job's store (:func:`to_bytes` /
+  :func:`from_bytes`). Every tensor reference carries its key path, dtype, shape and device, so a
+  recipient matches incoming tensors to its own by path (:func:`tensor_refs`), and a CUDA tensor is
+  received on its device.
+
+This module imports torch and numpy only when a function is called (the coordinator imports
+:mod:`ftrun.checkpoint`, which imports this, without paying for torch).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Mapping
+
+NDARRAY = "__ftrun_ndarray__"  # marker key of a numpy array stored as a uint8 tensor
+
+
+def key_path(path: str, key: Any) -> str:
+    """``state`` + ``'opt'`` -> ``state['opt']``."""
+    return f"{path}[{key!r}]"
+
+
+def _is_primitive(obj: Any) -> bool:
+    return obj is None or isinstance(obj, (bool, int, float, complex, str, bytes))
+
+
+def check_key(key: Any, path: str) -> Any:
+    """A dict key as stored (numpy scalars become Python scalars).
+
+    Raises:
+        TypeError: the key is not a primitive.
+    """
+    import numpy as np
+
+    if isinstance(key, np.generic):
+        key = key.item()
+    if not _is_primitive(key):
+        raise TypeError(f"checkpoint: the key {key!r} at {path} is a {type(key).__name__}; keys must be str, int, float, bool, bytes or None")
+    return key
+
+
+def new_dict(obj: Mapping[Any, Any]) -> dict[Any, Any]:
+    """An empty dict of the same kind (OrderedDict stays OrderedDict) carrying ``_metadata``."""
+    out: dict[Any, Any] = OrderedDict() if isinstance(obj, OrderedDict) else {}
+    metadata = getattr(obj, "_metadata", None)  # nn.Module.state_dict()'s version information
+    if metadata is not None:
+        out._metadata = plain_copy(metadata, "_metadata")  # type: ignore[attr-defined]
+    return out
+
+
+def plain_copy(obj: Any, path: str) -> Any:
+    """A deep copy of containers of primitives (``_metadata``)."""
+    if isinstance(obj, Mapping):
+        return {check_key(k, path): plain_copy(v, key_path(path, k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(plain_copy(v, f"{path}[{i}]") for i, v in enumerate(obj))
+    if _is_primitive(obj):
+        return obj
+    raise TypeError(f"checkpoint: cannot save a {type(obj).__name__} at {path}")
+
+
+def encode(obj: Any, path: str = "state") -> Any:
+    """The state as ``torch.load(weights_only=True)`` accepts it (see the module docstring).
+
+    Raises:
+        TypeError: anything that is not part of a state, naming its place.
+    """
+    import numpy as np
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is torch.Tensor:
+            return obj
+        if isinstance(obj, torch.nn.Parameter):
+            return obj.detach()
+        raise TypeError(f"checkpoint: cannot save a tensor subclass {type(obj).__name__} at {path}")
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject or obj.dtype.fields is not None or obj.dtype.itemsize == 0:
+            raise TypeError(f"checkpoint: cannot save a numpy array of dtype {obj.dtype} at {path}")
+        data = np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
+        return {NDARRAY: torch.from_numpy(data), "dtype": obj.dtype.str, "shape": list(obj.shape)}
+    if isinstance(obj, np.generic):
+        value = obj.item()
+        if not _is_primitive(value):
+            raise TypeError(f"checkpoint: cannot save a numpy {type(obj).__name__} at {path}")
+        return value
+    if isinstance(obj, Mapping):
+        out = new_dict(obj)
+        for k, v in obj.items():
+            out[check_key(k, path)] = encode(v, key_path(path, k))
+        return out
+    if isinstance(obj, list):
+        return [encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, torch.Size):
+        return obj
+    if type(obj) is tuple:
+        return tuple(encode(v, f"{path}[{i}]") for i, v in enumerate(obj))
+    if _is_primitive(obj) or isinstance(obj, (torch.dtype, torch.device)):
+        return obj
+    raise TypeError(
+        f"checkpoint: cannot save a {type(obj).__name__} at {path}; "
+        "state_dict() must hold tensors, numpy arrays, dicts, lists, tuples and primitives"
+    )
+
+
+def decode(obj: Any) -> Any:
+    """Inverse of :func:`encode`: numpy markers back to arrays (containers mutated in place)."""
+    import numpy as np
+    import torch
+
+    if isinstance(obj, dict):
+        if NDARRAY in obj and isinstance(obj[NDARRAY], torch.Tensor):
+            data = obj[NDARRAY].cpu().numpy()
+            return data.view(np.dtype(obj["dtype"])).reshape(obj["shape"])
+        for k, v in obj.items():
+            obj[k] = decode(v)
+        return obj
+    if isinstance(obj, list):
+        for i, v in enumerate(obj):
+            obj[i] = decode(v)
+        return obj
+    if type(obj) is tuple:
+        return tuple(decode(v) for v in obj)
+    return obj
+
+
+# ------------------------------------------------------------------ the wire form
+def dtype_of(name: str) -> Any:
+    """``"torch.float32"`` -> ``torch.float32``; None for anything that is not a torch dtype."""
+    import torch
+
+    value = getattr(torch, name.removeprefix("torch."), None) if name.startswith("torch.") else None
+    return value if isinstance(value, torch.dtype) else None
+
+
+def flatten(state: Any) -> tuple[Any, list[Any]]:
+    """Split a state into (msgpack-able skeleton, tensors in order).
+
+    Raises:
+        TypeError: the state holds something :func:`encode` refuses.
+    """
+    import torch
+
+    tensors: list[torch.Tensor] = []
+
+    def walk(obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+            return {"__t": len(tensors) - 1, "path": path, "dtype": str(obj.dtype), "shape": list(obj.shape), "device": str(obj.device)}
+        if isinstance(obj, dict):
+            node: dict[str, Any] = {"__d": [[walk(k, path), walk(v, key_path(path, k))] for k, v in obj.items()]}
+            if isinstance(obj, OrderedDict):
+                node["od"] = True
+            metadata = getattr(obj, "_metadata", None)
+            if metadata is not None:
+                node["meta"] = walk(metadata, path + "._metadata")
+            return node
+        if isinstance(obj, torch.Size):
+            return {"__size": list(obj)}
+        if isinstance(obj, list):
+            return {"__l": [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+        if isinstance(obj, tuple):
+            return {"__tu": [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+        if isinstance(obj, torch.dtype):
+            return {"__dtype": str(obj)}
+        if isinstance(obj, torch.device):
+            return {"__dev": str(obj)}
+        if isinstance(obj, complex):
+            return {"__c": [obj.real, obj.imag]}
+        return obj
+
+    return walk(encode(state), "state"), tensors
+
+
+def unflatten(skeleton: Any, tensors: list[Any]) -> Any:
+    """Inverse of :func:`flatten`."""
+    import torch
+
+    def walk(obj: Any) -> Any:
+        if not isinstance(obj, dict):
+            return obj
+        if "__t" in obj:
+            return tensors[obj["__t"]]
+        if "__d" in obj:
+            out: dict[Any, Any] = OrderedDict() if obj.get("od") else {}
+            for k, v in obj["__d"]:
+                out[walk(k)] = walk(v)
+            if "meta" in obj:
+                out._metadata = walk(obj["meta"])  # type: ignore[attr-defined]
+            return out
+        if "__l" in obj:
+            return [walk(v) for v in obj["__l"]]
+        if "__tu" in obj:
+            return tuple(walk(v) for v in obj["__tu"])
+        if "__size" in obj:
+            return torch.Size(obj["__size"])
+        if "__dtype" in obj:
+            dtype = dtype_of(obj["__dtype"])
+            if dtype is None:
+                raise ValueError(f"state: unknown dtype {obj['__dtype']}")
+            return dtype
+        if "__dev" in obj:
+            return torch.device(obj["__dev"])
+        if "__c" in obj:
+            return complex(*obj["__c"])
+        raise ValueError(f"state: malformed skeleton node {sorted(obj)}")
+
+    return decode(walk(skeleton))
+
+
+def tensor_refs(skeleton: Any) -> list[dict[str, Any]]:
+    """The tensor references of a skeleton (path, dtype, shape, device), in tensor order."""
+    refs: dict[int, dict[str, Any]] = {}
+
+    def walk(obj: Any) -> None:
+        if isinstance(obj, dict):
+            if "__t" in obj:
+                refs[obj["__t"]] = obj
+                return
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, list):
+            for v in obj:
+                walk(v)
+
+    walk(skeleton)
+    return [refs[i] for i in range(len(refs))]
+
+
+def to_bytes(state: Any) -> bytes:
+    """The state as one self-contained byte string (msgpack of the skeleton and CPU tensor bytes)."""
+    import msgpack
+
+    skeleton, tensors = flatten(state)
+    data = [t.detach().cpu().contiguous().reshape(-1).view(__import__("torch").uint8).numpy().tobytes() if t.numel() else b""
+            for t in tensors]
+    return msgpack.packb({"skeleton": skeleton, "data": data}, use_bin_type=True)
+
+
+def from_bytes(blob: bytes) -> Any:
+    """Inverse of :func:`to_bytes` (tensors on CPU)."""
+    import msgpack
+    import torch
+
+    doc = msgpack.unpackb(blob, raw=False, strict_map_key=False)
+    tensors = []
+    for ref, raw in zip(tensor_refs(doc["skeleton"]), doc["data"]):
+        dtype = dtype_of(ref["dtype"])
+        if dtype is None:
+            raise ValueError(f"state: unknown dtype {ref['dtype']}")
+        t = torch.empty(ref["shape"], dtype=dtype)
+        if raw:
+            t.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        tensors.append(t)
+    return unflatten(doc["skeleton"], tensors)

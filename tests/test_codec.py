@@ -1,0 +1,98 @@
+"""The one state codec (ftrun.codec) that transfers, checkpoints and rank state share: each case
+round-trips through the wire form, the byte form and a checkpoint file."""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ftrun import checkpoint as ckpt
+from ftrun import codec
+from ftrun.transfer import RNGState
+
+
+def _wire(state: Any) -> Any:
+    import msgpack
+
+    skeleton, tensors = codec.flatten(state)
+    skeleton = msgpack.unpackb(msgpack.packb(skeleton, use_bin_type=True), raw=False, strict_map_key=False)
+    return codec.unflatten(skeleton, [t.clone() for t in tensors])
+
+
+def _file(state: Any, tmp_path: Path) -> Any:
+    directory = ckpt.step_dir(tmp_path, 1)
+    info = ckpt.save_shard(directory, 0, {"x": state})
+    ckpt.write_manifest(directory, 1, 1, [[0]], {0: info.to_json()})
+    return ckpt.load_shard(directory, 0)["x"]
+
+
+def _forms(state: Any, tmp_path: Path) -> list[Any]:
+    return [_wire(state), codec.from_bytes(codec.to_bytes(state)), _file(state, tmp_path)]
+
+
+def test_dtype(tmp_path: Path) -> None:
+    for out in _forms({"dtype": torch.bfloat16, "device": torch.device("cpu"), "size": torch.Size([2, 3])}, tmp_path):
+        assert out["dtype"] is torch.bfloat16 and out["device"] == torch.device("cpu") and out["size"] == torch.Size([2, 3])
+        assert type(out["size"]) is torch.Size
+
+
+def test_tuple_stays_a_tuple(tmp_path: Path) -> None:
+    adam = torch.optim.Adam([torch.nn.Parameter(torch.ones(2))], betas=(0.8, 0.95)).state_dict()
+    for out in _forms(adam, tmp_path):
+        assert out["param_groups"][0]["betas"] == (0.8, 0.95) and type(out["param_groups"][0]["betas"]) is tuple
+
+
+def test_ordered_dict_and_metadata(tmp_path: Path) -> None:
+    sd = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)).state_dict()
+    for out in _forms(sd, tmp_path):
+        assert type(out) is OrderedDict and list(out) == list(sd)
+        assert out._metadata == sd._metadata  # type: ignore[attr-defined]
+        assert all(torch.equal(out[k], sd[k]) for k in sd)
+        torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)).load_state_dict(out)
+
+
+def test_nested_lists(tmp_path: Path) -> None:
+    state = {"a": [[1, [2.5, None]], ["x", b"y", True]], "c": 1 + 2j, "t": [torch.arange(3), (torch.zeros(()),)]}
+    for out in _forms(state, tmp_path):
+        assert out["a"] == state["a"] and out["c"] == 1 + 2j
+        assert torch.equal(out["t"][0], torch.arange(3)) and type(out["t"][1]) is tuple and out["t"][1][0].shape == ()
+
+
+def test_numpy_rng_state_round_trips(tmp_path: Path) -> None:
+    np.random.seed(3)
+    random.seed(4)
+    torch.manual_seed(5)
+    state = RNGState().state_dict()
+    draws = (np.random.rand(4), random.random(), torch.rand(2))
+    for out in _forms(state, tmp_path):
+        RNGState().load_state_dict(out)
+        again = (np.random.rand(4), random.random(), torch.rand(2))
+        assert np.array_equal(draws[0], again[0]) and draws[1] == again[1] and torch.equal(draws[2], again[2])
+
+
+def test_numpy_arrays_and_scalars(tmp_path: Path) -> None:
+    state = {"arr": np.arange(6, dtype=np.int16).reshape(2, 3), "scalar": np.float32(0.5)}
+    for out in _forms(state, tmp_path):
+        assert out["arr"].dtype == np.int16 and np.array_equal(out["arr"], state["arr"]) and out["scalar"] == 0.5
+
+
+def test_tensor_refs_carry_key_paths() -> None:
+    skeleton, _ = codec.flatten({"model": OrderedDict(w=torch.ones(2)), "opt": {"state": {0: {"m": torch.zeros(1)}}}})
+    assert [r["path"] for r in codec.tensor_refs(skeleton)] == ["state['model']['w']", "state['opt']['state'][0]['m']"]
+
+
+def test_refuses_objects_naming_their_place() -> None:
+    with pytest.raises(TypeError, match=r"state\['opt'\]\['hook'\]"):
+        codec.flatten({"opt": {"hook": object()}})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_tensors_keep_their_device() -> None:
+    skeleton, tensors = codec.flatten({"w": torch.ones(2, device="cuda")})
+    assert codec.tensor_refs(skeleton)[0]["device"].startswith("cuda") and tensors[0].is_cuda
