@@ -14,7 +14,8 @@ bad value from the command line, the environment or TOML gets the same one-line 
 from __future__ import annotations
 
 import sys
-from typing import List, Optional
+from pathlib import Path
+from typing import Any, List, Optional
 
 import typer
 
@@ -138,12 +139,17 @@ def run(
     save_steps: Optional[str] = _opt("save_steps"),
     keep_checkpoints: Optional[str] = _opt("keep_checkpoints"),
     resume: Optional[str] = _opt("resume"),
+    metrics_port: Optional[str] = _opt("metrics_port"),
+    metrics_addr: Optional[str] = _opt("metrics_addr"),
     module: bool = typer.Option(False, "-m", "--module", help="Run SCRIPT as a module (python -m)."),
     no_python: bool = typer.Option(False, *_flags("no_python"), help="Run SCRIPT as a program, not with Python."),
     config: Optional[str] = typer.Option(None, "--config", help="TOML file of options (default: [tool.ftrun] in ./pyproject.toml).", show_default=False),
     plain: bool = typer.Option(False, "--plain", help="Plain timestamped lines even on a terminal."),
 ) -> None:
-    """Launch SCRIPT on --worker_num ranks; on a fault, respawn only the failed rank (ARF)."""
+    """Launch SCRIPT on --worker_num ranks; on a fault, respawn only the failed rank (ARF).
+
+    Also: `ftrun status [--log_dir DIR] [--watch]` shows a running or finished job; `ftrun report
+    LOG_DIR [--plot FILE.png]` summarises a run (a script named status or report runs as ./status)."""
     if nproc_per_node is not None and not nproc_per_node.strip().isdigit():
         nproc_per_node = str(count_local_devices(nproc_per_node))  # torchrun's auto, cpu, gpu, xpu
     local_worker_num = _same(nproc_per_node, "--nproc_per_node", local_worker_num, "--local_worker_num")
@@ -184,6 +190,8 @@ def run(
         "save_steps": save_steps,
         "keep_checkpoints": keep_checkpoints,
         "resume": resume,
+        "metrics_port": metrics_port,
+        "metrics_addr": metrics_addr,
     }
     spec = resolve(
         cli_values,
@@ -209,6 +217,8 @@ def run(
             resolve_resume(None, spec.resume, on_skip=lambda *_: None)
         except CheckpointError as err:
             raise ConfigError(f"--resume {spec.resume}: {err}; give a checkpoint directory, 'auto' or 'none'") from None
+    if spec.metrics_port and spec.node_rank == 0:
+        _check_metrics_endpoint(spec)
     from .console import make_console
     from .launcher import Launcher
 
@@ -216,12 +226,98 @@ def run(
     raise SystemExit(Launcher(spec, console).run())
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: runs the CLI; user errors print one line and exit 2."""
-    command = typer.main.get_command(app)
+def _check_metrics_endpoint(spec: Any) -> None:
+    """Refuse a metrics endpoint that cannot be served, before any rank starts.
+
+    Raises:
+        ConfigError: the port is the store's, is taken, or the address is not this host's.
+    """
+    if spec.metrics_port == spec.master_port:
+        raise ConfigError(f"--metrics_port {spec.metrics_port} is also --master_port (the rendezvous store's); "
+                          "give the metrics another port")
+    from .metrics import MetricsError, check_endpoint, metrics_bind_address
+
     try:
-        command.main(args=argv if argv is not None else sys.argv[1:], prog_name="ftrun", standalone_mode=False)
-    except ConfigError as err:
+        check_endpoint(metrics_bind_address(spec.metrics_addr, spec.master_addr, spec.nnodes), spec.metrics_port)
+    except MetricsError as err:
+        raise ConfigError(str(err)) from None
+
+
+# --------------------------------------------------------------------------- ftrun status, ftrun report
+
+status_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
+                         context_settings={"help_option_names": ["-h", "--help"]})
+
+
+@status_app.command()
+def status(
+    log_dir: Optional[str] = typer.Option(None, *_flags("log_dir"), help="The job's log directory (default: "
+                                          "FTRUN_LOG_DIR, log_dir in [tool.ftrun] of ./pyproject.toml, or ftrun_logs).",
+                                          show_default=False),
+    watch: bool = typer.Option(False, "--watch", "-w", help="Keep showing the job until it ends."),
+    plain: bool = typer.Option(False, "--plain", help="Plain lines even on a terminal."),
+) -> None:
+    """Show a job's ranks, progress, goodput and faults, read from its log directory. Exit code: 0 when it
+    runs or succeeded, its exit code when it failed (1 when it ended without a final status), 2 when there
+    is no job."""
+    from .status import resolve_log_dir, show
+
+    raise SystemExit(show(resolve_log_dir(log_dir), watch=watch, plain=True if plain else None))
+
+
+report_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
+                         context_settings={"help_option_names": ["-h", "--help"]})
+
+
+@report_app.command()
+def report(
+    log_dir: Optional[str] = typer.Argument(None, help="The job's log directory (default: as ftrun status finds it).",
+                                            show_default=False),
+    plot: Optional[str] = typer.Option(None, "--plot", help="Also draw the timeline (step against time per rank, "
+                                       "faults and recoveries marked) into this PNG file.", show_default=False),
+) -> None:
+    """Summarise a run from its events.jsonl: the faults and recoveries on a timeline with their cost
+    (detection, respawn, rebuild, transfer), goodput, checkpoints, and the root cause of a failure."""
+    from .report import ReportError, format_report, load_report, plot_timeline
+    from .status import resolve_log_dir
+
+    if plot is not None:
+        target = Path(plot)
+        if target.suffix.lower() != ".png":
+            raise ConfigError(f"--plot {plot}: the plot is a PNG; give a file name ending in .png")
+        if not target.parent.is_dir():
+            raise ConfigError(f"--plot {plot}: directory {target.parent} does not exist")
+    directory = Path(log_dir) if log_dir else resolve_log_dir(None)
+    if log_dir and not directory.is_dir():
+        raise ReportError(f"{log_dir} is not a directory; give the job's --log_dir")
+    loaded = load_report(directory)
+    for problem in loaded.problems:
+        print(f"ftrun: {problem}", file=sys.stderr)
+    print("\n".join(format_report(loaded)))
+    if plot is not None:
+        plot_timeline(loaded, Path(plot))
+        print(f"timeline plot written to {plot}")
+
+
+SUBCOMMANDS = {"status": status_app, "report": report_app}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: runs the CLI; user errors print one line and exit 2.
+
+    ``ftrun status ...`` and ``ftrun report ...`` are subcommands when the first argument is exactly
+    ``status`` or ``report``; a script of that name runs as ``ftrun ./status``.
+    """
+    from .report import ReportError
+
+    args = list(argv if argv is not None else sys.argv[1:])
+    if args and args[0] in SUBCOMMANDS:
+        command, prog, args = typer.main.get_command(SUBCOMMANDS[args[0]]), f"ftrun {args[0]}", args[1:]
+    else:
+        command, prog = typer.main.get_command(app), "ftrun"
+    try:
+        command.main(args=args, prog_name=prog, standalone_mode=False)
+    except (ConfigError, ReportError) as err:
         print(f"ftrun: error: {err}", file=sys.stderr)
         sys.exit(2)
     except _NO_SUCH_OPTION as err:

@@ -292,6 +292,10 @@ OPTIONS: tuple[Option, ...] = (
            low=0, high=1_000_000, why="a number of checkpoints; 0 keeps all"),
     Option("resume", str, "auto", "Start from a checkpoint: 'auto' (the newest complete one, when TTP is on), a "
            "PATH, or 'none'."),
+    Option("metrics_port", int, 0, "Serve Prometheus metrics on this port of node 0 (http://ADDR:PORT/metrics; "
+           "0: off).", low=0, high=65535, why="a TCP port; 0 turns the metrics off"),
+    Option("metrics_addr", str, None, "Address the metrics endpoint listens on (default: 127.0.0.1 for a "
+           "single-node job, else the address the rendezvous store listens on)."),
 )
 OPTIONS_BY_NAME: dict[str, Option] = {opt.name: opt for opt in OPTIONS}
 
@@ -338,6 +342,9 @@ class JobSpec:
             ``--local-addr``); None: the launcher finds one.
         token_file: absolute path of the file holding the job's shared secret (read with
             :func:`read_job_token`), or None.
+        metrics_port: node 0's Prometheus metrics port (0: no metrics).
+        metrics_addr: the address the metrics endpoint listens on (None: see
+            :func:`ftrun.metrics.metrics_bind_address`).
         warnings: one-line notices for the user about flags accepted with a different meaning
             (e.g. ``--nnodes 1:4`` runs 4 nodes); the launcher prints them and emits them as
             ``warning`` events.
@@ -381,6 +388,8 @@ class JobSpec:
     local_addr: str | None = None
     token_file: str | None = None
     warnings: tuple[str, ...] = ()
+    metrics_port: int = 0
+    metrics_addr: str | None = None
 
     @property
     def nnodes(self) -> int:
@@ -1279,6 +1288,9 @@ def resolve(
         local_addr=local_addr,
         token_file=token_file,
         warnings=tuple(warnings),
+        metrics_port=values["metrics_port"],
+        metrics_addr=check_address(values["metrics_addr"], label("metrics_addr"))
+        if (values["metrics_addr"] or "").strip() else None,
     )
     read_job_token(spec, environ)  # a multi-node job needs a secret; a given one must be usable
     return spec

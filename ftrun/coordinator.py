@@ -1143,7 +1143,10 @@ class Coordinator:
         rec = self.recovery
         if rec is None:
             return False
-        live = [r for r in self.ranks.values() if r.alive() and r.identity is not None and r.kill_reason is None]
+        # A rank still in its set-up (a respawned one, connected but not yet at its loop) reads no
+        # message before its loop: --setup_timeout bounds it, not these deadlines.
+        live = [r for r in self.ranks.values()
+                if r.alive() and r.identity is not None and r.kill_reason is None and r.phase != "setup"]
         if rec.plan is None:
             if now - rec.round_started <= REPORT_DEADLINE_S:
                 return False

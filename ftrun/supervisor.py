@@ -5,20 +5,25 @@ Started by node 0's launcher (``python -m ftrun.supervisor``), it reads its
 :class:`~ftrun.spawner.RankProcesses` behind a :class:`~ftrun.agent.LocalAgent`, and runs the
 :class:`~ftrun.coordinator.Coordinator` to the job's end. Its exit code is the job's. Node 0's
 ranks are its children (tied to its life by ``PR_SET_PDEATHSIG``); other nodes run
-``python -m ftrun.agent``.
+``python -m ftrun.agent``. Beside the coordinator it records the ranks' progress for ``ftrun
+report`` (:class:`~ftrun.report.ProgressRecorder`) and, with ``--metrics_port``, serves Prometheus
+metrics fed by the coordinator's events (:mod:`ftrun.metrics`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from .agent import LocalAgent
 from .config import JobSpec
 from .coordinator import Coordinator
+from .report import ProgressRecorder
 from .spawner import RankProcesses, rank_argv
 
 log = logging.getLogger("ftrun.supervisor")
@@ -38,6 +43,7 @@ def main() -> None:
         [spec.script, *spec.script_args], spec.module, log_dir, spec.local_worker_num, spec.master_addr,
         multi_node=spec.nnodes > 1,
     )
+    metrics, spec = _start_metrics(spec)
     coordinator = Coordinator(
         spec,
         token=os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"],
@@ -45,13 +51,36 @@ def main() -> None:
         store_port=int(os.environ["FTRUN_STORE_PORT"]),
         local_agent=LocalAgent(0, processes),
     )
+    if metrics is not None:
+        coordinator.observers.append(metrics.observe)
+    progress = ProgressRecorder(log_dir)  # every rank's step over time, for ftrun report --plot
+    progress.start()
     try:
         code = coordinator.run()
     except BaseException:
         log.exception("supervisor crashed")
         raise
+    finally:
+        progress.close()
     logging.shutdown()
     sys.exit(code)
+
+
+def _start_metrics(spec: JobSpec) -> tuple[Any, JobSpec]:
+    """Serve Prometheus metrics when ``--metrics_port`` asks for them (prometheus_client is imported
+    only then). A port taken since the CLI checked it costs the metrics, not the job: the spec comes
+    back with a warning that the job's first events show. Returns (the metrics or None, the spec)."""
+    if not getattr(spec, "metrics_port", 0):
+        return None, spec
+    from .metrics import MetricsError, metrics_bind_address, start_metrics
+
+    addr = metrics_bind_address(spec.metrics_addr, spec.master_addr, spec.nnodes)
+    try:
+        metrics, _server = start_metrics(Path(spec.log_dir), spec.metrics_port, addr)
+    except MetricsError as err:
+        return None, dataclasses.replace(spec, warnings=(*spec.warnings, f"no metrics: {err}"))
+    log.info("metrics on http://%s:%d/metrics", addr, spec.metrics_port)
+    return metrics, spec
 
 
 if __name__ == "__main__":

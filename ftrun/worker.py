@@ -34,6 +34,7 @@ the group from the ``env://`` variables and simply trains, without recovery.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import hashlib
 import os
@@ -53,6 +54,8 @@ from .errors import RecoverableError
 from .faults import FaultInjector
 from .policy import INITIAL, NO_STATE
 from .protocol import Message, MsgType
+from .optim import FTOptimizer
+from .reducer import GradientReducer
 from .transfer import RNGState, recv_state, send_state
 
 BUCKET_BYTES = 25 << 20  # gradient all-reduce bucket (DDP's default cap)
@@ -159,6 +162,7 @@ class Worker:
         self.replica_group = self._my_replica_group(replica_groups)
         self.replica_groups = [list(g) for g in replica_groups] if replica_groups else [list(range(self.world_size))]
         self.registry: dict[str, Any] = {}
+        self.kinds: dict[str, str] = {}  # name -> "committed" | "replica" | "rank" (see register())
         self.faults = FaultInjector.from_env(self.rank, self.incarnation, self.attempt)
         self.channel = _open_channel(True, self.replica_group, self.generation)
         self.managed = self.channel is not None and os.environ.get("FTRUN_ARF", "1") == "1"
@@ -177,10 +181,14 @@ class Worker:
         self._save_request: Message | None = None
         self.recoverable_names = {n.strip() for n in os.environ.get("FTRUN_RECOVERABLE_ERRORS", "").split(",") if n.strip()}
         self._in_collective = False
+        self._waiting = threading.Event()  # set while the training thread waits for an all-reduce
+        self._reducers: list[GradientReducer] = []
+        self._pending_uce: str | None = None  # a recoverable error raised inside backward
+        self._start_snapshot: tuple[int, Any] | None = None  # (committed step, replica+rank state) at step start
         self.faults.cut_connections = self._cut_connections
         if self.channel is not None:
             self.channel.on_receive = self._on_io_message
-            self.channel.probe = _training_thread_probe(threading.main_thread().ident)
+            self.channel.probe = _training_thread_probe(threading.main_thread().ident, self._waiting)
             # Stacks of every thread into this rank's log when the supervisor suspects a hang.
             faulthandler.register(DUMP_SIGNAL, all_threads=True, chain=False)
         self._error: str | None = None
@@ -188,7 +196,9 @@ class Worker:
         self._abort_generation: int | None = None
         self._store: Any = None
         self._current_step: int | None = None
-        self.register("rng", RNGState())
+        # Per-rank RNG streams are this rank's own (rank state); with a seed they are reseeded every
+        # step from (seed, step, rank) anyway.
+        self.register("rng", RNGState(), kind="rank")
         if self.world_size > 1 and not self.joining:
             self.committed = NO_STATE  # until the group stands: an abort may overtake the build
             if self._build_group(self.generation):
@@ -237,6 +247,10 @@ class Worker:
         self.generation = generation
         return True
 
+    def _group_live(self) -> bool:
+        """Whether this rank holds a working process group of the current generation."""
+        return dist.is_initialized()
+
     def _drop_group(self) -> None:
         """Destroy the current group and cut its connections now, releasing peers blocked on us.
 
@@ -260,24 +274,45 @@ class Worker:
             _shutdown_peer_connections(keep_ports={int(os.environ.get("MASTER_PORT", "0")), _control_port()})
 
     # ------------------------------------------------------------------ registration
-    def register(self, name: str, obj: Any) -> Any:
+    def register(self, name: str, obj: Any, kind: str = "replica") -> Any:
         """Register an object whose ``state_dict``/``load_state_dict`` is part of the training state.
 
-        Registered state is what a donor sends to a recovering replica. Returns ``obj``.
+        Args:
+            name: its name in the state (unique).
+            obj: anything with ``state_dict()``/``load_state_dict()``.
+            kind: ``"replica"`` (default: a scheduler, a counter, an EMA...): identical on every
+                replica, sent by a donor to a recovering replica; snapshotted at the start of every
+                step and rolled back when the step is retried, so work after the update
+                (``scheduler.step()``, counters) never runs twice for one step. ``"rank"``: this
+                rank's own (a data loader's position, per-rank RNG): rolled back the same way, never
+                taken from another rank; a respawned rank gets its predecessor's from the job's
+                store (:mod:`ftrun.rankstate`). ``"committed"``: changed only by the optimizer
+                update (the model and optimizer, registered by :meth:`wrap_model` and
+                :meth:`wrap_optimizer`): sent by donors, not snapshotted.
+
+        Returns:
+            ``obj``.
 
         Raises:
             TypeError: ``obj`` has no ``state_dict``/``load_state_dict``.
+            ValueError: an unknown ``kind``.
         """
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise TypeError(f"ftrun.register({name!r}): the object needs state_dict() and load_state_dict()")
+        if kind not in ("replica", "rank", "committed"):
+            raise ValueError(f"ftrun.register({name!r}): kind must be 'replica', 'rank' or 'committed', not {kind!r}")
         self.registry[name] = obj
+        self.kinds[name] = kind
         return obj
 
     def wrap_model(self, model: torch.nn.Module, name: str = "model", ddp: bool = False, **ddp_kwargs: Any) -> torch.nn.Module:
-        """Register ``model`` and make every replica start from rank 0's weights (as DDP does).
+        """Register ``model``, make every replica start from rank 0's weights (as DDP does), and
+        average its gradients during ``backward()`` over the group ftrun rebuilds after a fault.
 
-        Gradients are averaged by the optimizer returned by :meth:`wrap_optimizer`, over the group
-        ftrun rebuilds after a fault. If the initial broadcast fails (a rank died before the first
+        After ``loss.backward()`` each ``.grad`` holds the average over the world, as under DDP; a
+        failed all-reduce is recorded (never raised through autograd) and the optimizer wrapper
+        then skips the update. Use :meth:`no_sync` (or DDP's, with ``ddp=True``) to accumulate
+        gradients over micro-batches. If the initial broadcast fails (a rank died before the first
         step), the error is recorded and :meth:`steps` recovers before step 0: ranks that hold rank
         0's weights give them to those that do not.
 
@@ -287,24 +322,36 @@ class Worker:
             ddp: return ``DistributedDataParallel(model)`` so code relying on DDP (``no_sync()``,
                 ``model.module``, DDP's forward hooks) keeps working. That DDP is built over a
                 private one-rank process group that survives every regeneration, with a comm hook
-                that leaves the local gradients as they are; the all-reduce still happens in the
-                optimizer wrapper over ftrun's group (the approach of DESIGN.md's measured facts).
-                The registered state is the inner module's, so its keys carry no ``module.``.
+                that all-reduces each bucket over ftrun's group (:mod:`ftrun.reducer`); without
+                it, hooks on the parameters do the same with DDP's bucket layout, so both paths
+                give the same bits. The registered state is the inner module's, so its keys carry
+                no ``module.``.
             **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
 
         Returns:
             ``model``, or the DDP wrapping it.
         """
         model.to(self.device)
-        self.register(name, model)
-        if self.world_size > 1 and not self.joining and dist.is_initialized() and len(self.replica_group) == self.world_size:
+        self.register(name, model, kind="committed")
+        if self.world_size > 1 and not self.joining and self._group_live():
             self._broadcast_initial(model)
+        reducer = GradientReducer(
+            list(model.parameters()),
+            self.world_size,
+            before_first_bucket=self._before_first_bucket,
+            is_failed=lambda: self._error is not None or self._pending_uce is not None,
+            on_hook_error=self._on_hook_error,
+            on_failure=self._on_reduce_failure,
+            waiting=self._waiting,
+        )
+        self._reducers.append(reducer)
         if not ddp:
+            reducer.attach()
             return model
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model, process_group=self._one_rank_group(), **ddp_kwargs)
-        wrapped.register_comm_hook(None, _local_gradients_hook)
+        wrapped.register_comm_hook(None, _ddp_hook(reducer))
         return wrapped
 
     def _broadcast_initial(self, model: torch.nn.Module) -> None:
@@ -338,12 +385,72 @@ class Worker:
             self._private_group = group
         return self._private_group
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, name: str = "optimizer") -> "FTOptimizer":
-        """Register ``optimizer`` and return a wrapper that all-reduces gradients before each update
-        and applies the update only when the all-reduce succeeded."""
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, name: str = "optimizer") -> FTOptimizer:
+        """Register ``optimizer`` and return a :class:`ftrun.optim.FTOptimizer`: a
+        ``torch.optim.Optimizer`` (schedulers, ``GradScaler`` take it) whose ``step()`` applies the
+        update only when the step's collectives succeeded."""
         wrapped = FTOptimizer(optimizer, self)
-        self.register(name, optimizer)
+        self.register(name, optimizer, kind="committed")
         return wrapped
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally in the backward passes inside (DDP's ``no_sync``); the next
+        backward outside averages the accumulated gradients."""
+        with contextlib.ExitStack() as stack:
+            for reducer in self._reducers:
+                stack.enter_context(reducer.no_sync())
+            yield
+
+    def apply_update(self, update: Callable[[], Any]) -> tuple[bool, Any]:
+        """Run ``update`` (the optimizer's step) if the step's collectives succeeded, between
+        ``update_begin`` and ``update_end``, and commit the step. Returns (applied, its result)."""
+        if self._pending_uce is not None:
+            failed, self._pending_uce = self._pending_uce, None
+            self._repair_in_place(failed, drop=True)
+            return False, None
+        if self._error is not None:
+            return False, None
+        if not self._reducers and self.world_size > 1:  # a model not given to wrap_model
+            params = [p for g in self._optimizer_groups() for p in g["params"]]
+            if not self.all_reduce_gradients(params):
+                return False, None
+        step = self._current_step if self._current_step is not None else self.committed + 1
+        self._send(MsgType.UPDATE_BEGIN, step=step)
+        failed = None
+        result = None
+        try:
+            self.faults.point("optimizer", step)
+            result = update()
+        except Exception as err:
+            if not self.is_recoverable(err):
+                raise
+            failed = _describe(err)
+        if failed is not None:  # outside the except block (see _record_error)
+            self._repair_in_place(failed, drop=True)
+            return False, None
+        self.commit(step)
+        self._send(MsgType.UPDATE_END, step=step)
+        return True, result
+
+    def _optimizer_groups(self) -> list[dict[str, Any]]:
+        return [g for name, obj in self.registry.items() if isinstance(obj, torch.optim.Optimizer) for g in obj.param_groups]
+
+    # Callbacks of the gradient reducer (called on the training thread, inside backward).
+    def _before_first_bucket(self) -> None:
+        self._send(MsgType.COLLECTIVE, step=self._current_step if self._current_step is not None else -1)
+        self._in_collective = True
+        self.faults.point("allreduce", self._current_step)
+
+    def _on_hook_error(self, err: BaseException) -> bool:
+        if isinstance(err, Exception) and self.is_recoverable(err):
+            self._pending_uce = _describe(err)
+            return True
+        return False
+
+    def _on_reduce_failure(self, reason: str) -> None:
+        self._in_collective = False
+        self._record_error(reason)
 
     def state_dict(self) -> dict[str, Any]:
         """The registered state: ``{name: obj.state_dict()}``."""
@@ -480,6 +587,15 @@ class Worker:
             if self.seed is not None:
                 seed_everything(step_seed(self.seed, step, self.rank))
             yield Step(step, self)
+            self._in_collective = False
+            if self._pending_uce is not None:  # raised in backward, and no opt.step() followed
+                failed, self._pending_uce = self._pending_uce, None
+                self._repair_in_place(failed, drop=True)
+            if self._error is None and self.committed == step - 1:
+                # The body ended well without an update (GradScaler skipped it, or no step()
+                # was called): the state is that of this step all the same.
+                self.commit(step)
+                self._send(MsgType.UPDATE_END, step=step)
             if self._error is not None or (self.managed and self._abort_generation is not None):
                 reason, self._error = self._error, None
                 step = self._recover(reason) + 1
@@ -694,67 +810,30 @@ class Step(int):
         return True
 
 
-class FTOptimizer:
-    """Wraps a torch optimizer: averages gradients over ftrun's group, then updates only on success.
+def _ddp_hook(reducer: GradientReducer) -> Callable[..., Any]:
+    """The DDP comm hook of ``reducer`` as a plain function (DDP checks a hook's annotations)."""
 
-    ``step()`` reports update begin/end to the supervisor (MindSpore's OptTFTWrapper idea) and marks
-    the step committed when the update has finished. Everything else is delegated to the wrapped
-    optimizer.
-    """
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
+        return reducer.comm_hook(state, bucket)
 
-    def __init__(self, optimizer: torch.optim.Optimizer, worker: Worker) -> None:
-        self.optimizer = optimizer
-        self.worker = worker
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.optimizer, name)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def step(self, closure: Callable[[], Any] | None = None) -> bool:
-        """All-reduce gradients and update. Returns True if the update was applied."""
-        w = self.worker
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if not w.all_reduce_gradients(params):
-            return False
-        step = w._current_step if w._current_step is not None else w.committed + 1
-        w._send(MsgType.UPDATE_BEGIN, step=step)
-        failed: str | None = None
-        try:
-            w.faults.point("optimizer", step)
-            self.optimizer.step(closure)
-        except Exception as err:
-            if not w.is_recoverable(err):
-                raise
-            failed = _describe(err)
-        if failed is not None:  # outside the except block (see _record_error)
-            w._repair_in_place(failed, drop=True)
-            return False
-        w.commit(step)
-        w._send(MsgType.UPDATE_END, step=step)
-        return True
+    return hook
 
 
-def _local_gradients_hook(_state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
-    """DDP comm hook that communicates nothing: gradients stay local until the optimizer wrapper
-    averages them over ftrun's group."""
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
-
-
-def _training_thread_probe(thread_id: int | None) -> Callable[[], dict[str, Any]]:
+def _training_thread_probe(thread_id: int | None, waiting: threading.Event | None = None) -> Callable[[], dict[str, Any]]:
     """A heartbeat probe: whether the training thread is inside a torch.distributed call now.
 
     The I/O thread looks at the training thread's innermost Python frames
     (``sys._current_frames``): a rank blocked in a collective sits in ``torch/distributed``; a
     rank stuck in its own code (an endless loop, a deadlock) does not, even if it had announced
     the collective. That separates the culprit of a stalled job from the peers waiting for it.
+    ``waiting`` is set by the gradient reducer while it waits for its asynchronous all-reduces
+    (``Work.wait()`` runs no Python frame inside torch/distributed).
     """
     marker = os.sep + os.path.join("torch", "distributed") + os.sep
 
     def probe() -> dict[str, Any]:
+        if waiting is not None and waiting.is_set():
+            return {"in_dist": True}
         frame = sys._current_frames().get(thread_id) if thread_id is not None else None
         depth = 0
         while frame is not None and depth < 8:

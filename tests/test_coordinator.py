@@ -269,6 +269,11 @@ def test_recovery_round_has_a_deadline(tmp_path: Path) -> None:
     for rank in (0, 2):
         send(coord, rank, MsgType.FAULT, generation=1, step=1, committed=0, reason="abort")
     hello_all(coord, [1])
+    coord.check_processes()
+    agent.exit(2, -signal.SIGKILL, at=clock.now)  # a second death: round 2; the new rank 1 is still setting up
+    coord.check_processes()
+    coord.check_processes()
+    send(coord, 0, MsgType.FAULT, generation=coord.generation, step=1, committed=0, reason="abort")
     clock.now += REPORT_DEADLINE_S - 1
     beat_all(coord)
     coord.check_hangs()
@@ -276,7 +281,7 @@ def test_recovery_round_has_a_deadline(tmp_path: Path) -> None:
     clock.now += 2
     beat_all(coord)
     coord.check_hangs()
-    assert [rank for rank, _ in agent.hung] == [3]
+    assert [rank for rank, _ in agent.hung] == [3], "only the survivor that did not answer; not the new rank in set-up"
 
 
 def test_plan_deadline_spares_ranks_waiting_in_torch_distributed(tmp_path: Path) -> None:

@@ -1,0 +1,232 @@
+"""Gradient averaging during ``backward()``, over ftrun's rebuildable process group (DDP semantics).
+
+After ``loss.backward()`` every rank holds the gradients averaged over the world, exactly as under
+``DistributedDataParallel``, so ``clip_grad_norm_``, ``GradScaler.unscale_`` and gradient logging
+between backward and step see what they would see under DDP. The idea is TorchFT's (torchft/ddp.py):
+DDP's bucketing and comm hook, with the all-reduce issued on a group that can be rebuilt after a
+fault, and a failed all-reduce recorded as state instead of raised through autograd.
+
+Two ways in, one engine (:class:`GradientReducer`):
+
+- a plain model: a post-accumulate-grad hook on each parameter marks it ready; a bucket whose
+  gradients are all ready is flattened, divided by the world size and all-reduced asynchronously
+  (overlapping with the rest of backward); a callback queued at the end of backward waits for every
+  bucket and copies the averages back into ``.grad``;
+- ``wrap_model(model, ddp=True)``: DDP over a private one-rank group calls :meth:`comm_hook` with
+  each of its buckets; the hook launches the same asynchronous all-reduce.
+
+Bucket layout is DDP's (torch 2.13, default ``bucket_cap_mb``): the first backward reduces one
+bucket holding every parameter in registration order; from the second on, parameters are bucketed
+in the order their gradients became ready in the first backward, the first bucket capped at
+``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB) and the others at 25 MiB
+(``dist._compute_bucket_assignment_by_size``, as DDP's reducer rebuilds its buckets). Ring
+all-reduce sums each element in an order that depends on where it sits in the buffer, so the same
+layout is what makes the plain path, the DDP path and a plain DDP run under torchrun bitwise equal.
+
+Errors: an all-reduce that raises (a dead peer, a connection cut by an abort) is recorded with
+:attr:`GradientReducer.error`; the remaining buckets of that backward are not communicated and keep
+their local gradients; ``backward()`` returns normally and the optimizer wrapper skips the update.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+BUCKET_CAP_BYTES = 25 << 20  # DDP's default bucket_cap_mb (25 MiB)
+
+
+class GradientReducer:
+    """Averages the gradients of ``params`` over ftrun's group while backward runs.
+
+    Args:
+        params: the model's parameters, in registration order (``model.parameters()``).
+        world_size: ranks the gradients are averaged over.
+        before_first_bucket: called on the training thread when a backward launches its first
+            bucket (the worker sends its ``collective`` message and fires the ``allreduce`` fault
+            point there); an exception it raises is handled by ``on_hook_error``.
+        is_failed: whether the step has already failed (nothing more is communicated).
+        on_hook_error: called with an exception raised by ``before_first_bucket``; returns True if
+            it was recorded (a recoverable error), False to let it propagate out of ``backward()``.
+        on_failure: called at the end of a backward whose all-reduce failed, with the error.
+        waiting: a flag the worker's heartbeat probe reads (set while this thread waits for an
+            all-reduce, so the watchdog knows the rank waits in torch.distributed).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        world_size: int,
+        before_first_bucket: Callable[[], None],
+        is_failed: Callable[[], bool],
+        on_hook_error: Callable[[BaseException], bool],
+        on_failure: Callable[[str], None],
+        waiting: threading.Event,
+    ) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.world_size = world_size
+        self._before_first_bucket = before_first_bucket
+        self._is_failed = is_failed
+        self._on_hook_error = on_hook_error
+        self._on_failure = on_failure
+        self._waiting = waiting
+        self.error: str | None = None  # "Type: message" of the first failed all-reduce of this backward
+        self.sync = True  # False inside no_sync(): gradients accumulate locally
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._buckets: list[list[int]] = [list(range(len(self.params)))]  # DDP's first iteration
+        self._ready_order: list[int] | None = []  # recorded during the first synced backward
+        self._hooks: list[Any] = []
+        self._reset_pass()
+
+    # ---------------------------------------------------------------- plain-model path
+    def attach(self) -> None:
+        """Install the post-accumulate-grad hooks (the plain-model path)."""
+        for p in self.params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def _reset_pass(self) -> None:
+        self._pending: list[tuple[list[int], torch.Tensor, torch.futures.Future]] = []
+        self._ready: set[int] = set()
+        self._next_bucket = 0
+        self._started = False
+        self._callback_queued = False
+        self._bucket_of = {i: b for b, bucket in enumerate(self._buckets) for i in bucket}
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self.sync or self.world_size == 1:
+            return
+        i = self._index[id(param)]
+        self._begin_pass()
+        if self._ready_order is not None:
+            self._ready_order.append(i)
+        self._ready.add(i)
+        while self._next_bucket < len(self._buckets) and all(j in self._ready for j in self._buckets[self._next_bucket]):
+            self._launch_bucket(self._buckets[self._next_bucket])
+            self._next_bucket += 1
+
+    def _launch_bucket(self, bucket: list[int]) -> None:
+        grads = [self.params[j].grad for j in bucket]
+        flat = torch.cat([
+            (g if g is not None else torch.zeros_like(self.params[j])).reshape(-1)
+            for j, g in zip(bucket, grads)
+        ]) if len(bucket) > 1 else (grads[0].reshape(-1).clone() if grads[0] is not None else torch.zeros_like(self.params[bucket[0]]).reshape(-1))
+        self._pending.append((bucket, flat, self.launch(flat)))
+
+    def _finish_pass(self) -> None:
+        """End of backward: launch what is left, wait for every bucket, copy averages into .grad."""
+        while self._next_bucket < len(self._buckets):  # parameters that got no gradient this pass
+            self._launch_bucket(self._buckets[self._next_bucket])
+            self._next_bucket += 1
+        self.wait()
+        for bucket, flat, _ in self._pending:
+            if self.error is not None:
+                break
+            offset = 0
+            for j in bucket:
+                p = self.params[j]
+                n = p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                offset += n
+        if self._ready_order is not None and len(self._ready_order) == len(self.params):
+            self._rebuild(self._ready_order)
+        self._reset_pass()
+
+    def _rebuild(self, order: list[int]) -> None:
+        """Bucket by the first backward's ready order, as DDP's reducer rebuilds its buckets."""
+        self._ready_order = None
+        params = [self.params[i] for i in order]
+        buckets, _ = dist._compute_bucket_assignment_by_size(
+            params, [dist._DEFAULT_FIRST_BUCKET_BYTES, BUCKET_CAP_BYTES], [False] * len(params), order)
+        self._buckets = [list(b) for b in buckets]
+
+    # ---------------------------------------------------------------- DDP path
+    def comm_hook(self, _state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """DDP comm hook: average ``bucket`` over ftrun's group (see the module docstring)."""
+        self._begin_pass()
+        flat = bucket.buffer()
+        fut = self.launch(flat)
+        self._pending.append(([], flat, fut))
+        return fut
+
+    # ---------------------------------------------------------------- the engine
+    def _begin_pass(self) -> None:
+        if self._callback_queued:
+            return
+        self._callback_queued = True
+        self.error = None
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        if self._hooks:
+            self._finish_pass()
+        else:
+            self.wait()
+            self._reset_pass()
+        if self.error is not None:
+            error, self.error = self.error, None
+            self._on_failure(f"gradient all-reduce failed: {error}")
+
+    def launch(self, flat: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """Divide ``flat`` by the world size and all-reduce it asynchronously; the future resolves to
+        ``flat`` (averaged, or local if the all-reduce failed: then :attr:`error` is set)."""
+        if not self._started:
+            self._started = True
+            try:
+                self._before_first_bucket()
+            except Exception as err:
+                if not self._on_hook_error(err):
+                    raise
+        done: torch.futures.Future[torch.Tensor]
+        if self.error is not None or self._is_failed():
+            done = torch.futures.Future()
+            done.set_result(flat)
+            return done
+        flat.div_(self.world_size)
+        failure: str | None = None
+        try:
+            work = dist.all_reduce(flat, async_op=True)
+        except Exception as err:  # the group is already broken
+            failure = _describe(err)
+        if failure is not None:
+            self.error = failure
+            done = torch.futures.Future()
+            done.set_result(flat)
+            return done
+
+        def settle(fut: torch.futures.Future, out: torch.Tensor = flat) -> torch.Tensor:
+            try:
+                fut.wait()
+            except Exception as err:  # recorded, never raised through autograd
+                if self.error is None:
+                    self.error = _describe(err)
+            return out
+
+        return work.get_future().then(settle)
+
+    def wait(self) -> None:
+        """Wait for every bucket launched in this backward (the heartbeat probe sees the wait)."""
+        self._waiting.set()
+        try:
+            for _, _, fut in self._pending:
+                fut.wait()
+        finally:
+            self._waiting.clear()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (DDP's ``no_sync``); the next synced backward averages them."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
+
+
+def _describe(err: BaseException) -> str:
+    text = str(err)
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
