@@ -634,7 +634,19 @@ class Coordinator:
             return self.finish_failed(reason)
         self._waiting_for[node] = reason
         self.node_deadline[node] = now + self.spec.node_wait_timeout
+        self.publish_vacancies()
         return self.on_failure([r.rank for r in lost])
+
+    def publish_vacancies(self) -> None:
+        """Keep ``ftrun/vacant`` in the job's store: the node indices awaiting a replacement,
+        comma-separated (a launcher started without ``--node_rank`` takes one; see
+        :func:`ftrun.launcher.claim_node_rank`)."""
+        if self.main_store is None:
+            return
+        try:
+            self.main_store.set("ftrun/vacant", ",".join(str(n) for n in sorted(self._waiting_for)))
+        except Exception as err:  # the store is node 0's launcher's: gone only if the job is ending
+            log.warning("cannot publish vacant node indices: %s", err)
 
     def on_agent_message(self, identity: bytes, msg: Message) -> None:
         """An agent's hello, beat or report. A hello binds the node to the connection that sent
@@ -661,6 +673,8 @@ class Coordinator:
                 self._send_to(identity, MsgType.SHUTDOWN, {"code": 1, "message": f"node {node} {why}"})
                 return
             replacing = self._waiting_for.pop(node, None)
+            if replacing is not None:
+                self.publish_vacancies()
             agent = RemoteAgent(node=node, identity=identity, send_frame=self._send_to, last_seen=now,
                                 host=msg["host"], pid=msg["pid"])
             self.agents[node] = agent
