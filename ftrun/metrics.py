@@ -60,7 +60,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .report import STATUS_FILE, JobTimeline, job_steps_done, job_total_steps, sample_from_status
+from .report import STATUS_FILE, JobTimeline, job_steps_done, job_total_steps
 
 #: The rank states (``ftrun.policy.RankState``'s values), each a label value of ftrun_rank_state.
 RANK_STATES = ("starting", "healthy", "recovering", "succeeded", "failed", "stopped")
@@ -166,6 +166,12 @@ class JobMetrics:
             if _number(detail.get("step")):
                 self.checkpoint_step.set(float(detail["step"]))
 
+    def add_sample(self, sample: Any) -> None:
+        """A progress sample (:class:`ftrun.report.Sample`, from the progress recorder's thread):
+        the goodput's first step and the end of a whole-job restart's lost time."""
+        with self.lock:
+            self.timeline.add_sample(sample)
+
     # ---------------------------------------------------------------- scrape
     def render(self) -> bytes:
         """The registry in Prometheus's text format (what ``/metrics`` returns)."""
@@ -247,8 +253,6 @@ class StatusCollector(Collector):
             job["job_recovering"].add_metric([], 1.0 if status.get("recovering") else 0.0)
             job["job_up"].add_metric([], 1.0 if status.get("state") == "running" else 0.0)
         with m.lock:
-            if status is not None and status.get("state") == "running":
-                m.timeline.add_sample(sample_from_status(status, now=now))
             good = m.timeline.goodput(now) if m.timeline.started_at is not None else None
         if good is not None:
             if good.ratio is not None:

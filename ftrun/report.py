@@ -724,7 +724,8 @@ class ProgressRecorder:
     It reads the coordinator's ``status.json`` (never the coordinator's objects, so it needs no
     lock), every :data:`MIN_SAMPLE_PERIOD_S` seconds at first and every (age / :data:`SAMPLES_PER_AGE`)
     seconds later, and writes a line only when a step or the attempt changed. The file is started
-    afresh by each run.
+    afresh by each run. Each sample written is also handed to :attr:`listeners` (the metrics'
+    goodput), from the recorder's thread.
 
     Args:
         log_dir: the job's log directory.
@@ -738,6 +739,7 @@ class ProgressRecorder:
     def __init__(self, log_dir: Path, pid: int | None = None, clock: Callable[[], float] = time.time) -> None:
         self.log_dir = Path(log_dir)
         self.pid = os.getpid() if pid is None else pid
+        self.listeners: list[Callable[[Sample], None]] = []  # called with every sample recorded
         self.clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -772,6 +774,8 @@ class ProgressRecorder:
             self._last = key
             self._stream.write(json.dumps(sample.to_json()) + "\n")
             self._stream.flush()
+        for listener in self.listeners:
+            listener(sample)
 
     def _run(self) -> None:
         while not self._stop.wait(self.period(self.clock())):

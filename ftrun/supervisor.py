@@ -51,9 +51,10 @@ def main() -> None:
         store_port=int(os.environ["FTRUN_STORE_PORT"]),
         local_agent=LocalAgent(0, processes),
     )
+    progress = ProgressRecorder(log_dir)  # every rank's step over time, for ftrun report --plot
     if metrics is not None:
         coordinator.observers.append(metrics.observe)
-    progress = ProgressRecorder(log_dir)  # every rank's step over time, for ftrun report --plot
+        progress.listeners.append(metrics.add_sample)
     progress.start()
     try:
         code = coordinator.run()
