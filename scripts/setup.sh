@@ -11,3 +11,6 @@ fi
 # torch first, pinned, so that nothing later resolves "torch" to a CUDA build.
 .venv/bin/python -m pip install -q -c scripts/constraints.txt torch numpy
 .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[test]"
+# Operating a job: ftrun's metrics (prometheus_client) and report plots (matplotlib, the test extra).
+.venv/bin/python -c "import prometheus_client, matplotlib" \
+    || { echo "setup: prometheus_client or matplotlib is missing from .venv" >&2; exit 1; }
