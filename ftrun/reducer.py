@@ -6,14 +6,16 @@ between backward and step see what they would see under DDP. The idea is TorchFT
 DDP's bucketing and comm hook, with the all-reduce issued on a group that can be rebuilt after a
 fault, and a failed all-reduce recorded as state instead of raised through autograd.
 
-Two ways in, one engine (:class:`GradientReducer`):
-
-- a plain model: a post-accumulate-grad hook on each parameter marks it ready; a bucket whose
-  gradients are all ready is flattened, divided by the world size and all-reduced asynchronously
-  (overlapping with the rest of backward); a callback queued at the end of backward waits for every
-  bucket and copies the averages back into ``.grad``;
-- ``wrap_model(model, ddp=True)``: DDP over a private one-rank group calls :meth:`comm_hook` with
-  each of its buckets; the hook launches the same asynchronous all-reduce.
+One engine (:class:`GradientReducer`) for both ways in: a post-accumulate-grad hook on each
+parameter marks it ready; a bucket whose gradients are all ready is flattened, divided by the world
+size and all-reduced asynchronously (overlapping with the rest of backward); a callback queued at
+the end of backward waits for every bucket and copies the averages back into ``.grad``. With
+``wrap_model(model, ddp=True)`` the model is also wrapped in DDP over a private one-rank group (for
+``no_sync()``, ``model.module``, DDP's hooks) with ``gradient_as_bucket_view=True`` and a comm hook
+that communicates nothing: its bucket views are the ``.grad`` tensors this reducer averages in
+place. So the two paths run the same all-reduces on the same layout: the same bits. (A DDP comm hook
+doing the all-reduce itself would inherit DDP's per-process bucket history: a respawned rank's DDP
+starts with one bucket while its peers' have been rebuilt, and gloo fails on the size mismatch.)
 
 Bucket layout is DDP's (torch 2.13, default ``bucket_cap_mb``): the first backward reduces one
 bucket holding every parameter in registration order; from the second on, parameters are bucketed
@@ -53,6 +55,8 @@ class GradientReducer:
         on_hook_error: called with an exception raised by ``before_first_bucket``; returns True if
             it was recorded (a recoverable error), False to let it propagate out of ``backward()``.
         on_failure: called at the end of a backward whose all-reduce failed, with the error.
+        is_first_step: whether the current step is the job's first (DDP's one-bucket iteration);
+            a rank that starts later (respawned, resumed) must use the rebuilt layout its peers use.
         waiting: a flag the worker's heartbeat probe reads (set while this thread waits for an
             all-reduce, so the watchdog knows the rank waits in torch.distributed).
     """
@@ -66,6 +70,7 @@ class GradientReducer:
         on_hook_error: Callable[[BaseException], bool],
         on_failure: Callable[[str], None],
         waiting: threading.Event,
+        is_first_step: Callable[[], bool] = lambda: True,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.world_size = world_size
@@ -77,8 +82,9 @@ class GradientReducer:
         self.error: str | None = None  # "Type: message" of the first failed all-reduce of this backward
         self.sync = True  # False inside no_sync(): gradients accumulate locally
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        self._buckets: list[list[int]] = [list(range(len(self.params)))]  # DDP's first iteration
-        self._ready_order: list[int] | None = []  # recorded during the first synced backward
+        self._is_first_step = is_first_step
+        self._rebuilt: list[list[int]] | None = None  # buckets by ready order, once known
+        self._ready_order: list[int] = []  # recorded until the rebuilt layout is known
         self._hooks: list[Any] = []
         self._reset_pass()
 
@@ -94,16 +100,31 @@ class GradientReducer:
         self._next_bucket = 0
         self._started = False
         self._callback_queued = False
-        self._bucket_of = {i: b for b, bucket in enumerate(self._buckets) for i in bucket}
+        self._buckets: list[list[int]] | None = None  # chosen at the pass's first ready gradient
+        self._deferred = False
+
+    def _choose_layout(self) -> None:
+        """DDP's layout for this pass: one bucket on the job's first step; the rebuilt buckets after;
+        a rank that starts later and has not seen a backward yet defers every bucket to the end of
+        this pass, when it knows the ready order (same layout as its peers, no overlap once)."""
+        if self._is_first_step():
+            self._buckets = [list(range(len(self.params)))]
+        elif self._rebuilt is not None:
+            self._buckets = self._rebuilt
+        else:
+            self._buckets, self._deferred = [], True
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self.sync or self.world_size == 1:
             return
         i = self._index[id(param)]
         self._begin_pass()
-        if self._ready_order is not None:
+        if self._buckets is None:
+            self._choose_layout()
+        if self._rebuilt is None:
             self._ready_order.append(i)
         self._ready.add(i)
+        assert self._buckets is not None
         while self._next_bucket < len(self._buckets) and all(j in self._ready for j in self._buckets[self._next_bucket]):
             self._launch_bucket(self._buckets[self._next_bucket])
             self._next_bucket += 1
@@ -118,6 +139,10 @@ class GradientReducer:
 
     def _finish_pass(self) -> None:
         """End of backward: launch what is left, wait for every bucket, copy averages into .grad."""
+        if self._rebuilt is None and self._ready_order:
+            self._rebuild(self._ready_order)
+        if self._deferred or self._buckets is None:
+            self._buckets = self._rebuilt or [list(range(len(self.params)))]
         while self._next_bucket < len(self._buckets):  # parameters that got no gradient this pass
             self._launch_bucket(self._buckets[self._next_bucket])
             self._next_bucket += 1
@@ -132,26 +157,16 @@ class GradientReducer:
                 if p.grad is not None:
                     p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
                 offset += n
-        if self._ready_order is not None and len(self._ready_order) == len(self.params):
-            self._rebuild(self._ready_order)
         self._reset_pass()
 
     def _rebuild(self, order: list[int]) -> None:
         """Bucket by the first backward's ready order, as DDP's reducer rebuilds its buckets."""
-        self._ready_order = None
+        seen = set(order)
+        order = list(order) + [i for i in reversed(range(len(self.params))) if i not in seen]
         params = [self.params[i] for i in order]
         buckets, _ = dist._compute_bucket_assignment_by_size(
             params, [dist._DEFAULT_FIRST_BUCKET_BYTES, BUCKET_CAP_BYTES], [False] * len(params), order)
-        self._buckets = [list(b) for b in buckets]
-
-    # ---------------------------------------------------------------- DDP path
-    def comm_hook(self, _state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """DDP comm hook: average ``bucket`` over ftrun's group (see the module docstring)."""
-        self._begin_pass()
-        flat = bucket.buffer()
-        fut = self.launch(flat)
-        self._pending.append(([], flat, fut))
-        return fut
+        self._rebuilt = [list(b) for b in buckets]
 
     # ---------------------------------------------------------------- the engine
     def _begin_pass(self) -> None:
@@ -162,11 +177,7 @@ class GradientReducer:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
-        if self._hooks:
-            self._finish_pass()
-        else:
-            self.wait()
-            self._reset_pass()
+        self._finish_pass()
         if self.error is not None:
             error, self.error = self.error, None
             self._on_failure(f"gradient all-reduce failed: {error}")

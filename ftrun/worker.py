@@ -196,6 +196,7 @@ class Worker:
         self._abort_generation: int | None = None
         self._store: Any = None
         self._current_step: int | None = None
+        self._first_step = 0  # the job's first step (DDP's one-bucket iteration)
         # Per-rank RNG streams are this rank's own (rank state); with a seed they are reseeded every
         # step from (seed, step, rank) anyway.
         self.register("rng", RNGState(), kind="rank")
@@ -343,15 +344,19 @@ class Worker:
             on_hook_error=self._on_hook_error,
             on_failure=self._on_reduce_failure,
             waiting=self._waiting,
+            is_first_step=lambda: self._current_step == self._first_step,
         )
         self._reducers.append(reducer)
+        reducer.attach()
         if not ddp:
-            reducer.attach()
             return model
         from torch.nn.parallel import DistributedDataParallel
 
+        ddp_kwargs.setdefault("gradient_as_bucket_view", True)
+        if not ddp_kwargs["gradient_as_bucket_view"]:
+            raise ValueError("ft.wrap_model(ddp=True) needs gradient_as_bucket_view=True (ftrun averages DDP's bucket views in place)")
         wrapped = DistributedDataParallel(model, process_group=self._one_rank_group(), **ddp_kwargs)
-        wrapped.register_comm_hook(None, _ddp_hook(reducer))
+        wrapped.register_comm_hook(None, _local_gradients_hook)
         return wrapped
 
     def _broadcast_initial(self, model: torch.nn.Module) -> None:
@@ -567,7 +572,7 @@ class Worker:
         Each step is a :class:`Step`: an ``int`` that is also a context manager; ``with step:``
         around the step's body lets a :class:`RecoverableError` raised there be repaired in place.
         """
-        step = start
+        step = self._first_step = start
         if self.resume_dir is not None:
             step = max(step, self._resume() + 1)
         if self.joining:
@@ -810,13 +815,12 @@ class Step(int):
         return True
 
 
-def _ddp_hook(reducer: GradientReducer) -> Callable[..., Any]:
-    """The DDP comm hook of ``reducer`` as a plain function (DDP checks a hook's annotations)."""
-
-    def hook(state, bucket):  # type: ignore[no-untyped-def]
-        return reducer.comm_hook(state, bucket)
-
-    return hook
+def _local_gradients_hook(_state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+    """DDP comm hook that communicates nothing: its bucket views are the ``.grad`` tensors that
+    ftrun's reducer averages in place (see :mod:`ftrun.reducer`)."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
 def _training_thread_probe(thread_id: int | None, waiting: threading.Event | None = None) -> Callable[[], dict[str, Any]]:
