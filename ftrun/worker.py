@@ -461,6 +461,32 @@ class Worker:
         """The registered state: ``{name: obj.state_dict()}``."""
         return {name: obj.state_dict() for name, obj in self.registry.items()}
 
+    def replica_state_dict(self) -> dict[str, Any]:
+        """What a donor sends: every registered object but this rank's own (kind ``"rank"``)."""
+        return {name: obj.state_dict() for name, obj in self.registry.items() if self.kinds[name] != "rank"}
+
+    def _snapshot_step_start(self) -> None:
+        """Copy the state that work after the update changes (kinds ``replica`` and ``rank``) at the
+        start of a step, labelled with the committed step it belongs to."""
+        from .checkpoint import snapshot
+
+        light = {n: o.state_dict() for n, o in self.registry.items() if self.kinds[n] != "committed"}
+        reuse = self._start_snapshot[1] if self._start_snapshot is not None else None
+        self._start_snapshot = (self.committed, snapshot(light, reuse=reuse))
+
+    def _roll_back(self, step: int, kinds: tuple[str, ...]) -> bool:
+        """Restore the ``kinds`` objects to their state at committed ``step`` if the step-start
+        snapshot is that step's (a retried step: its scheduler.step(), counters and data position
+        are undone). True if it did."""
+        if self._start_snapshot is None or self._start_snapshot[0] != step:
+            return False
+        from .checkpoint import snapshot
+
+        for name, state in self._start_snapshot[1].items():
+            if self.kinds.get(name) in kinds:
+                self.registry[name].load_state_dict(snapshot(state))
+        return True
+
     # ------------------------------------------------------------------ reporting
     def report(self, step: int, **metrics: Any) -> None:
         """Show ``step`` and ``metrics`` on the console (queued; never blocks)."""
@@ -591,6 +617,8 @@ class Worker:
             self._send(MsgType.STEP_BEGIN, step=step, total=num_steps)
             if self.seed is not None:
                 seed_everything(step_seed(self.seed, step, self.rank))
+            if self.managed:
+                self._snapshot_step_start()
             yield Step(step, self)
             self._in_collective = False
             if self._pending_uce is not None:  # raised in backward, and no opt.step() followed
@@ -667,6 +695,10 @@ class Worker:
             if not self._build_group(generation):
                 continue
             rebuild_s = time.monotonic() - started
+            # A retried step: undo what the failed body did after (or instead of) its update. A
+            # recipient takes replica state from its donor, so only its own rank state rolls back.
+            recipient = any(int(r) == self.rank for _, r in plan["transfers"])
+            self._roll_back(plan["step"], ("rank",) if recipient else ("rank", "replica"))
             role, nbytes, transfer_s = self._transfer(plan)
             if role == "failed":
                 self._drop_group()
@@ -693,11 +725,11 @@ class Worker:
                     if sent:
                         self.faults.point("transfer", _step)
 
-                nbytes += send_state(self.state_dict(), recipient, on_progress=progress)
+                nbytes += send_state(self.replica_state_dict(), recipient, on_progress=progress)
             for donor in as_recipient:
                 self.faults.point("rejoin", plan["step"])
                 received_any = True
-                state, n = recv_state(donor, self.state_dict())
+                state, n = recv_state(donor, self.replica_state_dict())
                 nbytes += n
                 for name, obj in self.registry.items():
                     if name in state:
