@@ -217,7 +217,7 @@ def run(
             resolve_resume(None, spec.resume, on_skip=lambda *_: None)
         except CheckpointError as err:
             raise ConfigError(f"--resume {spec.resume}: {err}; give a checkpoint directory, 'auto' or 'none'") from None
-    if spec.metrics_port and spec.node_rank == 0:
+    if spec.metrics_port and spec.node_rank == 0 and not spec.node_rank_auto:
         _check_metrics_endpoint(spec)
     from .console import make_console
     from .launcher import Launcher

@@ -7,7 +7,11 @@ precedence (highest first):
 2. an environment variable ``FTRUN_<OPTION>`` (``FTRUN_WORKER_NUM=4``),
 3. a TOML key (``worker_num = 4``) in the ``--config FILE`` file, else in ``[tool.ftrun]`` of
    ``./pyproject.toml``,
-4. the default.
+4. a cluster's environment, when the launcher runs under one (:func:`read_cluster_env`): Slurm's
+   ``SLURM_NNODES``, ``SLURM_NODEID``, ``SLURM_JOB_NODELIST``, or a Kubeflow PyTorchJob's
+   ``PET_NNODES``, ``PET_NODE_RANK``, ``PET_MASTER_ADDR``, ``PET_MASTER_PORT``, ``PET_NPROC_PER_NODE``,
+5. the default. A multi-node job whose node index none of these gives decides it at start
+   (``JobSpec.node_rank_auto``).
 
 Fault-tolerance switches use MindSpore's ``MS_ENABLE_TFT`` form, e.g. ``'{ARF:1,TTP:1,UCE:1}'``
 (separators may be commas or spaces; ``FTRUN_TFT`` wins over ``MS_ENABLE_TFT``). As in MindSpore,
@@ -314,6 +318,10 @@ class JobSpec:
         master_addr, master_port: rendezvous store endpoint (node 0); an IPv6 address is kept
             without brackets.
         node_rank: this node's index.
+        node_rank_auto: no node index was given anywhere (flag, variable, TOML, cluster
+            environment) in a multi-node job: the launcher decides it at start (node 0 where it can
+            host the store, else the next free index or a vacant one; see
+            :func:`ftrun.launcher.claim_node_rank`); ``node_rank`` is 0 until then.
         log_dir: where logs and events go.
         join: after a failure, let the remaining ranks finish instead of stopping them (no restart).
         cluster_time_out: seconds for all ranks to join a rendezvous.
@@ -359,6 +367,7 @@ class JobSpec:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     node_rank: int = 0
+    node_rank_auto: bool = False
     log_dir: str = "ftrun_logs"
     join: bool = False
     cluster_time_out: float = 600.0
@@ -698,6 +707,218 @@ def parse_nnodes(text: str, where: str = "--nnodes") -> tuple[int, int]:
     if low > high:
         raise ConfigError(f"{where} {text!r}: MIN {low} is larger than MAX {high}; write MIN:MAX with MIN <= MAX")
     return low, high
+
+
+# --------------------------------------------------------------------------- cluster environments
+
+_HOSTLIST_ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+
+
+def _hostlist_exprs(text: str, where: str) -> list[str]:
+    """Split a Slurm host list at its top-level commas (commas inside brackets stay)."""
+    exprs, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+            if depth > 1:
+                raise ConfigError(f"{where} {text!r}: nested brackets; a Slurm host list looks like node[01-04,07]")
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ConfigError(f"{where} {text!r}: ']' without '['; a Slurm host list looks like node[01-04,07]")
+        elif ch == "," and depth == 0:
+            exprs.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ConfigError(f"{where} {text!r}: '[' without ']'; a Slurm host list looks like node[01-04,07]")
+    exprs.append(text[start:])
+    return exprs
+
+
+def _hostlist_numbers(group: str, expr: str, where: str) -> list[tuple[int, int, int]]:
+    """The ranges of one bracket group (``01-04,07``): (low, high, width) each, width = digits of
+    ``low`` (Slurm keeps zero padding: ``[08-10]`` is 08, 09, 10)."""
+    ranges = []
+    for item in group.split(","):
+        match = _HOSTLIST_ITEM.fullmatch(item.strip())
+        if not match:
+            raise ConfigError(
+                f"{where}: {item!r} in {expr!r} is not a number or a range LOW-HIGH; a Slurm host list looks like "
+                "node[01-04,07]"
+            )
+        low_text, high_text = match.group(1), match.group(2) or match.group(1)
+        if int(high_text) < int(low_text):
+            raise ConfigError(f"{where}: the range {item!r} in {expr!r} runs backwards; write LOW-HIGH")
+        ranges.append((int(low_text), int(high_text), len(low_text)))
+    return ranges
+
+
+def iter_hostlist(text: str, where: str = "SLURM_JOB_NODELIST") -> Any:
+    """The host names of a Slurm compressed host list, in order, one at a time.
+
+    ``node[01-04,07]`` is node01, node02, node03, node04, node07; ``a1,b[2-3]`` is a1, b2, b3;
+    ``gpu-[001-002]-x`` is gpu-001-x, gpu-002-x. Zero padding is kept (the width of a range is
+    the number of digits of its low end, as in Slurm). Several bracket groups in one name
+    (``r[1-2]n[1-2]``) expand left to right, the last one fastest. Nothing is expanded ahead of
+    what is read, so ``node[0-999999]`` costs nothing to take the first host of.
+
+    Args:
+        text: the host list (e.g. ``SLURM_JOB_NODELIST``).
+        where: what gave it, used in errors.
+
+    Raises:
+        ConfigError: (when iterated) an empty list or name, unbalanced or nested brackets, an
+            empty bracket group, an item that is not a number or LOW-HIGH, or a backwards range.
+    """
+    text = text.strip()
+    if not text:
+        raise ConfigError(f"{where} is empty; a Slurm host list looks like node[01-04,07]")
+    for expr in _hostlist_exprs(text, where):
+        expr = expr.strip()
+        if not expr:
+            raise ConfigError(f"{where} {text!r} has an empty host name (two commas in a row, or one at an end)")
+        parts = re.split(r"\[([^\]]*)\]", expr)  # literal, group, literal, group, ..., literal
+        literals, groups = parts[0::2], parts[1::2]
+        if any(not group.strip() for group in groups):
+            raise ConfigError(f"{where}: empty brackets in {expr!r}; a Slurm host list looks like node[01-04,07]")
+        ranges = [_hostlist_numbers(group, expr, where) for group in groups]
+        yield from _hostlist_product(literals, ranges)
+
+
+def _hostlist_product(literals: list[str], ranges: list[list[tuple[int, int, int]]]) -> Any:
+    if not ranges:
+        yield literals[0]
+        return
+    for low, high, width in ranges[0]:
+        for number in range(low, high + 1):
+            head = literals[0] + str(number).zfill(width)
+            for tail in _hostlist_product(literals[1:], ranges[1:]):
+                yield head + tail
+
+
+def expand_hostlist(text: str, where: str = "SLURM_JOB_NODELIST", limit: int = MAX_WORLD_SIZE) -> list[str]:
+    """Every host name of a Slurm compressed host list (see :func:`iter_hostlist`).
+
+    Raises:
+        ConfigError: a malformed list, or more than ``limit`` hosts.
+    """
+    hosts = []
+    for host in iter_hostlist(text, where):
+        if len(hosts) == limit:
+            raise ConfigError(f"{where} names more than {limit} hosts")
+        hosts.append(host)
+    return hosts
+
+
+def first_host(text: str, where: str = "SLURM_JOB_NODELIST") -> str:
+    """The first host of a Slurm compressed host list (``node[01-04]`` -> ``node01``).
+
+    Raises:
+        ConfigError: a malformed list (its brackets are checked whole, its names and ranges up to
+            the first host).
+    """
+    return next(iter(iter_hostlist(text, where)))
+
+
+@dataclass
+class ClusterEnv:
+    """Options read from a cluster's environment, which rank just above the defaults.
+
+    Attributes:
+        name: ``"Slurm"`` or ``"PyTorchJob"`` ('' when neither environment is present).
+        values: option name -> value.
+        labels: option name -> what gave it, naming the variable, e.g.
+            ``"SLURM_NODEID (Slurm environment)"``.
+        nodes: the cluster's own node count (None: not given or not a count). Its node index is
+            this node's only in a job of that many nodes (a one-node Slurm step started to replace
+            a node of a larger job has node index 0 in its step, not in the job).
+        tasks_per_node: for Slurm, ``(tasks, nodes, var names)`` of the step, to refuse more than one
+            launcher per node; None elsewhere.
+    """
+
+    name: str = ""
+    values: dict[str, Any] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    nodes: int | None = None
+    tasks_per_node: tuple[int, int, str] | None = None
+
+
+def _env_value(environ: Mapping[str, str], *names: str) -> tuple[str, str] | None:
+    """The first of ``names`` set to a non-empty value: (name, value)."""
+    for name in names:
+        value = environ.get(name, "").strip()
+        if value:
+            return name, value
+    return None
+
+
+def read_cluster_env(environ: Mapping[str, str]) -> ClusterEnv:
+    """Read the job's shape from Slurm's or a Kubeflow PyTorchJob's environment, when present.
+
+    PyTorchJob (and Kubeflow Trainer), the variables torchrun reads too: ``PET_NNODES`` (nnodes),
+    ``PET_NODE_RANK`` (node_rank), ``PET_MASTER_ADDR``, ``PET_MASTER_PORT``, ``PET_NPROC_PER_NODE``
+    (local_worker_num; torchrun's ``auto``, ``cpu``, ``gpu``, ``xpu`` count devices). Slurm, under
+    ``srun`` (one task per node): ``SLURM_NNODES`` (or ``SLURM_JOB_NUM_NODES``) -> nnodes,
+    ``SLURM_NODEID`` -> node_rank, the first host of ``SLURM_JOB_NODELIST`` (or ``SLURM_NODELIST``)
+    -> master_addr. When any ``PET_`` variable of these is set, Slurm's are not read.
+
+    Returns:
+        The values with their labels (empty when neither environment is present).
+
+    Raises:
+        ConfigError: a malformed value, naming the variable.
+    """
+    out = ClusterEnv()
+
+    def take(option: str, var: str, raw: str, label: str | None = None) -> None:
+        label = label or f"{var} ({out.name} environment)"
+        out.values[option] = convert_text(OPTIONS_BY_NAME[option], raw, label)
+        out.labels[option] = label
+
+    pet = {name: environ.get(name, "").strip() for name in
+           ("PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT", "PET_NPROC_PER_NODE")}
+    if any(pet.values()):
+        out.name = "PyTorchJob"
+        for option, var in (("nnodes", "PET_NNODES"), ("node_rank", "PET_NODE_RANK"),
+                            ("master_addr", "PET_MASTER_ADDR"), ("master_port", "PET_MASTER_PORT")):
+            if pet[var]:
+                take(option, var, pet[var])
+        nproc = pet["PET_NPROC_PER_NODE"]
+        if nproc:
+            label = f"PET_NPROC_PER_NODE ({out.name} environment)"
+            if not re.fullmatch(r"[+-]?[0-9]+", nproc):
+                try:
+                    nproc = str(count_local_devices(nproc))
+                except ConfigError as err:
+                    raise ConfigError(f"PET_NPROC_PER_NODE={pet['PET_NPROC_PER_NODE']} ({out.name} environment): "
+                                      f"{err}") from None
+            take("local_worker_num", "PET_NPROC_PER_NODE", nproc, label)
+        if pet["PET_NNODES"]:
+            match = re.fullmatch(r"\s*[0-9]+\s*(?::\s*([0-9]+)\s*)?", pet["PET_NNODES"])
+            if match:
+                out.nodes = int(match.group(1) or pet["PET_NNODES"].strip())
+        return out
+    nnodes = _env_value(environ, "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+    node_id = _env_value(environ, "SLURM_NODEID")
+    nodelist = _env_value(environ, "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+    if not (nnodes or node_id or nodelist):
+        return out
+    out.name = "Slurm"
+    if nnodes:
+        take("nnodes", *nnodes)
+        if re.fullmatch(r"[0-9]+", nnodes[1]):
+            out.nodes = int(nnodes[1])
+    if node_id:
+        take("node_rank", *node_id)
+    if nodelist:
+        var, raw = nodelist
+        take("master_addr", var, first_host(raw, f"{var}={raw} (Slurm environment)"),
+             f"the first host of {var}={raw} (Slurm environment)")
+    tasks = _env_value(environ, "SLURM_STEP_NUM_TASKS")
+    step_nodes = _env_value(environ, "SLURM_STEP_NUM_NODES")
+    if tasks and step_nodes and tasks[1].isdigit() and step_nodes[1].isdigit():
+        out.tasks_per_node = (int(tasks[1]), int(step_nodes[1]), "SLURM_STEP_NUM_TASKS, SLURM_STEP_NUM_NODES")
+    return out
 
 
 _HOST_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
@@ -1146,6 +1367,7 @@ def resolve(
         toml_where, from_toml = "", {}
     from_env = read_env(environ)
     tft_source = from_env.pop("_tft_source", "FTRUN_TFT")
+    cluster = read_cluster_env(environ)  # Slurm's or a PyTorchJob's: just above the defaults
 
     from_cli: dict[str, Any] = {}
     labels: dict[str, str] = {}
@@ -1166,6 +1388,9 @@ def resolve(
         elif opt.name in from_toml:
             values[opt.name] = from_toml[opt.name]
             labels[opt.name] = f"{opt.name} in {toml_where}"
+        elif opt.name in cluster.values:
+            values[opt.name] = cluster.values[opt.name]
+            labels[opt.name] = cluster.labels[opt.name]
         else:
             values[opt.name] = opt.default
     given = set(labels)
@@ -1180,6 +1405,7 @@ def resolve(
 
     worker_num, local = _sizes(values, given, label, warnings)
     nnodes = worker_num // local
+    _fit_cluster_env(cluster, nnodes, values, labels, given, warnings)
     node_rank = values["node_rank"]
     if is_host is not None:
         if is_host and "node_rank" in given and node_rank != 0:
@@ -1189,11 +1415,9 @@ def resolve(
         node_rank = 0 if is_host else node_rank
     if not 0 <= node_rank < nnodes:
         raise ConfigError(f"{label('node_rank')} {node_rank} is outside 0..{nnodes - 1} for {nnodes} node(s)")
-    if nnodes > 1 and (torchrun.rdzv_backend or "").strip().lower() == "c10d" and "node_rank" not in given and is_host is None:
-        raise ConfigError(
-            f"ftrun does not hand out node ranks at rendezvous: with {nnodes} nodes give each node its --node_rank "
-            "(0 on the host of --rdzv-endpoint, which hosts the store)"
-        )
+    # No node index anywhere: decided at start, as torchrun's dynamic rendezvous does (node 0 where
+    # the store can be hosted, else the next free index, else a vacant one of a lost node).
+    node_rank_auto = nnodes > 1 and "node_rank" not in given and is_host is None
     if torchrun.standalone and nnodes > 1:
         raise ConfigError(
             f"--standalone runs a single-node job, but {label('worker_num')} {worker_num} and "
@@ -1259,6 +1483,7 @@ def resolve(
         master_addr=master_addr,
         master_port=port,
         node_rank=node_rank,
+        node_rank_auto=node_rank_auto,
         log_dir=values["log_dir"],
         join=values["join"],
         cluster_time_out=values["cluster_time_out"],
@@ -1359,6 +1584,51 @@ def _apply_torchrun(
         if "is_host" in conf:
             is_host = bool(conf["is_host"])
     return is_host
+
+
+def _fit_cluster_env(
+    cluster: ClusterEnv, nnodes: int, values: dict[str, Any], labels: dict[str, str], given: set[str],
+    warnings: list[str],
+) -> None:
+    """Keep only the cluster environment's values that describe this job.
+
+    Its node index is this node's only when the job has the cluster's node count (a one-node Slurm
+    step started with ``--nnodes 4`` to replace a lost node is node 0 of its step, not of the job:
+    its index is then decided at start, and a warning says so). A single-node job keeps its store
+    on loopback: the cluster's master address and port are not used. Under Slurm, more than one
+    task per node (several launchers with one node index) is refused.
+
+    Raises:
+        ConfigError: more Slurm tasks than nodes in the step.
+    """
+    if not cluster.name:
+        return
+
+    def from_cluster(name: str) -> bool:
+        return name in cluster.labels and labels.get(name) == cluster.labels[name]
+
+    def drop(name: str) -> None:
+        values[name] = OPTIONS_BY_NAME[name].default
+        labels.pop(name, None)
+        given.discard(name)
+
+    if from_cluster("node_rank") and cluster.nodes is not None and cluster.nodes != nnodes:
+        warnings.append(
+            f"{cluster.labels['node_rank']} is not used: the job has {nnodes} node(s), the {cluster.name} environment "
+            f"{cluster.nodes}" + ("; this node's index is decided at start (a free or vacant one)" if nnodes > 1 else "")
+        )
+        drop("node_rank")
+    if nnodes == 1:
+        for name in ("master_addr", "master_port"):
+            if from_cluster(name):
+                drop(name)
+    elif from_cluster("node_rank") and cluster.tasks_per_node is not None:
+        tasks, step_nodes, names = cluster.tasks_per_node
+        if tasks != step_nodes:
+            raise ConfigError(
+                f"Slurm runs {tasks} tasks on {step_nodes} node(s) ({names}), but ftrun is one launcher per node "
+                "that starts the node's ranks itself; run it with srun --ntasks-per-node=1"
+            )
 
 
 def _sizes(

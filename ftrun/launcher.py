@@ -82,29 +82,165 @@ def check_port_free(addr: str, port: int) -> None:
             raise ConfigError(f"cannot bind --master_port {port}: {err.strerror}; pick another port") from None
 
 
-def host_store(spec: JobSpec) -> tuple[Any, int]:
-    """Host (node 0) or join (other nodes) the job's TCPStore; return (store, port).
+def can_host_store(spec: JobSpec) -> bool:
+    """Whether this launcher is node 0 of a job whose node index is automatic: ``--master_addr``
+    is one of this host's addresses (it can be bound here) and ``--master_port`` is free here.
+
+    A second launcher on node 0's host finds the port taken and joins as a client; a host name
+    that resolves to another address (as behind NAT) never hosts: give that node ``--node_rank 0``
+    (or torchrun's ``--rdzv-conf is_host=1``).
+    """
+    try:
+        infos = socket.getaddrinfo(spec.master_addr, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    for family, _type, _proto, _name, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((sockaddr[0], 0))
+            except OSError:
+                continue  # not an address of this host
+        try:
+            check_port_free(spec.master_addr, spec.master_port)
+        except ConfigError:
+            return False
+        return True
+    return False
+
+
+def claim_node_rank(
+    spec: JobSpec,
+    store: Any,
+    *,
+    poll_interval: float = 0.2,
+    stale_after: float = 10.0,
+    claimant: str | None = None,
+    clock: Any = time.monotonic,
+) -> int:
+    """This launcher's node index when none was given (torchrun's dynamic rendezvous), taken in
+    node 0's store; node 0 itself is the launcher that hosts the store (:func:`can_host_store`).
+
+    The first ``nnodes - 1`` launchers to connect take 1, 2, ... from the counter
+    ``ftrun/next_node`` (``store.add``). A later one replaces a lost node: it reads
+    ``ftrun/vacant`` (the node indices the coordinator awaits a replacement for, see
+    ``Coordinator.publish_vacancies``) and claims one with ``compare_set`` on
+    ``ftrun/claim/<node>/<epoch>``, so that two launchers never take the same vacancy. While the
+    claimed node is still listed as vacant (its agent has not joined yet) a thread beats on
+    ``<claim>/beats``; once it is not, the thread moves ``ftrun/claim_epoch/<node>`` on, so a
+    later loss of the same node is a new claim key. A claim whose beats stop for ``stale_after``
+    seconds while the node is still vacant (its launcher died before joining) is taken over. With
+    nothing vacant it polls until ``--cluster_time_out``.
+
+    Args:
+        spec: the job (``nnodes``, ``cluster_time_out``, ``master_addr``/``master_port`` for messages).
+        store: a client of node 0's store.
+        poll_interval: seconds between looks at ``ftrun/vacant``, and between beats.
+        stale_after: seconds without beats after which another launcher's claim is taken over.
+        claimant: this launcher's name in the claim (default: host, pid and a random word).
+        clock: monotonic seconds (tests).
+
+    Returns:
+        The node index, 1 .. nnodes-1.
 
     Raises:
-        ConfigError: the port is taken, or node 0's store cannot be reached within cluster_time_out.
+        ConfigError: no index was free or vacant within ``--cluster_time_out`` seconds.
     """
+    import threading
+
+    def vacant(on: Any) -> list[int]:
+        if not on.check(["ftrun/vacant"]):
+            return []
+        text = on.get("ftrun/vacant").decode(errors="replace")
+        return [int(p) for p in text.split(",") if p.strip().isdigit() and 0 < int(p) < spec.nnodes]
+
+    def keep_claim(node: int, epoch: int, key: str) -> None:
+        try:
+            watch = store.clone()  # a connection of its own: the launcher goes on using `store`
+        except Exception:
+            watch = store
+        until = clock() + spec.cluster_time_out
+
+        def beat() -> None:
+            try:
+                while node in vacant(watch):
+                    if clock() > until:
+                        return  # the node was never joined: let another launcher take the claim over
+                    watch.add(key + "/beats", 1)
+                    time.sleep(poll_interval)
+                watch.compare_set(f"ftrun/claim_epoch/{node}", str(epoch), str(epoch + 1))
+            except Exception:  # node 0's store is gone: the job is over
+                pass
+
+        threading.Thread(target=beat, name=f"ftrun-claim-node-{node}", daemon=True).start()
+
+    taken = int(store.add("ftrun/next_node", 1))
+    if taken < spec.nnodes:
+        return taken
+    me = claimant or f"{socket.gethostname()}/{os.getpid()}/{os.urandom(4).hex()}"
+    deadline = clock() + spec.cluster_time_out
+    beats_seen: dict[str, tuple[int, float]] = {}  # claim key -> (its beats, when they last changed)
+    while True:
+        for node in vacant(store):
+            epoch = int(store.add(f"ftrun/claim_epoch/{node}", 0))
+            key = f"ftrun/claim/{node}/{epoch}"
+            holder = store.compare_set(key, "", me).decode(errors="replace")
+            if holder != me:
+                beats, now = int(store.add(key + "/beats", 0)), clock()
+                if beats_seen.get(key, (None,))[0] != beats:
+                    beats_seen[key] = (beats, now)
+                    continue
+                if now - beats_seen[key][1] < stale_after:
+                    continue
+                if store.compare_set(key, holder, me).decode(errors="replace") != me:
+                    continue  # another launcher took it over first
+            keep_claim(node, epoch, key)
+            return node
+        if clock() >= deadline:
+            raise ConfigError(
+                f"no node index is free for this launcher: all {spec.nnodes} nodes of the job have launchers and "
+                f"none was lost and awaiting a replacement within --cluster_time_out {spec.cluster_time_out:g} s "
+                f"(store {spec.master_addr}:{spec.master_port}); give --node_rank, or start it when a node is lost"
+            )
+        time.sleep(poll_interval)
+
+
+def host_store(spec: JobSpec) -> tuple[Any, int, JobSpec]:
+    """Host (node 0) or join (other nodes) the job's TCPStore; return (store, port, spec).
+
+    With an automatic node index (``spec.node_rank_auto``), the launcher that can host the store
+    (:func:`can_host_store`) is node 0 (or, when another launcher on this host binds the port
+    first, a client); any other joins as a client and takes an index (:func:`claim_node_rank`).
+    The returned spec has the index decided.
+
+    Raises:
+        ConfigError: the port is taken, node 0's store cannot be reached within cluster_time_out,
+            or no node index is free.
+    """
+    import dataclasses
     from datetime import timedelta
 
-    if spec.node_rank == 0:
-        check_port_free(spec.master_addr, spec.master_port)  # before the slow torch import
+    if spec.node_rank_auto:
+        hosting = can_host_store(spec)  # checks the port, before the slow torch import
+    else:
+        hosting = spec.node_rank == 0
+        if hosting:
+            check_port_free(spec.master_addr, spec.master_port)  # before the slow torch import
     from torch.distributed import TCPStore
 
     timeout = timedelta(seconds=spec.cluster_time_out)
-    if spec.node_rank == 0:
+    if hosting:
         from .stores import StoreBindError, bind_host, serve_store
 
         try:
-            return serve_store(bind_host(spec.master_addr, spec.nnodes), spec.master_port, spec.cluster_time_out)
+            store, port = serve_store(bind_host(spec.master_addr, spec.nnodes), spec.master_port, spec.cluster_time_out)
+            return store, port, dataclasses.replace(spec, node_rank=0, node_rank_auto=False)
         except StoreBindError as err:
-            raise ConfigError(
-                f"cannot host the rendezvous store on port {spec.master_port} ({err.strerror}); "
-                "pick another --master_port"
-            ) from None
+            if not (spec.node_rank_auto and err.errno == errno.EADDRINUSE):
+                raise ConfigError(
+                    f"cannot host the rendezvous store on port {spec.master_port} ({err.strerror}); "
+                    "pick another --master_port"
+                ) from None
+            # another launcher on this host took the port first: it is node 0, this one joins it
     try:
         store = TCPStore(spec.master_addr, spec.master_port, is_master=False, timeout=timeout)
     except (RuntimeError, OSError) as err:
@@ -112,7 +248,9 @@ def host_store(spec: JobSpec) -> tuple[Any, int]:
             f"cannot reach node 0's store at {spec.master_addr}:{spec.master_port} within "
             f"{spec.cluster_time_out:g} s ({str(err).splitlines()[0]}); start node 0 first or check the address"
         ) from None
-    return store, spec.master_port
+    if spec.node_rank_auto:
+        spec = dataclasses.replace(spec, node_rank=claim_node_rank(spec, store), node_rank_auto=False)
+    return store, spec.master_port, spec
 
 
 class LogTailer:
@@ -158,7 +296,8 @@ class Launcher:
             (log_dir / ".ftrun-write-test").unlink()
         except OSError as err:
             raise ConfigError(f"cannot write to --log_dir {spec.log_dir}: {err.strerror}; choose a writable directory") from None
-        store, port = host_store(spec)  # checks the port first, before importing torch
+        store, port, spec = host_store(spec)  # checks the port first, before importing torch
+        self.spec = spec  # with its node index decided, when it was automatic
         # A multi-node job shares its secret through every launcher's environment (FTRUN_TOKEN or
         # --token_file; checked by the configuration); a single-node job makes its own.
         token = job_token(spec)

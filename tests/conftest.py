@@ -29,11 +29,12 @@ TAG_VAR = "PYTEST_FTRUN_TAG"
 
 
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """os.environ without anything that configures ftrun or torchelastic, plus ``extra``."""
+    """os.environ without anything that configures ftrun or torchelastic (a cluster's environment
+    included: Slurm's ``SLURM_*``, a PyTorchJob's ``PET_*``), plus ``extra``."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if not (k.startswith("FTRUN_") or k.startswith("TORCHELASTIC_") or k == "MS_ENABLE_TFT" or k == TAG_VAR)
+        if not (k.startswith(("FTRUN_", "TORCHELASTIC_", "SLURM_", "PET_")) or k == "MS_ENABLE_TFT" or k == TAG_VAR)
     }
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})

@@ -933,7 +933,6 @@ def test_rdzv_endpoint_backend_and_conf(tmp_path, script):
         ({"master_port": "6"}, TorchrunFlags(rdzv_endpoint="10.0.0.1:5"), "master_port 5, but --master_port gives 6"),
         ({"cluster_time_out": "6"}, TorchrunFlags(rdzv_conf="join_timeout=5"), "cluster_time_out 5"),
         ({}, TorchrunFlags(rdzv_endpoint="999.1.1.1:5"), "--rdzv-endpoint '999.1.1.1' is not a valid IPv4"),
-        ({"nnodes": "2"}, TorchrunFlags(rdzv_backend="c10d", rdzv_endpoint="127.0.0.1"), "give each node its --node_rank"),
         ({"nnodes": "2", "node_rank": "1"}, TorchrunFlags(rdzv_conf="is_host=1"), "is_host=1 makes this node 0"),
         ({"nnodes": "2"}, TorchrunFlags(rdzv_conf="is_host=0"), "give its --node_rank"),
         ({}, TorchrunFlags(tee="0:3", local_ranks_filter="x"), "--local-ranks-filter"),
@@ -952,7 +951,12 @@ def test_multi_node_with_c10d_and_node_rank_or_is_host(tmp_path, script):
     flags = TorchrunFlags(rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:29400")
     assert res(tmp_path, script, {"nnodes": "2", "node_rank": "1"}, environ=TOKEN_ENV, torchrun=flags).node_rank == 1
     flags = TorchrunFlags(rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:29400", rdzv_conf="is_host=1")
-    assert res(tmp_path, script, {"nnodes": "2"}, environ=TOKEN_ENV, torchrun=flags).node_rank == 0
+    spec = res(tmp_path, script, {"nnodes": "2"}, environ=TOKEN_ENV, torchrun=flags)
+    assert (spec.node_rank, spec.node_rank_auto) == (0, False)
+    # Neither: the node index is decided at start (torchrun's dynamic rendezvous).
+    flags = TorchrunFlags(rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:29400")
+    spec = res(tmp_path, script, {"nnodes": "2"}, environ=TOKEN_ENV, torchrun=flags)
+    assert (spec.node_rank, spec.node_rank_auto) == (0, True)
 
 
 def test_tee_chooses_console_ranks_over_env(tmp_path, script):
