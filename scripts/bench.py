@@ -1,8 +1,9 @@
 """ftrun against torchrun: recovery time, where it goes, steady-state overhead, scaling and memory.
 
-    python scripts/bench.py                      # everything, moderate sizes (about 25 min on 2 cores)
+    python scripts/bench.py                      # everything, moderate sizes (about 30 min on 2 cores)
     python scripts/bench.py --quick              # a smoke run of every part (a few minutes)
     python scripts/bench.py --parts recovery --repeats 5
+    python scripts/bench.py --parts multinode --repeats 3   # 2 hosts x 2 ranks (network namespaces, root)
     python scripts/bench.py --from_json results.json --plots docs   # tables and figures again
 
 Every case runs the same job under both launchers:
@@ -30,6 +31,19 @@ step, this script SIGKILLs the victim rank from outside (no help from any librar
 - peak resident memory (VmHWM) of the launcher, of ftrun's supervisor, of the largest rank and of
   ftrun's warm spare (which, once promoted to replace the killed rank, keeps its command line).
 
+The ``multinode`` part runs the digits job on 2 hosts x 2 ranks: two Linux network namespaces on
+a bridge (``tests/nethosts.py``; needs root, else the part is skipped with one line), one launcher
+per host, and SIGKILLs rank 3 (on host 1). ftrun: ``--worker_num 4 --local_worker_num 2
+--node_rank i --master_addr <host 0>`` and a shared ``FTRUN_TOKEN``; it picks the data-plane
+interface itself. torchrun: ``--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint
+<host 0>:29400 --rdzv-conf is_host=1|0 --local-addr <host i> --max-restarts 1`` with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` and ``GLOO_SOCKET_IFNAME=eth0``: without any one of these
+torchrun could not start or restart the job across the hosts (the host name resolves to 127.0.0.1
+inside a namespace; docs/benchmarks.md says what each omission did). The checkpoint directory is
+shared (both hosts are one machine: a shared file system). One fault-free run of each launcher
+first gives the reference ``params_sha256`` of each; a failed run's logs are kept (the path is in
+its error).
+
 Ratios (torchrun/ftrun recovery, ftrun/torchrun step time) are taken pair by pair: each repeat runs
 both launchers back to back, so load on the machine hits both alike. ``--json`` keeps every raw run.
 """
@@ -41,6 +55,7 @@ import json
 import os
 import platform
 import re
+import secrets
 import shutil
 import signal
 import statistics
@@ -60,7 +75,11 @@ STEP = re.compile(r"step (\d+) loss \S+ time (\d+\.\d+)")
 FINAL = re.compile(r"final step=(\d+) loss=\S+ test_accuracy=(\S+) params_sha256=([0-9a-f]{64})")
 STATE_MB = re.compile(r"state_mb=(\S+)")
 LAUNCHERS = ("ftrun", "torchrun")
-PARTS = ("recovery", "scaling-world", "scaling-state", "overhead", "memory", "transfer")
+PARTS = ("recovery", "scaling-world", "scaling-state", "overhead", "memory", "transfer", "multinode")
+DEFAULT_REPEATS = {"recovery": 2, "overhead": 2, "multinode": 3}
+"""Runs of each case per launcher when --repeats is not given (other parts: --scaling_repeats)."""
+RDZV_PORT = 29400  # torchrun's c10d rendezvous on host 0 (a fresh namespace: every port is free)
+FTRUN_PORT = 29500  # ftrun's store on host 0
 WARMUP_STEPS = 3
 SCRIPTS = {
     ("digits", "ftrun"): "train_digits.py",
@@ -85,10 +104,10 @@ class Case:
     victim: int = 1
     ckpt_every: int = 25
     args: tuple[str, ...] = ()
+    nodes: int = 1  # > 1: one launcher per test host (network namespace), ranks // nodes ranks each
 
     def label(self) -> str:
-        name = self.workload if self.workload == "digits" else f"charlm-{self.size}"
-        return f"{name} x{self.ranks}"
+        return _label((self.workload, self.size, self.ranks, self.nodes))
 
 
 @dataclass
@@ -106,6 +125,8 @@ class Run:
     recomputed: int | None = None
     breakdown: dict[str, float] = field(default_factory=dict)
     peak_rss_mb: dict[str, float] = field(default_factory=dict)
+    victim_node: int | None = None  # multinode: the node (host) the killed rank ran on
+    exit_codes: list[int] = field(default_factory=list)  # multinode: each node's launcher
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -280,6 +301,162 @@ def _run_in(launcher: str, case: Case, workdir: Path, timeout: float) -> Run:
     return run
 
 
+# ------------------------------------------------------------------------------- multi-node runs
+def multinode_unavailable() -> str | None:
+    """Why test hosts (network namespaces) cannot be made here, one line; None if they can."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        from nethosts import unavailable_reason
+    except Exception as exc:  # noqa: BLE001 - no test-host module: no multinode part
+        return f"cannot import tests/nethosts.py: {exc}"
+    return unavailable_reason()
+
+
+def _base_env() -> dict[str, str]:
+    """This process's environment without launcher, fault-injection or socket-interface settings."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("FTRUN_", "TORCHELASTIC_", "MS_ENABLE_TFT")) and k not in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def multinode_command(launcher: str, case: Case, node: int, hosts: list[Any], workdir: Path,
+                      token: str) -> tuple[list[str], dict[str, str], str]:
+    """(argv, environment, script file name) of node ``node``'s launcher for ``case`` on ``hosts``.
+
+    ``hosts`` are ``nethosts.NetHost`` objects (``.addr``, ``.env()``); node 0 hosts the store.
+    """
+    script = SCRIPTS[(case.workload, launcher)]
+    local = case.ranks // case.nodes
+    common = [str(ROOT / "examples" / script), "--steps", str(case.steps), "--log_every", "1", *case.args]
+    if case.workload == "charlm":
+        common += ["--size", case.size]
+    env = _base_env()
+    if launcher == "ftrun":
+        # No GLOO_SOCKET_IFNAME: ftrun chooses the interface that routes to node 0 itself.
+        env["FTRUN_TOKEN"] = token
+        cmd = [sys.executable, "-m", "ftrun", "--worker_num", str(case.ranks), "--local_worker_num", str(local),
+               "--node_rank", str(node), "--master_addr", hosts[0].addr, "--master_port", str(FTRUN_PORT), "--plain",
+               "--log_dir", str(workdir / f"logs{node}"), "--checkpoint_dir", str(workdir / "ckpt"),
+               "--tail_worker_log", "0" if node == 0 else "", "--max_restarts", "1", *common]
+    else:
+        # What torchrun needed to restart at all across two hosts (see docs/benchmarks.md):
+        # its own worker store (not the rendezvous one), the data-plane interface for gloo, this
+        # host's address for the rendezvous and the worker store, and which node hosts the store.
+        env = hosts[node].env(env)  # GLOO_SOCKET_IFNAME / TP_SOCKET_IFNAME = eth0
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(case.nodes), "--nproc-per-node", str(local),
+               "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].addr}:{RDZV_PORT}",
+               "--rdzv-id", "bench", "--rdzv-conf", f"is_host={1 if node == 0 else 0}", "--local-addr", hosts[node].addr,
+               "--max-restarts", "1", "--monitor-interval", "0.1",
+               *common, "--ckpt_dir", str(workdir / "ckpt"), "--ckpt_every", str(case.ckpt_every)]
+    return cmd, env, script
+
+
+def run_multinode_job(launcher: str, case: Case, timeout: float = 300) -> Run:
+    """Run ``case`` under ``launcher`` on ``case.nodes`` fresh test hosts, one launcher per host;
+    kill rank ``case.victim`` when rank 0 prints ``case.kill_step``, and measure as :func:`run_job`.
+
+    Every run gets a new network (so nothing of a previous run is left in it) and a new directory;
+    closing the network SIGKILLs whatever still runs in its namespaces.
+
+    Raises:
+        RuntimeError: a launcher failed or timed out, no final line, or the kill did not happen.
+    """
+    from nethosts import HostNetwork
+
+    workdir = Path(tempfile.mkdtemp(prefix=f"bench-mn-{launcher}-"))
+    net = None
+    try:
+        net = HostNetwork(case.nodes)
+        return _run_multinode_in(launcher, case, net.hosts, workdir, timeout)
+    except RuntimeError as err:
+        # Keep a failed run's logs (ftrun: every node's LOG_DIR, worker logs and events).
+        kept = Path(tempfile.mkdtemp(prefix=f"bench-mn-failed-{launcher}-"))
+        shutil.copytree(workdir, kept, ignore=shutil.ignore_patterns("ckpt"), dirs_exist_ok=True)
+        raise RuntimeError(f"{err}\n(logs kept in {kept})") from None
+    finally:
+        if net is not None:
+            net.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run_multinode_in(launcher: str, case: Case, hosts: list[Any], workdir: Path, timeout: float) -> Run:
+    token = secrets.token_hex(24)
+    started = time.time()
+    procs: list[subprocess.Popen[str]] = []
+    script = SCRIPTS[(case.workload, launcher)]
+    for node, host in enumerate(hosts):
+        cmd, env, script = multinode_command(launcher, case, node, hosts, workdir, token)
+        procs.append(host.popen(cmd, env=env, cwd=str(workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True))
+    lines: list[tuple[int, float]] = []
+    tails: list[list[str]] = [[] for _ in procs]
+    kill: dict[str, float] = {}
+    lock = threading.Lock()
+
+    def reader(node: int) -> None:
+        out = procs[node].stdout
+        assert out is not None
+        for line in out:
+            tails[node].append(line.rstrip())
+            del tails[node][:-400]
+            match = STEP.search(line)
+            if not match:
+                continue  # only rank 0 prints step lines, from whichever node it runs on
+            step, stamp = int(match.group(1)), float(match.group(2))
+            with lock:
+                lines.append((step, stamp))
+                if case.kill_step is None or step != case.kill_step or "time" in kill:
+                    continue
+                # The victim's launcher runs in a namespace, but pids are global: look below every
+                # node's launcher, the last node first (where the victim is expected).
+                for victim_node in reversed(range(len(procs))):
+                    pid = find_rank_pid(procs[victim_node].pid, case.victim, script)
+                    if pid is not None:
+                        kill["time"] = time.time()
+                        os.kill(pid, signal.SIGKILL)
+                        kill["node"] = victim_node
+                        break
+
+    threads = [threading.Thread(target=reader, args=(i,), daemon=True) for i in range(len(procs))]
+    for thread in threads:
+        thread.start()
+    deadline = started + timeout
+    timed_out = False
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            break
+    if timed_out:
+        for proc in procs:
+            _kill_tree(proc.pid)
+        for proc in procs:
+            proc.wait()
+    for thread in threads:
+        thread.join(timeout=10)
+    total = time.time() - started
+    codes = [proc.returncode for proc in procs]
+    text = "\n".join(line for tail in tails for line in tail)
+    final = FINAL.search(text)
+    if timed_out or any(codes) or final is None or (case.kill_step is not None and "time" not in kill):
+        raise RuntimeError(
+            f"{launcher} {case.label()}: exit codes {codes}{' (timed out)' if timed_out else ''}, final line "
+            f"{'found' if final else 'missing'}, kill {'done' if kill else 'not done'}:\n"
+            + "\n".join(f"--- node {n} ---\n" + "\n".join(tail[-40:]) for n, tail in enumerate(tails)))
+    lines.sort(key=lambda x: x[1])
+    run = Run(launcher, case, total_s=total, step_s=None, final=final.group(0), exit_codes=codes)
+    if case.kill_step is None:
+        run.step_s = steady_step_time(lines)
+        return run
+    run.victim_node = int(kill["node"])
+    analyse_fault(run, lines, kill["time"], workdir / "logs0" / "events.jsonl" if launcher == "ftrun" else None)
+    return run
+
+
 def steady_step_time(lines: list[tuple[int, float]], skip: tuple[float, float] | None = None) -> float | None:
     """Median interval between consecutive steps' lines after warm-up, leaving out intervals that
     overlap ``skip`` (a (start, end) window around a fault)."""
@@ -379,6 +556,11 @@ def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
     if "memory" in args.parts:
         worlds = [2, 4] if q else [int(w) for w in args.worlds.split(",")]
         parts["memory"] = [Case("charlm", "tiny", w, 30, 15, victim=1, ckpt_every=10, args=charlm_small) for w in worlds]
+    if "multinode" in args.parts:
+        # 2 hosts x 2 ranks; rank 3 runs on host 1. Kill at 60 with checkpoints every 25, as in the
+        # single-node digits case, so torchrun's recompute is comparable.
+        parts["multinode"] = [Case("digits", "-", 4, 100 if q else 200, 40 if q else 60, victim=3, ckpt_every=25,
+                                   nodes=2)]
     return parts
 
 
@@ -391,15 +573,27 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         sizes = [1, 10, 100] if args.quick else [1, 10, 100, 400, 1000]
         results["transfer"] = run_transfer(sizes, 1 if args.quick else 3)
     for part, cases in plan(args).items():
+        job = run_job
+        if part == "multinode":
+            reason = multinode_unavailable()
+            if reason is not None:
+                print(f"[multinode] skipped: {reason}", file=sys.stderr, flush=True)
+                results.setdefault("skipped", {})[part] = reason
+                continue
+            job = run_multinode_job
+            results["multinode_reference"] = multinode_references(cases, results)
         runs: list[dict[str, Any]] = []
         results["parts"][part] = runs
-        repeats = args.repeats if part in ("recovery", "overhead") else args.scaling_repeats
+        if part in DEFAULT_REPEATS:
+            repeats = args.repeats if args.repeats is not None else DEFAULT_REPEATS[part]
+        else:
+            repeats = args.scaling_repeats
         for repeat in range(repeats):
             for case in cases:
                 for launcher in LAUNCHERS:
                     print(f"[{part}] {case.label()} {launcher} repeat {repeat + 1}/{repeats} ...", file=sys.stderr, flush=True)
                     try:
-                        run = run_job(launcher, case)
+                        run = job(launcher, case)
                     except RuntimeError as err:  # keep the rest of the benchmark; the error is in the JSON
                         print(f"    FAILED: {err}", file=sys.stderr, flush=True)
                         results.setdefault("errors", []).append(str(err)[-3000:])
@@ -410,6 +604,25 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
                 if args.json:
                     Path(args.json).write_text(json.dumps(results, indent=1))
     return results
+
+
+def multinode_references(cases: list[Case], results: dict[str, Any]) -> list[dict[str, Any]]:
+    """One fault-free run of each multinode case under each launcher: the reference digests."""
+    refs = []
+    for case in cases:
+        clean = Case(case.workload, case.size, case.ranks, case.steps, None, ckpt_every=case.ckpt_every,
+                     args=case.args, nodes=case.nodes)
+        for launcher in LAUNCHERS:
+            print(f"[multinode] {clean.label()} {launcher} fault-free reference ...", file=sys.stderr, flush=True)
+            try:
+                run = run_multinode_job(launcher, clean)
+            except RuntimeError as err:
+                print(f"    FAILED: {err}", file=sys.stderr, flush=True)
+                results.setdefault("errors", []).append(str(err)[-3000:])
+                continue
+            refs.append(asdict(run))
+            print(f"    total {run.total_s:.1f} s, step {_fmt(run.step_s, 4)} s", file=sys.stderr, flush=True)
+    return refs
 
 
 def machine() -> dict[str, Any]:
@@ -432,6 +645,9 @@ def machine() -> dict[str, Any]:
         "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
         "ftrun_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                        text=True).stdout.strip() or "?",
+        # ftrun's files changed since that commit (the tree is edited while benchmarks run)
+        "ftrun_uncommitted": subprocess.run(["git", "status", "--porcelain", "--", "ftrun"], cwd=ROOT,
+                                            capture_output=True, text=True).stdout.splitlines(),
     }
 
 
@@ -450,19 +666,21 @@ def _spread(values: list[float]) -> float | None:
     return max(values) - min(values) if values else None
 
 
-def _groups(runs: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, list[dict[str, Any]]]]:
-    """(case label, ...) -> launcher -> runs, in first-seen order; pairs share a repeat index."""
+def _groups(runs: list[dict[str, Any]]) -> dict[tuple[str, str, int, int], dict[str, list[dict[str, Any]]]]:
+    """(workload, size, ranks, nodes) -> launcher -> runs, in first-seen order; pairs share a repeat index."""
     out: dict[Any, dict[str, list[dict[str, Any]]]] = {}
     for r in runs:
         c = r["case"]
-        key = (c["workload"], c["size"], c["ranks"])
+        key = (c["workload"], c["size"], c["ranks"], c.get("nodes", 1))
         out.setdefault(key, {l: [] for l in LAUNCHERS})[r["launcher"]].append(r)
     return out
 
 
-def _label(key: tuple[str, str, int]) -> str:
-    workload, size, ranks = key
-    return f"{workload if workload == 'digits' else 'charlm-' + size} x{ranks}"
+def _label(key: tuple[str, str, int, int]) -> str:
+    """``digits x4`` on one node, ``digits 2x2`` (nodes x ranks per node) on several."""
+    workload, size, ranks, nodes = key
+    name = workload if workload == "digits" else f"charlm-{size}"
+    return f"{name} x{ranks}" if nodes <= 1 else f"{name} {nodes}x{ranks // nodes}"
 
 
 def _pair_ratio(group: dict[str, list[dict[str, Any]]], metric: str, num: str, den: str) -> float | None:
@@ -556,6 +774,15 @@ def report(results: dict[str, Any]) -> str:
             lines += fault_table(parts[part])
             lines += ["", f"== {part}: where ftrun's recovery time goes (medians, seconds)"]
             lines += breakdown_table(parts[part])
+    if "multinode" in parts:
+        lines += ["", "== multinode: 2 hosts (network namespaces) x 2 ranks, one launcher per host; SIGKILL of rank 3 "
+                      "from outside; recovery time (tr/ft: torchrun/ftrun, pairwise median)"]
+        lines += fault_table(parts["multinode"])
+        lines += ["", "== multinode: where ftrun's recovery time goes (medians, seconds)"]
+        lines += breakdown_table(parts["multinode"])
+        lines += [""] + multinode_notes(parts["multinode"], results.get("multinode_reference", []))
+    elif results.get("skipped", {}).get("multinode"):
+        lines += ["", f"== multinode: skipped: {results['skipped']['multinode']}"]
     if "overhead" in parts:
         lines += ["", "== overhead: fault-free step time, ftrun against plain torchrun DDP (pairwise median)"]
         lines += overhead_table(parts["overhead"])
@@ -570,6 +797,34 @@ def report(results: dict[str, Any]) -> str:
         lines += ["", "== memory: peak RSS (VmHWM) in MB by world size"]
         lines += memory_table(memory_runs)
     return "\n".join(lines)
+
+
+def _digest(final: str | None) -> str | None:
+    match = FINAL.search(final or "")
+    return match.group(3) if match else None
+
+
+def multinode_notes(runs: list[dict[str, Any]], refs: list[dict[str, Any]]) -> list[str]:
+    """Per launcher: the pairwise ratios, where the victim ran, and whether each faulted run ended
+    with the parameters (params_sha256) of the same launcher's fault-free run."""
+    out = []
+    for key, group in _groups(runs).items():
+        ft = {r["repeat"]: r["recover_s"] for r in group["ftrun"]}
+        tr = {r["repeat"]: r["recover_s"] for r in group["torchrun"]}
+        pairs = [f"{tr[k] / ft[k]:.2f}x" for k in sorted(ft) if k in tr and ft[k] and tr[k]]
+        out.append(f"{_label(key)}: torchrun/ftrun per pair: {', '.join(pairs) or '-'}")
+    for launcher in LAUNCHERS:
+        faulted = [r for r in runs if r["launcher"] == launcher]
+        ref = sorted({d for r in refs if r["launcher"] == launcher and (d := _digest(r["final"]))})
+        nodes = sorted({r.get("victim_node") for r in faulted if r.get("victim_node") is not None})
+        same = sum(1 for r in faulted if _digest(r["final"]) in ref)
+        faulted_digests = sorted({d[:16] for r in faulted if (d := _digest(r["final"]))})
+        out.append(f"{launcher}: victim on node(s) {nodes or '-'}; params_sha256 equal to the fault-free "
+                   f"{launcher} run's: {same}/{len(faulted)}" + ("" if ref else " (no reference run)")
+                   + (f"; reference {', '.join(d[:16] for d in ref)}" if ref else "")
+                   + (" (references disagree)" if len(ref) > 1 else "")
+                   + f"; faulted runs {', '.join(faulted_digests) or '-'}")
+    return out
 
 
 def plot(results: dict[str, Any], directory: Path) -> list[Path]:
@@ -700,13 +955,16 @@ def merge(many: list[dict[str, Any]]) -> dict[str, Any]:
             out["parts"].setdefault(part, []).extend(r | {"repeat": index * 1000 + r["repeat"]} for r in runs)
         out.setdefault("errors", []).extend(results.get("errors", []))
         out.setdefault("transfer", []).extend(results.get("transfer", []))
+        out.setdefault("multinode_reference", []).extend(results.get("multinode_reference", []))
+        out.setdefault("skipped", {}).update(results.get("skipped", {}))
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each recovery and overhead case per launcher (default 2)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="runs of each recovery, overhead and multinode case per launcher (default 2, multinode 3)")
     parser.add_argument("--scaling_repeats", type=int, default=1,
                         help="runs of each case of scaling-world, scaling-state and memory (default 1)")
     parser.add_argument("--quick", action="store_true", help="short jobs, small worlds and sizes: a smoke run")
