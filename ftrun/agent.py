@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping
 import zmq
 
 from .protocol import MAX_FRAME_BYTES, FrameAuth, Message, MsgType, ProtocolError, decode, encode
-from .spawner import ExitReport, RankProcesses, rank_argv, shared_dir_marker
+from .spawner import ExitReport, RankProcesses, StopReport, rank_argv, shared_dir_marker
 
 log = logging.getLogger("ftrun.agent")
 
@@ -58,7 +58,7 @@ class Stacks:
     note: str
 
 
-Report = Spawned | ExitReport | Stacks
+Report = Spawned | ExitReport | Stacks | StopReport
 
 
 class AgentHandle:
@@ -193,6 +193,8 @@ class RemoteAgent(AgentHandle):
             error = msg.get("error")
             self._reports.append(ExitReport(msg["rank"], msg["incarnation"], msg["pid"], msg["returncode"], float(msg["at"]),
                                             error[:500] if isinstance(error, str) else None))
+        elif msg.type == MsgType.STOPPED:
+            self._reports.append(StopReport(msg["rank"], msg["incarnation"], msg["pid"], msg["signal"], float(msg["at"])))
         elif msg.type == MsgType.STACKS:
             lines = [str(x) for x in msg["lines"]][-200:]
             self._reports.append(Stacks(msg["rank"], msg["incarnation"], lines, msg["note"]))
@@ -329,11 +331,16 @@ class NodeAgent:
     def stop_all(self, reason: str) -> None:
         log.warning("%s", reason)
         for report in self.processes.stop(0.0 if self.exit_code is not None else 2.0):
-            self._send_exit(report)
+            if isinstance(report, ExitReport):
+                self._send_exit(report)
 
     def report_exits(self) -> None:
         for report in self.processes.reap():
-            self._send_exit(report)
+            if isinstance(report, StopReport):
+                self.send(MsgType.STOPPED, node=self.node, rank=report.rank, incarnation=report.incarnation,
+                          pid=report.pid, signal=report.signal, at=report.at)
+            else:
+                self._send_exit(report)
 
     def _send_exit(self, r: ExitReport) -> None:
         self.send(MsgType.EXITED, node=self.node, rank=r.rank, incarnation=r.incarnation, pid=r.pid,
@@ -367,14 +374,16 @@ class NodeAgent:
 
     def _on_stop_ranks(self, msg: Message) -> None:
         for report in self.processes.stop(float(msg["grace"])):
-            self._send_exit(report)
+            if isinstance(report, ExitReport):
+                self._send_exit(report)
 
     def _on_spares(self, msg: Message) -> None:
         self.processes.keep_spares(msg["count"], {str(k): str(v) for k, v in msg["vars"].items()})
 
     def _on_shutdown(self, msg: Message) -> None:
         for report in self.processes.stop(2.0):
-            self._send_exit(report)
+            if isinstance(report, ExitReport):
+                self._send_exit(report)
         kind = "job_finished"
         self.event(kind, msg["message"], exit_code=msg["code"])
         self.exit_code = msg["code"]

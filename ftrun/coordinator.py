@@ -63,7 +63,7 @@ from .policy import (
     replica_groups_from_hello,
 )
 from .protocol import MAX_FRAME_BYTES, FrameAuth, Message, MsgType, ProtocolError, decode, encode
-from .spawner import ExitReport, shared_dir_marker, tail_lines
+from .spawner import ExitReport, StopReport, shared_dir_marker, tail_lines
 
 log = logging.getLogger("ftrun.coordinator")
 
@@ -73,7 +73,8 @@ PLAN_DEADLINE_S = 60.0  # to build the new group and move the state, unless wait
 UNREPAIRED_GRACE_S = 1.0  # wait this long for a death to explain a failed collective before restarting
 TTP_REPORT_WAIT_S = 10.0  # how long live ranks get to reach a safe point and report (dying gasp)
 TTP_WRITE_WAIT_S = 300.0  # how long the shard writers get to write (dying gasp)
-AGENT_MESSAGES = frozenset({MsgType.AGENT_HELLO, MsgType.AGENT_BEAT, MsgType.SPAWNED, MsgType.EXITED, MsgType.STACKS})
+AGENT_MESSAGES = frozenset({MsgType.AGENT_HELLO, MsgType.AGENT_BEAT, MsgType.SPAWNED, MsgType.EXITED, MsgType.STOPPED,
+                            MsgType.STACKS})
 _KIND_LABEL = {"comm_error": "HCCE: communication error", "recoverable_error": "UCE: recoverable error"}
 MAX_REJECT_EVENTS = 20  # rejected frames after this many are counted in the log only
 OFFENDER_REJECTS = 8  # a connection that sent this many rejected frames is not read any more
@@ -739,6 +740,14 @@ class Coordinator:
                     self.on_spawned(r, report.pid, report.spare)
                 elif isinstance(report, Stacks):
                     self.on_stacks(r, report)
+                elif isinstance(report, StopReport) and r.running and r.kill_reason is None:
+                    # Frozen by a signal: its parent saw it at once; no need to wait for the heartbeats.
+                    r.hung_since = report.at
+                    try:
+                        name = signal.Signals(report.signal).name
+                    except ValueError:
+                        name = f"signal {report.signal}"
+                    self.declare_hung(r, "stopped", f"stopped by {name} (seen by its parent at once)")
                 elif isinstance(report, ExitReport) and r.running and getattr(agent, "leaving", None):
                     r.running = False  # its node is leaving the job: a node loss, handled as one
                     r.exit_code, r.exit_desc = procs.describe_exit(report.returncode)

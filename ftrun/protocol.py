@@ -20,7 +20,7 @@ Worker -> supervisor (DEALER -> ROUTER): ``hello``, ``heartbeat``, ``step_begin`
 Supervisor -> worker: ``abort`` (drop the group, report your committed step for generation g),
 ``reconfigure`` (the plan of generation g), ``stop``.
 Supervisor -> launcher (PUSH -> PULL): ``event``, ``status``.
-Node agent -> coordinator: ``agent_hello``, ``agent_beat``, ``spawned``, ``exited``, ``stacks``.
+Node agent -> coordinator: ``agent_hello``, ``agent_beat``, ``spawned``, ``exited``, ``stopped``, ``stacks``.
 Coordinator -> node agent: ``agent_beat``, ``spawn``, ``signal``, ``kill_hung``, ``stop_ranks``,
 ``spares``, ``shutdown``.
 """
@@ -73,6 +73,7 @@ class MsgType(str, Enum):
     SPAWN = "spawn"  # start this incarnation of this rank with these variables
     SPAWNED = "spawned"  # it runs, as this pid
     EXITED = "exited"  # a rank process ended (returncode as Popen gives it)
+    STOPPED = "stopped"  # a rank process was stopped by a signal (frozen)
     SIGNAL = "signal"  # send this signal to that rank's process group
     KILL_HUNG = "kill_hung"  # dump a hung rank's stacks into its log, then SIGKILL it
     STACKS = "stacks"  # the stacks a hung rank wrote (answer to kill_hung)
@@ -117,6 +118,7 @@ SCHEMA: dict[MsgType, dict[str, tuple[type, ...]]] = {
     MsgType.SPAWN: {"rank": _INT, "incarnation": _INT, "vars": (dict,), "header": _STR, "use_spare": (bool,)},
     MsgType.SPAWNED: {"node": _INT, "rank": _INT, "incarnation": _INT, "pid": _INT, "spare": (bool,)},
     MsgType.EXITED: {"node": _INT, "rank": _INT, "incarnation": _INT, "pid": _INT, "returncode": _INT, "at": _NUM},
+    MsgType.STOPPED: {"node": _INT, "rank": _INT, "incarnation": _INT, "pid": _INT, "signal": _INT, "at": _NUM},
     MsgType.SIGNAL: {"rank": _INT, "incarnation": _INT, "signal": _INT},
     MsgType.KILL_HUNG: {"rank": _INT, "incarnation": _INT, "line": _STR, "dump": (bool,)},
     MsgType.STACKS: {"node": _INT, "rank": _INT, "incarnation": _INT, "lines": (list,), "note": _STR},

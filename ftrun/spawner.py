@@ -57,6 +57,23 @@ class ExitReport:
     error: str | None = None  # "Type: message" from the rank's torchrun error file (@record), if any
 
 
+@dataclass(frozen=True)
+class StopReport:
+    """A rank process stopped by a signal (SIGSTOP, SIGTSTP...): frozen, seen at once by its parent.
+
+    Attributes:
+        rank, incarnation, pid: the process.
+        signal: the signal that stopped it.
+        at: Unix time the SIGCHLD arrived, seconds.
+    """
+
+    rank: int
+    incarnation: int
+    pid: int
+    signal: int
+    at: float
+
+
 @dataclass
 class _Proc:
     rank: int
@@ -64,6 +81,7 @@ class _Proc:
     proc: subprocess.Popen
     log_path: Path
     error_file: Path | None = None
+    stop_reported: bool = False
 
 
 def loopback_hostname() -> bool:
@@ -201,10 +219,14 @@ class RankProcesses:
         return None
 
     # ----------------------------------------------------------------- reaping and signals
-    def reap(self) -> list[ExitReport]:
-        """Reap every rank process that has ended (and SIGKILL what it left in its session)."""
+    def reap(self) -> list[ExitReport | StopReport]:
+        """Reap every rank process that has ended (and SIGKILL what it left in its session); after a
+        SIGCHLD, also report once each rank that a signal stopped (the kernel tells a parent when a
+        child stops: a frozen rank is found at once, not after the heartbeat timeout)."""
         died_at, self.sigchld_at = self.sigchld_at, None
-        reports = []
+        reports: list[ExitReport | StopReport] = []
+        if died_at is not None:
+            reports.extend(self._stopped(died_at))
         for rank, p in list(self.procs.items()):
             rc = p.proc.poll()
             if rc is None:
@@ -215,6 +237,20 @@ class RankProcesses:
             reports.append(ExitReport(rank, p.incarnation, p.proc.pid, rc, died_at or time.time(),
                                       error.summary()[:500] if error is not None else None))
         return reports
+
+    def _stopped(self, at: float) -> list[StopReport]:
+        found = []
+        for p in self.procs.values():
+            if p.stop_reported:
+                continue
+            try:
+                info = os.waitid(os.P_PID, p.proc.pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                continue
+            if info is not None and info.si_code == os.CLD_STOPPED:
+                p.stop_reported = True
+                found.append(StopReport(p.rank, p.incarnation, p.proc.pid, info.si_status, at))
+        return found
 
     def pid(self, rank: int, incarnation: int) -> int | None:
         p = self.procs.get(rank)
