@@ -122,6 +122,10 @@ class Rank:
     in_dist: bool | None = None  # its last heartbeat: training thread inside torch.distributed (None: unknown)
     total_steps: int | None = None  # the number of steps its loop runs (ft.steps(n)), when known
     last_step_seconds: float | None = None  # its latest step time (for stragglers)
+    section: str | None = None  # a named section it is in (evaluation, checkpoint writing): ft.section()
+    section_timeout: float | None = None  # that section's own bound, seconds (None: unbounded)
+    section_started: float = 0.0
+    section_closed_at: float = 0.0  # when its last section closed (step times across it are not samples)
 
     def alive(self) -> bool:
         return self.running
@@ -427,6 +431,7 @@ class Coordinator:
         r.phase, r.last_progress, r.last_begin, r.samples = "setup", 0.0, None, 0
         r.steps_ended, r.kill_reason, r.hung_since, r.final_step, r.finished = False, None, 0.0, None, False
         r.in_dist = None
+        r.section, r.section_timeout, r.section_started, r.section_closed_at = None, None, 0.0, 0.0
         r.started_at = self.clock()
         header = (
             f"===== ftrun: rank {r.rank} incarnation {r.incarnation} attempt {self.attempt} "
@@ -1106,6 +1111,13 @@ class Coordinator:
                 r.hung_since = r.last_heartbeat
                 self.declare_hung(r, "no_heartbeat", f"no heartbeat for {now - r.last_heartbeat:.1f} s (--heartbeat_timeout {spec.heartbeat_timeout:g})")
                 return
+        for r in self.ranks.values():
+            if (r.alive() and r.kill_reason is None and r.section is not None and r.section_timeout is not None
+                    and now - r.section_started > r.section_timeout):
+                r.hung_since = r.section_started
+                self.declare_hung(r, "section", f"in section {r.section!r} for {now - r.section_started:.1f} s "
+                                                f"(its timeout {r.section_timeout:g} s)")
+                return
         if self.check_setup(now) or self.check_round_deadline(now):
             return
         if self.recovery is not None or any(r.alive() and r.kill_reason is not None for r in self.ranks.values()):
@@ -1126,7 +1138,10 @@ class Coordinator:
             for r in culprits:
                 r.hung_since = last
                 where = "outside the collective it announced" if r.phase == "collective" else f"({r.phase})"
-                self.declare_hung(r, "no_progress", f"{stalled}; rank {r.rank} stuck at step {r.step} {where} while its peers wait in the collective")
+                waiting = [x.rank for x in live if x is not r and x.in_dist is True]
+                peers = (f"while rank(s) {waiting} wait in torch.distributed" if waiting
+                         else "while its peers wait for it" if len(culprits) < len(live) else "like every rank")
+                self.declare_hung(r, "no_progress", f"{stalled}; rank {r.rank} stuck at step {r.step} {where} {peers}")
             return
         reason = f"{stalled}; every rank waits in the collective of step {max(r.step or 0 for r in live)}"
         self.emit(EventKind.WARNING, f"communication hang: {reason}", fault="comm_hang")
@@ -1324,11 +1339,24 @@ class Coordinator:
         r.last_progress = now
         if msg.type == MsgType.PROGRESS:
             r.metrics = {str(k): v for k, v in msg["metrics"].items() if isinstance(v, (int, float, str))}
+            if "section" in msg.fields:
+                self.on_section(r, msg.get("section"), msg.get("section_timeout"), now)
         else:
             self.observe_step(r, msg["step"], now)
             total = msg.get("total")
             r.total_steps = total if isinstance(total, int) and not isinstance(total, bool) else r.total_steps
         self._status_dirty = True
+
+    def on_section(self, r: Rank, name: Any, timeout: Any, now: float) -> None:
+        """A rank opens, keeps or closes a named section (``ft.section()``: an evaluation, a
+        checkpoint write) whose own bound replaces the step watchdog's while it is open (NVRx's
+        sections). Step intervals that span a section are not samples of the step time."""
+        if isinstance(name, str) and name:
+            if r.section != name:
+                r.section, r.section_started = name[:100], now
+            r.section_timeout = float(timeout) if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0 else None
+        elif name is None and r.section is not None:
+            r.section, r.section_timeout, r.section_closed_at = None, None, now
 
     def on_phase(self, r: Rank, msg: Message) -> None:
         """``collective`` or ``update_begin``: where in the step the rank is (for the watchdog)."""
@@ -1512,7 +1540,7 @@ class Coordinator:
 
     def observe_step(self, r: Rank, step: int, now: float) -> None:
         """Record the time of the step before ``step`` (for the automatic step timeout)."""
-        if r.last_begin is not None and r.last_begin[0] == step - 1:
+        if r.last_begin is not None and r.last_begin[0] == step - 1 and r.last_begin[1] >= r.section_closed_at:
             r.samples += 1
             r.last_step_seconds = now - r.last_begin[1]
             if r.samples > self.spec.warmup_steps:

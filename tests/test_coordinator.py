@@ -383,3 +383,35 @@ def test_messages_are_bound_to_the_connection_that_said_hello(tmp_path: Path, fr
     r = coord.ranks[2]
     coord.handle(frame_identity, msg(MsgType.STEP_BEGIN, rank=2, incarnation=0, step=5))
     assert (r.step == 5) == (frame_identity == ident(2))
+
+
+def test_a_section_has_its_own_bound_and_does_not_poison_step_times(tmp_path: Path) -> None:
+    """An evaluation in ft.section("eval", timeout=100): no hang while it runs within its bound,
+    its length is not a step-time sample, and past its bound the rank is hung."""
+    coord, agent, clock = make(tmp_path, warmup_steps=0)
+    hello_all(coord)
+    for n in range(3):
+        step(coord, n)
+        clock.now += 0.1
+    bound = coord.step_timeout()
+    for rank in range(4):
+        send(coord, rank, MsgType.PROGRESS, step=3, metrics={}, section="eval", section_timeout=100.0)
+    for _ in range(50):  # 50 s of evaluation: the I/O thread keeps sending progress with the section
+        clock.now += 1.0
+        for rank in range(4):
+            send(coord, rank, MsgType.PROGRESS, step=3, metrics={}, section="eval", section_timeout=100.0)
+        coord.check_hangs()
+    assert agent.hung == []
+    for rank in range(4):
+        send(coord, rank, MsgType.PROGRESS, step=3, metrics={}, section=None)
+    step(coord, 3)
+    clock.now += 0.1
+    step(coord, 4)
+    assert coord.step_timeout() == bound, "the evaluation's length became a step-time sample"
+    send(coord, 2, MsgType.PROGRESS, step=5, metrics={}, section="save", section_timeout=10.0)
+    clock.now += 11.0
+    beat_all(coord)
+    coord.check_hangs()
+    assert agent.hung == [(2, True)]
+    coord.check_processes()
+    assert "section 'save'" in events(tmp_path, "rank_hung")[0]["message"]
