@@ -12,7 +12,8 @@ Two sources, neither of which slows the coordinator's loop:
 
 - events, through the coordinator's observer list (:meth:`JobMetrics.observe`, a few counter and
   histogram updates per event; events are rare): recoveries by kind, failures, restarts, recovery,
-  detection and checkpoint times, checkpoint bytes, and the goodput timeline;
+  detection and checkpoint times, checkpoint bytes, and the goodput timeline, which also takes the
+  progress recorder's samples (:meth:`JobMetrics.add_sample`, from the recorder's thread);
 - ``LOG_DIR/status.json``, read when Prometheus scrapes (by :class:`StatusCollector`): every rank's
   state, step, step time and restarts, and the job's step and total.
 

@@ -400,6 +400,8 @@ class JobTimeline:
         self.resumed: dict[int, int] = {}  # attempt -> the step its checkpoint holds
         self.last_time: float | None = None
         self._hung: set[int] = set()
+        self._first_ranks: set[int] = set()
+        self._world_from_message: int | None = None
 
     # -- feeding
     @property
@@ -462,9 +464,11 @@ class JobTimeline:
         self.started_at = t
         self.script = str(detail.get("script") or "")
         self.args = [str(a) for a in detail.get("args") or []] if isinstance(detail.get("args"), list) else []
+        # "job started: N rank(s), ..." (else the ranks the first attempt starts tell it)
         message = str(event.get("message") or "")
         head = message.split(":", 1)[-1].strip().split(" ", 1)[0]
-        self.world_size = int(head) if head.isdigit() else None
+        self._world_from_message = int(head) if head.isdigit() else None
+        self.world_size = self._world_from_message
 
     def _on_rank_hung(self, event: dict[str, Any], detail: dict[str, Any], t: float) -> None:
         if isinstance(event.get("rank"), int):
@@ -547,6 +551,10 @@ class JobTimeline:
             fault.step = self.last_sample.job_step
 
     def _on_rank_started(self, event: dict[str, Any], detail: dict[str, Any], t: float) -> None:
+        if event.get("attempt") == 0 and isinstance(event.get("rank"), int):
+            self._first_ranks.add(event["rank"])
+            if self._world_from_message is None:
+                self.world_size = len(self._first_ranks)
         fault = self.open_fault
         if fault is None or fault.repair != Repair.RESTART or event.get("attempt") != fault.restart_attempt:
             return
@@ -871,7 +879,11 @@ def format_report(report: Report, now: float | None = None) -> list[str]:
     else:
         state = f"failed (exit code {tl.exit_code})" if tl.exit_code is not None else "ended"
     lines.append(f"job: {command}{size}; {_clock(start)} to {_clock(end)} ({_secs(end - start)}): {state}")
-    lines.append(f"goodput: {tl.goodput(now).describe()}")
+    good = tl.goodput(now)
+    if good.ratio is None and report.samples == 0:
+        lines.append(f"goodput: n/a (no {PROGRESS_FILE} in the log directory: goodput needs the ranks' step record)")
+    else:
+        lines.append(f"goodput: {good.describe()}")
     lines.append("")
     lines.append("timeline:")
     for ev in tl.timeline:
@@ -969,12 +981,17 @@ def plot_timeline(report: Report, out: Path, now: float | None = None) -> None:
         else:
             ax.text(0.5, 0.5, f"no progress record ({PROGRESS_FILE}) in this log directory",
                     transform=ax.transAxes, ha="center", va="center", color="grey")
+        if tl.first_step_at is not None and tl.first_step_at > start:
+            ax.axvspan(0, tl.first_step_at - start, color="grey", alpha=0.12,
+                       label=f"start-up ({_secs(tl.first_step_at - start)})")
         for i, f in enumerate(tl.faults, start=1):
             colour = _FAULT_COLOURS.get(f.kind, "tab:red")
             f_end = f.end if f.end is not None else end
             ax.axvspan(f.start - start, f_end - start, color=colour, alpha=0.18,
                        label=f"fault {i}: {f.label()}, {f.repair.value} ({_secs(f.lost(end))} lost)")
             ax.axvline(f.start - start, color=colour, linewidth=1.0)
+            ax.annotate(str(i), (f.start - start, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -12),
+                        textcoords="offset points", color=colour, fontsize=9, fontweight="bold")
             if f.restart_at is not None:
                 ax.axvline(f.restart_at - start, color=colour, linestyle="--", linewidth=1.0)
         for c in tl.checkpoints:

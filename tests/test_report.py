@@ -104,6 +104,10 @@ def test_restart_of_a_script_without_steps_ends_when_every_rank_is_back():
     assert tl.faults[0].end == T0 + 9.0 and tl.faults[0].repair == Repair.RESTART
     assert tl.goodput().ratio is None  # no step was ever reported: no goodput
     assert "n/a" in tl.goodput().describe()
+    # the same, with the world size known only from the first attempt's rank_started events
+    first = [ev("job_started", 0.0, message="job started"), ev("rank_started", 0.1, rank=0), ev("rank_started", 0.2, rank=1)]
+    tl = build_timeline(first + events[1:])
+    assert tl.world_size == 2 and tl.faults[0].end == T0 + 9.0
 
 
 def test_in_place_repair_hang_and_failed_job():
