@@ -121,9 +121,10 @@ def claim_node_rank(
     node 0's store; node 0 itself is the launcher that hosts the store (:func:`can_host_store`).
 
     The first ``nnodes - 1`` launchers to connect take 1, 2, ... from the counter
-    ``ftrun/next_node`` (``store.add``). A later one replaces a lost node: it reads
-    ``ftrun/vacant`` (the node indices the coordinator awaits a replacement for, see
-    ``Coordinator.publish_vacancies``) and claims one with ``compare_set`` on
+    ``ftrun/next_node`` (``store.add``), skipping an index that a launcher given ``--node_rank`` (or a
+    cluster's node index) has marked ``ftrun/node/<index>`` (:func:`host_store`). A later one
+    replaces a lost node: it reads ``ftrun/vacant`` (the node indices the coordinator awaits a
+    replacement for, see ``Coordinator.publish_vacancies``) and claims one with ``compare_set`` on
     ``ftrun/claim/<node>/<epoch>``, so that two launchers never take the same vacancy. While the
     claimed node is still listed as vacant (its agent has not joined yet) a thread beats on
     ``<claim>/beats``; once it is not, the thread moves ``ftrun/claim_epoch/<node>`` on, so a
@@ -173,35 +174,46 @@ def claim_node_rank(
 
         threading.Thread(target=beat, name=f"ftrun-claim-node-{node}", daemon=True).start()
 
-    taken = int(store.add("ftrun/next_node", 1))
-    if taken < spec.nnodes:
-        return taken
-    me = claimant or f"{socket.gethostname()}/{os.getpid()}/{os.urandom(4).hex()}"
-    deadline = clock() + spec.cluster_time_out
-    beats_seen: dict[str, tuple[int, float]] = {}  # claim key -> (its beats, when they last changed)
-    while True:
-        for node in vacant(store):
-            epoch = int(store.add(f"ftrun/claim_epoch/{node}", 0))
-            key = f"ftrun/claim/{node}/{epoch}"
-            holder = store.compare_set(key, "", me).decode(errors="replace")
-            if holder != me:
-                beats, now = int(store.add(key + "/beats", 0)), clock()
-                if beats_seen.get(key, (None,))[0] != beats:
-                    beats_seen[key] = (beats, now)
-                    continue
-                if now - beats_seen[key][1] < stale_after:
-                    continue
-                if store.compare_set(key, holder, me).decode(errors="replace") != me:
-                    continue  # another launcher took it over first
-            keep_claim(node, epoch, key)
-            return node
-        if clock() >= deadline:
-            raise ConfigError(
-                f"no node index is free for this launcher: all {spec.nnodes} nodes of the job have launchers and "
-                f"none was lost and awaiting a replacement within --cluster_time_out {spec.cluster_time_out:g} s "
-                f"(store {spec.master_addr}:{spec.master_port}); give --node_rank, or start it when a node is lost"
-            )
-        time.sleep(poll_interval)
+    def claim() -> int:
+        me = claimant or f"{socket.gethostname()}/{os.getpid()}/{os.urandom(4).hex()}"
+        taken = int(store.add("ftrun/next_node", 1))
+        while taken < spec.nnodes:
+            if store.compare_set(f"ftrun/node/{taken}", "", me).decode(errors="replace") == me:
+                return taken
+            taken = int(store.add("ftrun/next_node", 1))  # a launcher given this index holds it: the next
+        deadline = clock() + spec.cluster_time_out
+        beats_seen: dict[str, tuple[int, float]] = {}  # claim key -> (its beats, when they last changed)
+        while True:
+            for node in vacant(store):
+                epoch = int(store.add(f"ftrun/claim_epoch/{node}", 0))
+                key = f"ftrun/claim/{node}/{epoch}"
+                holder = store.compare_set(key, "", me).decode(errors="replace")
+                if holder != me:
+                    beats, now = int(store.add(key + "/beats", 0)), clock()
+                    if beats_seen.get(key, (None,))[0] != beats:
+                        beats_seen[key] = (beats, now)
+                        continue
+                    if now - beats_seen[key][1] < stale_after:
+                        continue
+                    if store.compare_set(key, holder, me).decode(errors="replace") != me:
+                        continue  # another launcher took it over first
+                keep_claim(node, epoch, key)
+                return node
+            if clock() >= deadline:
+                raise ConfigError(
+                    f"no node index is free for this launcher: all {spec.nnodes} nodes of the job have launchers and "
+                    f"none was lost and awaiting a replacement within --cluster_time_out {spec.cluster_time_out:g} s "
+                    f"(store {spec.master_addr}:{spec.master_port}); give --node_rank, or start it when a node is lost"
+                )
+            time.sleep(poll_interval)
+
+    try:
+        return claim()
+    except (RuntimeError, OSError) as err:  # torch's DistNetworkError/DistStoreError are RuntimeErrors
+        raise ConfigError(
+            f"lost node 0's store at {spec.master_addr}:{spec.master_port} while taking a node index "
+            f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); the job has ended or node 0 is gone"
+        ) from None
 
 
 def host_store(spec: JobSpec) -> tuple[Any, int, JobSpec]:
@@ -250,6 +262,11 @@ def host_store(spec: JobSpec) -> tuple[Any, int, JobSpec]:
         ) from None
     if spec.node_rank_auto:
         spec = dataclasses.replace(spec, node_rank=claim_node_rank(spec, store), node_rank_auto=False)
+    else:
+        try:  # a given index: launchers without one skip it (claim_node_rank)
+            store.set(f"ftrun/node/{spec.node_rank}", "given")
+        except (RuntimeError, OSError):
+            pass  # the store is gone: waiting for the coordinator's address says so
     return store, spec.master_port, spec
 
 

@@ -176,3 +176,27 @@ def test_host_store_decides_the_index():
     assert host_store(explicit)[2] == explicit  # a given index is kept, and takes no number
     assert store0.add("ftrun/next_node", 0) == 1
     del store1, store0
+
+
+def test_a_store_that_goes_away_is_one_line():
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    spec = spec_for(nnodes=2)
+    store = client(master)
+    claim_node_rank(spec, store, **FAST)
+    store = client(master)
+    del master  # node 0's launcher ended with its job
+    with pytest.raises(ConfigError) as info:
+        claim_node_rank(spec, store, **FAST)
+    assert str(info.value).startswith("lost node 0's store at 127.0.0.1:29500") and "\n" not in str(info.value)
+
+
+def test_indices_given_to_other_launchers_are_skipped(master):
+    # A Slurm job: nodes 0 and 1 have their index from SLURM_NODEID; a spare started without one
+    # must not take 1 from the counter: it waits for a vacancy.
+    spec = spec_for(nnodes=3, port=master.port, cluster_time_out=0.3)
+    given = JobSpec(script="t.py", worker_num=6, local_worker_num=2, master_addr="127.0.0.1", master_port=master.port,
+                    node_rank=1, cluster_time_out=5)
+    assert host_store(given)[2] == given  # marks ftrun/node/1
+    assert claim_node_rank(spec, client(master), **FAST) == 2
+    with pytest.raises(ConfigError, match="no node index is free"):
+        claim_node_rank(spec, client(master), **FAST)
