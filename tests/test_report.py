@@ -15,7 +15,7 @@ import pytest
 
 from ftrun.cli import main
 from ftrun.report import (
-    Repair, ReportError, Sample, build_timeline, format_report, job_steps_done, load_report, plot_timeline,
+    Repair, Sample, build_timeline, format_report, job_steps_done, load_report, plot_timeline,
     read_events, step_rate, stragglers,
 )
 
