@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +123,7 @@ class Rank:
     in_dist: bool | None = None  # its last heartbeat: training thread inside torch.distributed (None: unknown)
     total_steps: int | None = None  # the number of steps its loop runs (ft.steps(n)), when known
     last_step_seconds: float | None = None  # its latest step time (for stragglers)
+    compute_seconds: float | None = None  # its latest step's start to its collective (its own work)
     section: str | None = None  # a named section it is in (evaluation, checkpoint writing): ft.section()
     section_timeout: float | None = None  # that section's own bound, seconds (None: unbounded)
     section_started: float = 0.0
@@ -143,6 +145,7 @@ class Rank:
             "node": self.node,
             "total_steps": self.total_steps,
             "last_step_seconds": self.last_step_seconds,
+            "compute_seconds": self.compute_seconds,
             "uptime": (now - self.started_at) if self.running else None,
             "exit": self.exit_desc or None,
         }
@@ -304,6 +307,7 @@ class Coordinator:
             "nnodes": self.spec.nnodes,
             "lost_nodes": {str(k): v for k, v in self.lost_nodes.items()},
             "pid": os.getpid(),
+            "host": socket.gethostname(),
             "updated": time.time(),
         }
 
@@ -1359,8 +1363,12 @@ class Coordinator:
             r.section, r.section_timeout, r.section_closed_at = None, None, now
 
     def on_phase(self, r: Rank, msg: Message) -> None:
-        """``collective`` or ``update_begin``: where in the step the rank is (for the watchdog)."""
-        r.phase, r.last_progress = ("collective" if msg.type == MsgType.COLLECTIVE else "update"), self.clock()
+        """``collective`` or ``update_begin``: where in the step the rank is (for the watchdog);
+        the time from its step's start to the collective is its own compute time (stragglers)."""
+        now = self.clock()
+        if msg.type == MsgType.COLLECTIVE and r.last_begin is not None and r.phase == "compute":
+            r.compute_seconds = now - r.last_begin[1]
+        r.phase, r.last_progress = ("collective" if msg.type == MsgType.COLLECTIVE else "update"), now
 
     def on_update_end(self, r: Rank, msg: Message) -> None:
         """The step's optimizer update finished: that step is committed on this rank."""
