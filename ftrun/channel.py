@@ -60,6 +60,9 @@ class Channel:
         # thread is doing (the watchdog's evidence), e.g. {"in_dist": True} while it waits in a
         # torch.distributed call.
         self.probe: Callable[[], dict[str, Any]] | None = None
+        # Called on the I/O thread at each heartbeat: the fields of a ``progress`` message to send
+        # with it, or None (an open ft.section() says so at every beat).
+        self.beat_extra: Callable[[], dict[str, Any] | None] | None = None
         self._thread = threading.Thread(target=self._run, name="ftrun-channel", daemon=True)
         self._thread.start()
 
@@ -112,6 +115,14 @@ class Channel:
                     except Exception:  # a probe must never stop the heartbeats
                         beat = heartbeat
                 self._sock.send(beat, zmq.NOBLOCK)
+                if self.beat_extra is not None:
+                    try:
+                        extra = self.beat_extra()
+                        if extra is not None:
+                            self._sock.send(encode(MsgType.PROGRESS, self.token, rank=self.rank,
+                                                   incarnation=self.incarnation, **extra), zmq.NOBLOCK)
+                    except Exception:  # like the probe: never stop the heartbeats
+                        pass
                 next_beat = now + self.heartbeat_interval
             events = dict(poller.poll(timeout=max(0, int((next_beat - now) * 1000))))
             if self._wake_r in events:

@@ -4,7 +4,7 @@ A complete loop::
 
     import ftrun
 
-    ft = ftrun.init(seed=0)                      # process group (gloo on CPU, NCCL on CUDA)
+    ft = ftrun.init()                            # process group (gloo on CPU, NCCL on CUDA)
     model = ft.wrap_model(Net())                 # registered; identical on every replica
     opt = ft.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     ft.register("scheduler", sched)              # anything with state_dict/load_state_dict
@@ -23,10 +23,12 @@ next generation's group when the supervisor sends the plan, sends or receives st
 (:mod:`ftrun.transfer`), and resumes at the first uncommitted step. A respawned rank does the same
 from its first call to :meth:`Worker.steps`, after the script built its model and optimizer.
 
-Determinism: with ``seed`` set, every step reseeds torch, numpy and ``random`` from
-``(seed, step, rank)``, so a respawned rank draws exactly what its predecessor would have, and a run
-with faults ends bitwise equal to one without. Data must be a function of the step (the examples
-index their batches by step).
+Determinism: each rank's random streams and data position are its own state (kind ``rank``),
+rolled back when a step is retried and kept in the job's store for a respawned rank
+(:mod:`ftrun.rankstate`), so a run with faults draws what a run without draws and ends bitwise
+equal to it. Data comes from an epoch loop over a ``DataLoader`` (:meth:`Worker.epochs`,
+:meth:`Worker.batches`, :mod:`ftrun.data`) or is a function of the step (:meth:`Worker.steps`;
+``init(seed=...)`` then reseeds every step from ``(seed, step, rank)``).
 
 Outside ftrun (plain ``torchrun``, or no launcher at all) the same script runs: the library builds
 the group from the ``env://`` variables and simply trains, without recovery.
@@ -185,10 +187,23 @@ class Worker:
         self._reducers: list[GradientReducer] = []
         self._pending_uce: str | None = None  # a recoverable error raised inside backward
         self._start_snapshot: tuple[int, Any] | None = None  # (committed step, replica+rank state) at step start
+        # Epoch loops and data (ft.epochs / ft.batches, ftrun.data) and this rank's own state kept
+        # in the job's store for its next incarnation (ftrun.rankstate).
+        self._progress: Any = None  # ftrun.data.EpochProgress once an epoch loop runs
+        self._epochs_stop: int | None = None
+        self._resume_step: int | None = None  # where a pass starts after a resume or a join
+        self._next_step = 0
+        self._epoch_stash: dict[str, Any] | None = None
+        self._fresh = self.joining  # a respawned rank that has not recovered yet (reads its records then)
+        self._rank_record: dict[str, Any] | None = None  # its predecessor's rank state, to apply
+        self._rank_states: Any = None  # ftrun.rankstate.RankStateStore
+        self._section: tuple[str, float | None] | None = None  # (name, timeout) of an open ft.section()
+        self._last_report: tuple[int, dict[str, Any]] = (0, {})  # the last ft.report(), re-sent by sections
         self.faults.cut_connections = self._cut_connections
         if self.channel is not None:
             self.channel.on_receive = self._on_io_message
             self.channel.probe = _training_thread_probe(threading.main_thread().ident, self._waiting)
+            self.channel.beat_extra = self._beat_progress
             # Stacks of every thread into this rank's log when the supervisor suspects a hang.
             faulthandler.register(DUMP_SIGNAL, all_threads=True, chain=False)
         self._error: str | None = None
@@ -443,6 +458,7 @@ class Worker:
 
     # Callbacks of the gradient reducer (called on the training thread, inside backward).
     def _before_first_bucket(self) -> None:
+        self._record_provisional()
         self._send(MsgType.COLLECTIVE, step=self._current_step if self._current_step is not None else -1)
         self._in_collective = True
         self.faults.point("allreduce", self._current_step)
@@ -473,6 +489,32 @@ class Worker:
         light = {n: o.state_dict() for n, o in self.registry.items() if self.kinds[n] != "committed"}
         reuse = self._start_snapshot[1] if self._start_snapshot is not None else None
         self._start_snapshot = (self.committed, snapshot(light, reuse=reuse))
+        if self._keeps_rank_records():
+            self._rank_states.put(self.committed, {n: s for n, s in self._start_snapshot[1].items() if self.kinds[n] == "rank"})
+
+    def _keeps_rank_records(self) -> bool:
+        """Whether this rank's own state is worth a copy in the store: it runs under ftrun with
+        peers, and holds rank state that per-step reseeding does not make up (a data position,
+        or RNG streams when no ``seed`` was given)."""
+        if not (self.managed and self.world_size > 1 and self.committed >= INITIAL):
+            return False
+        if self.seed is not None and not any(k == "rank" and n != "rng" for n, k in self.kinds.items()):
+            return False
+        if self._rank_states is None:
+            from .rankstate import RankStateStore
+
+            self._rank_states = RankStateStore(self._base_store(), self.attempt, self.rank)
+        return True
+
+    def _record_provisional(self) -> None:
+        """At the step's all-reduce: the rank state after its batch and backward, labelled with the
+        step (what a respawned rank needs if its peers commit the step and this rank dies)."""
+        step = self._current_step
+        if step is None or self.committed != step - 1 or not self._keeps_rank_records():
+            return
+        from .checkpoint import snapshot
+
+        self._rank_states.put(step, snapshot({n: o.state_dict() for n, o in self.registry.items() if self.kinds[n] == "rank"}))
 
     def _roll_back(self, step: int, kinds: tuple[str, ...]) -> bool:
         """Restore the ``kinds`` objects to their state at committed ``step`` if the step-start
@@ -490,8 +532,44 @@ class Worker:
     # ------------------------------------------------------------------ reporting
     def report(self, step: int, **metrics: Any) -> None:
         """Show ``step`` and ``metrics`` on the console (queued; never blocks)."""
+        self._last_report = (int(step), _clean_metrics(metrics))
         if self.channel is not None:
-            self.channel.send(MsgType.PROGRESS, step=int(step), metrics=_clean_metrics(metrics))
+            self.channel.send(MsgType.PROGRESS, step=int(step), metrics=self._last_report[1])
+
+    def _progress_fields(self) -> dict[str, Any]:
+        step, metrics = self._last_report
+        if self._current_step is not None:
+            step = max(step, self._current_step)
+        fields: dict[str, Any] = {"step": step, "metrics": metrics}
+        if self._section is not None:
+            fields["section"], fields["section_timeout"] = self._section
+        return fields
+
+    def ping(self) -> None:
+        """Tell the watchdog this rank is making progress in long work outside the step loop's
+        rhythm (a long evaluation, a large save): the step bound counts from now (NVRx's ``ping``)."""
+        self._send(MsgType.PROGRESS, **self._progress_fields())
+
+    @contextlib.contextmanager
+    def section(self, name: str, timeout: float | None = None) -> Iterator[None]:
+        """A named stretch of work (evaluation, checkpoint writing) bounded by its own ``timeout``
+        (seconds; None: unbounded) instead of the step watchdog (NVRx's sections).
+
+        While it is open the rank sends a ``progress`` with ``section``/``section_timeout`` at each
+        heartbeat, so the watchdog sees it busy and not stuck; the supervisor kills it as hung
+        only after ``timeout`` in the section. Step intervals spanning a section do not feed the
+        automatic step bound. Sections do not nest (an inner one replaces the outer's bound).
+        """
+        previous = self._section
+        self._section = (str(name), None if timeout is None else float(timeout))
+        self._send(MsgType.PROGRESS, **self._progress_fields())
+        try:
+            yield
+        finally:
+            self._section = previous
+            fields = self._progress_fields()
+            fields.setdefault("section", None)
+            self._send(MsgType.PROGRESS, **fields)
 
     def _send(self, msg_type: MsgType, **fields: Any) -> None:
         if self.channel is not None:
@@ -542,6 +620,10 @@ class Worker:
         """Shut this process's data-plane connections down (all but the store's and the supervisor's)."""
         if self.backend == "gloo":
             _shutdown_peer_connections(keep_ports={int(os.environ.get("MASTER_PORT", "0")), _control_port()})
+
+    def _beat_progress(self) -> dict[str, Any] | None:
+        """On the I/O thread, at each heartbeat: a ``progress`` while a section is open."""
+        return self._progress_fields() if self._section is not None else None
 
     def _on_io_message(self, msg: Message) -> None:
         """On the channel's I/O thread: an abort for a newer generation releases a training thread
@@ -597,8 +679,91 @@ class Worker:
         A respawned rank first recovers (receives its state) and starts at the recovery step + 1.
         Each step is a :class:`Step`: an ``int`` that is also a context manager; ``with step:``
         around the step's body lets a :class:`RecoverableError` raised there be repaired in place.
+        Leaving the loop early (``break``) ends it cleanly, as its end does.
         """
-        step = self._first_step = start
+        self._first_step = start
+        step = self._enter_loop(start)
+        try:
+            for step_, _ in self._step_loop(step, num_steps, None):
+                yield step_
+        except GeneratorExit:
+            self._send(MsgType.STEPS_END)
+            raise
+        self._send(MsgType.STEPS_END)
+
+    def epochs(self, first: int, stop: int) -> Iterator[int]:
+        """Yield epoch numbers ``first .. stop-1`` for an epoch loop over :meth:`batches`.
+
+        The epoch is replica state (:class:`ftrun.data.EpochProgress`, registered as ``"epochs"``):
+        a respawned rank recovers here, before its first epoch, and starts in the epoch its donor
+        is in, so work done after an epoch's last step (evaluation, ``scheduler.step()``) is not
+        repeated. A recipient whose donor was already an epoch ahead (it repaired a recoverable
+        error on an epoch's last step) runs that epoch's end once, and its replica state is then
+        put back to the donor's, so the end's effects on registered state count once.
+        """
+        from .data import EpochProgress
+
+        if self._progress is None:
+            self._progress = EpochProgress()
+            self.register("epochs", self._progress)
+        progress = self._progress
+        self._epochs_stop = stop
+        self._first_step = progress.step
+        self._resume_step = self._enter_loop(progress.step)
+        if progress.epoch is None:
+            progress.epoch = first
+        try:
+            while progress.epoch < stop:
+                epoch = progress.epoch
+                yield epoch
+                if self._epoch_stash is not None:  # see above: the donor's state, as received
+                    stash, self._epoch_stash = self._epoch_stash, None
+                    for name, state in stash.items():
+                        self.registry[name].load_state_dict(state)
+                elif progress.epoch == epoch:
+                    progress.epoch = epoch + 1
+        except GeneratorExit:
+            self._send(MsgType.STEPS_END)
+            raise
+        self._send(MsgType.STEPS_END)
+
+    def batches(self, loader: Any, name: str = "data") -> Iterator[tuple["Step", Any]]:
+        """Yield ``(step, batch)`` for one pass over ``loader``; failed steps are recovered and
+        retried with the same batch.
+
+        Args:
+            loader: a ``DataLoader`` (with a ``DistributedSampler`` and ``set_epoch`` as usual),
+                torchdata's ``StatefulDataLoader``, or any iterable of batches.
+            name: the name of its position in the registered rank state.
+
+        ``step`` is the global step (a :class:`Step`), counted across epochs. The position in the
+        pass is this rank's own state (:class:`ftrun.data.LoaderCursor`): rolled back with a
+        retried step, restored from the job's store for a respawned rank; see :mod:`ftrun.data`.
+        Outside :meth:`epochs`, one call is one pass (the loop sends no end-of-loop message).
+        """
+        from .data import EpochProgress, LoaderCursor
+
+        if self._progress is None:
+            self._progress = EpochProgress()
+            self.register("epochs", self._progress)
+            self._first_step = 0
+            self._resume_step = self._enter_loop(0)
+        progress = self._progress
+        epoch = -1 if progress.epoch is None else progress.epoch
+        cursor = LoaderCursor(loader, epoch)
+        self.register(name, cursor, kind="rank")
+        start = progress.step
+        step = start
+        if self._resume_step is not None:
+            step, self._resume_step = max(start, self._resume_step), None
+            cursor.position = step - start
+        yield from self._step_loop(step, None, cursor)
+        if progress.epoch == epoch or epoch < 0:  # else a recovery brought the donor's later epoch
+            progress.step = self._next_step
+
+    def _enter_loop(self, step: int) -> int:
+        """Before the first step: resume from a checkpoint, or join the job (a respawned rank), or
+        recover from a failed initial broadcast. Returns the first step to run."""
         if self.resume_dir is not None:
             step = max(step, self._resume() + 1)
         if self.joining:
@@ -608,18 +773,41 @@ class Worker:
         elif self._error is not None:  # the initial broadcast failed
             reason, self._error = self._error, None
             step = self._recover(reason) + 1
-        while step < num_steps:
+        return step
+
+    def _step_loop(self, step: int, total: int | None, cursor: Any) -> Iterator[tuple["Step", Any]]:
+        """The step loop shared by :meth:`steps` and :meth:`batches`: run steps from ``step`` up to
+        ``total`` (or until ``cursor``'s loader is exhausted), recovering and retrying failed ones.
+        :attr:`_next_step` is the step after the last one run, when it ends."""
+        self._next_step = step
+        while total is None or step < total:
             if self._poll_abort():
                 step = self._recover(None) + 1
+                if cursor is not None and self._after_recovery_epoch_moved(cursor):
+                    self._next_step = step
+                    return
                 continue
+            if cursor is not None and cursor.exhausted():
+                break
             self.faults.point("before_forward", step)
             self._current_step = step
-            self._send(MsgType.STEP_BEGIN, step=step, total=num_steps)
+            self._send(MsgType.STEP_BEGIN, step=step, total=total if total is not None else self._loop_total(cursor))
             if self.seed is not None:
                 seed_everything(step_seed(self.seed, step, self.rank))
+            if self._rank_record is not None:  # a respawned rank: its predecessor's own state
+                record, self._rank_record = self._rank_record, None
+                for name, state in record.items():
+                    if name in self.registry and self.kinds[name] == "rank":
+                        self.registry[name].load_state_dict(state)
             if self.managed:
                 self._snapshot_step_start()
-            yield Step(step, self)
+            batch = None
+            if cursor is not None:
+                try:
+                    batch = cursor.next()
+                except StopIteration:
+                    break
+            yield Step(step, self, cursor.position - 1 if cursor is not None else None), batch
             self._in_collective = False
             if self._pending_uce is not None:  # raised in backward, and no opt.step() followed
                 failed, self._pending_uce = self._pending_uce, None
@@ -632,12 +820,41 @@ class Worker:
             if self._error is not None or (self.managed and self._abort_generation is not None):
                 reason, self._error = self._error, None
                 step = self._recover(reason) + 1
+                self._next_step = step
+                if cursor is not None and self._after_recovery_epoch_moved(cursor):
+                    return
                 continue
             if self.save_steps and (step + 1) % self.save_steps == 0 and self.committed == step:
                 self._save_periodic(step)
             self.faults.point("between_steps", step)
             step += 1
-        self._send(MsgType.STEPS_END)
+            self._next_step = step
+        self._next_step = step
+
+    def _loop_total(self, cursor: Any) -> int | None:
+        """The run's last step + 1 as far as it is known (shown on the console): the end of the
+        epoch loop if every epoch is as long as this one, else the end of this pass."""
+        try:
+            length = len(cursor.loader)
+        except TypeError:
+            return None
+        progress = self._progress
+        epochs_left = 1
+        if progress is not None and progress.epoch is not None and self._epochs_stop is not None:
+            epochs_left = max(1, self._epochs_stop - progress.epoch)
+        return (progress.step if progress is not None else 0) + length * epochs_left
+
+    def _after_recovery_epoch_moved(self, cursor: Any) -> bool:
+        """After a recovery inside a pass: whether the donor's epoch is past this pass's (then the
+        pass ends here, and :meth:`epochs` puts the received replica state back after the
+        epoch's end ran)."""
+        progress = self._progress
+        if progress is None or progress.epoch is None or cursor.epoch < 0 or progress.epoch == cursor.epoch:
+            return False
+        from .checkpoint import snapshot
+
+        self._epoch_stash = {n: snapshot(o.state_dict()) for n, o in self.registry.items() if self.kinds[n] == "replica"}
+        return True
 
     def _poll_abort(self, timeout: float = 0.0, newer_than: int | None = None) -> bool:
         """Take supervisor messages; True once an abort for a generation newer than
@@ -707,9 +924,29 @@ class Worker:
                 continue
             self._abort_generation = None
             self.committed = plan["step"]
+            if self._fresh:
+                self._fresh = False
+                self._take_rank_record(plan["step"])
             self._send(MsgType.RECOVERED, generation=generation, role=role, bytes=nbytes,
                        seconds=transfer_s, rebuild_seconds=rebuild_s)
             return plan["step"]
+
+    def _take_rank_record(self, step: int) -> None:
+        """A respawned rank: fetch its predecessor's own state at committed ``step`` from the store
+        (applied at its first step start); without one, say that it starts fresh."""
+        from .rankstate import RankStateStore
+
+        record = None
+        failure = None
+        try:
+            record = RankStateStore(self._base_store(), self.attempt, self.rank).get(step)
+        except Exception as err:
+            failure = _describe(err)
+        if record is not None:
+            self._rank_record = record
+        elif step >= 0 and (self.seed is None or failure is not None):
+            print(f"ftrun: rank {self.rank}: no record of its own state (RNG, data position) at step {step}"
+                  f"{': ' + failure if failure else ''}; it continues from a fresh one", file=sys.stderr, flush=True)
 
     def _transfer(self, plan: Message) -> tuple[str, int, float]:
         """Carry out this rank's part of the plan: ('donor'|'recipient'|'none'|'failed', bytes, seconds)."""
@@ -830,10 +1067,12 @@ class Step(int):
     """
 
     _worker: Worker
+    index: int | None  # the batch's place in its pass (ft.batches), counted from 0; else None
 
-    def __new__(cls, value: int, worker: Worker) -> "Step":
+    def __new__(cls, value: int, worker: Worker, index: int | None = None) -> "Step":
         obj = super().__new__(cls, value)
         obj._worker = worker
+        obj.index = index
         return obj
 
     def __enter__(self) -> "Step":
@@ -931,14 +1170,18 @@ def _buckets(tensors: Sequence[torch.Tensor], cap: int) -> Iterator[list[torch.T
         yield bucket
 
 
-def init(backend: str | None = None, replica_groups: Sequence[Sequence[int]] | None = None, seed: int | None = 0) -> Worker:
+def init(backend: str | None = None, replica_groups: Sequence[Sequence[int]] | None = None, seed: int | None = None) -> Worker:
     """Join the job: connect to the supervisor and build the process group.
 
     Args:
         backend: ``"gloo"`` or ``"nccl"`` (default: NCCL when CUDA is available, else gloo).
         replica_groups: the partition of ranks into groups of identical state (MindSpore's
             ``group_info``); default pure data parallel: all ranks are replicas of each other.
-        seed: reseed every step from (seed, step, rank) for exact replay (None: leave RNGs alone).
+        seed: if given, torch, numpy and ``random`` are reseeded at every step start from
+            (seed, step, rank) (the examples' batches-as-a-function-of-the-step style). Default
+            None: the random streams are left alone, as in a plain script; they are each rank's
+            own state, rolled back with a retried step and carried to a respawned rank through
+            the job's store, so a run with faults still draws what a run without draws.
 
     Returns:
         The :class:`Worker` (one per process; later calls return the same one).

@@ -1,0 +1,123 @@
+"""Real training scripts on the worker library (issue 11): pytorch/examples' mnist in data-parallel
+form (examples/mnist.py, an epoch loop over a DataLoader with a DistributedSampler) ends with the
+parameters of its plain-torchrun twin (examples/mnist_torchrun.py), bitwise, without and with
+faults. 2 ranks, 2 epochs of 12 steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+FINAL = re.compile(r"final step=(\d+) loss=\S+ test_accuracy=(\S+) params_sha256=([0-9a-f]{64})")
+MNIST_ARGS = ["--epochs", "2", "--log-interval", "4"]
+
+pytestmark = pytest.mark.integration
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if not k.startswith(("FTRUN_", "TORCHELASTIC_", "MS_ENABLE_TFT"))}
+    out.update(extra or {})
+    return out
+
+
+def _digest(stdout: str) -> str:
+    match = FINAL.search(stdout)
+    assert match, f"no final line in output:\n{stdout[-4000:]}"
+    return match.group(3)
+
+
+def _events(log_dir: Path) -> list[dict]:
+    path = log_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _ftrun_cmd(log_dir: Path, script: str, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "ftrun", "--worker_num", "2", "--master_port", "0", "--plain",
+            "--log_dir", str(log_dir), "--tail_worker_log", "0", "--max_restarts", "3",
+            str(EXAMPLES / script), *args]
+
+
+def _run_ftrun(tmp_path: Path, script: str, args: list[str], fault: str | None = None) -> tuple[str, list[dict]]:
+    log_dir = tmp_path / "logs"
+    proc = subprocess.run(_ftrun_cmd(log_dir, script, args), env=_env({"FTRUN_FAULT": fault} if fault else None),
+                          capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
+    return _digest(proc.stdout), _events(log_dir)
+
+
+def _assert_recovered_in_place(events: list[dict], faulted: set[int]) -> None:
+    pids: dict[int, list[int]] = {}
+    for ev in events:
+        if ev["kind"] == "rank_started":
+            pids.setdefault(ev["rank"], []).append(ev["pid"])
+    for rank, started in pids.items():
+        if rank not in faulted:
+            assert len(started) == 1, f"rank {rank} was restarted: {started}"
+    assert not [e for e in events if e["kind"] == "job_restarting"], "fell back to a whole-job restart"
+    assert [e for e in events if e["kind"] == "recovery_finished"], "no recovery finished"
+
+
+@pytest.fixture(scope="module")
+def mnist_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The torchrun twin's parameters (plain DDP, no ftrun)."""
+    cwd = tmp_path_factory.mktemp("mnist_torchrun")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2",
+                           str(EXAMPLES / "mnist_torchrun.py"), *MNIST_ARGS],
+                          env=_env(), capture_output=True, text=True, timeout=280, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return _digest(proc.stdout)
+
+
+def test_mnist_matches_torchrun_twin(tmp_path: Path, mnist_reference: str) -> None:
+    digest, events = _run_ftrun(tmp_path, "mnist.py", MNIST_ARGS)
+    assert digest == mnist_reference
+    assert not [e for e in events if e["kind"] == "rank_failed"]
+
+
+def test_mnist_outside_sigkill_mid_epoch(tmp_path: Path, mnist_reference: str) -> None:
+    """SIGKILL of rank 1 from outside in epoch 2: only rank 1 is respawned; it resumes in epoch 2
+    at its predecessor's place in the DataLoader with its RNG (dropout), and the run ends bitwise
+    equal to the twin's."""
+    log_dir = tmp_path / "logs"
+    proc = subprocess.Popen(_ftrun_cmd(log_dir, "mnist.py", MNIST_ARGS), env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=tmp_path, start_new_session=True)
+    try:
+        log = log_dir / "worker_0.log"
+        deadline = time.monotonic() + 240
+        while not (log.exists() and "Train Epoch: 2 [256/" in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "epoch 2 never reached"
+            time.sleep(0.05)
+        pid = next(e["pid"] for e in _events(log_dir) if e["kind"] == "rank_started" and e["rank"] == 1)
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out[-4000:]
+    assert _digest(out) == mnist_reference
+    events = _events(log_dir)
+    _assert_recovered_in_place(events, {1})
+    assert [e["rank"] for e in events if e["kind"] == "rank_failed"] == [1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", [
+    "rank=1,step=12,point=allreduce,kind=kill",        # the first step of epoch 2
+    "rank=1,step=11,point=optimizer,kind=recoverable",  # the last step of epoch 1: peers commit it
+])
+def test_mnist_injected_faults(tmp_path: Path, mnist_reference: str, fault: str) -> None:
+    digest, events = _run_ftrun(tmp_path, "mnist.py", MNIST_ARGS, fault)
+    assert digest == mnist_reference
+    assert [e for e in events if e["kind"] == "recovery_finished"]
