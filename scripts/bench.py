@@ -4,6 +4,7 @@
     python scripts/bench.py --quick              # a smoke run of every part (a few minutes)
     python scripts/bench.py --parts recovery --repeats 5
     python scripts/bench.py --parts multinode --repeats 3   # 2 hosts x 2 ranks (network namespaces, root)
+    python scripts/bench.py --parts nodeloss --repeats 2    # a whole host lost, a replacement on a third
     python scripts/bench.py --from_json results.json --plots docs   # tables and figures again
 
 Every case runs the same job under both launchers:
@@ -44,6 +45,15 @@ shared (both hosts are one machine: a shared file system). One fault-free run of
 first gives the reference ``params_sha256`` of each; a failed run's logs are kept (the path is in
 its error).
 
+The ``nodeloss`` part runs the same 2 x 2 job on 3 hosts, host 2 idle. When rank 0 prints the
+kill step, every process in host 1's namespace (its launcher and ranks 2 and 3) is SIGKILLed and a
+replacement launcher with the same command and node index 1 is started at once on host 2 (what a
+Kubernetes or Slurm restart of the pod would do, without its scheduling delay; the replacement's
+start-up is inside recover_s). ftrun adds ``--node_wait_timeout 120 --max_restarts 4``; torchrun's
+replacement agent uses host 2's ``--local-addr``. For ftrun recover_s is split from node 0's
+events.jsonl into detection (kill to node_lost), join (to the replacement's node_joined), recovery
+(to recovery_finished) and the retried step; which ranks kept their pid is recorded.
+
 Ratios (torchrun/ftrun recovery, ftrun/torchrun step time) are taken pair by pair: each repeat runs
 both launchers back to back, so load on the machine hits both alike. ``--json`` keeps every raw run.
 """
@@ -75,8 +85,8 @@ STEP = re.compile(r"step (\d+) loss \S+ time (\d+\.\d+)")
 FINAL = re.compile(r"final step=(\d+) loss=\S+ test_accuracy=(\S+) params_sha256=([0-9a-f]{64})")
 STATE_MB = re.compile(r"state_mb=(\S+)")
 LAUNCHERS = ("ftrun", "torchrun")
-PARTS = ("recovery", "scaling-world", "scaling-state", "overhead", "memory", "transfer", "multinode")
-DEFAULT_REPEATS = {"recovery": 2, "overhead": 2, "multinode": 3}
+PARTS = ("recovery", "scaling-world", "scaling-state", "overhead", "memory", "transfer", "multinode", "nodeloss")
+DEFAULT_REPEATS = {"recovery": 2, "overhead": 2, "multinode": 3, "nodeloss": 2}
 """Runs of each case per launcher when --repeats is not given (other parts: --scaling_repeats)."""
 RDZV_PORT = 29400  # torchrun's c10d rendezvous on host 0 (a fresh namespace: every port is free)
 FTRUN_PORT = 29500  # ftrun's store on host 0
@@ -127,6 +137,7 @@ class Run:
     peak_rss_mb: dict[str, float] = field(default_factory=dict)
     victim_node: int | None = None  # multinode: the node (host) the killed rank ran on
     exit_codes: list[int] = field(default_factory=list)  # multinode: each node's launcher
+    pids: dict[str, Any] = field(default_factory=dict)  # nodeloss: rank pids before the kill and after recovery
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -322,10 +333,11 @@ def _base_env() -> dict[str, str]:
 
 
 def multinode_command(launcher: str, case: Case, node: int, hosts: list[Any], workdir: Path,
-                      token: str) -> tuple[list[str], dict[str, str], str]:
+                      token: str, extra: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str], str]:
     """(argv, environment, script file name) of node ``node``'s launcher for ``case`` on ``hosts``.
 
     ``hosts`` are ``nethosts.NetHost`` objects (``.addr``, ``.env()``); node 0 hosts the store.
+    ``extra``: launcher options placed after the defaults (a repeated option overrides them).
     """
     script = SCRIPTS[(case.workload, launcher)]
     local = case.ranks // case.nodes
@@ -339,7 +351,7 @@ def multinode_command(launcher: str, case: Case, node: int, hosts: list[Any], wo
         cmd = [sys.executable, "-m", "ftrun", "--worker_num", str(case.ranks), "--local_worker_num", str(local),
                "--node_rank", str(node), "--master_addr", hosts[0].addr, "--master_port", str(FTRUN_PORT), "--plain",
                "--log_dir", str(workdir / f"logs{node}"), "--checkpoint_dir", str(workdir / "ckpt"),
-               "--tail_worker_log", "0" if node == 0 else "", "--max_restarts", "1", *common]
+               "--tail_worker_log", "0" if node == 0 else "", "--max_restarts", "1", *extra, *common]
     else:
         # What torchrun needed to restart at all across two hosts (see docs/benchmarks.md):
         # its own worker store (not the rendezvous one), the data-plane interface for gloo, this
@@ -349,7 +361,7 @@ def multinode_command(launcher: str, case: Case, node: int, hosts: list[Any], wo
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(case.nodes), "--nproc-per-node", str(local),
                "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].addr}:{RDZV_PORT}",
                "--rdzv-id", "bench", "--rdzv-conf", f"is_host={1 if node == 0 else 0}", "--local-addr", hosts[node].addr,
-               "--max-restarts", "1", "--monitor-interval", "0.1",
+               "--max-restarts", "1", "--monitor-interval", "0.1", *extra,
                *common, "--ckpt_dir", str(workdir / "ckpt"), "--ckpt_every", str(case.ckpt_every)]
     return cmd, env, script
 
@@ -457,6 +469,179 @@ def _run_multinode_in(launcher: str, case: Case, hosts: list[Any], workdir: Path
     return run
 
 
+# ------------------------------------------------------------------------------- node loss
+NODELOSS_FTRUN = ("--node_wait_timeout", "120", "--max_restarts", "4")
+"""ftrun options of the nodeloss part (after multinode's: a repeated option overrides)."""
+
+
+def run_nodeloss_job(launcher: str, case: Case, timeout: float = 420) -> Run:
+    """Lose a whole node: ``case.nodes`` launchers on the first test hosts of ``case.nodes + 1``;
+    when rank 0 prints ``case.kill_step``, SIGKILL every process in the last node's namespace and at
+    once start a replacement launcher for that node (same command, same node index) on the spare
+    host, as a pod restart would. Measured as :func:`run_job`. ``case.kill_step`` None: a
+    fault-free run on the first ``case.nodes`` hosts (the reference digest).
+
+    Raises:
+        RuntimeError: a launcher other than the killed one failed or timed out, no final line, or
+            the kill did not happen (the logs are kept; the path is in the message).
+    """
+    from nethosts import HostNetwork
+
+    workdir = Path(tempfile.mkdtemp(prefix=f"bench-nl-{launcher}-"))
+    net = None
+    try:
+        net = HostNetwork(case.nodes + 1)
+        return _run_nodeloss_in(launcher, case, net.hosts, workdir, timeout)
+    except RuntimeError as err:
+        kept = Path(tempfile.mkdtemp(prefix=f"bench-nl-failed-{launcher}-"))
+        shutil.copytree(workdir, kept, ignore=shutil.ignore_patterns("ckpt"), dirs_exist_ok=True)
+        raise RuntimeError(f"{err}\n(logs kept in {kept})") from None
+    finally:
+        if net is not None:
+            net.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run_nodeloss_in(launcher: str, case: Case, hosts: list[Any], workdir: Path, timeout: float) -> Run:
+    token = secrets.token_hex(24)
+    extra = NODELOSS_FTRUN if launcher == "ftrun" else ()
+    lost, spare = case.nodes - 1, case.nodes  # the node lost and the host its replacement starts on
+    script = SCRIPTS[(case.workload, launcher)]
+    procs: list[subprocess.Popen[str]] = []
+    tails: list[list[str]] = []
+    threads: list[threading.Thread] = []
+    lines: list[tuple[int, float]] = []
+    kill: dict[str, Any] = {}
+    pids: dict[str, Any] = {}
+    lock = threading.RLock()
+
+    def rank_pids() -> dict[int, int | None]:
+        found: dict[int, int | None] = {}
+        for rank in range(case.ranks):
+            found[rank] = next((pid for proc in procs if (pid := find_rank_pid(proc.pid, rank, script))), None)
+        return found
+
+    def start(node: int, host_list: list[Any], log_suffix: str = "") -> None:
+        cmd, env, _ = multinode_command(launcher, case, node, host_list, workdir, token, extra)
+        if launcher == "ftrun" and log_suffix:
+            cmd[cmd.index("--log_dir") + 1] += log_suffix  # keep the lost node's logs apart
+        proc = host_list[node].popen(cmd, env=env, cwd=str(workdir), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        procs.append(proc)
+        tails.append([])
+        thread = threading.Thread(target=reader, args=(len(procs) - 1,), daemon=True)
+        threads.append(thread)
+        thread.start()
+
+    def reader(index: int) -> None:
+        out = procs[index].stdout
+        assert out is not None
+        for line in out:
+            tails[index].append(line.rstrip())
+            del tails[index][:-400]
+            match = STEP.search(line)
+            if not match:
+                continue
+            step, stamp = int(match.group(1)), float(match.group(2))
+            with lock:
+                lines.append((step, stamp))
+                if case.kill_step is None:
+                    continue
+                if step == case.kill_step and "time" not in kill:
+                    pids["before"] = rank_pids()
+                    victims = hosts[lost].pids()
+                    kill["time"] = time.time()
+                    for pid in victims:
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                    kill["killed"] = len(victims)
+                    # The replacement: same command and node index, the spare host's address.
+                    start(lost, [*hosts[:lost], hosts[spare]], "-replacement")
+                    kill["replacement_started"] = time.time() - kill["time"]
+                elif "time" in kill and "after" not in pids and step >= case.kill_step + 20:
+                    pids["after"] = rank_pids()
+
+    started = time.time()
+    with lock:
+        for node in range(case.nodes):
+            start(node, hosts)
+    deadline = started + timeout
+    timed_out = True
+    while time.time() < deadline:
+        with lock:
+            current = list(procs)
+        if all(proc.poll() is not None for proc in current):
+            timed_out = False
+            break
+        time.sleep(0.2)
+    with lock:
+        current = list(procs)
+    if timed_out:
+        for proc in current:
+            _kill_tree(proc.pid)
+    for proc in current:
+        proc.wait()
+    for thread in threads:
+        thread.join(timeout=10)
+    total = time.time() - started
+    codes = [proc.returncode for proc in current]
+    text = "\n".join(line for tail in tails for line in tail)
+    final = FINAL.search(text)
+    # The killed launcher's own exit code does not count (index ``lost``, SIGKILLed).
+    bad = [c for i, c in enumerate(codes) if c and not (i == lost and "time" in kill)]
+    if timed_out or bad or final is None or (case.kill_step is not None and "time" not in kill):
+        names = [f"node {n}" for n in range(case.nodes)] + [f"node {lost} replacement (host {spare})"]
+        raise RuntimeError(
+            f"{launcher} nodeloss {case.label()}: exit codes {codes}{' (timed out)' if timed_out else ''}, final line "
+            f"{'found' if final else 'missing'}, kill {'done' if kill else 'not done'}:\n"
+            + "\n".join(f"--- {names[n]} ---\n" + "\n".join(tail[-40:]) for n, tail in enumerate(tails)))
+    lines.sort(key=lambda x: x[1])
+    run = Run(launcher, case, total_s=total, step_s=None, final=final.group(0), exit_codes=codes,
+              pids={k: {str(r): p for r, p in v.items()} for k, v in pids.items()})
+    if case.kill_step is None:
+        run.step_s = steady_step_time(lines)
+        return run
+    run.victim_node = lost
+    analyse_fault(run, lines, kill["time"], None)
+    # What the surviving launcher said about the fault (torchrun's agent logs, ftrun's events).
+    run.pids["node0_log"] = [line for line in tails[0] if not STEP.search(line)
+                             and re.search(r"elastic|rendezvous|restart|node_lost|node_joined|recover", line, re.I)][-40:]
+    run.breakdown["killed_processes"] = kill["killed"]
+    run.breakdown["replacement_started"] = round(kill["replacement_started"], 4)
+    if launcher == "ftrun":
+        passed = kill["time"] + (run.recover_s or 0.0)
+        run.breakdown.update(nodeloss_breakdown(workdir / "logs0" / "events.jsonl", kill["time"], passed))
+    return run
+
+
+def nodeloss_breakdown(events_path: Path, kill_time: float, passed: float) -> dict[str, float]:
+    """Split ftrun's recovery from a lost node (kill -> failed step done again) from node 0's
+    events.jsonl: detection (kill -> node_lost), join (node_lost -> the replacement's node_joined),
+    recovery (node_joined -> recovery_finished: respawn of the node's ranks, their set-up, the group
+    rebuild and the state transfer) and retried (-> the failed step done); with recovery_finished's
+    own figures (transfer, rebuild, bytes) and the total it reports."""
+    events = [json.loads(line) for line in events_path.read_text().splitlines() if line.strip()]
+    lost = next(e for e in events if e["kind"] == "node_lost" and e["time"] > kill_time)
+    joined = next(e for e in events if e["kind"] == "node_joined" and e["time"] > lost["time"])
+    finished = next(e for e in events if e["kind"] == "recovery_finished" and e["time"] > lost["time"])
+    detail = finished["detail"]
+    parts = {
+        "detection": lost["time"] - kill_time,
+        "join": joined["time"] - lost["time"],
+        "recovery": finished["time"] - joined["time"],
+        "retried": passed - finished["time"],
+        "transfer": float(detail.get("transfer_seconds") or 0.0),
+        "rebuild": float(detail.get("rebuild_seconds") or 0.0),
+        "respawn": max((float(v) for v in (detail.get("respawn_seconds") or {}).values()), default=0.0),
+        "bytes": float(detail.get("bytes") or 0),
+        "reported_total": float(detail.get("total_seconds") or 0.0),
+        "failed_ranks": len(detail.get("failed") or []),
+    }
+    return {k: round(v, 4) for k, v in parts.items()}
+
+
 def steady_step_time(lines: list[tuple[int, float]], skip: tuple[float, float] | None = None) -> float | None:
     """Median interval between consecutive steps' lines after warm-up, leaving out intervals that
     overlap ``skip`` (a (start, end) window around a fault)."""
@@ -561,6 +746,10 @@ def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
         # single-node digits case, so torchrun's recompute is comparable.
         parts["multinode"] = [Case("digits", "-", 4, 100 if q else 200, 40 if q else 60, victim=3, ckpt_every=25,
                                    nodes=2)]
+    if "nodeloss" in args.parts:
+        # 2 hosts x 2 ranks and a spare host; all of host 1 (ranks 2 and 3, its launcher) is killed.
+        parts["nodeloss"] = [Case("digits", "-", 4, 100 if q else 200, 40 if q else 60, victim=3, ckpt_every=25,
+                                  nodes=2)]
     return parts
 
 
@@ -574,14 +763,14 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         results["transfer"] = run_transfer(sizes, 1 if args.quick else 3)
     for part, cases in plan(args).items():
         job = run_job
-        if part == "multinode":
+        if part in ("multinode", "nodeloss"):
             reason = multinode_unavailable()
             if reason is not None:
-                print(f"[multinode] skipped: {reason}", file=sys.stderr, flush=True)
+                print(f"[{part}] skipped: {reason}", file=sys.stderr, flush=True)
                 results.setdefault("skipped", {})[part] = reason
                 continue
-            job = run_multinode_job
-            results["multinode_reference"] = multinode_references(cases, results)
+            job = run_multinode_job if part == "multinode" else run_nodeloss_job
+            results[f"{part}_reference"] = multinode_references(cases, results, part, job)
         runs: list[dict[str, Any]] = []
         results["parts"][part] = runs
         if part in DEFAULT_REPEATS:
@@ -606,16 +795,18 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def multinode_references(cases: list[Case], results: dict[str, Any]) -> list[dict[str, Any]]:
-    """One fault-free run of each multinode case under each launcher: the reference digests."""
+def multinode_references(cases: list[Case], results: dict[str, Any], part: str = "multinode",
+                         job: Any = None) -> list[dict[str, Any]]:
+    """One fault-free run of each multinode (or nodeloss) case under each launcher: the reference digests."""
+    job = job or run_multinode_job
     refs = []
     for case in cases:
         clean = Case(case.workload, case.size, case.ranks, case.steps, None, ckpt_every=case.ckpt_every,
                      args=case.args, nodes=case.nodes)
         for launcher in LAUNCHERS:
-            print(f"[multinode] {clean.label()} {launcher} fault-free reference ...", file=sys.stderr, flush=True)
+            print(f"[{part}] {clean.label()} {launcher} fault-free reference ...", file=sys.stderr, flush=True)
             try:
-                run = run_multinode_job(launcher, clean)
+                run = job(launcher, clean)
             except RuntimeError as err:
                 print(f"    FAILED: {err}", file=sys.stderr, flush=True)
                 results.setdefault("errors", []).append(str(err)[-3000:])
@@ -736,6 +927,41 @@ def breakdown_table(runs: list[dict[str, Any]]) -> list[str]:
     return out + ["", "torchrun:"] + tr
 
 
+NODELOSS_PARTS = ("detection", "join", "recovery", "retried", "transfer", "rebuild")
+
+
+def nodeloss_table(runs: list[dict[str, Any]]) -> list[str]:
+    """ftrun's node-loss recovery split (see :func:`nodeloss_breakdown`) and torchrun's restart/recompute."""
+    out = [f"{'case':<18} {'recover_s':>9} " + " ".join(f"{p:>9}" for p in NODELOSS_PARTS) + f" {'MB':>6}"]
+    tr = [f"{'case':<18} {'recover_s':>9} {'restart':>9} {'recompute':>9}"]
+    for key, group in _groups(runs).items():
+        rows = group["ftrun"]
+        if rows:
+            nbytes = _med([r["breakdown"].get("bytes") for r in rows]) or 0.0
+            out.append(f"{_label(key):<18} {_fmt(_med([r['recover_s'] for r in rows])):>9} "
+                       + " ".join(f"{_fmt(_med([r['breakdown'].get(p) for r in rows]), 3):>9}" for p in NODELOSS_PARTS)
+                       + f" {nbytes / 1e6:>6.1f}")
+        rows = group["torchrun"]
+        if rows:
+            tr.append(f"{_label(key):<18} {_fmt(_med([r['recover_s'] for r in rows])):>9} "
+                      f"{_fmt(_med([r['breakdown'].get('restart') for r in rows])):>9} "
+                      f"{_fmt(_med([r['breakdown'].get('recompute') for r in rows])):>9}")
+    return out + ["", "torchrun:"] + tr
+
+
+def nodeloss_pid_notes(runs: list[dict[str, Any]]) -> list[str]:
+    """Per run: which ranks kept their pid through the node loss (pids before the kill and 20 steps after)."""
+    out = []
+    for r in runs:
+        before, after = r.get("pids", {}).get("before", {}), r.get("pids", {}).get("after", {})
+        kept = [k for k in sorted(before) if before[k] and before[k] == after.get(k)]
+        new = [k for k in sorted(after) if after[k] and after[k] != before.get(k)]
+        out.append(f"{r['launcher']} repeat {r['repeat'] + 1}: ranks with the same pid after recovery {kept or '-'}, "
+                   f"new pid {new or '-'}; {r['breakdown'].get('killed_processes', '?'):.0f} processes killed on host 1; "
+                   f"exit codes {r.get('exit_codes')}")
+    return out
+
+
 def overhead_table(runs: list[dict[str, Any]]) -> list[str]:
     """Fault-free step time of ftrun against plain torchrun DDP, ratio pair by pair."""
     out = [f"{'case':<18} {'ftrun_ms':>8} {'torchrun_ms':>11} {'spread_ft':>9} {'spread_tr':>9} {'overhead':>8}"]
@@ -783,6 +1009,17 @@ def report(results: dict[str, Any]) -> str:
         lines += [""] + multinode_notes(parts["multinode"], results.get("multinode_reference", []))
     elif results.get("skipped", {}).get("multinode"):
         lines += ["", f"== multinode: skipped: {results['skipped']['multinode']}"]
+    if "nodeloss" in parts:
+        lines += ["", "== nodeloss: 2 hosts x 2 ranks; every process of host 1 SIGKILLed from outside, a replacement "
+                      "launcher (same command, --node_rank 1) started at once on host 2; recovery time (tr/ft: "
+                      "torchrun/ftrun, pairwise median)"]
+        lines += fault_table(parts["nodeloss"])
+        lines += ["", "== nodeloss: where the recovery time goes (medians, seconds)"]
+        lines += nodeloss_table(parts["nodeloss"])
+        lines += [""] + multinode_notes(parts["nodeloss"], results.get("nodeloss_reference", []))
+        lines += nodeloss_pid_notes(parts["nodeloss"])
+    elif results.get("skipped", {}).get("nodeloss"):
+        lines += ["", f"== nodeloss: skipped: {results['skipped']['nodeloss']}"]
     if "overhead" in parts:
         lines += ["", "== overhead: fault-free step time, ftrun against plain torchrun DDP (pairwise median)"]
         lines += overhead_table(parts["overhead"])
@@ -956,6 +1193,7 @@ def merge(many: list[dict[str, Any]]) -> dict[str, Any]:
         out.setdefault("errors", []).extend(results.get("errors", []))
         out.setdefault("transfer", []).extend(results.get("transfer", []))
         out.setdefault("multinode_reference", []).extend(results.get("multinode_reference", []))
+        out.setdefault("nodeloss_reference", []).extend(results.get("nodeloss_reference", []))
         out.setdefault("skipped", {}).update(results.get("skipped", {}))
     return out
 
@@ -964,7 +1202,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     parser.add_argument("--repeats", type=int, default=None,
-                        help="runs of each recovery, overhead and multinode case per launcher (default 2, multinode 3)")
+                        help="runs of each recovery, overhead, multinode and nodeloss case per launcher (default 2, multinode 3)")
     parser.add_argument("--scaling_repeats", type=int, default=1,
                         help="runs of each case of scaling-world, scaling-state and memory (default 1)")
     parser.add_argument("--quick", action="store_true", help="short jobs, small worlds and sizes: a smoke run")
