@@ -676,6 +676,16 @@ class Coordinator:
             if not isinstance(node, int) or not 0 < node < self.spec.nnodes:
                 self.reject(identity, f"agent hello for node {node!r}: not a node of this job")
                 return
+            current = self.agents.get(node)
+            if (isinstance(current, RemoteAgent) and self.spec.tft.arf
+                    and now - current.last_seen > 2 * self.spec.heartbeat_interval):
+                # A replacement launcher (a restarted pod) can say hello before the old agent's
+                # silence reaches --heartbeat_timeout: the old one is already quiet, so it is lost.
+                result = self.node_lost(node, f"node {node} replaced: a new launcher joined while its agent had "
+                                              f"been silent for {now - current.last_seen:.1f} s")
+                if result is not None:
+                    self._pending_exit = result
+                    return
             if node in self.agents or (node in self.lost_nodes and node not in self._waiting_for):
                 why = ("was declared lost and is not awaited any more" if node in self.lost_nodes
                        else "is already connected")

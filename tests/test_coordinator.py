@@ -415,3 +415,20 @@ def test_a_section_has_its_own_bound_and_does_not_poison_step_times(tmp_path: Pa
     assert agent.hung == [(2, True)]
     coord.check_processes()
     assert "section 'save'" in events(tmp_path, "rank_hung")[0]["message"]
+
+
+def test_early_replacement_of_a_silent_node_is_taken(tmp_path: Path) -> None:
+    """A restarted pod can say hello before the old agent's silence reaches the heartbeat timeout:
+    if the old agent is already quiet, the node is taken as lost and the newcomer replaces it; a
+    second launcher for a node whose agent is alive is refused."""
+    coord, agent, clock = make(tmp_path, world=4, local=2)
+    join_node1(coord)
+    hello_all(coord)
+    step(coord, 0)
+    join_node1(coord, b"agent-1-dup")  # the agent beats: a duplicate, refused
+    assert coord.agents[1].identity == b"agent-1"
+    clock.now += 3.0  # quiet for 3 beats, still within --heartbeat_timeout
+    beat_all(coord)
+    join_node1(coord, b"agent-1-new")
+    assert coord.agents[1].identity == b"agent-1-new"
+    assert events(tmp_path, "node_lost") and coord.recovery is not None and coord.recovery.failed == {2, 3}
