@@ -1202,8 +1202,11 @@ class Coordinator:
         if rec.plan is None:
             if now - rec.round_started <= REPORT_DEADLINE_S:
                 return False
-            late = [r for r in live if r.rank not in rec.reports]
-            what = f"did not answer the abort of generation {rec.generation} within {REPORT_DEADLINE_S:g} s"
+            # A rank blocked in torch.distributed is released by the abort (its connections cut)
+            # and answers; it gets the plan's longer bound before it is taken for hung.
+            waited = now - rec.round_started
+            late = [r for r in live if r.rank not in rec.reports and (r.in_dist is not True or waited > PLAN_DEADLINE_S)]
+            what = f"did not answer the abort of generation {rec.generation} within {waited:.0f} s"
         else:
             if now - rec.planned_at <= PLAN_DEADLINE_S:
                 return False

@@ -183,6 +183,7 @@ class Worker:
         self._save_request: Message | None = None
         self.recoverable_names = {n.strip() for n in os.environ.get("FTRUN_RECOVERABLE_ERRORS", "").split(",") if n.strip()}
         self._in_collective = False
+        self._io_abort_generation = -1  # newest abort generation the I/O thread has seen
         self._waiting = threading.Event()  # set while the training thread waits for an all-reduce
         self._reducers: list[GradientReducer] = []
         self._pending_uce: str | None = None  # a recoverable error raised inside backward
@@ -379,11 +380,15 @@ class Worker:
         failure: str | None = None
         try:
             self.faults.point("init", None)
+            self._in_collective = True  # an abort (a peer died) releases it at once
+            self._release_if_aborted()
             with torch.no_grad():
                 for tensor in list(model.parameters()) + list(model.buffers()):
                     dist.broadcast(tensor.data, src=0)
         except Exception as err:  # a peer died: recorded, recovered by steps()
             failure = f"initial broadcast failed: {type(err).__name__}: {_first_line(err)}"
+        finally:
+            self._in_collective = False
         if failure is not None:
             if self.rank != 0:
                 self.committed = NO_STATE  # maybe half received: not rank 0's weights
@@ -461,6 +466,7 @@ class Worker:
         self._record_provisional()
         self._send(MsgType.COLLECTIVE, step=self._current_step if self._current_step is not None else -1)
         self._in_collective = True
+        self._release_if_aborted()
         self.faults.point("allreduce", self._current_step)
 
     def _on_hook_error(self, err: BaseException) -> bool:
@@ -592,6 +598,7 @@ class Worker:
         recoverable: str | None = None
         self._send(MsgType.COLLECTIVE, step=self._current_step if self._current_step is not None else -1)
         self._in_collective = True
+        self._release_if_aborted()
         try:
             self.faults.point("allreduce", self._current_step)
             for bucket in _buckets(grads, BUCKET_BYTES):
@@ -629,7 +636,17 @@ class Worker:
         """On the channel's I/O thread: an abort for a newer generation releases a training thread
         blocked in a collective (a hung peer, a communication stall) by cutting its connections;
         the collective then fails at once and the step loop recovers."""
+        if msg.type == MsgType.ABORT:
+            self._io_abort_generation = max(self._io_abort_generation, msg["generation"])
         if msg.type == MsgType.ABORT and self._in_collective and self.managed and msg["generation"] > self.generation:
+            self._cut_connections()
+
+    def _release_if_aborted(self) -> None:
+        """Entering a collective after an abort already arrived (the peer died while this rank was
+        still computing): nobody will release it later, so its connections are cut now and the
+        collective fails at once (set ``_in_collective`` first: the I/O thread checks it after it
+        records the abort, so one of the two always sees the other)."""
+        if self.managed and self._io_abort_generation > self.generation:
             self._cut_connections()
 
     def is_recoverable(self, err: BaseException) -> bool:

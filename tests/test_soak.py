@@ -31,7 +31,7 @@ FAULTS = 10
 def _cmd(log_dir: Path) -> list[str]:
     return [sys.executable, "-m", "ftrun", "--worker_num", "4", "--master_port", "0", "--plain", "--log_dir", str(log_dir),
             "--tail_worker_log", "0", "--max_restarts", str(FAULTS + 5), str(dj.SCRIPT), "--steps", STEPS,
-            "--log_every", "100"]
+            "--log_every", "10"]
 
 
 def test_soak_random_kills_and_stops(tmp_path: Path) -> None:

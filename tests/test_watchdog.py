@@ -52,6 +52,27 @@ def test_stuck_step_is_detected_dumped_and_replaced(reference: str, tmp_path: Pa
     assert any("faults.py" in line for line in hung["detail"]["stacks"])
 
 
+@pytest.mark.parametrize("rank, kind", [(3, "hang"), (0, "deadlock")])
+def test_rank_stuck_inside_the_allreduce_is_not_taken_for_a_communication_hang(
+        reference: str, tmp_path: Path, rank: int, kind: str) -> None:
+    # Issue 15: the stuck rank had announced the collective, so it was taken for a communication
+    # hang and the HCCE round waited for it forever. Its heartbeat thread now says it is not in
+    # torch.distributed while its peers are: it alone is replaced, and the job ends exactly once.
+    digest, events, _ = dj.run(tmp_path, f"rank={rank},step=9,point=allreduce,kind={kind}")
+    assert digest == reference
+    _assert_hang_replaced(events, rank, "no_progress")
+    assert not [e for e in _kinds(events, "recovery_started") if e["detail"]["fault"] == "comm_error"]
+
+
+def test_setup_hang_blames_only_the_hung_rank(reference: str, tmp_path: Path) -> None:
+    # Issue 15: rank 0 hangs before its initial broadcast; ranks 1-3 wait in it. Before, all four
+    # were declared hung one after another and the restart budget ran out.
+    digest, events, _ = dj.run(tmp_path, "rank=0,point=init,kind=hang", extra=("--setup_timeout", "40"))
+    assert digest == reference
+    hung = _kinds(events, "rank_hung")
+    assert [e["rank"] for e in hung] == [0] and hung[0]["detail"]["fault"] == "setup"
+
+
 def test_frozen_rank_is_replaced(long_reference: str, tmp_path: Path) -> None:
     # SIGSTOP from outside: its parent (node 0's agent) gets a SIGCHLD for the stop and reports it
     # at once; no heartbeat timeout to wait for, no stack dump possible.
