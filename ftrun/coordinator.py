@@ -1169,8 +1169,11 @@ class Coordinator:
         those not waiting in a torch.distributed call (the initial broadcast, a rendezvous) are
         hung: the others wait for them. True when it acted."""
         spec = self.spec
+        if self.recovery is not None and now - self.recovery.round_started < REPORT_DEADLINE_S:
+            return False  # ranks released by the abort (a failed broadcast) get the time to report
         overdue = [r for r in self.ranks.values() if r.alive() and r.kill_reason is None and not r.finished and r.library
                    and r.step is None and not r.steps_ended and now - r.started_at > spec.setup_timeout
+                   and r.phase == "setup"  # one that reported a fault is in a recovery round: its deadlines apply
                    and r.node in self.agents]  # a rank whose node has not (re)joined is not started yet
         if not overdue:
             return False

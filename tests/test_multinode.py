@@ -183,7 +183,7 @@ def test_torchrun_script_restarts_on_every_node(net_hosts, tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("node", [1, 0])
-def test_launcher_killed_ends_every_node(net_hosts, tmp_path: Path, node: int) -> None:  # noqa: F811
+def test_launcher_killed_ends_every_node(net_hosts, long_reference: str, tmp_path: Path, node: int) -> None:  # noqa: F811
     hosts = net_hosts(2)
     # No replacement is started: after --node_wait_timeout the job ends (dying gasp, node named).
     runs = start_job(hosts, tmp_path, steps=dj.LONG_STEPS, extra=("--node_wait_timeout", "3"))
@@ -211,6 +211,17 @@ def test_launcher_killed_ends_every_node(net_hosts, tmp_path: Path, node: int) -
         assert "node 1" in finished["message"]
         saved = [e for e in events if e["kind"] == "checkpoint_saved"]
         assert saved, "no dying-gasp checkpoint although node 0's ranks hold every shard"
+        # The same commands on both nodes resume from that checkpoint and end as without the fault.
+        again = start_job(hosts, tmp_path, steps=dj.LONG_STEPS)  # same checkpoint dir; outputs rewritten
+        try:
+            codes = wait_all(again)
+        finally:
+            for run in again:
+                if run.proc.poll() is None:
+                    os.killpg(run.proc.pid, signal.SIGKILL)
+        assert codes == [0, 0], again[0].output()[-3000:]
+        assert "starting from checkpoint" in again[0].output()
+        assert dj.digest(again[0].output(), dj.LONG_STEPS) == long_reference
     else:
         assert "coordinator" in out or "stopped" in out, out[-3000:]
 

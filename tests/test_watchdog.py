@@ -67,7 +67,7 @@ def test_rank_stuck_inside_the_allreduce_is_not_taken_for_a_communication_hang(
 def test_setup_hang_blames_only_the_hung_rank(reference: str, tmp_path: Path) -> None:
     # Issue 15: rank 0 hangs before its initial broadcast; ranks 1-3 wait in it. Before, all four
     # were declared hung one after another and the restart budget ran out.
-    digest, events, _ = dj.run(tmp_path, "rank=0,point=init,kind=hang", extra=("--setup_timeout", "40"))
+    digest, events, _ = dj.run(tmp_path, "rank=0,point=init,kind=hang", extra_env={"FTRUN_SETUP_TIMEOUT": "40"})
     assert digest == reference
     hung = _kinds(events, "rank_hung")
     assert [e["rank"] for e in hung] == [0] and hung[0]["detail"]["fault"] == "setup"
