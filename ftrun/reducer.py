@@ -33,6 +33,7 @@ their local gradients; ``backward()`` returns normally and the optimizer wrapper
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -59,6 +60,10 @@ class GradientReducer:
             a rank that starts later (respawned, resumed) must use the rebuilt layout its peers use.
         waiting: a flag the worker's heartbeat probe reads (set while this thread waits for an
             all-reduce, so the watchdog knows the rank waits in torch.distributed).
+        abandon: set (by the worker's I/O thread) when an abort for a newer generation arrived:
+            a wait in progress gives up (the step fails and is recovered) instead of trusting the
+            backend to fail an all-reduce whose peer is gone (seen in CI: a future that never
+            completed after the connections were cut).
     """
 
     def __init__(
@@ -71,6 +76,7 @@ class GradientReducer:
         on_failure: Callable[[str], None],
         waiting: threading.Event,
         is_first_step: Callable[[], bool] = lambda: True,
+        abandon: threading.Event | None = None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.world_size = world_size
@@ -78,6 +84,7 @@ class GradientReducer:
         self._is_failed = is_failed
         self._on_hook_error = on_hook_error
         self._on_failure = on_failure
+        self._abandon = abandon
         self._waiting = waiting
         self.error: str | None = None  # "Type: message" of the first failed all-reduce of this backward
         self.sync = True  # False inside no_sync(): gradients accumulate locally
@@ -224,7 +231,16 @@ class GradientReducer:
         self._waiting.set()
         try:
             for _, _, fut in self._pending:
-                fut.wait()
+                if self._abandon is None:
+                    fut.wait()
+                    continue
+                pause = 0.0
+                while not fut.done():
+                    if self._abandon.is_set():
+                        self.error = self.error or "abandoned: the job's coordinator aborted this generation"
+                        return
+                    time.sleep(pause)
+                    pause = min(0.002, pause + 0.0001)  # spin first: a healthy all-reduce ends soon
         finally:
             self._waiting.clear()
 

@@ -185,6 +185,7 @@ class Worker:
         self._in_collective = False
         self._io_abort_generation = -1  # newest abort generation the I/O thread has seen
         self._waiting = threading.Event()  # set while the training thread waits for an all-reduce
+        self._abandon = threading.Event()  # an abort for a newer generation arrived: stop waiting
         self._reducers: list[GradientReducer] = []
         self._pending_uce: str | None = None  # a recoverable error raised inside backward
         self._start_snapshot: tuple[int, Any] | None = None  # (committed step, replica+rank state) at step start
@@ -361,6 +362,7 @@ class Worker:
             on_failure=self._on_reduce_failure,
             waiting=self._waiting,
             is_first_step=lambda: self._current_step == self._first_step,
+            abandon=self._abandon,
         )
         self._reducers.append(reducer)
         reducer.attach()
@@ -638,6 +640,8 @@ class Worker:
         the collective then fails at once and the step loop recovers."""
         if msg.type == MsgType.ABORT:
             self._io_abort_generation = max(self._io_abort_generation, msg["generation"])
+            if self.managed and msg["generation"] > self.generation:
+                self._abandon.set()
         if msg.type == MsgType.ABORT and self._in_collective and self.managed and msg["generation"] > self.generation:
             self._cut_connections()
 
@@ -940,6 +944,8 @@ class Worker:
                            reason="state transfer failed", kind="comm")
                 continue
             self._abort_generation = None
+            if self._io_abort_generation <= generation:
+                self._abandon.clear()  # no newer abort pending: the new group's waits are real
             self.committed = plan["step"]
             if self._fresh:
                 self._fresh = False
