@@ -43,6 +43,8 @@ import torch.distributed as dist
 BUCKET_CAP_BYTES = 25 << 20  # DDP's default bucket_cap_mb (25 MiB)
 
 
+ABANDON_GRACE_S = 5.0  # after an abort, how long a pending all-reduce gets to fail by itself
+
 class GradientReducer:
     """Averages the gradients of ``params`` over ftrun's group while backward runs.
 
@@ -234,11 +236,16 @@ class GradientReducer:
                 if self._abandon is None:
                     fut.wait()
                     continue
-                pause = 0.0
+                pause, abandoned_at = 0.0, None
                 while not fut.done():
                     if self._abandon.is_set():
-                        self.error = self.error or "abandoned: the job's coordinator aborted this generation"
-                        return
+                        # The abort's connection cut normally fails the all-reduce at once; give it
+                        # that chance (a work still in flight when its group is torn down is a
+                        # hazard), and only then stop waiting.
+                        abandoned_at = abandoned_at or time.monotonic()
+                        if time.monotonic() - abandoned_at > ABANDON_GRACE_S:
+                            self.error = self.error or "abandoned: the job's coordinator aborted this generation"
+                            return
                     time.sleep(pause)
                     pause = min(0.002, pause + 0.0001)  # spin first: a healthy all-reduce ends soon
         finally:
