@@ -62,11 +62,18 @@ def started(evs: list[dict]) -> dict[int, list[int]]:
     return pids
 
 
+def story(evs: list[dict]) -> str:
+    """The job's events without the routine ones, a line each (for an assertion's message)."""
+    quiet = {"rank_started", "rank_joined", "rank_heartbeat", "rank_exited", "progress"}
+    t0 = evs[0]["time"] if evs else 0.0
+    return "\n".join(f"{e['time'] - t0:8.2f} {e['kind']}: {e['message'][:300]}" for e in evs if e["kind"] not in quiet)
+
+
 def assert_survivors_kept_pids(evs: list[dict], faulted: set[int]) -> None:
     pids = started(evs)
     for rank in range(4):
         if rank not in faulted:
-            assert len(pids[rank]) == 1, f"rank {rank} was restarted: {pids[rank]}"
+            assert len(pids[rank]) == 1, f"rank {rank} was restarted: {pids[rank]}\n{story(evs)}"
     assert not [e for e in evs if e["kind"] == "job_restarting"], "ARF fell back to a whole-job restart"
     assert [e for e in evs if e["kind"] == "recovery_finished"], "no recovery finished"
 

@@ -115,8 +115,11 @@ def test_kills_at_injection_points_on_the_last_node(net_hosts, reference: str, t
     assert digest == reference
     dj.assert_survivors_kept_pids(events, {2, 3})
     assert [e["rank"] for e in events if e["kind"] == "rank_failed"] == [3, 2, 3, 2]
+    # A survivor's failed collective can reach the coordinator before node 1's agent reports the
+    # death: that round is then restarted before its plan, so there may be fewer plans than faults.
     plans = [e for e in events if e["kind"] == "recovery_planned"]
-    assert len(plans) >= 4 and all(t[1] in (2, 3) for p in plans for t in p["detail"]["transfers"])
+    recipients = [t[1] for p in plans for t in p["detail"]["transfers"]]
+    assert plans and set(recipients) == {2, 3}, dj.story(events)
 
 
 def _signal_rank_on_node1(hosts: list[NetHost], tmp_path: Path, sig: int) -> tuple[str, list[dict]]:
