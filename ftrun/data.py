@@ -78,7 +78,7 @@ class LoaderCursor:
         self._it_position = 0  # batches the live iterator has given
         self._iter_rng: torch.Tensor | None = None  # the seed generator's state before iter()
         self._loader_state: Any = None  # a StatefulDataLoader's state at `position` (if restored)
-        self._cache: tuple[int, Any] | None = None  # (position, batch) of the last batch given
+        self._cache: tuple[int, Any, Any, Any] | None = None  # (position, batch, generator before, after) of the last batch given
         self._prefetched: Any = None  # the batch at `position`, fetched while repositioning
 
     def _generator(self) -> torch.Generator:
@@ -113,17 +113,29 @@ class LoaderCursor:
 
     def next(self) -> Any:
         """The batch at :attr:`position` (then one further). Raises StopIteration at the end."""
+        gen = self._generator()
         if self._it is None or self._it_position != self.position:
             cache = self._cache
             if cache is not None and cache[0] == self.position and self._it_position == self.position + 1:
-                self.position += 1  # a retried step: the same batch again, the iterator untouched
-                return cache[1]
+                # A retried step: the same batch again, the iterator untouched. If the first fetch
+                # drew from the generator (iter() draws its seed at a pass's first batch) and the
+                # retry rolled the generator back to where it was then, the draw is replayed: the
+                # user's next draws (dropout...) are those of the first try.
+                _, batch, before, after = cache
+                if before is not None and torch.equal(gen.get_state(), before):
+                    gen.set_state(after)
+                self.position += 1
+                return batch
+        before = gen.get_state()
+        if self._it is None or self._it_position != self.position:
             self._reposition()
         if self._prefetched is not None:
             batch, self._prefetched = self._prefetched, None
         else:
             batch = next(self._it)
-        self._cache = (self.position, batch)
+        after = gen.get_state()
+        moved = not torch.equal(before, after)
+        self._cache = (self.position, batch, before if moved else None, after if moved else None)
         self.position += 1
         self._it_position += 1
         return batch

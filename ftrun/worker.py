@@ -719,8 +719,8 @@ class Worker:
         a respawned rank recovers here, before its first epoch, and starts in the epoch its donor
         is in, so work done after an epoch's last step (evaluation, ``scheduler.step()``) is not
         repeated. A recipient whose donor was already an epoch ahead (it repaired a recoverable
-        error on an epoch's last step) runs that epoch's end once, and its replica state is then
-        put back to the donor's, so the end's effects on registered state count once.
+        error on an epoch's last step) runs that epoch's end once, and the state it received (model,
+        optimizer, replica objects) is then put back, so the end's effects count once.
         """
         from .data import EpochProgress
 
@@ -874,7 +874,9 @@ class Worker:
             return False
         from .checkpoint import snapshot
 
-        self._epoch_stash = {n: snapshot(o.state_dict()) for n, o in self.registry.items() if self.kinds[n] == "replica"}
+        # Everything but this rank's own state: the epoch's end may change the optimizer too
+        # (``scheduler.step()`` sets its learning rates), not only registered replica objects.
+        self._epoch_stash = {n: snapshot(o.state_dict()) for n, o in self.registry.items() if self.kinds[n] != "rank"}
         return True
 
     def _poll_abort(self, timeout: float = 0.0, newer_than: int | None = None) -> bool:
