@@ -40,12 +40,12 @@ log = logging.getLogger("ftrun.agent")
 
 @dataclass(frozen=True)
 class Spawned:
-    """A rank process started on a node (``spare``: a warm spare took it)."""
+    """A rank process started on a node (``spare``: "hot" or "warm" if a spare took it, else "")."""
 
     rank: int
     incarnation: int
     pid: int
-    spare: bool
+    spare: str
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,15 @@ class Stacks:
     note: str
 
 
-Report = Spawned | ExitReport | Stacks | StopReport
+@dataclass(frozen=True)
+class SpareNote:
+    """What a node's spares showed the coordinator should know (a script that breaks the
+    hot-spare contract, :meth:`ftrun.spawner.RankProcesses.keep_spares`)."""
+
+    message: str
+
+
+Report = Spawned | ExitReport | Stacks | StopReport | SpareNote
 
 
 class AgentHandle:
@@ -122,7 +130,9 @@ class LocalAgent(AgentHandle):
         self._reports.extend(self.processes.stop(grace_period))
 
     def keep_spares(self, count: int, model_vars: Mapping[str, str]) -> None:
-        self.processes.keep_spares(count, model_vars)
+        note = self.processes.keep_spares(count, model_vars)
+        if note is not None:
+            self._reports.append(SpareNote(note))
 
     def shutdown(self, code: int, message: str) -> None:
         self.processes.stop_spares()
@@ -188,7 +198,9 @@ class RemoteAgent(AgentHandle):
         if msg.type == MsgType.AGENT_BEAT and isinstance(msg.get("leaving"), str):
             self.leaving = msg["leaving"][:500]
         elif msg.type == MsgType.SPAWNED:
-            self._reports.append(Spawned(msg["rank"], msg["incarnation"], msg["pid"], msg["spare"]))
+            kind = msg.get("spare_kind")
+            self._reports.append(Spawned(msg["rank"], msg["incarnation"], msg["pid"],
+                                         (kind if kind in ("hot", "warm") else "warm") if msg["spare"] else ""))
         elif msg.type == MsgType.EXITED:
             error = msg.get("error")
             self._reports.append(ExitReport(msg["rank"], msg["incarnation"], msg["pid"], msg["returncode"], float(msg["at"]),
@@ -198,6 +210,8 @@ class RemoteAgent(AgentHandle):
         elif msg.type == MsgType.STACKS:
             lines = [str(x) for x in msg["lines"]][-200:]
             self._reports.append(Stacks(msg["rank"], msg["incarnation"], lines, msg["note"]))
+        elif msg.type == MsgType.SPARE_NOTE:
+            self._reports.append(SpareNote(msg["message"][:1000]))
 
     def take_reports(self) -> list[Report]:
         reports, self._reports = self._reports, []
@@ -361,7 +375,8 @@ class NodeAgent:
             self.send(MsgType.EXITED, node=self.node, rank=msg["rank"], incarnation=msg["incarnation"], pid=0,
                       returncode=127, at=time.time())
             return
-        self.send(MsgType.SPAWNED, node=self.node, rank=msg["rank"], incarnation=msg["incarnation"], pid=pid, spare=spare)
+        self.send(MsgType.SPAWNED, node=self.node, rank=msg["rank"], incarnation=msg["incarnation"], pid=pid,
+                  spare=bool(spare), spare_kind=spare)
         self.event("rank_started", f"rank {msg['rank']} started (pid {pid}, incarnation {msg['incarnation']})", rank=msg["rank"])
 
     def _on_signal(self, msg: Message) -> None:
@@ -378,7 +393,9 @@ class NodeAgent:
                 self._send_exit(report)
 
     def _on_spares(self, msg: Message) -> None:
-        self.processes.keep_spares(msg["count"], {str(k): str(v) for k, v in msg["vars"].items()})
+        note = self.processes.keep_spares(msg["count"], {str(k): str(v) for k, v in msg["vars"].items()})
+        if note is not None:
+            self.send(MsgType.SPARE_NOTE, node=self.node, message=note)
 
     def _on_shutdown(self, msg: Message) -> None:
         for report in self.processes.stop(2.0):

@@ -286,6 +286,10 @@ OPTIONS: tuple[Option, ...] = (
              "restart takes tens of seconds to minutes)."),
     Option("warm_spares", int, 1, "Processes kept with torch already imported, to replace a failed rank faster (ARF; "
            "0: none).", low=0, high=64, why="each spare is an idle process holding torch in memory"),
+    Option("hot_spares", int, 0, "Spares per node that run the script's own set-up (imports, data, model, optimizer) "
+           "before any fault and wait at its training loop for a rank to replace (ARF; 0: warm spares only). The "
+           "script must not read its rank before the loop; see docs/hot_spares.md.",
+           low=0, high=64, why="each hot spare holds the script's data, model and optimizer in memory"),
     Option("recoverable_errors", str, "", "More exception types repaired in place (UCE), e.g. "
            "'torch.OutOfMemoryError,MyError'."),
     Option("checkpoint_dir", str, "ftrun_checkpoints", "Directory of checkpoints (periodic and dying-gasp); created "
@@ -341,6 +345,7 @@ class JobSpec:
         setup_timeout: seconds from a rank's start to its first steps.
         node_wait_timeout: seconds to wait for a replacement of a lost node (ARF) before failing.
         warm_spares: processes kept with torch imported, to replace failed ranks faster.
+        hot_spares: processes per node kept past the script's set-up, waiting at its training loop.
         recoverable_errors: extra exception type names repaired in place (UCE).
         checkpoint_dir, save_steps, keep_checkpoints, resume: checkpoints (TTP).
         config_file: the TOML file the spec was read from, if any.
@@ -387,6 +392,7 @@ class JobSpec:
     setup_timeout: float = 300.0
     node_wait_timeout: float = 300.0
     warm_spares: int = 1
+    hot_spares: int = 0
     recoverable_errors: tuple[str, ...] = ()
     checkpoint_dir: str = "ftrun_checkpoints"
     save_steps: int = 0
@@ -1503,6 +1509,7 @@ def resolve(
         setup_timeout=values["setup_timeout"],
         node_wait_timeout=values["node_wait_timeout"],
         warm_spares=values["warm_spares"],
+        hot_spares=values["hot_spares"],
         recoverable_errors=recoverable,
         checkpoint_dir=values["checkpoint_dir"],
         save_steps=values["save_steps"],

@@ -49,7 +49,7 @@ import zmq
 
 from . import checkpoint as ckpt
 from . import procs
-from .agent import AgentHandle, RemoteAgent, Spawned, Stacks
+from .agent import AgentHandle, RemoteAgent, SpareNote, Spawned, Stacks
 from .config import JobSpec
 from .events import Event, EventKind, EventLog
 from .policy import (
@@ -64,7 +64,7 @@ from .policy import (
     replica_groups_from_hello,
 )
 from .protocol import MAX_FRAME_BYTES, FrameAuth, Message, MsgType, ProtocolError, decode, encode
-from .spawner import ExitReport, StopReport, shared_dir_marker, tail_lines
+from .spawner import SPARE_MODE_VAR, ExitReport, StopReport, shared_dir_marker, tail_lines
 
 log = logging.getLogger("ftrun.coordinator")
 
@@ -75,7 +75,7 @@ UNREPAIRED_GRACE_S = 1.0  # wait this long for a death to explain a failed colle
 TTP_REPORT_WAIT_S = 10.0  # how long live ranks get to reach a safe point and report (dying gasp)
 TTP_WRITE_WAIT_S = 300.0  # how long the shard writers get to write (dying gasp)
 AGENT_MESSAGES = frozenset({MsgType.AGENT_HELLO, MsgType.AGENT_BEAT, MsgType.SPAWNED, MsgType.EXITED, MsgType.STOPPED,
-                            MsgType.STACKS})
+                            MsgType.STACKS, MsgType.SPARE_NOTE})
 _KIND_LABEL = {"comm_error": "HCCE: communication error", "recoverable_error": "UCE: recoverable error"}
 MAX_REJECT_EVENTS = 20  # rejected frames after this many are counted in the log only
 OFFENDER_REJECTS = 8  # a connection that sent this many rejected frames is not read any more
@@ -448,17 +448,18 @@ class Coordinator:
         else:
             agent.spawn(*order)
 
-    def on_spawned(self, r: Rank, pid: int, spare: bool) -> None:
+    def on_spawned(self, r: Rank, pid: int, spare: str) -> None:
         if r.pid is None:
             r.pid = pid
         self.emit(
             EventKind.RANK_STARTED,
-            f"rank {r.rank} started (pid {pid}, incarnation {r.incarnation}{', in a warm spare' if spare else ''}"
+            f"rank {r.rank} started (pid {pid}, incarnation {r.incarnation}{f', in a {spare} spare' if spare else ''}"
             f"{f', node {r.node}' if self.spec.nnodes > 1 else ''})",
             rank=r.rank,
             pid=pid,
             log=str(self.log_dir / f"worker_{r.rank}.log"),
-            warm_spare=spare,
+            warm_spare=spare == "warm",
+            hot_spare=spare == "hot",
             node=r.node,
         )
 
@@ -475,6 +476,9 @@ class Coordinator:
             or not any(r.library for r in self.ranks.values())
         ):
             return
+        hot = spec.hot_spares > 0
+        if hot and not all(r.step is not None or r.state == RankState.SUCCEEDED for r in self.ranks.values()):
+            return  # hot spares run the script's set-up: only once the ranks are past theirs
         now = self.clock()
         if now - self._spares_sent < 1.0:
             return  # at most once a second: an agent refills what a promotion used
@@ -482,7 +486,9 @@ class Coordinator:
         for node, agent in self.agents.items():
             model = next((r for r in self.ranks.values() if r.node == node), None)
             if model is not None and agent.connected():
-                agent.keep_spares(spec.warm_spares, self.rank_vars(model, self.attempt_port))
+                model_vars = self.rank_vars(model, self.attempt_port)
+                model_vars[SPARE_MODE_VAR] = "hot" if hot else "warm"
+                agent.keep_spares(spec.hot_spares if hot else spec.warm_spares, model_vars)
 
     def start_attempt(self) -> None:
         self.attempt_port = self._attempt_store_port()
@@ -566,7 +572,7 @@ class Coordinator:
             if exit_code is None:
                 self.check_hangs()
                 exit_code = self._pending_exit
-            if exit_code is None and self.spec.warm_spares:
+            if exit_code is None and (self.spec.warm_spares or self.spec.hot_spares):
                 self.keep_spares()
             self.publish_status()
         self.publish_status(final={"exit_code": exit_code, "message": self._final_message or ""})
@@ -752,6 +758,9 @@ class Coordinator:
         newly_failed: list[Rank] = []
         for agent in list(self.agents.values()):
             for report in agent.take_reports():
+                if isinstance(report, SpareNote):
+                    self.emit(EventKind.WARNING, f"node {agent.node}: {report.message}", fault="hot_spare_contract")
+                    continue
                 r = self.ranks.get(report.rank)
                 if r is None or report.incarnation != r.incarnation:
                     continue  # an older process of the rank: nothing to act on
@@ -1339,6 +1348,14 @@ class Coordinator:
         r.last_heartbeat = self.clock()
         r.state = RankState.HEALTHY if self.recovery is None else RankState.RECOVERING
         self.emit(EventKind.RANK_JOINED, f"rank {r.rank} connected (pid {r.pid})", rank=r.rank, library=r.library)
+        hot = msg.get("hot")
+        if isinstance(hot, str) and hot != "the training loop":
+            # A hot spare promoted while its script waited for its rank in its set-up: correct, but
+            # only as fast as a warm spare (docs/hot_spares.md).
+            self.emit(EventKind.WARNING,
+                      f"rank {r.rank}: its hot spare was still in the script's set-up, waiting on {hot[:80]} (the "
+                      "script reads its rank before its training loop); it finished the set-up after its promotion, "
+                      "as a warm spare does (docs/hot_spares.md)", rank=r.rank, fault="hot_spare_contract")
         if self.recovery is not None:
             self.recovery.joined_at.setdefault(r.rank, self.clock())
             if msg["generation"] != self.recovery.generation:

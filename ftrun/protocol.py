@@ -78,7 +78,8 @@ class MsgType(str, Enum):
     KILL_HUNG = "kill_hung"  # dump a hung rank's stacks into its log, then SIGKILL it
     STACKS = "stacks"  # the stacks a hung rank wrote (answer to kill_hung)
     STOP_RANKS = "stop_ranks"  # stop every rank of the node (SIGTERM, grace, SIGKILL)
-    SPARES = "spares"  # keep this many warm spares
+    SPARES = "spares"  # keep this many spares (warm or hot, as the variables say)
+    SPARE_NOTE = "spare_note"  # what the node's spares showed (a script that breaks the hot-spare contract)
     SHUTDOWN = "shutdown"  # the job is over: exit with this code
 
 
@@ -124,6 +125,7 @@ SCHEMA: dict[MsgType, dict[str, tuple[type, ...]]] = {
     MsgType.STACKS: {"node": _INT, "rank": _INT, "incarnation": _INT, "lines": (list,), "note": _STR},
     MsgType.STOP_RANKS: {"grace": _NUM},
     MsgType.SPARES: {"count": _INT, "vars": (dict,)},
+    MsgType.SPARE_NOTE: {"node": _INT, "message": _STR},
     MsgType.SHUTDOWN: {"code": _INT, "message": _STR},
 }
 

@@ -14,6 +14,11 @@ The spare takes that environment, sends its output to the rank's log, and runs t
 the supervisor's child, in its own session and tied to the supervisor's life. JSON only: nothing
 arriving here is unpickled. An idea from hot-spare schemes in elastic training (e.g. MindCluster's
 standby processes), applied to the interpreter rather than the node.
+
+A *hot* spare (``--hot_spares``, ``python -m ftrun.spare --hot``) goes further: it runs the script
+at once, without a rank (``RANK`` and the other identity variables are absent), through its own
+set-up (imports, data, model, optimizer) up to the training loop, where the worker library waits
+for the same assignment and binds the rank late (docs/hot_spares.md).
 """
 
 from __future__ import annotations
@@ -24,17 +29,14 @@ import runpy
 import sys
 
 
-def main() -> None:
-    # What a respawned rank would otherwise import after its start (the slow part).
-    import numpy  # noqa: F401
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-
-    from . import worker  # noqa: F401
-
+def take_assignment(hot: bool) -> dict:
+    """Block until the agent writes this spare's assignment on its standard input, then become
+    that rank's process: its log on stdout/stderr and its environment (a hot spare keeps what
+    its script set in its set-up and adds the rank's variables). Returns the assignment.
+    Exits (code 0) when the input closes without one: the spare is no longer needed."""
     raw = sys.stdin.buffer.read()
     if not raw:
-        sys.exit(0)  # the supervisor closed our input without an assignment: not needed
+        sys.exit(0)
     job = json.loads(raw)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -45,17 +47,45 @@ def main() -> None:
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
-    os.environ.clear()
+    if hot:
+        os.environ.pop("FTRUN_HOT_SPARE", None)
+        os.environ.pop("FTRUN_SPARE_JOB", None)
+    else:
+        os.environ.clear()
     os.environ.update(job["env"])
-    os.chdir(job["cwd"])
-    argv = [str(a) for a in job["argv"]]
+    return job
+
+
+def run_script(argv: list[str], module: bool) -> None:
+    """Run the script as ``__main__`` (``runpy``), as ``python script args`` would."""
     sys.argv = argv
-    if job["module"]:
+    if module:
         sys.path[0] = os.getcwd()
         runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
     else:
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
         runpy.run_path(argv[0], run_name="__main__")
+
+
+def main() -> None:
+    # What a respawned rank would otherwise import after its start (the slow part).
+    import numpy  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+    from . import worker  # noqa: F401
+
+    if "--hot" in sys.argv[1:]:
+        # A hot spare: the script runs now, without a rank; ftrun.init() gives it none until
+        # take_assignment() returns (called by the worker library at the training loop, or when
+        # the script first asks for its rank).
+        job = json.loads(os.environ["FTRUN_SPARE_JOB"])
+        os.chdir(job["cwd"])
+        run_script([str(a) for a in job["argv"]], bool(job["module"]))
+        return
+    job = take_assignment(hot=False)
+    os.chdir(job["cwd"])
+    run_script([str(a) for a in job["argv"]], bool(job["module"]))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,11 @@ INTERNAL_VARS = (
     "FTRUN_TOKEN_FOR_SUPERVISOR", "FTRUN_SUPERVISOR_SPEC", "FTRUN_EVENTS_ADDR", "FTRUN_STORE_PORT",
     "FTRUN_AGENT_SPEC", "FTRUN_CONTROL_FOR_AGENT",
 )
+SPARE_MODE_VAR = "FTRUN_SPARE_MODE"  # in the variables the coordinator sends with keep_spares: "hot" or "warm"
+HOT_SPARE_VAR = "FTRUN_HOT_SPARE"  # "1" in a hot spare's environment until it is promoted
+# What names a rank: absent from a hot spare's environment until its promotion gives them.
+RANK_IDENTITY_VARS = ("RANK", "LOCAL_RANK", "ROLE_RANK", "RANK_ID", "DEVICE_ID", "FTRUN_INCARNATION",
+                      "FTRUN_GENERATION", "TORCHELASTIC_ERROR_FILE")
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,9 @@ class RankProcesses:
         self.local_worker_num = local_worker_num
         self.procs: dict[int, _Proc] = {}
         self.spares: list[subprocess.Popen] = []
+        self._hot: set[subprocess.Popen] = set()  # the spares that are hot
+        self._taken_hot: set[subprocess.Popen] = set()
+        self.hot_broken: str | None = None  # why this node no longer starts hot spares
         self.sigchld_at: float | None = None  # arrival of the first SIGCHLD not yet acted on
         self.interface_note: str | None = None
         self._extra_env: dict[str, str] = {}
@@ -163,7 +171,7 @@ class RankProcesses:
         return env
 
     # ----------------------------------------------------------------- spawning
-    def spawn(self, rank: int, incarnation: int, rank_vars: Mapping[str, str], header: str, use_spare: bool) -> tuple[int, bool]:
+    def spawn(self, rank: int, incarnation: int, rank_vars: Mapping[str, str], header: str, use_spare: bool) -> tuple[int, str]:
         """Start ``incarnation`` of ``rank`` (in an idle warm spare if ``use_spare`` and one is up).
 
         Args:
@@ -173,7 +181,7 @@ class RankProcesses:
             use_spare: hand it to a warm spare when one is idle.
 
         Returns:
-            (its pid, whether a warm spare took it).
+            (its pid, which spare took it: "hot", "warm", or "" for a new process).
 
         Raises:
             OSError: the program cannot be executed.
@@ -188,25 +196,64 @@ class RankProcesses:
             fh.write(header.encode())
             fh.flush()
             proc = self._take_spare(env, path) if use_spare else None
-            spare = proc is not None
+            spare = "" if proc is None else "hot" if proc in self._taken_hot else "warm"
+            self._taken_hot.discard(proc)
             if proc is None:
                 proc = procs.spawn(self.argv, env=env, stdout=fh.fileno(), stderr=subprocess.STDOUT)
         self.procs[rank] = _Proc(rank, incarnation, proc, path, error_file)
         return proc.pid, spare
 
-    def keep_spares(self, count: int, model_vars: Mapping[str, str]) -> None:
-        """Keep ``count`` warm spares running (each has imported torch and waits on its stdin)."""
-        self.spares = [p for p in self.spares if p.poll() is None]
+    def keep_spares(self, count: int, model_vars: Mapping[str, str]) -> str | None:
+        """Keep ``count`` spares running: warm ones (torch imported, waiting on their stdin), or hot
+        ones when ``model_vars`` asks for them (``FTRUN_SPARE_MODE=hot``): the script itself runs
+        in them up to its training loop, without a rank (:mod:`ftrun.spare`).
+
+        A hot spare that exits with an error code before it is promoted shows that the script
+        breaks the hot-spare contract (it needs its rank in its set-up); the node then keeps warm
+        spares. Returns that finding, once, as a sentence; else None. A spare killed by a signal
+        is simply replaced.
+        """
+        note = None
+        alive = []
+        for spare in self.spares:
+            code = spare.poll()
+            if code is None:
+                alive.append(spare)
+            elif code > 0 and spare in self._hot and self.hot_broken is None:
+                last = tail_lines(self.log_dir / "spares.log", 3)
+                self.hot_broken = (f"a hot spare exited with code {code} in the script's set-up, before any "
+                                   f"rank was given to it ({' | '.join(last)[-300:] or 'no output'}); the script needs "
+                                   "its rank before its training loop (docs/hot_spares.md): this node keeps warm "
+                                   "spares instead")
+                note = self.hot_broken
+        self.spares = alive
+        self._hot &= set(alive)
+        hot = model_vars.get(SPARE_MODE_VAR) == "hot" and self.hot_broken is None
         while len(self.spares) < count:
+            env = self.environment({k: v for k, v in model_vars.items() if k != SPARE_MODE_VAR})
+            argv = [sys.executable, "-u", "-m", "ftrun.spare"]
+            if hot:
+                for name in RANK_IDENTITY_VARS:
+                    env.pop(name, None)  # a script that reads them before its loop fails, never guesses
+                env[HOT_SPARE_VAR] = "1"
+                env["FTRUN_SPARE_JOB"] = json.dumps({"argv": self.script_argv, "module": self.module, "cwd": os.getcwd()})
+                argv.append("--hot")
             with open(self.log_dir / "spares.log", "ab") as fh:
-                spare = procs.spawn([sys.executable, "-u", "-m", "ftrun.spare"], env=self.environment(model_vars),
-                                    stdout=fh.fileno(), stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
+                spare = procs.spawn(argv, env=env, stdout=fh.fileno(), stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
             self.spares.append(spare)
-            log.info("warm spare started (pid %d)", spare.pid)
+            if hot:
+                self._hot.add(spare)
+            log.info("%s spare started (pid %d)", "hot" if hot else "warm", spare.pid)
+        return note
 
     def _take_spare(self, env: dict[str, str], log_path: Path) -> subprocess.Popen | None:
+        # A hot spare first (it is past the script's set-up), then a warm one.
+        self.spares.sort(key=lambda p: p not in self._hot)
         while self.spares:
             spare = self.spares.pop(0)
+            if spare in self._hot:
+                self._hot.discard(spare)
+                self._taken_hot.add(spare)
             if spare.poll() is not None or spare.stdin is None:
                 continue
             job = {"env": env, "argv": self.script_argv, "module": self.module, "log": str(log_path), "cwd": os.getcwd()}
@@ -270,6 +317,7 @@ class RankProcesses:
     def stop_spares(self) -> None:
         procs.stop_all(self.spares, 0.0)
         self.spares = []
+        self._hot.clear()
 
     def dump_stacks(self, rank: int, incarnation: int) -> tuple[list[str], str]:
         """Ask a rank for the Python stacks of all its threads (faulthandler on SIGUSR1, set up by

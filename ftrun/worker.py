@@ -79,7 +79,7 @@ def _env_int(name: str, default: int) -> int:
     return int(value) if value not in (None, "") else default
 
 
-def _open_channel(library: bool, replica_group: Sequence[int], generation: int) -> Channel | None:
+def _open_channel(library: bool, replica_group: Sequence[int], generation: int, **extra: Any) -> Channel | None:
     addr, token = os.environ.get("FTRUN_CONTROL_ADDR"), os.environ.get("FTRUN_TOKEN")
     if not addr or not token:
         return None
@@ -91,6 +91,7 @@ def _open_channel(library: bool, replica_group: Sequence[int], generation: int) 
         generation=generation,
         replica_group=[int(r) for r in replica_group],
         library=library,
+        **extra,
     )
     return channel
 
@@ -148,37 +149,20 @@ class Worker:
     """
 
     def __init__(self, backend: str | None, replica_groups: Sequence[Sequence[int]] | None, seed: int | None) -> None:
-        self.rank = _env_int("RANK", 0)
         self.world_size = _env_int("WORLD_SIZE", 1)
-        self.local_rank = _env_int("LOCAL_RANK", 0)
-        self.incarnation = _env_int("FTRUN_INCARNATION", 0)
-        self.attempt = _env_int("FTRUN_ATTEMPT", _env_int("TORCHELASTIC_RESTART_COUNT", 0))
-        self.generation = _env_int("FTRUN_GENERATION", 0)
         self.seed = seed
         self.pg_timeout = float(os.environ.get("FTRUN_PG_TIMEOUT", "300"))
         self.cluster_timeout = float(os.environ.get("FTRUN_CLUSTER_TIME_OUT", "600"))
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        self.replica_group = self._my_replica_group(replica_groups)
+        self._replica_groups_arg = replica_groups
         self.replica_groups = [list(g) for g in replica_groups] if replica_groups else [list(range(self.world_size))]
         self.registry: dict[str, Any] = {}
         self.kinds: dict[str, str] = {}  # name -> "committed" | "replica" | "rank" (see register())
-        self.faults = FaultInjector.from_env(self.rank, self.incarnation, self.attempt)
-        self.channel = _open_channel(True, self.replica_group, self.generation)
-        self.managed = self.channel is not None and os.environ.get("FTRUN_ARF", "1") == "1"
-        # A rank respawned into a running job (ARF) builds no group of its own: it joins the
-        # recovery's generation from its first call to steps(), and holds no state until then.
-        self.joining = self.managed and (self.incarnation > 0 and self.generation > 0)
-        self.committed = NO_STATE if self.joining else INITIAL
         self._private_group: Any = None
         self.uce = os.environ.get("FTRUN_UCE", "1") == "1"
-        # Checkpoints (TTP): where, how often, and the one to start from (not for a respawned rank,
-        # which takes a live replica's newer state).
+        # Checkpoints (TTP): where, how often.
         self.checkpoint_dir = os.environ.get("FTRUN_CHECKPOINT_DIR") or None
         self.save_steps = _env_int("FTRUN_SAVE_STEPS", 0)
-        self.resume_dir = None if self.joining else (os.environ.get("FTRUN_RESUME_DIR") or None)
         self._checkpointer: Any = None
         self._save_request: Message | None = None
         self.recoverable_names = {n.strip() for n in os.environ.get("FTRUN_RECOVERABLE_ERRORS", "").split(",") if n.strip()}
@@ -196,27 +180,33 @@ class Worker:
         self._resume_step: int | None = None  # where a pass starts after a resume or a join
         self._next_step = 0
         self._epoch_stash: dict[str, Any] | None = None
-        self._fresh = self.joining  # a respawned rank that has not recovered yet (reads its records then)
         self._rank_record: dict[str, Any] | None = None  # its predecessor's rank state, to apply
         self._rank_states: Any = None  # ftrun.rankstate.RankStateStore
         self._section: tuple[str, float | None] | None = None  # (name, timeout) of an open ft.section()
         self._last_report: tuple[int, dict[str, Any]] = (0, {})  # the last ft.report(), re-sent by sections
-        self.faults.cut_connections = self._cut_connections
-        if self.channel is not None:
-            self.channel.on_receive = self._on_io_message
-            self.channel.probe = _training_thread_probe(threading.main_thread().ident, self._waiting)
-            self.channel.beat_extra = self._beat_progress
-            # Stacks of every thread into this rank's log when the supervisor suspects a hang.
-            faulthandler.register(DUMP_SIGNAL, all_threads=True, chain=False)
         self._error: str | None = None
         self._error_kind = "comm"  # what kind of fault _error is: comm, recoverable
         self._abort_generation: int | None = None
         self._store: Any = None
         self._current_step: int | None = None
         self._first_step = 0  # the job's first step (DDP's one-bucket iteration)
+        # A hot spare (docs/hot_spares.md) runs this set-up without a rank: the rank's identity is
+        # bound at its promotion, when the script reaches its loop or first asks for it.
+        self._rank: int | None = None
+        self.hot_spare = os.environ.get("FTRUN_HOT_SPARE") == "1"
+        self.promoted_at: str | None = None  # a hot spare: what was waiting for the rank at its promotion
         # Per-rank RNG streams are this rank's own (rank state); with a seed they are reseeded every
         # step from (seed, step, rank) anyway.
         self.register("rng", RNGState(), kind="rank")
+        if self.hot_spare:
+            # Until its promotion it is what a respawned rank is before its transfer: no state, no
+            # group, no initial broadcast; its identity is unknown.
+            self.managed, self.joining, self.committed, self._fresh = True, True, NO_STATE, True
+            self.resume_dir = None
+            self.channel = None
+            self.faults = FaultInjector([], -1, -1, -1)
+            return
+        self._bind_rank()
         if self.world_size > 1 and not self.joining:
             self.committed = NO_STATE  # until the group stands: an abort may overtake the build
             if self._build_group(self.generation):
@@ -224,14 +214,98 @@ class Worker:
             else:
                 self._error = "a rank failed before the process group was built"
 
+    def _bind_rank(self) -> None:
+        """Take this process's identity from the environment (at start, or at a hot spare's
+        promotion): rank, incarnation, generation, its control channel and fault injection."""
+        self._rank = _env_int("RANK", 0)
+        self._local_rank = _env_int("LOCAL_RANK", 0)
+        self._incarnation = _env_int("FTRUN_INCARNATION", 0)
+        self.attempt = _env_int("FTRUN_ATTEMPT", _env_int("TORCHELASTIC_RESTART_COUNT", 0))
+        self.generation = _env_int("FTRUN_GENERATION", 0)
+        self._device = torch.device("cuda", self._local_rank) if self.backend == "nccl" else torch.device("cpu")
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        self._replica_group = self._my_replica_group(self._replica_groups_arg)
+        self.faults = FaultInjector.from_env(self._rank, self._incarnation, self.attempt)
+        self.channel = _open_channel(True, self._replica_group, self.generation,
+                                     **({"hot": self.promoted_at} if self.promoted_at is not None else {}))
+        self.managed = self.channel is not None and os.environ.get("FTRUN_ARF", "1") == "1"
+        # A rank respawned into a running job (ARF) builds no group of its own: it joins the
+        # recovery's generation from its first call to steps(), and holds no state until then.
+        self.joining = self.managed and (self._incarnation > 0 and self.generation > 0)
+        self.committed = NO_STATE if self.joining else INITIAL
+        self._fresh = self.joining  # a respawned rank that has not recovered yet (reads its records then)
+        # Checkpoints (TTP): the one to start from (not for a respawned rank, which takes a live
+        # replica's newer state).
+        self.resume_dir = None if self.joining else (os.environ.get("FTRUN_RESUME_DIR") or None)
+        self.faults.cut_connections = self._cut_connections
+        if self.channel is not None:
+            self.channel.on_receive = self._on_io_message
+            self.channel.probe = _training_thread_probe(threading.main_thread().ident, self._waiting)
+            self.channel.beat_extra = self._beat_progress
+            # Stacks of every thread into this rank's log when the supervisor suspects a hang.
+            faulthandler.register(DUMP_SIGNAL, all_threads=True, chain=False)
+
+    def _await_promotion(self, what: str) -> None:
+        """A hot spare: block until the agent gives it a rank (:func:`ftrun.spare.take_assignment`),
+        then bind it. ``what`` names what needed the rank ("the training loop", or "ft.rank" when
+        the script asked in its set-up: the spare then did part of its set-up after promotion,
+        as a warm spare does, and the coordinator says so)."""
+        from .spare import take_assignment
+
+        self.promoted_at = what
+        take_assignment(hot=True)
+        self.hot_spare = False
+        self._bind_rank()
+        if not self.joining:  # promoted outside a recovery (not expected): join as a respawned rank does
+            raise RuntimeError("ftrun: a hot spare was promoted without a recovery to join")
+
+    def _identity(self, what: str) -> None:
+        if self._rank is None:
+            self._await_promotion(what)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (a hot spare waits here for its promotion)."""
+        if self._rank is None:
+            self._await_promotion("ft.rank")
+        return self._rank  # type: ignore[return-value]
+
+    @property
+    def local_rank(self) -> int:
+        """Its index on its node (a hot spare waits here for its promotion)."""
+        self._identity("ft.local_rank")
+        return self._local_rank
+
+    @property
+    def incarnation(self) -> int:
+        """Which process serving this rank (0 = first; a hot spare waits here for its promotion)."""
+        self._identity("ft.incarnation")
+        return self._incarnation
+
+    @property
+    def replica_group(self) -> list[int]:
+        """The ranks holding the same state as this one (a hot spare waits here for its promotion)."""
+        self._identity("ft.replica_group")
+        return self._replica_group
+
+    @property
+    def device(self) -> torch.device:
+        """Where tensors live: CPU with gloo; ``cuda:LOCAL_RANK`` with NCCL (a hot spare of an NCCL
+        job waits here for its promotion: its GPU comes with its rank)."""
+        if self._rank is None and self.backend != "nccl":
+            return torch.device("cpu")
+        self._identity("ft.device")
+        return self._device
+
     # ------------------------------------------------------------------ set-up
     def _my_replica_group(self, groups: Sequence[Sequence[int]] | None) -> list[int]:
         if groups is None:
             return list(range(self.world_size))
         for group in groups:
-            if self.rank in group:
+            if self._rank in group:
                 return sorted(int(r) for r in group)
-        raise ValueError(f"replica_groups {groups} do not contain rank {self.rank}")
+        raise ValueError(f"replica_groups {groups} do not contain rank {self._rank}")
 
     def _base_store(self) -> Any:
         if self._store is None:
@@ -785,6 +859,8 @@ class Worker:
     def _enter_loop(self, step: int) -> int:
         """Before the first step: resume from a checkpoint, or join the job (a respawned rank), or
         recover from a failed initial broadcast. Returns the first step to run."""
+        if self._rank is None:
+            self._await_promotion("the training loop")  # a hot spare: its set-up is done
         if self.resume_dir is not None:
             step = max(step, self._resume() + 1)
         if self.joining:

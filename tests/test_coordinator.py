@@ -48,7 +48,7 @@ class FakeAgent(AgentHandle):
         self.next_pid += 1
         self.spawned.append((rank, incarnation, use_spare, dict(rank_vars)))
         self.running[rank] = (incarnation, self.next_pid)
-        self.reports.append(Spawned(rank, incarnation, self.next_pid, use_spare))
+        self.reports.append(Spawned(rank, incarnation, self.next_pid, "warm" if use_spare else ""))
 
     def signal(self, rank: int, incarnation: int, sig: int) -> None:
         pass
