@@ -43,12 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = ft.wrap_model(cc.build_model(args.size, args.context))
     opt = ft.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay))
-    if ft.rank == 0:
-        n_params = sum(p.numel() for p in model.parameters())
-        print(f"charlm size={args.size} params={n_params} state_mb={cc.state_bytes(model) / 1e6:.1f} "
-              f"world_size={ft.world_size} corpus_files={corpus.files}", flush=True)
+    describe = (f"charlm size={args.size} params={sum(p.numel() for p in model.parameters())} "
+                f"state_mb={cc.state_bytes(model) / 1e6:.1f} world_size={ft.world_size} corpus_files={corpus.files}")
+    # Nothing before the loop depends on the rank, so a hot spare is ready past all of the above
+    # (docs/hot_spares.md): rank 0 prints the description at its first step.
 
     for step in ft.steps(args.steps):
+        if describe and ft.rank == 0:
+            print(describe, flush=True)
+        describe = ""
         x, y = cc.batch(corpus.train, args.seed, step, ft.rank, ft.world_size, args.batch_size, args.context)
         opt.zero_grad(set_to_none=True)
         loss = cc.loss_of(model, x, y)

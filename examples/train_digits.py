@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = dc.add_common_args(argparse.ArgumentParser(description=__doc__))
     parser.add_argument("--log_every", type=int, default=50, help="print the loss every N steps (0: never)")
     parser.add_argument("--ddp", action="store_true", help="train through DistributedDataParallel (same result)")
+    parser.add_argument("--step_pause", type=float, default=0.0,
+                        help="sleep this many seconds after each step: stretches a demo or a test job (same result)")
     parser.add_argument("--replica_groups", default=None,
                         help="declare replica groups, e.g. '0,2;1,3' (a DP x TP layout's shape; default: all ranks)")
     args = parser.parse_args(argv)
@@ -60,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             ft.report(step, loss=loss.item())
             if args.log_every and ft.rank == 0 and step % args.log_every == 0:
                 print(f"step {step} loss {loss.item():.4f} time {time.time():.3f}", flush=True)
+            if args.step_pause:
+                time.sleep(args.step_pause)
 
     if ft.rank == 0:
         with torch.no_grad():

@@ -27,6 +27,8 @@ Keys:
         repeat its predecessor's fault). A fault fires at most once per process, so a process
         that survives it (``comm``, ``recoverable``) does not fault again when the step is retried.
     attempt: which whole-job attempt (default 0).
+    when: a file path: the fault fires only once that file exists (a test triggers a fault at a
+        point, at a moment it chooses, e.g. once a hot spare is ready).
 
 Raises:
     ValueError: from :func:`parse_faults` on a malformed specification (the CLI checks the variable
@@ -68,6 +70,7 @@ class Fault:
     code: int = 1
     incarnation: int = 0
     attempt: int = 0
+    when: str | None = None
 
     def matches(self, rank: int, incarnation: int, attempt: int, point: str, step: int | None) -> bool:
         return (
@@ -76,6 +79,7 @@ class Fault:
             and self.incarnation == incarnation
             and self.attempt == attempt
             and (self.step is None or self.step == step)
+            and (self.when is None or os.path.exists(self.when))
         )
 
     def fire(self, cut_connections: Callable[[], None] | None = None) -> None:
@@ -111,7 +115,7 @@ class Fault:
         raise InjectedFault(f"injected fault at {self.point}, step {self.step}")
 
 
-_KEYS = ("rank", "step", "point", "kind", "code", "incarnation", "attempt")
+_KEYS = ("rank", "step", "point", "kind", "code", "incarnation", "attempt", "when")
 # Integer keys and their smallest value; an exit code is a byte (os._exit(256) would exit with 0).
 _INT_KEYS: dict[str, tuple[int, int | None]] = {
     "rank": (0, None),
@@ -175,6 +179,7 @@ def parse_faults(text: str) -> list[Fault]:
                 code=numbers.get("code", 1),
                 incarnation=numbers.get("incarnation", 0),
                 attempt=numbers.get("attempt", 0),
+                when=values.get("when") or None,
             )
         )
     return faults

@@ -38,6 +38,7 @@ INTERNAL_VARS = (
 )
 SPARE_MODE_VAR = "FTRUN_SPARE_MODE"  # in the variables the coordinator sends with keep_spares: "hot" or "warm"
 HOT_SPARE_VAR = "FTRUN_HOT_SPARE"  # "1" in a hot spare's environment until it is promoted
+SPARE_READY_VAR = "FTRUN_SPARE_READY"  # the file a hot spare creates once it waits for its rank
 # What names a rank: absent from a hot spare's environment until its promotion gives them.
 RANK_IDENTITY_VARS = ("RANK", "LOCAL_RANK", "ROLE_RANK", "RANK_ID", "DEVICE_ID", "FTRUN_INCARNATION",
                       "FTRUN_GENERATION", "TORCHELASTIC_ERROR_FILE")
@@ -142,7 +143,8 @@ class RankProcesses:
         self.local_worker_num = local_worker_num
         self.procs: dict[int, _Proc] = {}
         self.spares: list[subprocess.Popen] = []
-        self._hot: set[subprocess.Popen] = set()  # the spares that are hot
+        self._hot: dict[subprocess.Popen, Path] = {}  # the hot spares -> the file each creates once it waits for a rank
+        self._spare_count = 0
         self._taken_hot: set[subprocess.Popen] = set()
         self.hot_broken: str | None = None  # why this node no longer starts hot spares
         self.sigchld_at: float | None = None  # arrival of the first SIGCHLD not yet acted on
@@ -227,7 +229,8 @@ class RankProcesses:
                                    "spares instead")
                 note = self.hot_broken
         self.spares = alive
-        self._hot &= set(alive)
+        for gone in [p for p in self._hot if p not in alive]:
+            _unlink(self._hot.pop(gone))
         hot = model_vars.get(SPARE_MODE_VAR) == "hot" and self.hot_broken is None
         while len(self.spares) < count:
             env = self.environment({k: v for k, v in model_vars.items() if k != SPARE_MODE_VAR})
@@ -237,22 +240,28 @@ class RankProcesses:
                     env.pop(name, None)  # a script that reads them before its loop fails, never guesses
                 env[HOT_SPARE_VAR] = "1"
                 env["FTRUN_SPARE_JOB"] = json.dumps({"argv": self.script_argv, "module": self.module, "cwd": os.getcwd()})
+                self._spare_count += 1
+                ready = self.log_dir / f".hot_spare_{os.getpid()}_{self._spare_count}.ready"
+                env[SPARE_READY_VAR] = str(ready)
                 argv.append("--hot")
             with open(self.log_dir / "spares.log", "ab") as fh:
                 spare = procs.spawn(argv, env=env, stdout=fh.fileno(), stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
             self.spares.append(spare)
             if hot:
-                self._hot.add(spare)
+                self._hot[spare] = ready
             log.info("%s spare started (pid %d)", "hot" if hot else "warm", spare.pid)
         return note
 
     def _take_spare(self, env: dict[str, str], log_path: Path) -> subprocess.Popen | None:
-        # A hot spare first (it is past the script's set-up), then a warm one.
-        self.spares.sort(key=lambda p: p not in self._hot)
-        while self.spares:
-            spare = self.spares.pop(0)
+        # A hot spare that waits for its rank first (past the script's set-up, or as far as the
+        # script lets it go), then a warm one. A hot spare still in its set-up is not given a
+        # rank: one that breaks the contract would fail as that rank instead of as a spare.
+        ready = [p for p in self.spares if p in self._hot and self._hot[p].exists()]
+        candidates = ready + [p for p in self.spares if p not in self._hot]
+        for spare in candidates:
+            self.spares.remove(spare)
             if spare in self._hot:
-                self._hot.discard(spare)
+                _unlink(self._hot.pop(spare))
                 self._taken_hot.add(spare)
             if spare.poll() is not None or spare.stdin is None:
                 continue
@@ -317,6 +326,8 @@ class RankProcesses:
     def stop_spares(self) -> None:
         procs.stop_all(self.spares, 0.0)
         self.spares = []
+        for path in self._hot.values():
+            _unlink(path)
         self._hot.clear()
 
     def dump_stacks(self, rank: int, incarnation: int) -> tuple[list[str], str]:
@@ -362,6 +373,13 @@ class RankProcesses:
                 fh.write(line + "\n")
         except OSError:
             pass
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
 
 
 def tail_lines(path: Path, n: int) -> list[str]:

@@ -254,6 +254,10 @@ class Worker:
         from .spare import take_assignment
 
         self.promoted_at = what
+        print(f"ftrun: hot spare (pid {os.getpid()}) waits for a rank at {what}", flush=True)  # into spares.log
+        ready = os.environ.get("FTRUN_SPARE_READY")
+        if ready:
+            Path(ready).touch()  # its agent may now give it a rank
         take_assignment(hot=True)
         self.hot_spare = False
         self._bind_rank()

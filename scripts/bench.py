@@ -115,9 +115,10 @@ class Case:
     ckpt_every: int = 25
     args: tuple[str, ...] = ()
     nodes: int = 1  # > 1: one launcher per test host (network namespace), ranks // nodes ranks each
+    hot: bool = False  # ftrun with --hot_spares 1, the kill once the hot spare waits at the loop
 
     def label(self) -> str:
-        return _label((self.workload, self.size, self.ranks, self.nodes))
+        return _label((self.workload, self.size, self.ranks, self.nodes, self.hot))
 
 
 @dataclass
@@ -152,13 +153,22 @@ def command(launcher: str, case: Case, workdir: Path) -> tuple[list[str], dict[s
     env["PYTHONUNBUFFERED"] = "1"
     if launcher == "ftrun":
         cmd = [sys.executable, "-m", "ftrun", "--worker_num", str(case.ranks), "--master_port", "0", "--plain",
-               "--tail_worker_log", "0", "--log_dir", str(workdir / "logs"), "--max_restarts", "1", *common]
+               "--tail_worker_log", "0", "--log_dir", str(workdir / "logs"), "--max_restarts", "1",
+               *(["--hot_spares", "1"] if case.hot else []), *common]
     else:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(case.ranks),
                "--max-restarts", "1", "--standalone", "--monitor-interval", "0.1",
                *common, "--ckpt_dir", str(workdir / "ckpt"), "--ckpt_every", str(case.ckpt_every)]
     return cmd, env, script
+
+
+def hot_ready(workdir: Path) -> bool:
+    """Whether ftrun's hot spare waits at the training loop (its line in ``spares.log``)."""
+    try:
+        return "waits for a rank at the training loop" in (workdir / "logs" / "spares.log").read_text()
+    except OSError:
+        return False
 
 
 def find_rank_pid(launcher_pid: int, rank: int, script: str) -> int | None:
@@ -281,7 +291,8 @@ def _run_in(launcher: str, case: Case, workdir: Path, timeout: float) -> Run:
                 continue
             step, stamp = int(match.group(1)), float(match.group(2))
             lines.append((step, stamp))
-            if case.kill_step is not None and step == case.kill_step and "time" not in kill:
+            if case.kill_step is not None and step >= case.kill_step and "time" not in kill and (
+                    step == case.kill_step or case.hot) and (launcher != "ftrun" or not case.hot or hot_ready(workdir)):
                 pid = find_rank_pid(proc.pid, case.victim, script)
                 if pid is not None:
                     kill["time"] = time.time()
@@ -722,6 +733,10 @@ def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
             Case("digits", "-", 4, 60 if q else 120, 30 if q else 60, victim=2, ckpt_every=25),
             Case("charlm", "small", 4, 30 if q else 60, 15 if q else 30, victim=2, ckpt_every=25 if not q else 10,
                  args=charlm_small),
+            # Hot spares: long enough that the spare is past the script's set-up; ftrun's kill comes
+            # at the first step from kill_step on at which it is (torchrun's at kill_step).
+            Case("digits", "-", 4, 4000, 1000, victim=2, ckpt_every=25, hot=True),
+            Case("charlm", "small", 4, 400, 50, victim=2, ckpt_every=25, args=charlm_small, hot=True),
         ]
     if "scaling-world" in args.parts:
         worlds = [2, 4] if q else [int(w) for w in args.worlds.split(",")]
@@ -857,21 +872,22 @@ def _spread(values: list[float]) -> float | None:
     return max(values) - min(values) if values else None
 
 
-def _groups(runs: list[dict[str, Any]]) -> dict[tuple[str, str, int, int], dict[str, list[dict[str, Any]]]]:
-    """(workload, size, ranks, nodes) -> launcher -> runs, in first-seen order; pairs share a repeat index."""
+def _groups(runs: list[dict[str, Any]]) -> dict[tuple[str, str, int, int, bool], dict[str, list[dict[str, Any]]]]:
+    """(workload, size, ranks, nodes, hot) -> launcher -> runs, in first-seen order; pairs share a repeat index."""
     out: dict[Any, dict[str, list[dict[str, Any]]]] = {}
     for r in runs:
         c = r["case"]
-        key = (c["workload"], c["size"], c["ranks"], c.get("nodes", 1))
+        key = (c["workload"], c["size"], c["ranks"], c.get("nodes", 1), c.get("hot", False))
         out.setdefault(key, {l: [] for l in LAUNCHERS})[r["launcher"]].append(r)
     return out
 
 
-def _label(key: tuple[str, str, int, int]) -> str:
-    """``digits x4`` on one node, ``digits 2x2`` (nodes x ranks per node) on several."""
-    workload, size, ranks, nodes = key
+def _label(key: tuple[str, str, int, int, bool]) -> str:
+    """``digits x4`` on one node, ``digits 2x2`` (nodes x ranks per node) on several; ``hot``: ftrun
+    ran with a hot spare."""
+    workload, size, ranks, nodes, hot = key
     name = workload if workload == "digits" else f"charlm-{size}"
-    return f"{name} x{ranks}" if nodes <= 1 else f"{name} {nodes}x{ranks // nodes}"
+    return (f"{name} x{ranks}" if nodes <= 1 else f"{name} {nodes}x{ranks // nodes}") + (" hot" if hot else "")
 
 
 def _pair_ratio(group: dict[str, list[dict[str, Any]]], metric: str, num: str, den: str) -> float | None:

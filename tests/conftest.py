@@ -213,3 +213,11 @@ def long_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     import digits_job
 
     return digits_job.run(tmp_path_factory.mktemp("long_reference"), steps=digits_job.LONG_STEPS)[0]
+
+
+@pytest.fixture(scope="session")
+def soak_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """params_sha256 of the fault-free SOAK_STEPS run (the soak and the hot-spare tests)."""
+    import digits_job
+
+    return digits_job.run(tmp_path_factory.mktemp("soak_reference"), steps=digits_job.SOAK_STEPS)[0]

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_digits.py"
 STEPS = "24"
 LONG_STEPS = "150"  # long enough that a test acts while the job still trains
+SOAK_STEPS = "3000"  # long enough for a stream of faults (tens of seconds of training)
 FINAL = re.compile(r"final step=(\d+) loss=\S+ test_accuracy=(\S+) params_sha256=([0-9a-f]{64})")
 
 
@@ -48,7 +49,7 @@ def run(tmp_path: Path, fault: str | None = None, steps: str = STEPS, extra: tup
     """Run the job to its end; returns (params_sha256, events, stdout). Asserts exit code 0."""
     log_dir = tmp_path / "logs"
     environ = env({**({"FTRUN_FAULT": fault} if fault else {}), **(extra_env or {})})
-    proc = subprocess.run([*cmd(log_dir, steps), *extra], env=environ, capture_output=True, text=True, timeout=220, cwd=tmp_path)
+    proc = subprocess.run([*cmd(log_dir, steps), *extra], env=environ, capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
     return digest(proc.stdout, steps), events(log_dir), proc.stdout
 

@@ -71,7 +71,8 @@ def test_labels() -> None:
 
 def test_groups_read_old_json_without_nodes() -> None:
     old = {"launcher": "ftrun", "repeat": 0, "case": {"workload": "digits", "size": "-", "ranks": 4}}
-    assert list(bench._groups([old])) == [("digits", "-", 4, 1)]
+    assert list(bench._groups([old])) == [("digits", "-", 4, 1, False)]
+    assert bench.Case("digits", "-", 4, 120, 60, hot=True).label() == "digits x4 hot"
 
 
 def _run(launcher: str, repeat: int, recover: float, digest: str) -> dict:

@@ -745,7 +745,7 @@ def test_checkpoint_dir_not_writable(tmp_path, script, monkeypatch):
         ("rank=x", "rank='x' is not an integer"),
         ("rank=0,kind=boom", "unknown kind 'boom'"),
         ("rank=0,point=nowhere", "unknown point 'nowhere'"),
-        ("rank=0,when=3", "unknown key 'when'"),
+        ("rank=0,whence=3", "unknown key 'whence'"),
         ("step=3", "names no rank"),
         ("rank=0,step=", "step='' is not an integer"),
         ("rank=0,step=1.5", "step='1.5' is not an integer"),

@@ -24,7 +24,7 @@ from conftest import TAG_VAR, tagged, wait_gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
-STEPS = "3000"
+STEPS = dj.SOAK_STEPS
 FAULTS = 10
 
 
@@ -34,10 +34,8 @@ def _cmd(log_dir: Path) -> list[str]:
             "--log_every", "10"]
 
 
-def test_soak_random_kills_and_stops(tmp_path: Path) -> None:
-    clean = subprocess.run(_cmd(tmp_path / "clean"), env=dj.env(), capture_output=True, text=True, timeout=400, cwd=tmp_path)
-    assert clean.returncode == 0, clean.stdout[-3000:]
-    reference = dj.digest(clean.stdout, STEPS)
+def test_soak_random_kills_and_stops(tmp_path: Path, soak_reference: str) -> None:
+    reference = soak_reference
 
     log_dir = tmp_path / "soak"
     tag = uuid.uuid4().hex  # inherited by every process of the job: what is left is found by it
