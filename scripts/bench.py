@@ -735,8 +735,8 @@ def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
                  args=charlm_small),
             # Hot spares: long enough that the spare is past the script's set-up; ftrun's kill comes
             # at the first step from kill_step on at which it is (torchrun's at kill_step).
-            Case("digits", "-", 4, 4000, 1000, victim=2, ckpt_every=25, hot=True),
-            Case("charlm", "small", 4, 400, 50, victim=2, ckpt_every=25, args=charlm_small, hot=True),
+            Case("digits", "-", 4, 800, 200, victim=2, ckpt_every=25, hot=True),
+            Case("charlm", "small", 4, 200, 40, victim=2, ckpt_every=25, args=charlm_small, hot=True),
         ]
     if "scaling-world" in args.parts:
         worlds = [2, 4] if q else [int(w) for w in args.worlds.split(",")]

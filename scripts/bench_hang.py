@@ -1,7 +1,7 @@
 """Time to recover from a hung rank with ftrun's default settings: SIGSTOP from outside, or a hang
 inside a step injected with ``FTRUN_FAULT`` (an endless loop, a deadlock on a Python lock).
 
-    python scripts/bench_hang.py [--ranks 4] [--hang_step 60] [--repeats 3] [--kinds stop,hang,deadlock]
+    python scripts/bench_hang.py [--ranks 4] [--hang_step 60] [--repeats 3] [--kinds stop,hang,deadlock] [--hot]
 
 The 4-rank digits job (``examples/train_digits.py``) runs under ftrun with its defaults
 (``--heartbeat_timeout 5``, automatic step timeout: 10 x the largest step after warm-up, at least
@@ -11,6 +11,9 @@ clocks: ``recover_s`` = the hang's start to rank 0 finishing the step that hung,
 events into detection (the watchdog noticing, stack dump included) and the rest (respawn, rebuild,
 transfer, the retried step). Target of the hang issue: under 10 s. (torchrun has no watchdog: its
 ranks would sit in the collective until the process group's timeout, 30 minutes by default.)
+
+``--hot``: with ``--hot_spares 1``; the hang starts at the first step from ``--hang_step`` on at which
+the hot spare waits at the training loop (the injected hangs through ``FTRUN_FAULT``'s ``when=``).
 """
 
 from __future__ import annotations
@@ -29,12 +32,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import FINAL, STEP, Case, command, find_rank_pid  # noqa: E402
+from bench import FINAL, STEP, Case, command, find_rank_pid, hot_ready  # noqa: E402
 
 
 def run_once(kind: str, args: argparse.Namespace) -> dict[str, float]:
     """One job with one hang; returns recover_s, detection_s, the failed step."""
-    case = Case("digits", "-", args.ranks, args.steps, args.hang_step, victim=args.victim)
+    case = Case("digits", "-", args.ranks, args.steps, args.hang_step, victim=args.victim, hot=args.hot)
     workdir = Path(tempfile.mkdtemp(prefix="bench-hang-"))
     try:
         cmd, env, script = command("ftrun", case, workdir)
@@ -43,6 +46,8 @@ def run_once(kind: str, args: argparse.Namespace) -> dict[str, float]:
             # Both hang once step hang_step is committed: the deadlock right after it, the loop
             # at the start of the next step.
             where = f"step={args.hang_step},point=between_steps" if kind == "deadlock" else f"step={args.hang_step + 1},point=before_forward"
+            if args.hot:  # at the first step at which the hot spare is ready
+                where = f"point={'between_steps' if kind == 'deadlock' else 'before_forward'},when={workdir / 'go'}"
             env["FTRUN_FAULT"] = f"rank={args.victim},{where},kind={kind}"
         proc = subprocess.Popen(cmd, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
@@ -59,11 +64,16 @@ def run_once(kind: str, args: argparse.Namespace) -> dict[str, float]:
                     continue
                 step, stamp = int(match.group(1)), float(match.group(2))
                 lines.append((step, stamp))
-                if kind == "stop" and step == args.hang_step and "time" not in stopped:
+                if step < args.hang_step or "time" in stopped or (args.hot and not hot_ready(workdir)):
+                    continue
+                if kind == "stop":
                     pid = find_rank_pid(proc.pid, args.victim, script)
                     if pid is not None:
                         stopped["time"] = time.time()
                         os.kill(pid, signal.SIGSTOP)
+                elif args.hot:
+                    stopped["time"] = time.time()
+                    (workdir / "go").touch()
 
         thread = threading.Thread(target=reader, daemon=True)
         thread.start()
@@ -98,9 +108,12 @@ def main() -> None:
     parser.add_argument("--victim", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kinds", default="stop,hang,deadlock")
+    parser.add_argument("--hot", action="store_true", help="with a hot spare (--hot_spares 1)")
     args = parser.parse_args()
-    print(f"digits job, {args.ranks} ranks, rank {args.victim} hangs after step {args.hang_step}, ftrun defaults, "
-          f"{args.repeats} repeat(s)")
+    if args.hot and args.steps == parser.get_default("steps"):
+        args.steps = 3000  # long enough for the spare to be past the script's set-up
+    print(f"digits job, {args.ranks} ranks, rank {args.victim} hangs after step {args.hang_step}, ftrun defaults"
+          f"{' and a hot spare' if args.hot else ''}, {args.repeats} repeat(s)")
     print(f"{'hang':<9} {'detected by':<13} {'recover_s':>9} {'spread_s':>9} {'detect_s':>9} {'respawn_s':>9}")
     for kind in args.kinds.split(","):
         runs = [run_once(kind, args) for _ in range(args.repeats)]
