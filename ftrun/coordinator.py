@@ -119,7 +119,8 @@ class Rank:
     kill_reason: str | None = None  # set when ftrun kills it (a hang)
     hung_since: float = 0.0  # the evidence's start (last heartbeat or progress)
     final_step: int | None = None  # the committed step it claimed when it called ft.finish()
-    finished: bool = False  # it called ft.finish(): its channel is closed, its code after that runs unwatched
+    finished: bool = False  # it called ft.finish(): it waits in the finish barrier, then its code after that runs unwatched
+    released: bool = False  # told that every rank finished (it leaves the finish barrier)
     in_dist: bool | None = None  # its last heartbeat: training thread inside torch.distributed (None: unknown)
     total_steps: int | None = None  # the number of steps its loop runs (ft.steps(n)), when known
     last_step_seconds: float | None = None  # its latest step time (for stragglers)
@@ -434,6 +435,7 @@ class Coordinator:
         r.last_heartbeat = 0.0
         r.phase, r.last_progress, r.last_begin, r.samples = "setup", 0.0, None, 0
         r.steps_ended, r.kill_reason, r.hung_since, r.final_step, r.finished = False, None, 0.0, None, False
+        r.released = False
         r.in_dist = None
         r.section, r.section_timeout, r.section_started, r.section_closed_at = None, None, 0.0, 0.0
         r.started_at = self.clock()
@@ -825,6 +827,7 @@ class Coordinator:
             result = self.on_failure([r.rank for r in newly_failed])
             if result is not None:
                 return result
+        self.release_finish_barrier()  # a rank may have exited 0 without ft.finish(), or a recovery ended
         if all(r.state == RankState.SUCCEEDED for r in self.ranks.values()):
             self._final_message = "job succeeded"
             self.emit(EventKind.JOB_FINISHED, "job succeeded", exit_code=0, restarts=self.restarts_used)
@@ -1450,6 +1453,18 @@ class Coordinator:
             claims = {x.rank: x.final_step for x in self.ranks.values() if x.final_step is not None}
             if len(set(claims.values())) > 1:
                 self.emit(EventKind.WARNING, f"ranks finished at different committed steps: {claims}", claims=claims)
+        self.release_finish_barrier()
+
+    def release_finish_barrier(self) -> None:
+        """Once every rank has finished (said ``done``, or exited 0), let the ranks waiting in
+        ``ft.finish()`` go. Until then they keep their final state for a rank that dies in its
+        epilogue (it is respawned and recovers from them like any other)."""
+        if self.recovery is not None or not all(x.finished or x.state == RankState.SUCCEEDED for x in self.ranks.values()):
+            return
+        for x in self.ranks.values():
+            if x.finished and x.alive() and x.identity is not None and not x.released:
+                x.released = True
+                self.send(x, MsgType.FINISHED)
 
     _rank_handlers: dict[MsgType, Callable[["Coordinator", Rank, Message], None]] = {
         MsgType.HEARTBEAT: on_heartbeat,

@@ -65,6 +65,7 @@ class MsgType(str, Enum):
     SAVE = "save"  # write your shard of the given committed step (TTP dying gasp)
     SAVED = "saved"  # a shard file was written (periodic or dying gasp)
     STOP = "stop"
+    FINISHED = "finished"  # every rank has finished: leave the finish barrier
     EVENT = "event"
     STATUS = "status"
     # node agent <-> coordinator
@@ -112,6 +113,7 @@ SCHEMA: dict[MsgType, dict[str, tuple[type, ...]]] = {
         "torch_version": _STR, "reason": _STR,
     },
     MsgType.STOP: {"reason": _STR},
+    MsgType.FINISHED: {},
     MsgType.EVENT: {"event": (dict,)},
     MsgType.STATUS: {"ranks": (list,)},
     MsgType.AGENT_HELLO: {"node": _INT, "pid": _INT, "host": _STR},

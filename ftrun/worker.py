@@ -190,6 +190,7 @@ class Worker:
         self._store: Any = None
         self._current_step: int | None = None
         self._first_step = 0  # the job's first step (DDP's one-bucket iteration)
+        self._finished = False  # the coordinator said every rank finished (the finish barrier)
         # A hot spare (docs/hot_spares.md) runs this set-up without a rank: the rank's identity is
         # bound at its promotion, when the script reaches its loop or first asks for it.
         self._rank: int | None = None
@@ -983,6 +984,8 @@ class Worker:
             self._save_request = msg
         elif msg.type == MsgType.STOP:
             sys.exit(0)
+        elif msg.type == MsgType.FINISHED:
+            self._finished = True
 
     def _recover(self, reason: str | None) -> int:
         """Reconfigure after a fault; returns the recovery step S (training resumes at S + 1).
@@ -1151,15 +1154,35 @@ class Worker:
         self.committed = step
 
     def finish(self) -> None:
-        """Say the rank is done, tear the group down and close the channel."""
+        """Say the rank is done, wait for every other rank to be done too, then tear the group
+        down and close the channel.
+
+        The wait is a finish barrier: until every rank has called ``finish()``, this rank keeps its
+        final state and answers recoveries, so a rank that dies after its last step (in its
+        epilogue: evaluation, saving) is respawned, takes the final state from a replica waiting
+        here, and runs its epilogue, instead of the job training again from scratch (issue 15).
+        """
         global _worker
+        self.faults.point("finish", self.committed)
         if self._checkpointer is not None:
             self._checkpointer.close()  # the last periodic checkpoint is written before we leave
         self._send(MsgType.DONE, committed=self.committed)
         self._drop_group()
+        if self.channel is not None and self.managed:
+            self._finish_barrier()
         if self.channel is not None:
             self.channel.close()
         _worker = None
+
+    def _finish_barrier(self) -> None:
+        """Serve aborts and plans (as a donor, usually) until the coordinator says every rank finished."""
+        self._finished = False
+        while not self._finished:
+            if self._save_request is not None:
+                self._save_dying_gasp()
+            if self._poll_abort(timeout=0.5):
+                self._recover(None)  # the abort already carried this rank's report
+                self._drop_group()
 
 
 class Step(int):

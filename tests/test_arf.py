@@ -37,6 +37,18 @@ def test_kill_at_each_point_is_exactly_once(reference: str, tmp_path: Path, rank
         assert [d for d in finished if d["resume_step"] in (step, step + 1) and d["bytes"] > 0], dj.story(events)
 
 
+def test_rank_killed_after_its_last_step_recovers_from_ranks_that_finished(reference: str, tmp_path: Path) -> None:
+    """Rank 0 dies in ft.finish(), after its epilogue (issue 15, item 3): the others wait in the finish
+    barrier with their final state, the respawned rank 0 takes it and runs its epilogue again,
+    and nothing is trained twice (no whole-job restart)."""
+    digest, events, out = dj.run(tmp_path, "rank=0,point=finish,kind=kill")
+    assert digest == reference, dj.story(events)
+    dj.assert_survivors_kept_pids(events, {0})
+    assert [m.group(3) for m in dj.FINAL.finditer(out)] == [reference, reference]  # both incarnations' epilogues
+    finished = [e["detail"] for e in events if e["kind"] == "recovery_finished"]
+    assert [d["resume_step"] for d in finished] == [int(dj.STEPS)] and finished[0]["bytes"] > 0, dj.story(events)
+
+
 def test_two_faults_on_different_ranks(reference: str, tmp_path: Path) -> None:
     digest, events, _ = dj.run(tmp_path, "rank=1,step=6,point=allreduce,kind=kill; rank=2,step=15,point=optimizer,kind=exit,code=3")
     assert digest == reference
