@@ -191,6 +191,8 @@ class Worker:
         self._current_step: int | None = None
         self._first_step = 0  # the job's first step (DDP's one-bucket iteration)
         self._finished = False  # the coordinator said every rank finished (the finish barrier)
+        self._group_connections: set[tuple[int, Any, Any]] = set()  # gloo's connections of ftrun's groups
+        self._connections_lock = threading.Lock()
         # A hot spare (docs/hot_spares.md) runs this set-up without a rank: the rank's identity is
         # bound at its promotion, when the script reaches its loop or first asks for it.
         self._rank: int | None = None
@@ -334,6 +336,7 @@ class Worker:
         while int(store.add("joined", 0)) < self.world_size:
             if self._poll_abort(timeout=0.005, newer_than=generation):
                 return False
+        before = _tcp_connections() if self.backend == "gloo" else set()
         dist.init_process_group(
             self.backend,
             store=dist.PrefixStore("pg/", store),
@@ -341,6 +344,11 @@ class Worker:
             world_size=self.world_size,
             timeout=timedelta(seconds=self.pg_timeout),
         )
+        if self.backend == "gloo":
+            # gloo connects every pair while the group is built: what appeared meanwhile is this
+            # group's, and the only connections a release may cut (a user's own sockets survive).
+            with self._connections_lock:
+                self._group_connections |= _tcp_connections() - before
         self.generation = generation
         return True
 
@@ -348,18 +356,27 @@ class Worker:
         """Whether this rank holds a working process group of the current generation."""
         return dist.is_initialized()
 
-    def _drop_group(self) -> None:
+    def _drop_group(self, broken: bool = True) -> None:
         """Destroy the current group and cut its connections now, releasing peers blocked on us.
+
+        A ``broken`` group (a failed step, an abort, a failed transfer) has its connections cut
+        *before* it is destroyed: gloo's teardown waits for work still in flight (an abandoned
+        asynchronous all-reduce whose peer is gone), and only a cut connection makes that work
+        fail at once (CI saw a survivor wait in ``destroy_process_group`` past the abort's
+        deadline and be replaced as hung). A group ending cleanly (``ft.finish()``) is destroyed
+        first, so nothing its peers still read is cut.
 
         Destroying the group is not enough with gloo: the process group object outlives
         ``destroy_process_group`` while anything still references it (a failed work, an
         exception's traceback), and its sockets stay open, so a peer blocked in a collective with
-        us waits for the full timeout. Shutting down this process's data-plane TCP connections (every
-        connection except the ones to the store and to the supervisor) makes each such peer fail
-        within milliseconds; the descriptors stay owned by gloo, which closes them when it lets go.
+        us waits for the full timeout. Shutting down the group's TCP connections (recorded when it
+        was built; the process's other sockets are left alone) makes each such peer fail within
+        milliseconds; the descriptors stay owned by gloo, which closes them when it lets go.
         """
         if not dist.is_initialized():
             return
+        if broken and self.backend == "gloo" and self.managed:
+            self._cut_connections()
         failure = None
         try:
             dist.destroy_process_group()
@@ -368,7 +385,7 @@ class Worker:
         if failure is not None:
             print(f"ftrun: tearing down generation {self.generation} failed: {failure}", file=sys.stderr, flush=True)
         if self.backend == "gloo" and self.managed:
-            _shutdown_peer_connections(keep_ports={int(os.environ.get("MASTER_PORT", "0")), _control_port()})
+            self._cut_connections()
 
     # ------------------------------------------------------------------ registration
     def register(self, name: str, obj: Any, kind: str = "replica") -> Any:
@@ -705,9 +722,11 @@ class Worker:
         return True
 
     def _cut_connections(self) -> None:
-        """Shut this process's data-plane connections down (all but the store's and the supervisor's)."""
+        """Shut down the connections of ftrun's process groups (recorded when each was built), and
+        nothing else of the process; forget those that are gone."""
         if self.backend == "gloo":
-            _shutdown_peer_connections(keep_ports={int(os.environ.get("MASTER_PORT", "0")), _control_port()})
+            with self._connections_lock:  # the I/O thread cuts too (an abort during a collective)
+                self._group_connections = _shutdown_connections(self._group_connections)
 
     def _beat_progress(self) -> dict[str, Any] | None:
         """On the I/O thread, at each heartbeat: a ``progress`` while a section is open."""
@@ -1167,7 +1186,7 @@ class Worker:
         if self._checkpointer is not None:
             self._checkpointer.close()  # the last periodic checkpoint is written before we leave
         self._send(MsgType.DONE, committed=self.committed)
-        self._drop_group()
+        self._drop_group(broken=False)
         if self.channel is not None and self.managed:
             self._finish_barrier()
         if self.channel is not None:
@@ -1182,7 +1201,7 @@ class Worker:
                 self._save_dying_gasp()
             if self._poll_abort(timeout=0.5):
                 self._recover(None)  # the abort already carried this rank's report
-                self._drop_group()
+                self._drop_group(broken=False)
 
 
 class Step(int):
@@ -1248,23 +1267,24 @@ def _training_thread_probe(thread_id: int | None, waiting: threading.Event | Non
     return probe
 
 
-def _control_port() -> int:
-    addr = os.environ.get("FTRUN_CONTROL_ADDR", "")
-    return int(addr.rsplit(":", 1)[1]) if ":" in addr else 0
-
-
-def _shutdown_peer_connections(keep_ports: set[int]) -> None:
-    """``shutdown(SHUT_RDWR)`` every established TCP connection of this process whose remote port
-    is not in ``keep_ports`` (the store and the supervisor). The descriptors are not closed."""
-    import socket
-
+def _tcp_connections() -> set[tuple[int, Any, Any]]:
+    """This process's established TCP connections as (fd, local address, remote address)."""
     import psutil
 
-    for conn in psutil.Process().net_connections(kind="tcp"):
-        if conn.status != psutil.CONN_ESTABLISHED or not conn.raddr or conn.raddr.port in keep_ports or conn.fd < 0:
-            continue
+    return {(c.fd, tuple(c.laddr), tuple(c.raddr)) for c in psutil.Process().net_connections(kind="tcp")
+            if c.status == psutil.CONN_ESTABLISHED and c.raddr and c.fd >= 0}
+
+
+def _shutdown_connections(targets: set[tuple[int, Any, Any]]) -> set[tuple[int, Any, Any]]:
+    """``shutdown(SHUT_RDWR)`` those of ``targets`` that are still established on the same
+    descriptor (a descriptor reused for another connection is left alone); the descriptors are not
+    closed (gloo owns them). Returns the targets still established."""
+    import socket
+
+    live = targets & _tcp_connections()
+    for fd, _, _ in live:
         try:
-            sock = socket.socket(fileno=os.dup(conn.fd))
+            sock = socket.socket(fileno=os.dup(fd))
         except OSError:
             continue
         try:
@@ -1273,6 +1293,7 @@ def _shutdown_peer_connections(keep_ports: set[int]) -> None:
             pass
         finally:
             sock.close()
+    return live
 
 
 def _describe(err: BaseException) -> str:

@@ -24,10 +24,10 @@ def env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return out
 
 
-def cmd(log_dir: Path, steps: str = STEPS) -> list[str]:
+def cmd(log_dir: Path, steps: str = STEPS, script: Path = SCRIPT) -> list[str]:
     return [sys.executable, "-m", "ftrun", "--worker_num", "4", "--master_port", "0", "--plain",
             "--log_dir", str(log_dir), "--tail_worker_log", "0", "--max_restarts", "4",
-            str(SCRIPT), "--steps", steps, "--log_every", "10"]
+            str(script), "--steps", steps, "--log_every", "10"]
 
 
 def events(log_dir: Path) -> list[dict]:
@@ -45,11 +45,11 @@ def digest(stdout: str, steps: str = STEPS) -> str:
 
 
 def run(tmp_path: Path, fault: str | None = None, steps: str = STEPS, extra: tuple[str, ...] = (),
-        extra_env: dict[str, str] | None = None) -> tuple[str, list[dict], str]:
+        extra_env: dict[str, str] | None = None, script: Path = SCRIPT) -> tuple[str, list[dict], str]:
     """Run the job to its end; returns (params_sha256, events, stdout). Asserts exit code 0."""
     log_dir = tmp_path / "logs"
     environ = env({**({"FTRUN_FAULT": fault} if fault else {}), **(extra_env or {})})
-    proc = subprocess.run([*cmd(log_dir, steps), *extra], env=environ, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    proc = subprocess.run([*cmd(log_dir, steps, script), *extra], env=environ, capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
     return digest(proc.stdout, steps), events(log_dir), proc.stdout
 
