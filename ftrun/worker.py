@@ -191,8 +191,6 @@ class Worker:
         self._current_step: int | None = None
         self._first_step = 0  # the job's first step (DDP's one-bucket iteration)
         self._finished = False  # the coordinator said every rank finished (the finish barrier)
-        self._group_connections: set[tuple[int, Any, Any]] = set()  # gloo's connections of ftrun's groups
-        self._connections_lock = threading.Lock()
         # A hot spare (docs/hot_spares.md) runs this set-up without a rank: the rank's identity is
         # bound at its promotion, when the script reaches its loop or first asks for it.
         self._rank: int | None = None
@@ -336,7 +334,6 @@ class Worker:
         while int(store.add("joined", 0)) < self.world_size:
             if self._poll_abort(timeout=0.005, newer_than=generation):
                 return False
-        before = _tcp_connections() if self.backend == "gloo" else set()
         dist.init_process_group(
             self.backend,
             store=dist.PrefixStore("pg/", store),
@@ -344,11 +341,6 @@ class Worker:
             world_size=self.world_size,
             timeout=timedelta(seconds=self.pg_timeout),
         )
-        if self.backend == "gloo":
-            # gloo connects every pair while the group is built: what appeared meanwhile is this
-            # group's, and the only connections a release may cut (a user's own sockets survive).
-            with self._connections_lock:
-                self._group_connections |= _tcp_connections() - before
         self.generation = generation
         return True
 
@@ -369,9 +361,9 @@ class Worker:
         Destroying the group is not enough with gloo: the process group object outlives
         ``destroy_process_group`` while anything still references it (a failed work, an
         exception's traceback), and its sockets stay open, so a peer blocked in a collective with
-        us waits for the full timeout. Shutting down the group's TCP connections (recorded when it
-        was built; the process's other sockets are left alone) makes each such peer fail within
-        milliseconds; the descriptors stay owned by gloo, which closes them when it lets go.
+        us waits for the full timeout. Shutting down this process's data-plane TCP connections (every
+        connection except the ones to the store and to the supervisor) makes each such peer fail
+        within milliseconds; the descriptors stay owned by gloo, which closes them when it lets go.
         """
         if not dist.is_initialized():
             return
@@ -722,11 +714,9 @@ class Worker:
         return True
 
     def _cut_connections(self) -> None:
-        """Shut down the connections of ftrun's process groups (recorded when each was built), and
-        nothing else of the process; forget those that are gone."""
+        """Shut this process's data-plane connections down (all but the store's and the supervisor's)."""
         if self.backend == "gloo":
-            with self._connections_lock:  # the I/O thread cuts too (an abort during a collective)
-                self._group_connections = _shutdown_connections(self._group_connections)
+            _shutdown_peer_connections(keep_ports={int(os.environ.get("MASTER_PORT", "0")), _control_port()})
 
     def _beat_progress(self) -> dict[str, Any] | None:
         """On the I/O thread, at each heartbeat: a ``progress`` while a section is open."""
@@ -1267,24 +1257,23 @@ def _training_thread_probe(thread_id: int | None, waiting: threading.Event | Non
     return probe
 
 
-def _tcp_connections() -> set[tuple[int, Any, Any]]:
-    """This process's established TCP connections as (fd, local address, remote address)."""
-    import psutil
-
-    return {(c.fd, tuple(c.laddr), tuple(c.raddr)) for c in psutil.Process().net_connections(kind="tcp")
-            if c.status == psutil.CONN_ESTABLISHED and c.raddr and c.fd >= 0}
+def _control_port() -> int:
+    addr = os.environ.get("FTRUN_CONTROL_ADDR", "")
+    return int(addr.rsplit(":", 1)[1]) if ":" in addr else 0
 
 
-def _shutdown_connections(targets: set[tuple[int, Any, Any]]) -> set[tuple[int, Any, Any]]:
-    """``shutdown(SHUT_RDWR)`` those of ``targets`` that are still established on the same
-    descriptor (a descriptor reused for another connection is left alone); the descriptors are not
-    closed (gloo owns them). Returns the targets still established."""
+def _shutdown_peer_connections(keep_ports: set[int]) -> None:
+    """``shutdown(SHUT_RDWR)`` every established TCP connection of this process whose remote port
+    is not in ``keep_ports`` (the store and the supervisor). The descriptors are not closed."""
     import socket
 
-    live = targets & _tcp_connections()
-    for fd, _, _ in live:
+    import psutil
+
+    for conn in psutil.Process().net_connections(kind="tcp"):
+        if conn.status != psutil.CONN_ESTABLISHED or not conn.raddr or conn.raddr.port in keep_ports or conn.fd < 0:
+            continue
         try:
-            sock = socket.socket(fileno=os.dup(fd))
+            sock = socket.socket(fileno=os.dup(conn.fd))
         except OSError:
             continue
         try:
@@ -1293,7 +1282,6 @@ def _shutdown_connections(targets: set[tuple[int, Any, Any]]) -> set[tuple[int, 
             pass
         finally:
             sock.close()
-    return live
 
 
 def _describe(err: BaseException) -> str:

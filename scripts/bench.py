@@ -740,8 +740,9 @@ def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
         ]
     if "scaling-world" in args.parts:
         worlds = [2, 4] if q else [int(w) for w in args.worlds.split(",")]
-        parts["scaling-world"] = [Case("charlm", "tiny", w, 30, 15, victim=1, ckpt_every=10, args=charlm_small)
-                                  for w in worlds]
+        # --hot: with a hot spare, long enough for it to be ready (the kill waits for it).
+        parts["scaling-world"] = [Case("charlm", "tiny", w, 300 if getattr(args, "hot", False) else 30, 15, victim=1, ckpt_every=10,
+                                       args=charlm_small, hot=getattr(args, "hot", False)) for w in worlds]
     if "scaling-state" in args.parts:
         sizes = ["tiny", "small"] if q else args.sizes.split(",")
         # Short jobs for the slow sizes; fast ones need more steps after the kill, or they finish
@@ -1222,6 +1223,7 @@ def main() -> None:
     parser.add_argument("--scaling_repeats", type=int, default=1,
                         help="runs of each case of scaling-world, scaling-state and memory (default 1)")
     parser.add_argument("--quick", action="store_true", help="short jobs, small worlds and sizes: a smoke run")
+    parser.add_argument("--hot", action="store_true", help="scaling-world with ftrun's hot spares (--hot_spares 1)")
     parser.add_argument("--worlds", default="2,4,8,16", help="world sizes of scaling-world (default 2,4,8,16)")
     parser.add_argument("--sizes", default="tiny,small,medium,large,xl", help="charlm sizes of scaling-state")
     parser.add_argument("--json", default="bench_results.json", help="raw results file ('' for none)")
