@@ -78,7 +78,10 @@ class Channel:
             self._outbox.put(frame)
             if not self._wake_pending:
                 self._wake_pending = True
-                os.write(self._wake_w, b"x")
+                try:
+                    os.write(self._wake_w, b"x")
+                except OSError:
+                    pass  # the I/O thread has ended: nothing is sent any more
 
     def receive(self, timeout: float | None = 0.0) -> Message | None:
         """Take the next message from the supervisor, waiting up to ``timeout`` seconds (None: forever)."""
@@ -95,7 +98,10 @@ class Channel:
             return
         self._closed = True
         self._outbox.put(None)
-        os.write(self._wake_w, b"x")
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass  # the I/O thread has already ended (and closed its pipe): nothing to wake
         self._thread.join(timeout=2.0)
 
     def _run(self) -> None:
