@@ -145,7 +145,6 @@ class RankProcesses:
         self.spares: list[subprocess.Popen] = []
         self._hot: dict[subprocess.Popen, Path] = {}  # the hot spares -> the file each creates once it waits for a rank
         self._spare_count = 0
-        self._taken_hot: set[subprocess.Popen] = set()
         self.hot_broken: str | None = None  # why this node no longer starts hot spares
         self.sigchld_at: float | None = None  # arrival of the first SIGCHLD not yet acted on
         self.interface_note: str | None = None
@@ -197,9 +196,7 @@ class RankProcesses:
         with open(path, "ab") as fh:
             fh.write(header.encode())
             fh.flush()
-            proc = self._take_spare(env, path) if use_spare else None
-            spare = "" if proc is None else "hot" if proc in self._taken_hot else "warm"
-            self._taken_hot.discard(proc)
+            proc, spare = self._take_spare(env, path) if use_spare else (None, "")
             if proc is None:
                 proc = procs.spawn(self.argv, env=env, stdout=fh.fileno(), stderr=subprocess.STDOUT)
         self.procs[rank] = _Proc(rank, incarnation, proc, path, error_file)
@@ -252,7 +249,8 @@ class RankProcesses:
             log.info("%s spare started (pid %d)", "hot" if hot else "warm", spare.pid)
         return note
 
-    def _take_spare(self, env: dict[str, str], log_path: Path) -> subprocess.Popen | None:
+    def _take_spare(self, env: dict[str, str], log_path: Path) -> tuple[subprocess.Popen | None, str]:
+        """Hand the rank to an idle spare: (it, "hot" or "warm"), or (None, "") when none is idle."""
         # A hot spare that waits for its rank first (past the script's set-up, or as far as the
         # script lets it go), then a warm one. A hot spare still in its set-up is not given a
         # rank: one that breaks the contract would fail as that rank instead of as a spare.
@@ -260,9 +258,10 @@ class RankProcesses:
         candidates = ready + [p for p in self.spares if p not in self._hot]
         for spare in candidates:
             self.spares.remove(spare)
+            kind = "warm"
             if spare in self._hot:
                 _unlink(self._hot.pop(spare))
-                self._taken_hot.add(spare)
+                kind = "hot"
             if spare.poll() is not None or spare.stdin is None:
                 continue
             job = {"env": env, "argv": self.script_argv, "module": self.module, "log": str(log_path), "cwd": os.getcwd()}
@@ -271,8 +270,8 @@ class RankProcesses:
                 spare.stdin.close()
             except OSError:
                 continue  # it died just now
-            return spare
-        return None
+            return spare, kind
+        return None, ""
 
     # ----------------------------------------------------------------- reaping and signals
     def reap(self) -> list[ExitReport | StopReport]:
