@@ -1608,6 +1608,10 @@ class Coordinator:
         """A rank reports a failed collective, a recoverable error, or its answer to an abort."""
         rec = self.recovery
         kind = msg.get("kind", "comm")
+        if rec is not None and rec.plan is not None and msg["generation"] == rec.generation and kind == "abort":
+            # An answer to this round's abort arriving after its plan: the rank's report was already
+            # counted (a UCE rank's own report is its answer). Not a failure.
+            return
         if rec is not None and rec.plan is not None and msg["generation"] == rec.generation and self.spec.tft.arf:
             # The plan itself failed (a transfer or the new group broke) with no death seen: next round.
             self.start_recovery(set(), f"rank {r.rank} could not carry out the plan: {msg['reason']}", kind="comm_error")

@@ -557,7 +557,11 @@ class Worker:
         self._send(MsgType.COLLECTIVE, step=self._current_step if self._current_step is not None else -1)
         self._in_collective = True
         self._release_if_aborted()
-        self.faults.point("allreduce", self._current_step)
+        try:
+            self.faults.point("allreduce", self._current_step)
+        except BaseException:
+            self._in_collective = False  # raised before this rank communicated: it is in no collective
+            raise
 
     def _on_hook_error(self, err: BaseException) -> bool:
         if isinstance(err, Exception) and self.is_recoverable(err):

@@ -102,8 +102,8 @@ def make(tmp_path: Path, world: int = 4, local: int | None = None, **kw: Any) ->
     return coord, agent, clock
 
 
-def msg(kind: MsgType, **fields: Any) -> Message:
-    return Message(kind, fields)
+def msg(mtype: MsgType, /, **fields: Any) -> Message:
+    return Message(mtype, fields)
 
 
 def ident(rank: int, incarnation: int = 0) -> bytes:
@@ -117,9 +117,9 @@ def hello_all(coord: Coordinator, ranks: list[int] | None = None) -> None:
                                                      generation=coord.generation, replica_group=list(coord.ranks), library=True))
 
 
-def send(coord: Coordinator, rank: int, kind: MsgType, **fields: Any) -> None:
+def send(coord: Coordinator, rank: int, mtype: MsgType, /, **fields: Any) -> None:
     r = coord.ranks[rank]
-    coord.handle(ident(rank, r.incarnation), msg(kind, rank=rank, incarnation=r.incarnation, **fields))
+    coord.handle(ident(rank, r.incarnation), msg(mtype, rank=rank, incarnation=r.incarnation, **fields))
 
 
 def step(coord: Coordinator, n: int, ranks: list[int] | None = None) -> None:
@@ -169,6 +169,33 @@ def test_death_is_recovered_by_respawning_only_that_rank(tmp_path: Path) -> None
         send(coord, rank, MsgType.RECOVERED, generation=1, role="recipient" if rank == 2 else "none", bytes=10, seconds=0.1)
     assert events(tmp_path, "recovery_finished")[-1]["detail"]["resume_step"] == 1
     assert coord.recovery is None and coord.restarts_used == 1
+
+
+def test_late_answer_to_the_abort_is_not_a_failed_plan(tmp_path: Path) -> None:
+    # UCE: the rank's own report counts as its answer, so the plan can be made before its answer
+    # to the abort arrives; that answer must not be taken for "the plan failed" (a second round
+    # was started in CI, and the recipient, mid-transfer, was later replaced as hung).
+    coord, _, _ = make(tmp_path)
+    hello_all(coord)
+    step(coord, 0)
+    send(coord, 3, MsgType.FAULT, generation=0, step=1, committed=-1, reason="recoverable error at step 1: X", kind="recoverable")
+    assert coord.recovery is not None and coord.recovery.generation == 1
+    for rank in (0, 1, 2):
+        send(coord, rank, MsgType.FAULT, generation=1, step=1, committed=0, reason="abort", kind="abort")
+    assert events(tmp_path, "recovery_planned")[-1]["detail"]["transfers"][0][1] == 3
+    send(coord, 3, MsgType.FAULT, generation=1, step=1, committed=-1, reason="abort", kind="abort")
+    assert len(events(tmp_path, "recovery_started")) == 1 and coord.recovery.generation == 1
+    for rank in range(4):
+        send(coord, rank, MsgType.RECOVERED, generation=1, role="recipient" if rank == 3 else "none", bytes=10, seconds=0.1)
+    assert coord.recovery is None and events(tmp_path, "recovery_finished")[-1]["detail"]["resume_step"] == 1
+    # A failure carrying out the plan still starts the next round.
+    send(coord, 3, MsgType.FAULT, generation=1, step=1, committed=0, reason="recoverable error at step 2: X", kind="recoverable")
+    send(coord, 0, MsgType.FAULT, generation=2, step=2, committed=1, reason="abort", kind="abort")
+    for rank in (1, 2):
+        send(coord, rank, MsgType.FAULT, generation=2, step=2, committed=1, reason="abort", kind="abort")
+    assert coord.recovery.plan is not None
+    send(coord, 0, MsgType.FAULT, generation=2, step=2, committed=1, reason="state transfer failed", kind="comm")
+    assert coord.recovery.generation == 3
 
 
 def test_done_is_a_claim_the_job_ends_when_processes_exit(tmp_path: Path) -> None:
