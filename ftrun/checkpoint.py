@@ -493,6 +493,65 @@ def write_manifest(
     return final
 
 
+ORPHAN_NOTE = "shard_{}.orphan.json"  # beside a shard written after the supervisor died
+
+
+def write_orphan_note(directory: str | os.PathLike[str], shard: int, info: ShardInfo, world_size: int,
+                      replica_groups: Sequence[Sequence[int]], torch_version: str) -> Path:
+    """Record, beside a shard a rank wrote after its supervisor died, what the manifest needs
+    (:func:`complete_orphaned` turns a full set of them into a manifest). Atomic, like every file here.
+
+    Raises:
+        OSError: the note cannot be written.
+    """
+    final = Path(directory) / ORPHAN_NOTE.format(shard)
+    text = json.dumps({"shard": int(shard), "info": info.to_json(), "world_size": int(world_size),
+                       "replica_groups": [[int(r) for r in g] for g in replica_groups], "torch_version": torch_version})
+    _write_atomically(final, lambda f: f.write(text.encode("utf-8")))
+    return final
+
+
+def complete_orphaned(root: str | os.PathLike[str], on_skip: OnSkip | None = None) -> Manifest | None:
+    """Complete the dying-gasp checkpoint the ranks wrote on their own after their supervisor died.
+
+    With no supervisor to collect the writers' reports, each writer left an orphan note beside its
+    shard (:func:`write_orphan_note`); the launcher, which outlives the supervisor, calls this
+    once the ranks are gone. The newest step directory without a manifest whose notes cover every
+    shard (and agree on the world and the replica groups) gets its manifest (reason ``"ttp:
+    supervisor lost"``) and loses its notes; an incomplete one is left as it is (an incomplete
+    checkpoint, which :func:`find_latest` skips). Does not import torch.
+
+    Args:
+        root: the checkpoint directory.
+        on_skip: called as ``on_skip(path, reason)`` for a directory that cannot be completed.
+
+    Returns:
+        the completed checkpoint's :class:`Manifest` (verified), or None.
+    """
+    report = on_skip or _warn_skip
+    for _, directory in _step_dirs(Path(root)):
+        notes = sorted(directory.glob(ORPHAN_NOTE.format("*")))
+        if (directory / MANIFEST).exists() or not notes:
+            continue
+        try:
+            read = [json.loads(n.read_text()) for n in notes]
+            groups = canonical_groups(read[0]["replica_groups"])
+            world = int(read[0]["world_size"])
+            if any(canonical_groups(r["replica_groups"]) != groups or int(r["world_size"]) != world for r in read):
+                raise ValueError("the writers disagree on the world size or the replica groups")
+            shards = {int(r["shard"]): ShardInfo.from_json(r["info"]) for r in read}
+            write_manifest(directory, _step_of(directory) or 0, world, groups, shards,
+                           reason="ttp: supervisor lost", torch_version=str(read[0]["torch_version"]))
+            manifest = verify(directory)
+        except (OSError, ValueError, KeyError, TypeError, CheckpointError) as err:
+            report(directory, f"the ranks' checkpoint after the supervisor died is incomplete: {err}")
+            continue
+        for note in notes:
+            note.unlink(missing_ok=True)
+        return manifest
+    return None
+
+
 def _check_shard(path: Path, info: ShardInfo, checksum: bool) -> None:
     try:
         size = path.stat().st_size

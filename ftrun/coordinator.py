@@ -409,6 +409,7 @@ class Coordinator:
             "FTRUN_CLUSTER_TIME_OUT": str(spec.cluster_time_out),
             "FTRUN_ARF": "1" if spec.tft.arf else "0",
             "FTRUN_UCE": "1" if spec.tft.uce else "0",
+            "FTRUN_TTP": "1" if spec.tft.ttp else "0",
             "FTRUN_RECOVERABLE_ERRORS": ",".join(spec.recoverable_errors),
             "FTRUN_CHECKPOINT_DIR": str(self.checkpoint_root),
             "FTRUN_SAVE_STEPS": str(spec.save_steps),

@@ -27,6 +27,7 @@ from .console import JobConsole, make_console
 from .protocol import MsgType, ProtocolError, decode, new_token
 
 FIRST_STOP_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+ORPHAN_GASP_WAIT_S = 60.0  # how long ranks whose supervisor died get to write their dying gasp and exit
 
 
 def job_token(spec: JobSpec) -> str:
@@ -303,6 +304,7 @@ class Launcher:
         self.spec = spec
         self.console = console
         self.stop_signals: list[int] = []
+        self._rank_pids: set[int] = set()  # this node's rank processes, from the events (rank_started)
 
     def run(self) -> int:
         spec = self.spec
@@ -381,6 +383,7 @@ class Launcher:
                     console.output(tailer.rank, line)
             if supervisor.poll() is not None:
                 break
+        orphans = procs.wait_for_children(self._rank_pids, ORPHAN_GASP_WAIT_S)
         procs.kill_descendants()  # ranks' children left by a supervisor that was killed
         # Drain what the supervisor sent before it exited.
         while pull.poll(200):
@@ -394,13 +397,28 @@ class Launcher:
         code = supervisor.returncode
         if code < 0:
             code, desc = procs.describe_exit(code)
-            last_finish = {"message": f"the ftrun {'supervisor' if spec.node_rank == 0 else 'agent'} was {desc}; see {own_log}", "detail": {}}
+            last_finish = {"message": f"the ftrun {'supervisor' if spec.node_rank == 0 else 'agent'} was {desc}; see {own_log}"
+                           + (self._orphans_gasp(spec) if orphans else ""), "detail": {}}
         elif last_finish is None:
             last_finish = {"message": f"the ftrun {'supervisor' if spec.node_rank == 0 else 'agent'} exited with code {code}; see {own_log}", "detail": {}}
         if self.stop_signals and (code == 0 or handled > 1):
             code = FIRST_STOP_EXIT.get(self.stop_signals[0], 128 + self.stop_signals[0])
         console.finish(code, last_finish)
         return code
+
+    def _orphans_gasp(self, spec: JobSpec) -> str:
+        """After the ranks outlived their supervisor: complete the checkpoint they wrote on their
+        own (:func:`ftrun.checkpoint.complete_orphaned`) and say how to go on."""
+        from .checkpoint import complete_orphaned
+
+        if not spec.tft.ttp:
+            return "; TTP is off: no dying-gasp checkpoint"
+        skipped: list[str] = []
+        manifest = complete_orphaned(Path(spec.checkpoint_dir).resolve(), on_skip=lambda path, why: skipped.append(why))
+        if manifest is None:
+            return "; the ranks left no complete dying-gasp checkpoint" + (f" ({skipped[0]})" if skipped else "")
+        return (f"; the ranks wrote a dying-gasp checkpoint of step {manifest.step} ({manifest.directory}): "
+                "run the same command with --resume auto to go on from it")
 
     def _dispatch(self, console: JobConsole, frame: bytes, token: str) -> dict[str, Any] | None:
         try:
@@ -410,6 +428,8 @@ class Launcher:
         if msg.type == MsgType.EVENT:
             event = msg["event"]
             console.event(event)
+            if event.get("kind") == "rank_started" and isinstance(event.get("pid"), int) and event.get("node", 0) == self.spec.node_rank:
+                self._rank_pids.add(event["pid"])
             if event.get("kind") == "job_finished":
                 return event
         elif msg.type == MsgType.STATUS:

@@ -30,6 +30,12 @@ def _prctl_pdeathsig(sig: int) -> bool:
     return _libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
 
 
+def set_death_signal(sig: int) -> bool:
+    """Make this process receive ``sig`` when its parent dies (``PR_SET_PDEATHSIG``), replacing
+    the signal it was started with. False where unsupported."""
+    return _prctl_pdeathsig(sig)
+
+
 def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
     """A ``preexec_fn`` that makes the child receive ``sig`` when its parent dies.
 
@@ -135,6 +141,21 @@ def kill_descendants() -> int:
             pass
     psutil.wait_procs(family, timeout=5)
     return len(family)
+
+
+def wait_for_children(pids: set[int], timeout: float) -> int:
+    """Wait up to ``timeout`` seconds for those of ``pids`` that are this process's children now
+    (ranks re-parented to the launcher, a subreaper, after their supervisor died) to exit; returns
+    how many there were."""
+    import psutil
+
+    try:
+        waiting = [p for p in psutil.Process().children() if p.pid in pids]
+    except psutil.Error:
+        return 0
+    if waiting:
+        psutil.wait_procs(waiting, timeout=timeout)
+    return len(waiting)
 
 
 def kill_tree(pid: int) -> None:

@@ -65,6 +65,7 @@ BUCKET_BYTES = 25 << 20  # gradient all-reduce bucket (DDP's default cap)
 
 UCE_REPORT_WAIT_S = 2.0  # how long a rank repairing in place waits for the supervisor's abort
 DUMP_SIGNAL = signal.SIGUSR1  # the supervisor asks a hung rank for its Python stacks with this
+ORPHAN_SIGNAL = signal.SIGUSR2  # the kernel sends it to a library rank when its supervisor dies
 
 class GroupFailure(RuntimeError):
     """A collective on ftrun's process group failed (recorded, then recovered by :meth:`Worker.steps`)."""
@@ -160,6 +161,8 @@ class Worker:
         self.kinds: dict[str, str] = {}  # name -> "committed" | "replica" | "rank" (see register())
         self._private_group: Any = None
         self.uce = os.environ.get("FTRUN_UCE", "1") == "1"
+        self.ttp = os.environ.get("FTRUN_TTP", "1") == "1"
+        self._orphaned = False  # the supervisor (this process's parent) died: see _watch_parent
         # Checkpoints (TTP): where, how often.
         self.checkpoint_dir = os.environ.get("FTRUN_CHECKPOINT_DIR") or None
         self.save_steps = _env_int("FTRUN_SAVE_STEPS", 0)
@@ -246,6 +249,74 @@ class Worker:
             self.channel.beat_extra = self._beat_progress
             # Stacks of every thread into this rank's log when the supervisor suspects a hang.
             faulthandler.register(DUMP_SIGNAL, all_threads=True, chain=False)
+            if self.managed:
+                self._watch_parent()
+
+    def _watch_parent(self) -> None:
+        """Outlive the supervisor long enough for a dying gasp (issue 15; MindIO TTP's idea).
+
+        A rank is spawned to die with its supervisor (``PR_SET_PDEATHSIG``, SIGKILL). A library
+        rank trades that for :data:`ORPHAN_SIGNAL`, whose handler only sets a flag: at its next
+        safe point (a step boundary, or its recovery loop) the rank writes its replica group's
+        shard of its last committed step, if it is the group's writer, and exits
+        (:meth:`_gasp_orphaned`); the launcher, which outlives the supervisor, waits for that,
+        completes the checkpoint and ends whatever is left. The switch happens after the
+        handler is installed, so the old signal covers the moment before; a parent already
+        gone by then is noticed by its pid."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        from .procs import set_death_signal
+
+        parent = os.getppid()
+
+        def on_orphaned(_signum: int, _frame: Any) -> None:
+            self._orphaned = True
+
+        signal.signal(ORPHAN_SIGNAL, on_orphaned)
+        if set_death_signal(ORPHAN_SIGNAL) and os.getppid() != parent:
+            self._orphaned = True
+
+    def _check_orphaned(self, mid_step: bool) -> None:
+        """At a safe point: if the supervisor died, write the dying gasp and exit (never returns
+        then). ``mid_step``: called while a failed step is being recovered (its body's changes
+        to rank and replica objects are undone first)."""
+        if self._orphaned:
+            self._gasp_orphaned(mid_step)
+
+    def _gasp_orphaned(self, mid_step: bool) -> None:
+        """Write this rank's shard of its last committed step with an orphan note
+        (:func:`ftrun.checkpoint.write_orphan_note`), if TTP is on and this rank is its replica
+        group's writer (the lowest rank), then exit with ``128 + ORPHAN_SIGNAL``.
+
+        Every rank reaches the same committed step: a step commits only after an all-reduce all
+        ranks entered, and a rank that leaves makes its peers' next all-reduce fail, so they
+        recover and gasp with the step they hold."""
+        from .checkpoint import save_shard, step_dir, write_orphan_note
+
+        line = f"ftrun: rank {self.rank}: the supervisor is gone"
+        if mid_step and self.committed >= 0:
+            self._roll_back(self.committed, ("rank", "replica"))
+        if not self.ttp or self.checkpoint_dir is None:
+            line += "; no dying-gasp checkpoint (TTP is off)"
+        elif self.rank != min(self.replica_group):
+            line += f"; rank {min(self.replica_group)} writes its replica group's shard"
+        elif self.committed < 0:
+            line += "; no committed step to save"
+        else:
+            failure = None
+            try:
+                if self._checkpointer is not None:
+                    self._checkpointer.close()
+                directory = step_dir(self.checkpoint_dir, self.committed)
+                info = save_shard(directory, self._shard(), self.state_dict())
+                write_orphan_note(directory, self._shard(), info, self.world_size, self.replica_groups, torch.__version__)
+            except Exception as err:
+                failure = _describe(err)
+            line += (f"; its dying-gasp checkpoint failed: {failure}" if failure is not None else
+                     f"; wrote shard {self._shard()} of step {self.committed} to {directory}")
+        print(line + "; exiting", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(128 + ORPHAN_SIGNAL)
 
     def _await_promotion(self, what: str) -> None:
         """A hot spare: block until the agent gives it a rank (:func:`ftrun.spare.take_assignment`),
@@ -334,6 +405,7 @@ class Worker:
         while int(store.add("joined", 0)) < self.world_size:
             if self._poll_abort(timeout=0.005, newer_than=generation):
                 return False
+            self._check_orphaned(mid_step=True)
         dist.init_process_group(
             self.backend,
             store=dist.PrefixStore("pg/", store),
@@ -896,6 +968,7 @@ class Worker:
         :attr:`_next_step` is the step after the last one run, when it ends."""
         self._next_step = step
         while total is None or step < total:
+            self._check_orphaned(mid_step=False)
             if self._poll_abort():
                 step = self._recover(None) + 1
                 if cursor is not None and self._after_recovery_epoch_moved(cursor):
@@ -1020,6 +1093,7 @@ class Worker:
             msg = self.channel.receive(timeout=1.0)
             if msg is not None:
                 self._on_message(msg)
+            self._check_orphaned(mid_step=True)
             if self._save_request is not None:
                 self._save_dying_gasp()
             plan = self._plan
@@ -1191,6 +1265,7 @@ class Worker:
         """Serve aborts and plans (as a donor, usually) until the coordinator says every rank finished."""
         self._finished = False
         while not self._finished:
+            self._check_orphaned(mid_step=False)
             if self._save_request is not None:
                 self._save_dying_gasp()
             if self._poll_abort(timeout=0.5):

@@ -122,6 +122,27 @@ def test_manifest_records_the_job(tmp_path: Path) -> None:
         ckpt.write_manifest(directory, 12, 4, [[0, 2], [1, 3]], {0: infos[0]})
 
 
+def test_orphaned_writers_notes_complete_a_checkpoint(tmp_path: Path) -> None:
+    # Ranks whose supervisor died write their shards with notes; the launcher completes the newest
+    # full set, leaves an incomplete one alone.
+    groups = [[0, 2], [1, 3]]
+    partial = ckpt.step_dir(tmp_path, 15)
+    info = ckpt.save_shard(partial, 0, {"t": torch.ones(2)})
+    ckpt.write_orphan_note(partial, 0, info, 4, groups, "9.9")
+    skipped: list[str] = []
+    assert ckpt.complete_orphaned(tmp_path, on_skip=lambda path, why: skipped.append(why)) is None
+    assert "expected 0..1" in skipped[0] and not (partial / ckpt.MANIFEST).exists()
+    full = ckpt.step_dir(tmp_path, 14)
+    for k in (0, 1):
+        ckpt.write_orphan_note(full, k, ckpt.save_shard(full, k, {"k": k}), 4, [[2, 0], [3, 1]], "9.9")
+    manifest = ckpt.complete_orphaned(tmp_path, on_skip=lambda path, why: None)
+    assert manifest is not None and manifest.step == 14 and manifest.replica_groups == groups
+    assert manifest.reason == "ttp: supervisor lost" and manifest.torch_version == "9.9"
+    assert ckpt.load_shard(manifest, 1)["k"] == 1 and not list(full.glob("*.orphan.json"))
+    assert ckpt.find_latest(tmp_path, on_skip=lambda path, why: None).step == 14  # step 15 stays incomplete
+    assert ckpt.complete_orphaned(tmp_path, on_skip=lambda path, why: None) is None  # nothing left to complete
+
+
 def test_write_manifest_does_not_import_torch(tmp_path: Path) -> None:
     code = (
         "import sys, json; from pathlib import Path; from ftrun import checkpoint as c\n"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -23,13 +24,24 @@ def _job(tmp_path: Path, *flags: str, fault: str | None = None, steps: str = dj.
          script_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Run the job in ``tmp_path`` (checkpoints go to tmp_path/ckpt); a fresh log dir each time."""
     log_dir = tmp_path / f"logs{len(list(tmp_path.glob('logs*')))}"
+    env = dj.env({"FTRUN_FAULT": fault} if fault else None)
+    proc = subprocess.run(_command(tmp_path, log_dir, steps, flags, script_args), env=env, capture_output=True,
+                          text=True, timeout=250, cwd=tmp_path)
+    proc.log_dir = log_dir  # type: ignore[attr-defined]
+    return proc
+
+
+def _command(tmp_path: Path, log_dir: Path, steps: str, flags: tuple[str, ...] = (), script_args: tuple[str, ...] = ()) -> list[str]:
     cmd = [*dj.cmd(log_dir, steps), *script_args]
     at = cmd.index(str(dj.SCRIPT))
     cmd[at:at] = ["--checkpoint_dir", str(tmp_path / "ckpt"), *flags]
-    env = dj.env({"FTRUN_FAULT": fault} if fault else None)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=250, cwd=tmp_path)
-    proc.log_dir = log_dir  # type: ignore[attr-defined]
-    return proc
+    return cmd
+
+
+def _start_long(tmp_path: Path, log_dir: Path, script_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """The long job in the background, in its own session (the caller kills the group if it is left)."""
+    return subprocess.Popen(_command(tmp_path, log_dir, dj.LONG_STEPS, script_args=script_args), env=dj.env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, start_new_session=True)
 
 
 def _kinds(proc: subprocess.CompletedProcess, kind: str) -> list[dict]:
@@ -62,11 +74,7 @@ def test_budget_exhausted_writes_a_dying_gasp_checkpoint(reference: str, tmp_pat
 def test_sigterm_writes_a_dying_gasp_checkpoint(long_reference: str, tmp_path: Path) -> None:
     # (b) SIGTERM to ftrun mid-run: the last committed step is saved before the ranks stop.
     log_dir = tmp_path / "logs_term"
-    cmd = dj.cmd(log_dir, dj.LONG_STEPS)
-    at = cmd.index(str(dj.SCRIPT))
-    cmd[at:at] = ["--checkpoint_dir", str(tmp_path / "ckpt")]
-    proc = subprocess.Popen(cmd, env=dj.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=tmp_path, start_new_session=True)
+    proc = _start_long(tmp_path, log_dir)
     try:
         dj.wait_for(lambda: dj.training(log_dir))
         os.kill(proc.pid, signal.SIGTERM)
@@ -81,6 +89,40 @@ def test_sigterm_writes_a_dying_gasp_checkpoint(long_reference: str, tmp_path: P
     assert rerun.returncode == 0, rerun.stdout[-3000:]
     assert dj.digest(rerun.stdout, dj.LONG_STEPS) == long_reference
     assert _kinds(rerun, "resumed")[0]["detail"]["step"] == saved[0]["detail"]["step"]
+
+
+def test_killed_supervisor_leaves_a_dying_gasp_checkpoint(long_reference: str, tmp_path: Path) -> None:
+    # Issue 15: SIGKILL of the supervisor. Its ranks outlive it long enough to write their shards
+    # of the last committed step (two replica groups: two writers), the launcher completes the
+    # checkpoint, ends every rank and says how to resume; the rerun ends bitwise equal.
+    import psutil
+
+    log_dir = tmp_path / "logs_orphans"
+    script = ("--replica_groups", "0,2;1,3")
+    proc = _start_long(tmp_path, log_dir, script)
+    try:
+        dj.wait_for(lambda: dj.training(log_dir))
+        ranks = [psutil.Process(pids[0]) for pids in dj.started(dj.events(log_dir)).values()]
+        [supervisor] = [p for p in psutil.Process(proc.pid).children() if "ftrun.supervisor" in " ".join(p.cmdline())]
+        supervisor.kill()
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 137, out[-3000:]
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "a rank outlived the launcher"
+    match = re.search(r"dying-gasp checkpoint of step (\d+)", out)
+    assert match, out[-3000:]
+    step = int(match.group(1))
+    assert 20 <= step < int(dj.LONG_STEPS) and "--resume auto" in out
+    manifest = json.loads((tmp_path / "ckpt" / f"step_{step:09d}" / "manifest.json").read_text())
+    assert manifest["reason"] == "ttp: supervisor lost" and sorted(manifest["shards"]) == ["0", "1"]
+    for rank in (0, 1):  # the writers say what they did; the others who writes for them
+        assert f"wrote shard {rank} of step {step}" in (log_dir / f"worker_{rank}.log").read_text()
+    rerun = _job(tmp_path, steps=dj.LONG_STEPS, script_args=script)
+    assert rerun.returncode == 0, rerun.stdout[-3000:]
+    assert dj.digest(rerun.stdout, dj.LONG_STEPS) == long_reference
+    assert _kinds(rerun, "resumed")[0]["detail"]["step"] == step
 
 
 def test_shard_without_live_replica_writes_nothing_partial(reference: str, tmp_path: Path) -> None:
