@@ -13,8 +13,10 @@ from __future__ import annotations
 import os
 import queue
 import secrets
+import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable
 
 import zmq
@@ -120,14 +122,17 @@ class Channel:
                         beat = encode(MsgType.HEARTBEAT, self.token, rank=self.rank, incarnation=self.incarnation, **self.probe())
                     except Exception:  # a probe must never stop the heartbeats
                         beat = heartbeat
-                self._sock.send(beat, zmq.NOBLOCK)
+                try:
+                    self._sock.send(beat, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # the supervisor is not reading (a full queue): the next beat says the same
                 if self.beat_extra is not None:
                     try:
                         extra = self.beat_extra()
                         if extra is not None:
                             self._sock.send(encode(MsgType.PROGRESS, self.token, rank=self.rank,
                                                    incarnation=self.incarnation, **extra), zmq.NOBLOCK)
-                    except Exception:  # like the probe: never stop the heartbeats
+                    except Exception:  # like the probe (zmq.Again included): never stop the heartbeats
                         pass
                 next_beat = now + self.heartbeat_interval
             events = dict(poller.poll(timeout=max(0, int((next_beat - now) * 1000))))
@@ -158,8 +163,18 @@ class Channel:
                     except ProtocolError:
                         continue  # only the supervisor knows our secret; anything else is dropped
                     if self.on_receive is not None:
-                        self.on_receive(msg)
+                        try:
+                            self.on_receive(msg)
+                        except Exception:  # noqa: BLE001  the message must still reach the training thread
+                            _log_io_error(f"acting on {msg.type.value} on the I/O thread")
                     self._inbox.put(msg)
         self._sock.close(linger=1000)
         os.close(self._wake_r)
         os.close(self._wake_w)
+
+
+def _log_io_error(what: str) -> None:
+    """Write an error of the I/O thread to the rank's log (stderr) and go on: this thread carries the
+    heartbeats and the supervisor's aborts, so an exception that ended it would leave the rank deaf
+    (CI saw a rank that never answered an abort be replaced as hung)."""
+    print(f"ftrun: control channel: {what} failed (ignored):\n{traceback.format_exc()}", file=sys.stderr, flush=True)

@@ -1352,8 +1352,13 @@ def _shutdown_peer_connections(keep_ports: set[int]) -> None:
         if conn.status != psutil.CONN_ESTABLISHED or not conn.raddr or conn.raddr.port in keep_ports or conn.fd < 0:
             continue
         try:
-            sock = socket.socket(fileno=os.dup(conn.fd))
-        except OSError:
+            dup = os.dup(conn.fd)
+        except OSError:  # closed since it was listed
+            continue
+        try:
+            sock = socket.socket(fileno=dup)
+        except OSError:  # the number was reused by something that is not a socket
+            os.close(dup)
             continue
         try:
             sock.shutdown(socket.SHUT_RDWR)

@@ -67,7 +67,13 @@ def story(evs: list[dict]) -> str:
     """The job's events without the routine ones, a line each (for an assertion's message)."""
     quiet = {"rank_started", "rank_joined", "rank_heartbeat", "rank_exited", "progress"}
     t0 = evs[0]["time"] if evs else 0.0
-    return "\n".join(f"{e['time'] - t0:8.2f} {e['kind']}: {e['message'][:300]}" for e in evs if e["kind"] not in quiet)
+    lines = []
+    for e in evs:
+        if e["kind"] not in quiet:
+            lines.append(f"{e['time'] - t0:8.2f} {e['kind']}: {e['message'][:300]}")
+            # A hung rank's stacks: all a CI log keeps of why it did not move.
+            lines.extend(f"           | {line}" for line in e.get("stacks", [])[-40:])
+    return "\n".join(lines)
 
 
 def assert_survivors_kept_pids(evs: list[dict], faulted: set[int]) -> None:

@@ -122,3 +122,41 @@ def test_protocol_rejects_non_int_version(version):
     frame = raw(v=version, type="heartbeat", rank=0, incarnation=0)
     with pytest.raises(ProtocolError, match="version"):
         decode(frame, TOKEN)
+
+
+def test_channel_io_thread_survives_a_failing_handler(capfd):
+    """An exception in the I/O thread's handler (the worker cuts connections there) must not end the
+    thread: the message still reaches the training thread and heartbeats go on."""
+    import time
+
+    import zmq
+
+    from ftrun.channel import Channel
+
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    channel = Channel(f"tcp://127.0.0.1:{port}", TOKEN, rank=0, incarnation=0, heartbeat_interval=0.05)
+    try:
+        def fail(_msg):
+            raise RuntimeError("handler broke")
+
+        channel.on_receive = fail
+        assert router.poll(10_000), "no heartbeat from the channel"
+        identity, frame = router.recv_multipart()
+        assert decode(frame, TOKEN).type == MsgType.HEARTBEAT
+        router.send_multipart([identity, encode(MsgType.ABORT, TOKEN, generation=3, reason="test")])
+        msg = channel.receive(timeout=10.0)
+        assert msg is not None and msg.type == MsgType.ABORT and msg["generation"] == 3
+        deadline = time.monotonic() + 10.0
+        beats_after = 0
+        while beats_after < 2 and time.monotonic() < deadline:
+            if router.poll(100):
+                router.recv_multipart()
+                beats_after += 1
+        assert beats_after == 2, "the I/O thread stopped sending heartbeats"
+        assert "handler broke" in capfd.readouterr().err
+    finally:
+        channel.close()
+        router.close()
