@@ -298,7 +298,7 @@ class Worker:
             self._roll_back(self.committed, ("rank", "replica"))
         if not self.ttp or self.checkpoint_dir is None:
             line += "; no dying-gasp checkpoint (TTP is off)"
-        elif self.rank != min(self.replica_group):
+        elif not self._is_shard_writer():
             line += f"; rank {min(self.replica_group)} writes its replica group's shard"
         elif self.committed < 0:
             line += "; no committed step to save"
@@ -1175,6 +1175,11 @@ class Worker:
         return role, nbytes, time.monotonic() - started
 
     # ------------------------------------------------------------------ checkpoints (TTP)
+    def _is_shard_writer(self) -> bool:
+        """Whether this rank writes its replica group's checkpoint shard: the group's lowest rank
+        (its replicas hold the same state, so one file per group is the whole state)."""
+        return self.rank == min(self.replica_group)
+
     def _shard(self) -> int:
         from .checkpoint import shard_of_rank
 
@@ -1198,7 +1203,7 @@ class Worker:
     def _save_periodic(self, step: int) -> None:
         """Snapshot the state of committed ``step`` and write it in the background, if this rank is
         its replica group's writer (the lowest rank); the supervisor completes the checkpoint."""
-        if self.checkpoint_dir is None or self.rank != min(self.replica_group):
+        if self.checkpoint_dir is None or not self._is_shard_writer():
             return
         from .checkpoint import AsyncCheckpointer
 
