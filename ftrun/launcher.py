@@ -304,7 +304,8 @@ class Launcher:
         self.spec = spec
         self.console = console
         self.stop_signals: list[int] = []
-        self._rank_pids: set[int] = set()  # this node's rank processes, from the events (rank_started)
+        self._pid_of_rank: dict[int, int] = {}  # this node's rank processes, from the events (rank_started)
+        self._library_pids: set[int] = set()  # those that use the worker library (rank_joined says so)
 
     def run(self) -> int:
         spec = self.spec
@@ -383,7 +384,9 @@ class Launcher:
                     console.output(tailer.rank, line)
             if supervisor.poll() is not None:
                 break
-        orphans = procs.wait_for_children(self._rank_pids, ORPHAN_GASP_WAIT_S)
+        # Ranks of the worker library outlive a killed supervisor long enough for a dying gasp (a
+        # plain script's ranks die with it: their death signal is SIGKILL).
+        orphans = procs.wait_for_children(self._library_pids, ORPHAN_GASP_WAIT_S)
         procs.kill_descendants()  # ranks' children left by a supervisor that was killed
         # Drain what the supervisor sent before it exited.
         while pull.poll(200):
@@ -429,7 +432,9 @@ class Launcher:
             event = msg["event"]
             console.event(event)
             if event.get("kind") == "rank_started" and isinstance(event.get("pid"), int) and event.get("node", 0) == self.spec.node_rank:
-                self._rank_pids.add(event["pid"])
+                self._pid_of_rank[event.get("rank")] = event["pid"]
+            if event.get("kind") == "rank_joined" and event.get("library") is True and event.get("rank") in self._pid_of_rank:
+                self._library_pids.add(self._pid_of_rank[event["rank"]])
             if event.get("kind") == "job_finished":
                 return event
         elif msg.type == MsgType.STATUS:

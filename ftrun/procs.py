@@ -21,19 +21,15 @@ _PR_SET_CHILD_SUBREAPER = 36
 _libc: ctypes.CDLL | None = None
 
 
-def _prctl_pdeathsig(sig: int) -> bool:
+def set_death_signal(sig: int) -> bool:
+    """Make this process receive ``sig`` when its parent dies (``PR_SET_PDEATHSIG``), replacing
+    the signal it was started with. False where unsupported."""
     global _libc
     if not sys.platform.startswith("linux"):
         return False
     if _libc is None:
         _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     return _libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
-
-
-def set_death_signal(sig: int) -> bool:
-    """Make this process receive ``sig`` when its parent dies (``PR_SET_PDEATHSIG``), replacing
-    the signal it was started with. False where unsupported."""
-    return _prctl_pdeathsig(sig)
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
@@ -47,7 +43,7 @@ def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
 
     def preexec() -> None:
         os.setsid()
-        _prctl_pdeathsig(sig)
+        set_death_signal(sig)
         if os.getppid() != parent:
             os._exit(128 + sig)
 

@@ -292,6 +292,7 @@ def test_sigkill_of_supervisor_kills_ranks(ftrun_proc, tmp_path, out):
     result = proc.wait()
     assert result.returncode == 137, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert "supervisor" in result.stdout
+    assert "dying-gasp" not in result.stdout, "a plain script's ranks write no checkpoint of their own"
     assert not wait_gone(ranks), "ranks outlived their supervisor"
     assert not wait_gone(grandchildren), "a rank's child outlived the killed supervisor (issue 15)"
 
