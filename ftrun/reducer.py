@@ -90,6 +90,10 @@ class GradientReducer:
         self._waiting = waiting
         self.error: str | None = None  # "Type: message" of the first failed all-reduce of this backward
         self.sync = True  # False inside no_sync(): gradients accumulate locally
+        # The DDP path: whether the last forward ran outside DDP's own no_sync(). DDP decides at
+        # forward time whether the next backward communicates; a forward pre-hook on the DDP
+        # module keeps this in step (see Worker.wrap_model).
+        self.forward_sync = True
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._is_first_step = is_first_step
         self._rebuilt: list[list[int]] | None = None  # buckets by ready order, once known
@@ -124,7 +128,7 @@ class GradientReducer:
             self._buckets, self._deferred = [], True
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if not self.sync or self.world_size == 1:
+        if not (self.sync and self.forward_sync) or self.world_size == 1:
             return
         i = self._index[id(param)]
         self._begin_pass()

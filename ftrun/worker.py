@@ -535,6 +535,12 @@ class Worker:
             raise ValueError("ft.wrap_model(ddp=True) needs gradient_as_bucket_view=True (ftrun averages DDP's bucket views in place)")
         wrapped = DistributedDataParallel(model, process_group=self._one_rank_group(), **ddp_kwargs)
         wrapped.register_comm_hook(None, _local_gradients_hook)
+
+        def follow_no_sync(module: Any, _args: Any) -> None:
+            # DDP's no_sync() (not only ft.no_sync()) keeps the next backward local, as under DDP.
+            reducer.forward_sync = bool(module.require_backward_grad_sync)
+
+        wrapped.register_forward_pre_hook(follow_no_sync)
         return wrapped
 
     def _broadcast_initial(self, model: torch.nn.Module) -> None:

@@ -1,7 +1,11 @@
-"""Real training scripts on the worker library (issue 11): pytorch/examples' mnist in data-parallel
-form (examples/mnist.py, an epoch loop over a DataLoader with a DistributedSampler) ends with the
-parameters of its plain-torchrun twin (examples/mnist_torchrun.py), bitwise, without and with
-faults. 2 ranks, 2 epochs of 12 steps."""
+"""Real training scripts on the worker library (issue 11), each against its plain-torchrun twin,
+bitwise, without and with faults (2 ranks):
+
+- pytorch/examples' mnist in data-parallel form (examples/mnist.py: an epoch loop over a
+  DataLoader with a DistributedSampler, Adadelta, StepLR, a test pass each epoch), 2 epochs of 12 steps;
+- examples/train_real.py (a StatefulDataLoader, gradient accumulation with no_sync(),
+  clip_grad_norm_, AdamW with OneCycleLR stepped every step, a slow evaluation in a section),
+  3 epochs of 11 steps."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 FINAL = re.compile(r"final step=(\d+) loss=\S+ test_accuracy=(\S+) params_sha256=([0-9a-f]{64})")
 MNIST_ARGS = ["--epochs", "2", "--log-interval", "4"]
+REAL_ARGS = ["--epochs", "3", "--eval_every", "15", "--log_every", "5"]
 
 pytestmark = pytest.mark.integration
 
@@ -41,15 +46,16 @@ def _events(log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def _ftrun_cmd(log_dir: Path, script: str, args: list[str]) -> list[str]:
+def _ftrun_cmd(log_dir: Path, script: str, args: list[str], ftrun_args: tuple[str, ...] = ()) -> list[str]:
     return [sys.executable, "-m", "ftrun", "--worker_num", "2", "--master_port", "0", "--plain",
-            "--log_dir", str(log_dir), "--tail_worker_log", "0", "--max_restarts", "3",
+            "--log_dir", str(log_dir), "--tail_worker_log", "0", "--max_restarts", "3", *ftrun_args,
             str(EXAMPLES / script), *args]
 
 
-def _run_ftrun(tmp_path: Path, script: str, args: list[str], fault: str | None = None) -> tuple[str, list[dict]]:
+def _run_ftrun(tmp_path: Path, script: str, args: list[str], fault: str | None = None,
+               ftrun_args: tuple[str, ...] = ()) -> tuple[str, list[dict]]:
     log_dir = tmp_path / "logs"
-    proc = subprocess.run(_ftrun_cmd(log_dir, script, args), env=_env({"FTRUN_FAULT": fault} if fault else None),
+    proc = subprocess.run(_ftrun_cmd(log_dir, script, args, ftrun_args), env=_env({"FTRUN_FAULT": fault} if fault else None),
                           capture_output=True, text=True, timeout=280, cwd=tmp_path)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
     return _digest(proc.stdout), _events(log_dir)
@@ -67,16 +73,48 @@ def _assert_recovered_in_place(events: list[dict], faulted: set[int]) -> None:
     assert [e for e in events if e["kind"] == "recovery_finished"], "no recovery finished"
 
 
-@pytest.fixture(scope="module")
-def mnist_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The torchrun twin's parameters (plain DDP, no ftrun)."""
-    cwd = tmp_path_factory.mktemp("mnist_torchrun")
+def _torchrun_digest(cwd: Path, script: str, args: list[str]) -> str:
+    """The parameters' digest of ``script`` under plain torchrun on 2 ranks (DDP, no ftrun)."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2",
-                           str(EXAMPLES / "mnist_torchrun.py"), *MNIST_ARGS],
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(EXAMPLES / script), *args],
                           env=_env(), capture_output=True, text=True, timeout=280, cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return _digest(proc.stdout)
+
+
+def _kill_rank_when(tmp_path: Path, script: str, args: list[str], line: str, rank: int) -> tuple[str, list[dict]]:
+    """Run ``script`` under ftrun, SIGKILL ``rank``'s first process from outside once rank 0's log
+    shows ``line``, and let the job end; returns (digest, events). Asserts exit code 0."""
+    log_dir = tmp_path / "logs"
+    proc = subprocess.Popen(_ftrun_cmd(log_dir, script, args), env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=tmp_path, start_new_session=True)
+    try:
+        log = log_dir / "worker_0.log"
+        deadline = time.monotonic() + 240
+        while not (log.exists() and line in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, f"{line!r} never printed"
+            time.sleep(0.05)
+        pid = next(e["pid"] for e in _events(log_dir) if e["kind"] == "rank_started" and e["rank"] == rank)
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out[-4000:]
+    return _digest(out), _events(log_dir)
+
+
+@pytest.fixture(scope="module")
+def mnist_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The torchrun twin's parameters (plain DDP, no ftrun)."""
+    return _torchrun_digest(tmp_path_factory.mktemp("mnist_torchrun"), "mnist_torchrun.py", MNIST_ARGS)
+
+
+@pytest.fixture(scope="module")
+def real_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """train_real_torchrun.py's parameters (plain DDP, no ftrun)."""
+    return _torchrun_digest(tmp_path_factory.mktemp("real_torchrun"), "train_real_torchrun.py", REAL_ARGS)
 
 
 def test_mnist_matches_torchrun_twin(tmp_path: Path, mnist_reference: str) -> None:
@@ -89,25 +127,8 @@ def test_mnist_outside_sigkill_mid_epoch(tmp_path: Path, mnist_reference: str) -
     """SIGKILL of rank 1 from outside in epoch 2: only rank 1 is respawned; it resumes in epoch 2
     at its predecessor's place in the DataLoader with its RNG (dropout), and the run ends bitwise
     equal to the twin's."""
-    log_dir = tmp_path / "logs"
-    proc = subprocess.Popen(_ftrun_cmd(log_dir, "mnist.py", MNIST_ARGS), env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=tmp_path, start_new_session=True)
-    try:
-        log = log_dir / "worker_0.log"
-        deadline = time.monotonic() + 240
-        while not (log.exists() and "Train Epoch: 2 [256/" in log.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, "epoch 2 never reached"
-            time.sleep(0.05)
-        pid = next(e["pid"] for e in _events(log_dir) if e["kind"] == "rank_started" and e["rank"] == 1)
-        os.kill(pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, out[-4000:]
-    assert _digest(out) == mnist_reference
-    events = _events(log_dir)
+    digest, events = _kill_rank_when(tmp_path, "mnist.py", MNIST_ARGS, "Train Epoch: 2 [256/", rank=1)
+    assert digest == mnist_reference
     _assert_recovered_in_place(events, {1})
     assert [e["rank"] for e in events if e["kind"] == "rank_failed"] == [1]
 
@@ -123,4 +144,35 @@ def test_mnist_outside_sigkill_mid_epoch(tmp_path: Path, mnist_reference: str) -
 def test_mnist_injected_faults(tmp_path: Path, mnist_reference: str, fault: str) -> None:
     digest, events = _run_ftrun(tmp_path, "mnist.py", MNIST_ARGS, fault)
     assert digest == mnist_reference
+    assert [e for e in events if e["kind"] == "recovery_finished"]
+
+
+def test_train_real_matches_torchrun_twin_through_a_slow_evaluation(tmp_path: Path, real_reference: str) -> None:
+    """Fault-free, with each evaluation (in ``ft.section``) taking 3 s, over the 2 s step bound
+    this test sets: no rank is taken for hung, and the parameters are the twin's, bitwise."""
+    digest, events = _run_ftrun(tmp_path, "train_real.py", [*REAL_ARGS, "--eval_pause", "3"],
+                                ftrun_args=("--step_timeout_min", "2"))
+    assert digest == real_reference
+    assert not [e for e in events if e["kind"] in ("rank_failed", "rank_hung")], [e["message"] for e in events if e["kind"] == "rank_hung"]
+
+
+def test_train_real_outside_sigkill(tmp_path: Path, real_reference: str) -> None:
+    """SIGKILL of rank 1 from outside in epoch 2: only rank 1 is respawned, resumes at its
+    predecessor's place in the StatefulDataLoader, and the run ends bitwise equal to the twin's."""
+    digest, events = _kill_rank_when(tmp_path, "train_real.py", REAL_ARGS, "epoch 1 step 15 ", rank=1)
+    assert digest == real_reference
+    _assert_recovered_in_place(events, {1})
+    assert [e["rank"] for e in events if e["kind"] == "rank_failed"] == [1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", [
+    "rank=1,step=11,point=allreduce,kind=kill",         # the first step of epoch 2, at its synced micro-batch
+    "rank=0,step=14,point=optimizer,kind=recoverable",  # a step with an evaluation after its update (UCE)
+    "rank=1,step=21,point=between_steps,kind=kill",     # after a committed step, the last of epoch 2
+    "rank=0,step=26,point=before_forward,kind=kill",    # rank 0, before its micro-batches
+])
+def test_train_real_injected_faults(tmp_path: Path, real_reference: str, fault: str) -> None:
+    digest, events = _run_ftrun(tmp_path, "train_real.py", REAL_ARGS, fault)
+    assert digest == real_reference
     assert [e for e in events if e["kind"] == "recovery_finished"]
