@@ -5,12 +5,12 @@
 train_real_torchrun.py (DDP; a DistributedSampler with set_epoch feeding torchdata's
 StatefulDataLoader; gradient accumulation over micro-batches with ``no_sync()``;
 ``clip_grad_norm_``; AdamW with a OneCycleLR schedule stepped every step; an evaluation every
-``--eval_every`` steps, slowed by ``--eval_pause``) ported to the worker library: every line that
-changed says ``# ftrun``, and four lines of the twin went (two imports, its step counter). A run
-with faults ends with the parameters of the run without, and of the torchrun twin, bitwise
-(``ddp=True`` keeps DDP's own buckets, averaged over ftrun's group). The evaluation runs in an
-``ft.section``, so a slow one is not taken for a hung step. Data and model: real_common.py.
-Rank 0 prints ``final step=<n> loss=<x> test_accuracy=<y> params_sha256=<digest>``.
+``--eval_every`` steps, slowed by ``--eval_pause``) ported to the worker library: the 12 lines that
+changed say ``# ftrun``, two more are indented under ``ft.section``, and four lines of the twin
+went (two imports, its step counter). A run with faults ends with the parameters of the run
+without, and of the torchrun twin, bitwise (``ddp=True`` keeps DDP's own buckets, averaged over
+ftrun's group). The evaluation runs in an ``ft.section``, so a slow one is not taken for a hung
+step. Data and model: real_common.py. Rank 0 prints ``final step=<n> loss=<x> test_accuracy=<y> params_sha256=<digest>``.
 """
 import argparse
 import contextlib

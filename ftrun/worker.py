@@ -190,6 +190,7 @@ class Worker:
         self._error: str | None = None
         self._error_kind = "comm"  # what kind of fault _error is: comm, recoverable
         self._abort_generation: int | None = None
+        self._plan: Message | None = None  # the coordinator's reconfigure for _abort_generation, once here
         self._store: Any = None
         self._current_step: int | None = None
         self._first_step = 0  # the job's first step (DDP's one-bucket iteration)
@@ -1094,7 +1095,10 @@ class Worker:
             self._send(MsgType.FAULT, generation=self.generation, step=self._current_step or -1,
                        committed=self.committed, reason=reason, kind=self._error_kind)
         self._error_kind = "comm"
-        self._plan = None
+        if self._plan is not None and self._plan["generation"] != self._abort_generation:
+            # Stale. A plan for the pending abort is kept: an earlier poll can take it with the
+            # abort when the coordinator was quick (a UCE rank's own report is its answer).
+            self._plan = None
         while True:
             msg = self.channel.receive(timeout=1.0)
             if msg is not None:
