@@ -43,7 +43,11 @@ import torch.distributed as dist
 BUCKET_CAP_BYTES = 25 << 20  # DDP's default bucket_cap_mb (25 MiB)
 
 
-ABANDON_GRACE_S = 5.0  # after an abort, how long a pending all-reduce gets to fail by itself
+# After an abort, how long a pending all-reduce gets to fail by itself (the abort's connection cut
+# fails it within milliseconds). Leaving one in flight is safe: its group is never destructed
+# (Worker._drop_group) and a late failure cannot touch a later pass (see launch). It must stay
+# well inside the coordinator's deadline for answering the abort (REPORT_DEADLINE_S, 10 s).
+ABANDON_GRACE_S = 1.0
 
 class GradientReducer:
     """Averages the gradients of ``params`` over ftrun's group while backward runs.
@@ -108,6 +112,9 @@ class GradientReducer:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     def _reset_pass(self) -> None:
+        # Which backward pass this is: an all-reduce abandoned in an earlier pass (its group torn
+        # down under it) may fail long after, and must not mark a later, healthy pass failed.
+        self._pass = getattr(self, "_pass", 0) + 1
         self._pending: list[tuple[list[int], torch.Tensor, torch.futures.Future]] = []
         self._ready: set[int] = set()
         self._next_bucket = 0
@@ -222,11 +229,11 @@ class GradientReducer:
             done.set_result(flat)
             return done
 
-        def settle(fut: torch.futures.Future, out: torch.Tensor = flat) -> torch.Tensor:
+        def settle(fut: torch.futures.Future, out: torch.Tensor = flat, pass_: int = self._pass) -> torch.Tensor:
             try:
                 fut.wait()
             except Exception as err:  # recorded, never raised through autograd
-                if self.error is None:
+                if self.error is None and self._pass == pass_:
                     self.error = _describe(err)
             return out
 
@@ -244,8 +251,7 @@ class GradientReducer:
                 while not fut.done():
                     if self._abandon.is_set():
                         # The abort's connection cut normally fails the all-reduce at once; give it
-                        # that chance (a work still in flight when its group is torn down is a
-                        # hazard), and only then stop waiting.
+                        # that chance, then stop waiting (see ABANDON_GRACE_S).
                         abandoned_at = abandoned_at or time.monotonic()
                         if time.monotonic() - abandoned_at > ABANDON_GRACE_S:
                             self.error = self.error or "abandoned: the job's coordinator aborted this generation"

@@ -437,16 +437,26 @@ class Worker:
         us waits for the full timeout. Shutting down this process's data-plane TCP connections (every
         connection except the ones to the store and to the supervisor) makes each such peer fail
         within milliseconds; the descriptors stay owned by gloo, which closes them when it lets go.
+
+        A broken gloo group is never destructed (:func:`_retire`): gloo's destructor joins its
+        worker threads, and a work still in flight there (one the cut did not fail) held the
+        training thread for longer than the abort's deadline (CI, twice: the stack ended in this
+        method, with destroy_process_group already returned), so the rank was replaced as hung.
         """
         if not dist.is_initialized():
             return
+        retired = None
         if broken and self.backend == "gloo" and self.managed:
             self._cut_connections()
+            retired = dist.group.WORLD
         failure = None
         try:
             dist.destroy_process_group()
         except Exception as err:  # a broken group may fail to tear down cleanly
             failure = f"{type(err).__name__}: {_first_line(err)}"
+        if retired is not None:
+            _retire(retired)
+            del retired
         if failure is not None:
             print(f"ftrun: tearing down generation {self.generation} failed: {failure}", file=sys.stderr, flush=True)
         if self.backend == "gloo" and self.managed:
@@ -1381,6 +1391,22 @@ def _shutdown_peer_connections(keep_ports: set[int]) -> None:
             pass
         finally:
             sock.close()
+
+
+_retired_groups = 0  # broken process groups kept from their destructor (see _retire)
+
+
+def _retire(group: Any) -> None:
+    """Keep a broken gloo process group from ever being destructed: one extra reference, never
+    released. Its destructor would join gloo's worker threads, which can block for the collective
+    timeout on a work still in flight; unregistered by ``destroy_process_group``, the group only
+    costs its idle threads and its (already shut down) sockets until the process exits, a few per
+    recovery this rank lives through."""
+    global _retired_groups
+    import ctypes
+
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    _retired_groups += 1
 
 
 def _describe(err: BaseException) -> str:

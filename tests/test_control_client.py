@@ -77,3 +77,58 @@ def test_recovery_uses_a_plan_taken_with_its_abort(monkeypatch):
     assert worker._recover(None) == 4
     assert worker.generation == 2 and worker._abort_generation is None
     assert [t for t, _ in sent] == [MsgType.RECOVERED]
+
+
+def test_an_abandoned_all_reduce_failing_late_leaves_later_passes_alone(monkeypatch):
+    """An all-reduce abandoned after an abort can fail long after its pass ended (its group was
+    retired, not joined); that failure must not mark a later, healthy pass failed."""
+    import threading
+
+    import torch
+
+    from ftrun import reducer as reducer_mod
+
+    futures = []
+
+    class Work:
+        def __init__(self):
+            self.fut = torch.futures.Future()
+            futures.append(self.fut)
+
+        def get_future(self):
+            return self.fut
+
+    monkeypatch.setattr(reducer_mod.dist, "all_reduce", lambda flat, async_op: Work())
+    param = torch.nn.Parameter(torch.ones(3))
+    red = reducer_mod.GradientReducer([param], 2, before_first_bucket=lambda: None, is_failed=lambda: False,
+                                      on_hook_error=lambda err: False, on_failure=lambda reason: None,
+                                      waiting=threading.Event())
+    red.launch(torch.ones(3))  # pass 1: abandoned, still in flight
+    red._reset_pass()  # pass 2 begins
+    late = red.launch(torch.ones(3))
+    futures[0].set_exception(RuntimeError("Connection reset by peer"))  # pass 1's work fails now
+    futures[1].set_result([torch.ones(3)])
+    late.wait()
+    assert red.error is None
+    futures_before = len(futures)
+    red.launch(torch.ones(3))
+    futures[futures_before].set_exception(RuntimeError("peer gone"))  # a failure of this pass counts
+    assert red.error and "peer gone" in red.error
+
+
+def test_a_broken_gloo_group_is_retired_and_a_clean_one_destroyed(monkeypatch):
+    """A broken group is unregistered but never destructed (gloo's destructor joins threads that may
+    still run a collective); a group ending cleanly is destroyed as usual."""
+    import torch.distributed as dist
+
+    from ftrun import worker as worker_mod
+
+    monkeypatch.setenv("FTRUN_HOT_SPARE", "1")
+    worker = worker_mod.Worker("gloo", None, None)
+    worker._cut_connections = lambda: None  # this process's other connections are not ours to cut
+    for broken, retired in ((True, 1), (False, 0)):
+        before = worker_mod._retired_groups
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        worker._drop_group(broken=broken)
+        assert not dist.is_initialized()
+        assert worker_mod._retired_groups - before == retired
