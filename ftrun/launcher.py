@@ -304,8 +304,7 @@ class Launcher:
         self.spec = spec
         self.console = console
         self.stop_signals: list[int] = []
-        self._pid_of_rank: dict[int, int] = {}  # this node's rank processes, from the events (rank_started)
-        self._library_pids: set[int] = set()  # those that use the worker library (rank_joined says so)
+        self._library_pids: set[int] = set()  # this node's ranks that use the worker library (rank_joined)
 
     def run(self) -> int:
         spec = self.spec
@@ -431,10 +430,9 @@ class Launcher:
         if msg.type == MsgType.EVENT:
             event = msg["event"]
             console.event(event)
-            if event.get("kind") == "rank_started" and isinstance(event.get("pid"), int) and event.get("node", 0) == self.spec.node_rank:
-                self._pid_of_rank[event.get("rank")] = event["pid"]
-            if event.get("kind") == "rank_joined" and event.get("library") is True and event.get("rank") in self._pid_of_rank:
-                self._library_pids.add(self._pid_of_rank[event["rank"]])
+            if (event.get("kind") == "rank_joined" and isinstance(event.get("pid"), int)
+                    and event.get("node", 0) == self.spec.node_rank and (event.get("detail") or {}).get("library") is True):
+                self._library_pids.add(event["pid"])
             if event.get("kind") == "job_finished":
                 return event
         elif msg.type == MsgType.STATUS:
