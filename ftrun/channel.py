@@ -176,5 +176,5 @@ class Channel:
 def _log_io_error(what: str) -> None:
     """Write an error of the I/O thread to the rank's log (stderr) and go on: this thread carries the
     heartbeats and the supervisor's aborts, so an exception that ended it would leave the rank deaf
-    (CI saw a rank that never answered an abort be replaced as hung)."""
+    and silent (replaced as hung at the next abort or heartbeat timeout)."""
     print(f"ftrun: control channel: {what} failed (ignored):\n{traceback.format_exc()}", file=sys.stderr, flush=True)

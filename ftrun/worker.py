@@ -440,8 +440,8 @@ class Worker:
 
         A broken gloo group is never destructed (:func:`_retire`): gloo's destructor joins its
         worker threads, and a work still in flight there (one the cut did not fail) held the
-        training thread for longer than the abort's deadline (CI, twice: the stack ended in this
-        method, with destroy_process_group already returned), so the rank was replaced as hung.
+        training thread for longer than the abort's deadline (a fresh-clone CI run: the stack ended
+        in this method, destroy_process_group already returned), so the rank was replaced as hung.
         """
         if not dist.is_initialized():
             return
