@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping
 import zmq
 
 from .protocol import MAX_FRAME_BYTES, FrameAuth, Message, MsgType, ProtocolError, decode, encode
-from .spawner import ExitReport, RankProcesses, StopReport, rank_argv, shared_dir_marker
+from .spawner import EXIT_TAIL_LINES, ExitReport, RankProcesses, StopReport, rank_argv, shared_dir_marker
 
 log = logging.getLogger("ftrun.agent")
 
@@ -203,8 +203,10 @@ class RemoteAgent(AgentHandle):
                                          (kind if kind in ("hot", "warm") else "warm") if msg["spare"] else ""))
         elif msg.type == MsgType.EXITED:
             error = msg.get("error")
+            tail = msg.get("log_tail")
+            tail = tuple(str(line)[:300] for line in tail[-EXIT_TAIL_LINES:]) if isinstance(tail, list) else ()
             self._reports.append(ExitReport(msg["rank"], msg["incarnation"], msg["pid"], msg["returncode"], float(msg["at"]),
-                                            error[:500] if isinstance(error, str) else None))
+                                            error[:500] if isinstance(error, str) else None, tail))
         elif msg.type == MsgType.STOPPED:
             self._reports.append(StopReport(msg["rank"], msg["incarnation"], msg["pid"], msg["signal"], float(msg["at"])))
         elif msg.type == MsgType.STACKS:
@@ -358,7 +360,7 @@ class NodeAgent:
 
     def _send_exit(self, r: ExitReport) -> None:
         self.send(MsgType.EXITED, node=self.node, rank=r.rank, incarnation=r.incarnation, pid=r.pid,
-                  returncode=r.returncode, at=r.at, error=r.error)
+                  returncode=r.returncode, at=r.at, error=r.error, log_tail=list(r.log_tail))
 
     def handle(self, msg: Message) -> None:
         """Carry out one command of the coordinator (a dispatch table, one handler a type)."""

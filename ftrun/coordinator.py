@@ -818,6 +818,7 @@ class Coordinator:
             node=r.node,
             detected_at=now,
             detection_seconds=round(failure.detection_seconds, 4),
+            **({"log_tail": list(report.log_tail)} if report.log_tail else {}),
         )
         return True
 

@@ -40,6 +40,8 @@ SPARE_MODE_VAR = "FTRUN_SPARE_MODE"  # in the variables the coordinator sends wi
 HOT_SPARE_VAR = "FTRUN_HOT_SPARE"  # "1" in a hot spare's environment until it is promoted
 SPARE_READY_VAR = "FTRUN_SPARE_READY"  # the file a hot spare creates once it waits for its rank
 # What names a rank: absent from a hot spare's environment until its promotion gives them.
+#: Lines of a rank's log kept with its exit report when it exited with an error code and no error file.
+EXIT_TAIL_LINES = 20
 RANK_IDENTITY_VARS = ("RANK", "LOCAL_RANK", "ROLE_RANK", "RANK_ID", "DEVICE_ID", "FTRUN_INCARNATION",
                       "FTRUN_GENERATION", "TORCHELASTIC_ERROR_FILE")
 
@@ -51,6 +53,8 @@ class ExitReport:
     Attributes:
         rank, incarnation, pid: the process.
         error: the uncaught exception it recorded (torchrun's ``@record`` error file), one line.
+        log_tail: the last lines of its log when it exited with a code other than 0 and wrote no
+            error file (a traceback, usually: the root cause the event log keeps).
         returncode: ``Popen.returncode`` (negative: killed by that signal).
         at: Unix time the exit was seen (the SIGCHLD's arrival when there was one), seconds.
     """
@@ -61,6 +65,7 @@ class ExitReport:
     returncode: int
     at: float
     error: str | None = None  # "Type: message" from the rank's torchrun error file (@record), if any
+    log_tail: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -289,8 +294,9 @@ class RankProcesses:
             procs.signal_group(p.proc, signal.SIGKILL)  # leave none of its children behind
             del self.procs[rank]
             error = errorfile.read_error_file(p.error_file) if rc != 0 and p.error_file is not None else None
+            tail = tuple(line[:300] for line in tail_lines(p.log_path, EXIT_TAIL_LINES)) if rc > 0 and error is None else ()
             reports.append(ExitReport(rank, p.incarnation, p.proc.pid, rc, died_at or time.time(),
-                                      error.summary()[:500] if error is not None else None))
+                                      error.summary()[:500] if error is not None else None, tail))
         return reports
 
     def _stopped(self, at: float) -> list[StopReport]:

@@ -74,6 +74,8 @@ def story(evs: list[dict]) -> str:
             lines.append(f"{e['time'] - t0:8.2f} {e['kind']}: {e['message'][:300]}")
             # A hung rank's stacks: all a CI log keeps of why it did not move.
             lines.extend(f"           | {line}" for line in e.get("stacks", [])[-40:])
+            # A rank that exited with an error: the end of its log (its traceback).
+            lines.extend(f"           | {line}" for line in e.get("detail", {}).get("log_tail", []))
     return "\n".join(lines)
 
 

@@ -188,6 +188,8 @@ def test_restarts_exhausted_reports_root_cause(ftrun_proc, tmp_path, out):
     events = read_events(logs)
     check_event_schema(events)
     assert [(e["rank"], e["attempt"]) for e in kinds(events, "rank_failed")] == [(1, 0), (1, 1)]
+    # Each failure keeps the end of the failed incarnation's log (no error file was written).
+    assert all(marker in e["detail"]["log_tail"] for e in kinds(events, "rank_failed"))
     assert len(kinds(events, "job_restarting")) == 1
     final = events[-1]
     assert final["kind"] == "job_finished" and final["detail"]["exit_code"] == 3
