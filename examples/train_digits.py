@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ddp", action="store_true", help="train through DistributedDataParallel (same result)")
     parser.add_argument("--step_pause", type=float, default=0.0,
                         help="sleep this many seconds after each step: stretches a demo or a test job (same result)")
+    parser.add_argument("--pause_while", default=None, metavar="FILE",
+                        help="sleep --step_pause only while FILE exists (a test stretches the job while it "
+                             "injects faults, then removes FILE and lets the job finish at full speed)")
     parser.add_argument("--replica_groups", default=None,
                         help="declare replica groups, e.g. '0,2;1,3' (a DP x TP layout's shape; default: all ranks)")
     args = parser.parse_args(argv)
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             ft.report(step, loss=loss.item())
             if args.log_every and ft.rank == 0 and step % args.log_every == 0:
                 print(f"step {step} loss {loss.item():.4f} time {time.time():.3f}", flush=True)
-            if args.step_pause:
+            if args.step_pause and (args.pause_while is None or os.path.exists(args.pause_while)):
                 time.sleep(args.step_pause)
 
     if ft.rank == 0:

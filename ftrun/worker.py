@@ -64,6 +64,7 @@ BUCKET_BYTES = 25 << 20  # gradient all-reduce bucket (DDP's default cap)
 
 
 UCE_REPORT_WAIT_S = 2.0  # how long a rank repairing in place waits for the supervisor's abort
+BARRIER_NOTE_S = 10.0  # a rank waiting this long for its peers to join a generation says who is missing
 DUMP_SIGNAL = signal.SIGUSR1  # the supervisor asks a hung rank for its Python stacks with this
 ORPHAN_SIGNAL = signal.SIGUSR2  # the kernel sends it to a library rank when its supervisor dies
 
@@ -401,12 +402,8 @@ class Worker:
                 dist.init_process_group(self.backend, timeout=timedelta(seconds=self.pg_timeout))
             return True
         store = dist.PrefixStore(f"ftrun/attempt{self.attempt}/gen{generation}/", self._base_store())
-        # A barrier we can leave: init_process_group cannot be interrupted if a rank never comes.
-        store.add("joined", 1)
-        while int(store.add("joined", 0)) < self.world_size:
-            if self._poll_abort(timeout=0.005, newer_than=generation):
-                return False
-            self._check_orphaned(mid_step=True)
+        if not self._join_barrier(store, generation):
+            return False
         dist.init_process_group(
             self.backend,
             store=dist.PrefixStore("pg/", store),
@@ -415,6 +412,31 @@ class Worker:
             timeout=timedelta(seconds=self.pg_timeout),
         )
         self.generation = generation
+        return True
+
+    def _join_barrier(self, store: Any, generation: int) -> bool:
+        """Wait until every rank has joined ``generation`` (False if a newer abort overtook it).
+
+        A barrier this rank can leave: ``init_process_group`` cannot be interrupted, and waits for
+        a rank that never comes for the whole collective timeout. Each rank sets its own key
+        (``joined/<rank>`` = its incarnation) and waits for all of them, so the barrier counts
+        ranks, not calls (a counter once let three ranks into the group's rendezvous without the
+        fourth, which sat in the barrier: a soak run, all four held for the 300 s store timeout).
+        After :data:`BARRIER_NOTE_S` it names the missing ranks in its log.
+        """
+        store.set(f"joined/{self.rank}", str(self.incarnation))
+        keys = [f"joined/{r}" for r in range(self.world_size)]
+        started = time.monotonic()
+        noted = False
+        while not store.check(keys):
+            if self._poll_abort(timeout=0.005, newer_than=generation):
+                return False
+            self._check_orphaned(mid_step=True)
+            if not noted and time.monotonic() - started > BARRIER_NOTE_S:
+                noted = True
+                missing = [r for r, key in enumerate(keys) if not store.check([key])]
+                print(f"ftrun: rank {self.rank}: generation {generation}: waited {BARRIER_NOTE_S:g} s for "
+                      f"rank(s) {missing} to join", file=sys.stderr, flush=True)
         return True
 
     def _group_live(self) -> bool:
