@@ -173,6 +173,7 @@ class Worker:
         self._in_collective = False
         self._io_abort_generation = -1  # newest abort generation the I/O thread has seen
         self._waiting = threading.Event()  # set while the training thread waits for an all-reduce
+        self._placeholder = False  # the default process group is a _DownGroup (see _install_placeholder)
         self._abandon = threading.Event()  # an abort for a newer generation arrived: stop waiting
         self._reducers: list[GradientReducer] = []
         self._pending_uce: str | None = None  # a recoverable error raised inside backward
@@ -219,6 +220,9 @@ class Worker:
                 self.committed = INITIAL
             else:
                 self._error = "a rank failed before the process group was built"
+                self._install_placeholder()
+        elif self.joining:
+            self._install_placeholder()  # its set-up may ask torch.distributed for its rank
 
     def _bind_rank(self) -> None:
         """Take this process's identity from the environment (at start, or at a hot spare's
@@ -335,6 +339,8 @@ class Worker:
         take_assignment(hot=True)
         self.hot_spare = False
         self._bind_rank()
+        if self.joining:
+            self._install_placeholder()
         if not self.joining:  # promoted outside a recovery (not expected): join as a respawned rank does
             raise RuntimeError("ftrun: a hot spare was promoted without a recovery to join")
 
@@ -404,6 +410,7 @@ class Worker:
         store = dist.PrefixStore(f"ftrun/attempt{self.attempt}/gen{generation}/", self._base_store())
         if not self._join_barrier(store, generation):
             return False
+        self._remove_placeholder()
         dist.init_process_group(
             self.backend,
             store=dist.PrefixStore("pg/", store),
@@ -441,7 +448,24 @@ class Worker:
 
     def _group_live(self) -> bool:
         """Whether this rank holds a working process group of the current generation."""
-        return dist.is_initialized()
+        return dist.is_initialized() and not self._placeholder
+
+    def _install_placeholder(self) -> None:
+        """Make the default process group a :class:`_DownGroup` while this rank has no live one (a
+        respawned rank before its recovery, a survivor after a failed collective until the next
+        generation): ``dist.get_rank()``, ``dist.get_world_size()`` and ``DistributedSampler``
+        keep working, and every collective raises :class:`GroupDown` at once, which the step
+        records as a failed collective (issue 11: torch.distributed stays usable)."""
+        if self._placeholder or self._rank is None or self.world_size <= 1 or not self.managed or dist.is_initialized():
+            return
+        _register_down_backend()
+        dist.init_process_group(DOWN_BACKEND, store=dist.HashStore(), rank=self._rank, world_size=self.world_size)
+        self._placeholder = True
+
+    def _remove_placeholder(self) -> None:
+        if self._placeholder:
+            self._placeholder = False
+            dist.destroy_process_group()
 
     def _drop_group(self, broken: bool = True) -> None:
         """Destroy the current group and cut its connections now, releasing peers blocked on us.
@@ -465,6 +489,10 @@ class Worker:
         training thread for longer than the abort's deadline (a fresh-clone CI run: the stack ended
         in this method, destroy_process_group already returned), so the rank was replaced as hung.
         """
+        if self._placeholder:
+            if not broken:
+                self._remove_placeholder()  # ft.finish(): leave no group behind, as with a real one
+            return
         if not dist.is_initialized():
             return
         retired = None
@@ -483,6 +511,8 @@ class Worker:
             print(f"ftrun: tearing down generation {self.generation} failed: {failure}", file=sys.stderr, flush=True)
         if self.backend == "gloo" and self.managed:
             self._cut_connections()
+        if broken:
+            self._install_placeholder()
 
     # ------------------------------------------------------------------ registration
     def register(self, name: str, obj: Any, kind: str = "replica") -> Any:
@@ -1413,6 +1443,37 @@ def _shutdown_peer_connections(keep_ports: set[int]) -> None:
             pass
         finally:
             sock.close()
+
+
+DOWN_BACKEND = "ftrun_down"  # the backend name of the placeholder default group
+_down_registered = False
+
+
+class GroupDown(RuntimeError):
+    """A collective called while this rank has no live process group (between generations)."""
+
+
+class _DownGroup(dist.ProcessGroup):
+    """The default process group of a rank between generations: knows its rank and world size,
+    fails every collective at once with :class:`GroupDown` (the step is then recovered)."""
+
+    def getBackendName(self) -> str:
+        return DOWN_BACKEND
+
+    def _down(self, *_args: Any, **_kwargs: Any) -> Any:
+        raise GroupDown("ftrun: this rank's process group is down (a recovery is under way); "
+                        "the step's collectives fail and the step is retried")
+
+    allreduce = allreduce_coalesced = broadcast = allgather = _allgather_base = reduce = gather = scatter = _down
+    reduce_scatter = _reduce_scatter_base = alltoall = alltoall_base = send = recv = barrier = _down
+
+
+def _register_down_backend() -> None:
+    global _down_registered
+    if not _down_registered:
+        dist.Backend.register_backend(DOWN_BACKEND, lambda _store, rank, size, _timeout: _DownGroup(rank, size),
+                                      devices=["cpu", "cuda"])
+        _down_registered = True
 
 
 _retired_groups = 0  # broken process groups kept from their destructor (see _retire)

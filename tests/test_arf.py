@@ -159,3 +159,20 @@ def test_forged_messages_change_nothing(long_reference: str, tmp_path: Path) -> 
     assert len([e for e in events if e["kind"] == "message_rejected"]) >= len(forged)
     assert not [e for e in events if e["kind"] in ("rank_failed", "recovery_started", "job_restarting")]
     assert all(len(p) == 1 for p in dj.started(events).values())
+
+
+def test_torch_distributed_stays_usable_around_a_recovery(reference: str, tmp_path: Path) -> None:
+    # Issue 11 item 6: a respawned rank's set-up and a survivor's failed step can ask
+    # torch.distributed for their rank (a placeholder group stands between generations).
+    script = Path(__file__).resolve().parent / "scripts" / "dist_usable.py"
+    digest, events, stdout = dj.run(tmp_path, fault="rank=2,step=10,point=allreduce,kind=kill", script=script)
+    assert digest == reference
+    dj.assert_survivors_kept_pids(events, {2})
+    logs = {r: (tmp_path / "logs" / f"worker_{r}.log").read_text() for r in (1, 2, 3)}
+    logs[0] = stdout
+    assert "set-up: dist rank 2 of 4, incarnation 1" in logs[2], logs[2][-2000:]
+    # A survivor that was in step 10's all-reduce ran the rest of that body with the group down
+    # (one that saw the abort between steps did not run it: that is timing, so not every one).
+    for r in (0, 1, 3):
+        lines = [line for line in logs[r].splitlines() if line.startswith("failed step:")]
+        assert all(line == f"failed step: dist rank {r} of 4" for line in lines), lines

@@ -3,6 +3,8 @@ recovery loop uses the coordinator's messages."""
 
 from __future__ import annotations
 
+import pytest
+
 from ftrun.protocol import MsgType, decode, encode
 
 TOKEN = "a" * 64
@@ -132,3 +134,32 @@ def test_a_broken_gloo_group_is_retired_and_a_clean_one_destroyed(monkeypatch):
         worker._drop_group(broken=broken)
         assert not dist.is_initialized()
         assert worker_mod._retired_groups - before == retired
+
+
+def test_between_generations_the_default_group_knows_its_rank_and_fails_collectives(monkeypatch):
+    """Issue 11 item 6: while a rank has no live group, a placeholder default group answers
+    get_rank()/get_world_size() and fails every collective at once; a broken drop keeps it, a
+    clean one (ft.finish()) leaves no group, and building the next generation replaces it."""
+    import torch
+    import torch.distributed as dist
+
+    from ftrun import worker as worker_mod
+
+    monkeypatch.setenv("FTRUN_HOT_SPARE", "1")
+    worker = worker_mod.Worker("gloo", None, None)
+    worker._cut_connections = lambda: None
+    worker._rank, worker.world_size = 2, 4
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    worker._drop_group(broken=True)  # a failed step: the real group goes, the placeholder stands
+    try:
+        assert dist.is_initialized() and not worker._group_live()
+        assert (dist.get_rank(), dist.get_world_size()) == (2, 4)
+        for call in (lambda: dist.all_reduce(torch.ones(2)), lambda: dist.all_reduce(torch.ones(2), async_op=True),
+                     lambda: dist.broadcast(torch.ones(2), src=0)):
+            with pytest.raises(RuntimeError, match="process group is down"):
+                call()
+        worker._drop_group(broken=True)  # already down: nothing changes
+        assert dist.get_rank() == 2
+    finally:
+        worker._drop_group(broken=False)
+    assert not dist.is_initialized()
