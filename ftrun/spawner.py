@@ -39,9 +39,9 @@ INTERNAL_VARS = (
 SPARE_MODE_VAR = "FTRUN_SPARE_MODE"  # in the variables the coordinator sends with keep_spares: "hot" or "warm"
 HOT_SPARE_VAR = "FTRUN_HOT_SPARE"  # "1" in a hot spare's environment until it is promoted
 SPARE_READY_VAR = "FTRUN_SPARE_READY"  # the file a hot spare creates once it waits for its rank
-# What names a rank: absent from a hot spare's environment until its promotion gives them.
 #: Lines of a rank's log kept with its exit report when it exited with an error code and no error file.
 EXIT_TAIL_LINES = 20
+# What names a rank: absent from a hot spare's environment until its promotion gives them.
 RANK_IDENTITY_VARS = ("RANK", "LOCAL_RANK", "ROLE_RANK", "RANK_ID", "DEVICE_ID", "FTRUN_INCARNATION",
                       "FTRUN_GENERATION", "TORCHELASTIC_ERROR_FILE")
 

@@ -339,10 +339,9 @@ class Worker:
         take_assignment(hot=True)
         self.hot_spare = False
         self._bind_rank()
-        if self.joining:
-            self._install_placeholder()
         if not self.joining:  # promoted outside a recovery (not expected): join as a respawned rank does
             raise RuntimeError("ftrun: a hot spare was promoted without a recovery to join")
+        self._install_placeholder()
 
     def _identity(self, what: str) -> None:
         if self._rank is None:
