@@ -19,8 +19,8 @@ Keys:
     kind: what happens. Deaths: ``kill`` (SIGKILL itself), ``exit`` (``os._exit(code)``),
         ``exception`` (raise :class:`InjectedFault`, uncaught), ``segv`` (SIGSEGV). Hangs:
         ``stop`` (SIGSTOP itself: frozen, no heartbeat), ``hang`` (an endless Python loop),
-        ``deadlock`` (block forever on a Python lock). Soft faults: ``comm`` (cut this rank's
-        data-plane connections, as a connection reset would; the collective then fails on every
+        ``deadlock`` (block forever on a Python lock). Soft faults: ``comm`` (cut the connections of this
+        rank's process group, as a connection reset would; the collective then fails on every
         rank), ``recoverable`` (raise :class:`InjectedRecoverableError`, a
         :class:`~ftrun.errors.RecoverableError`). Default ``kill``.
     code: exit code for ``kind=exit`` (default 1).

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from .channel import Channel
+from .conns import GroupConnections
 from .errors import RecoverableError
 from .faults import FaultInjector
 from .policy import INITIAL, NO_STATE
@@ -174,6 +175,8 @@ class Worker:
         self._io_abort_generation = -1  # newest abort generation the I/O thread has seen
         self._waiting = threading.Event()  # set while the training thread waits for an all-reduce
         self._placeholder = False  # the default process group is a _DownGroup (see _install_placeholder)
+        # The connections of ftrun's group (gloo), the only ones a release shuts down.
+        self._group_conns = GroupConnections(keep_ports={int(os.environ.get("MASTER_PORT", "0")), _control_port()})
         self._abandon = threading.Event()  # an abort for a newer generation arrived: stop waiting
         self._reducers: list[GradientReducer] = []
         self._pending_uce: str | None = None  # a recoverable error raised inside backward
@@ -410,6 +413,7 @@ class Worker:
         if not self._join_barrier(store, generation):
             return False
         self._remove_placeholder()
+        self._group_conns.begin()
         dist.init_process_group(
             self.backend,
             store=dist.PrefixStore("pg/", store),
@@ -417,6 +421,7 @@ class Worker:
             world_size=self.world_size,
             timeout=timedelta(seconds=self.pg_timeout),
         )
+        self._group_conns.end()
         self.generation = generation
         return True
 
@@ -479,9 +484,10 @@ class Worker:
         Destroying the group is not enough with gloo: the process group object outlives
         ``destroy_process_group`` while anything still references it (a failed work, an
         exception's traceback), and its sockets stay open, so a peer blocked in a collective with
-        us waits for the full timeout. Shutting down this process's data-plane TCP connections (every
-        connection except the ones to the store and to the supervisor) makes each such peer fail
-        within milliseconds; the descriptors stay owned by gloo, which closes them when it lets go.
+        us waits for the full timeout. Shutting down the group's TCP connections (recorded when it
+        was built, :mod:`ftrun.conns`; the user's own connections are left alone) makes each such
+        peer fail within milliseconds; the descriptors stay owned by gloo, which closes them when it
+        lets go.
 
         A broken gloo group is never destructed (:func:`_retire`): gloo's destructor joins its
         worker threads, and a work still in flight there (one the cut did not fail) held the
@@ -510,6 +516,7 @@ class Worker:
             print(f"ftrun: tearing down generation {self.generation} failed: {failure}", file=sys.stderr, flush=True)
         if self.backend == "gloo" and self.managed:
             self._cut_connections()
+        self._group_conns.forget()
         if broken:
             self._install_placeholder()
 
@@ -858,9 +865,11 @@ class Worker:
         return True
 
     def _cut_connections(self) -> None:
-        """Shut this process's data-plane connections down (all but the store's and the supervisor's)."""
+        """Shut the connections of ftrun's process group down (gloo; those recorded when it was
+        built, :class:`ftrun.conns.GroupConnections`): a collective blocked on them fails at once.
+        Nothing else the process holds is touched."""
         if self.backend == "gloo":
-            _shutdown_peer_connections(keep_ports={int(os.environ.get("MASTER_PORT", "0")), _control_port()})
+            self._group_conns.cut()
 
     def _beat_progress(self) -> dict[str, Any] | None:
         """On the I/O thread, at each heartbeat: a ``progress`` while a section is open."""
@@ -1415,33 +1424,6 @@ def _training_thread_probe(thread_id: int | None, waiting: threading.Event | Non
 def _control_port() -> int:
     addr = os.environ.get("FTRUN_CONTROL_ADDR", "")
     return int(addr.rsplit(":", 1)[1]) if ":" in addr else 0
-
-
-def _shutdown_peer_connections(keep_ports: set[int]) -> None:
-    """``shutdown(SHUT_RDWR)`` every established TCP connection of this process whose remote port
-    is not in ``keep_ports`` (the store and the supervisor). The descriptors are not closed."""
-    import socket
-
-    import psutil
-
-    for conn in psutil.Process().net_connections(kind="tcp"):
-        if conn.status != psutil.CONN_ESTABLISHED or not conn.raddr or conn.raddr.port in keep_ports or conn.fd < 0:
-            continue
-        try:
-            dup = os.dup(conn.fd)
-        except OSError:  # closed since it was listed
-            continue
-        try:
-            sock = socket.socket(fileno=dup)
-        except OSError:  # the number was reused by something that is not a socket
-            os.close(dup)
-            continue
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        finally:
-            sock.close()
 
 
 DOWN_BACKEND = "ftrun_down"  # the backend name of the placeholder default group

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socketserver
+import threading
 from pathlib import Path
 
 import digits_job as dj
@@ -161,17 +163,54 @@ def test_forged_messages_change_nothing(long_reference: str, tmp_path: Path) -> 
     assert all(len(p) == 1 for p in dj.started(events).values())
 
 
-def test_torch_distributed_stays_usable_around_a_recovery(reference: str, tmp_path: Path) -> None:
-    # Issue 11 item 6: a respawned rank's set-up and a survivor's failed step can ask
-    # torch.distributed for their rank (a placeholder group stands between generations).
+class _Echo(socketserver.StreamRequestHandler):
+    """Echoes each line back and records it under its connection."""
+
+    def handle(self) -> None:
+        lines = self.server.lines.setdefault(id(self), [])  # type: ignore[attr-defined]
+        for raw in self.rfile:
+            lines.append(raw.decode().strip())
+            self.wfile.write(raw)
+            self.wfile.flush()
+
+
+@pytest.fixture
+def echo_server():
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Echo)
+    server.daemon_threads = True
+    server.lines = {}  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_torch_distributed_and_the_scripts_own_sockets_survive_recoveries(reference: str, tmp_path: Path, echo_server) -> None:
+    # Issue 11 items 4 and 6: a respawned rank's set-up and a survivor's failed step can ask
+    # torch.distributed for their rank (a placeholder group stands between generations), and a
+    # TCP connection each rank holds to the test's echo server works across a cut of its own
+    # group's connections (rank 1, kind=comm) and a recovery from a death (rank 2): releasing a
+    # blocked collective shuts down only the group's connections.
     script = Path(__file__).resolve().parent / "scripts" / "dist_usable.py"
-    digest, events, stdout = dj.run(tmp_path, fault="rank=2,step=10,point=allreduce,kind=kill", script=script)
+    port = echo_server.server_address[1]
+    digest, events, stdout = dj.run(
+        tmp_path, fault="rank=1,step=5,point=allreduce,kind=comm; rank=2,step=10,point=allreduce,kind=kill",
+        script=script, extra_env={"FTRUN_TEST_ECHO": f"127.0.0.1:{port}"})
     assert digest == reference
     dj.assert_survivors_kept_pids(events, {2})
+    assert len([e for e in events if e["kind"] == "recovery_finished"]) >= 2, dj.story(events)
+    conversations = {lines[0]: lines for lines in echo_server.lines.values() if lines}
+    for me in ("0 0", "1 0", "3 0", "2 1"):  # each survivor's one connection, the respawned rank's
+        lines = conversations.get(f"hello {me}")
+        assert lines is not None and lines[-1] == f"end {me}", (me, sorted(conversations))
+        assert lines.count("step") >= 10, lines
     logs = {r: (tmp_path / "logs" / f"worker_{r}.log").read_text() for r in (1, 2, 3)}
     logs[0] = stdout
     assert "set-up: dist rank 2 of 4, incarnation 1" in logs[2], logs[2][-2000:]
-    # A survivor that was in step 10's all-reduce ran the rest of that body with the group down
+    # A survivor that was in a failed all-reduce ran the rest of that body with the group down
     # (one that saw the abort between steps did not run it: that is timing, so not every one).
     for r in (0, 1, 3):
         lines = [line for line in logs[r].splitlines() if line.startswith("failed step:")]
