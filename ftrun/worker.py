@@ -52,20 +52,21 @@ import torch
 import torch.distributed as dist
 
 from .channel import Channel
-from .conns import GroupConnections
 from .errors import RecoverableError
 from .faults import FaultInjector
+from .group import GroupDown, TrainingGroup  # noqa: F401  (GroupDown: ftrun.worker.GroupDown, documented)
 from .policy import INITIAL, NO_STATE
 from .protocol import Message, MsgType
 from .optim import FTOptimizer
 from .reducer import GradientReducer
+from .shards import RankCheckpoints
+from .registry import StateRegistry
 from .transfer import RNGState, recv_state, send_state
 
 BUCKET_BYTES = 25 << 20  # gradient all-reduce bucket (DDP's default cap)
 
 
 UCE_REPORT_WAIT_S = 2.0  # how long a rank repairing in place waits for the supervisor's abort
-BARRIER_NOTE_S = 10.0  # a rank waiting this long for its peers to join a generation says who is missing
 DUMP_SIGNAL = signal.SIGUSR1  # the supervisor asks a hung rank for its Python stacks with this
 ORPHAN_SIGNAL = signal.SIGUSR2  # the kernel sends it to a library rank when its supervisor dies
 
@@ -159,28 +160,24 @@ class Worker:
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self._replica_groups_arg = replica_groups
         self.replica_groups = [list(g) for g in replica_groups] if replica_groups else [list(range(self.world_size))]
-        self.registry: dict[str, Any] = {}
-        self.kinds: dict[str, str] = {}  # name -> "committed" | "replica" | "rank" (see register())
+        self.registry = StateRegistry()  # the registered state, by kind (ftrun.registry)
         self._private_group: Any = None
         self.uce = os.environ.get("FTRUN_UCE", "1") == "1"
         self.ttp = os.environ.get("FTRUN_TTP", "1") == "1"
         self._orphaned = False  # the supervisor (this process's parent) died: see _watch_parent
         # Checkpoints (TTP): where, how often.
-        self.checkpoint_dir = os.environ.get("FTRUN_CHECKPOINT_DIR") or None
         self.save_steps = _env_int("FTRUN_SAVE_STEPS", 0)
-        self._checkpointer: Any = None
+        self.checkpoints = RankCheckpoints(os.environ.get("FTRUN_CHECKPOINT_DIR") or None, self.replica_groups, self._send)
         self._save_request: Message | None = None
         self.recoverable_names = {n.strip() for n in os.environ.get("FTRUN_RECOVERABLE_ERRORS", "").split(",") if n.strip()}
         self._in_collective = False
         self._io_abort_generation = -1  # newest abort generation the I/O thread has seen
         self._waiting = threading.Event()  # set while the training thread waits for an all-reduce
-        self._placeholder = False  # the default process group is a _DownGroup (see _install_placeholder)
-        # The connections of ftrun's group (gloo), the only ones a release shuts down.
-        self._group_conns = GroupConnections(keep_ports={int(os.environ.get("MASTER_PORT", "0")), _control_port()})
+        # The default process group, generation after generation (ftrun.group).
+        self.group = TrainingGroup(self.backend, self.world_size, self.pg_timeout, self.cluster_timeout)
         self._abandon = threading.Event()  # an abort for a newer generation arrived: stop waiting
         self._reducers: list[GradientReducer] = []
         self._pending_uce: str | None = None  # a recoverable error raised inside backward
-        self._start_snapshot: tuple[int, Any] | None = None  # (committed step, replica+rank state) at step start
         # Epoch loops and data (ft.epochs / ft.batches, ftrun.data) and this rank's own state kept
         # in the job's store for its next incarnation (ftrun.rankstate).
         self._progress: Any = None  # ftrun.data.EpochProgress once an epoch loop runs
@@ -196,7 +193,6 @@ class Worker:
         self._error_kind = "comm"  # what kind of fault _error is: comm, recoverable
         self._abort_generation: int | None = None
         self._plan: Message | None = None  # the coordinator's reconfigure for _abort_generation, once here
-        self._store: Any = None
         self._current_step: int | None = None
         self._first_step = 0  # the job's first step (DDP's one-bucket iteration)
         self._finished = False  # the coordinator said every rank finished (the finish barrier)
@@ -223,9 +219,9 @@ class Worker:
                 self.committed = INITIAL
             else:
                 self._error = "a rank failed before the process group was built"
-                self._install_placeholder()
+                self.group.install_placeholder()
         elif self.joining:
-            self._install_placeholder()  # its set-up may ask torch.distributed for its rank
+            self.group.install_placeholder()  # its set-up may ask torch.distributed for its rank
 
     def _bind_rank(self) -> None:
         """Take this process's identity from the environment (at start, or at a hot spare's
@@ -243,6 +239,8 @@ class Worker:
         self.channel = _open_channel(True, self._replica_group, self.generation,
                                      **({"hot": self.promoted_at} if self.promoted_at is not None else {}))
         self.managed = self.channel is not None and os.environ.get("FTRUN_ARF", "1") == "1"
+        self.group.bind(self._rank, self._incarnation, self.attempt, self.managed)
+        self.checkpoints.bind(self._rank)
         # A rank respawned into a running job (ARF) builds no group of its own: it joins the
         # recovery's generation from its first call to steps(), and holds no state until then.
         self.joining = self.managed and (self._incarnation > 0 and self.generation > 0)
@@ -300,29 +298,13 @@ class Worker:
         Every rank reaches the same committed step: a step commits only after an all-reduce all
         ranks entered, and a rank that leaves makes its peers' next all-reduce fail, so they
         recover and gasp with the step they hold."""
-        from .checkpoint import save_shard, step_dir, write_orphan_note
-
         line = f"ftrun: rank {self.rank}: the supervisor is gone"
         if mid_step and self.committed >= 0:
             self._roll_back(self.committed, ("rank", "replica"))
-        if not self.ttp or self.checkpoint_dir is None:
+        if not self.ttp or self.checkpoints.directory is None:
             line += "; no dying-gasp checkpoint (TTP is off)"
-        elif not self._is_shard_writer():
-            line += f"; rank {min(self.replica_group)} writes its replica group's shard"
-        elif self.committed < 0:
-            line += "; no committed step to save"
         else:
-            failure = None
-            try:
-                if self._checkpointer is not None:
-                    self._checkpointer.close()
-                directory = step_dir(self.checkpoint_dir, self.committed)
-                info = save_shard(directory, self._shard(), self.state_dict())
-                write_orphan_note(directory, self._shard(), info, self.world_size, self.replica_groups, torch.__version__)
-            except Exception as err:
-                failure = _describe(err)
-            line += (f"; its dying-gasp checkpoint failed: {failure}" if failure is not None else
-                     f"; wrote shard {self._shard()} of step {self.committed} to {directory}")
+            line += self.checkpoints.save_orphaned(self.committed, self.state_dict, self.world_size)
         print(line + "; exiting", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(128 + ORPHAN_SIGNAL)
@@ -344,7 +326,7 @@ class Worker:
         self._bind_rank()
         if not self.joining:  # promoted outside a recovery (not expected): join as a respawned rank does
             raise RuntimeError("ftrun: a hot spare was promoted without a recovery to join")
-        self._install_placeholder()
+        self.group.install_placeholder()
 
     def _identity(self, what: str) -> None:
         if self._rank is None:
@@ -393,132 +375,26 @@ class Worker:
                 return sorted(int(r) for r in group)
         raise ValueError(f"replica_groups {groups} do not contain rank {self._rank}")
 
-    def _base_store(self) -> Any:
-        if self._store is None:
-            self._store = dist.TCPStore(
-                os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                int(os.environ["MASTER_PORT"]),
-                is_master=False,
-                timeout=timedelta(seconds=self.cluster_timeout),
-            )
-        return self._store
-
     def _build_group(self, generation: int) -> bool:
-        """Build the default process group of ``generation``. False if an abort overtook it."""
-        if not self.managed:
-            if not dist.is_initialized():
-                dist.init_process_group(self.backend, timeout=timedelta(seconds=self.pg_timeout))
-            return True
-        store = dist.PrefixStore(f"ftrun/attempt{self.attempt}/gen{generation}/", self._base_store())
-        if not self._join_barrier(store, generation):
-            return False
-        self._remove_placeholder()
-        self._group_conns.begin()
-        dist.init_process_group(
-            self.backend,
-            store=dist.PrefixStore("pg/", store),
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=timedelta(seconds=self.pg_timeout),
-        )
-        self._group_conns.end()
-        self.generation = generation
-        return True
+        """Build the default process group of ``generation`` (:meth:`ftrun.group.TrainingGroup.build`).
+        False if an abort overtook it while this rank waited for its peers."""
 
-    def _join_barrier(self, store: Any, generation: int) -> bool:
-        """Wait until every rank has joined ``generation`` (False if a newer abort overtook it).
-
-        A barrier this rank can leave: ``init_process_group`` cannot be interrupted, and waits for
-        a rank that never comes for the whole collective timeout. Each rank sets its own key
-        (``joined/<rank>`` = its incarnation) and waits for all of them, so the barrier counts
-        ranks, not calls (a counter once let three ranks into the group's rendezvous without the
-        fourth, which sat in the barrier: a soak run, all four held for the 300 s store timeout).
-        After :data:`BARRIER_NOTE_S` it names the missing ranks in its log.
-        """
-        store.set(f"joined/{self.rank}", str(self.incarnation))
-        keys = [f"joined/{r}" for r in range(self.world_size)]
-        started = time.monotonic()
-        noted = False
-        while not store.check(keys):
+        def abandon() -> bool:
             if self._poll_abort(timeout=0.005, newer_than=generation):
-                return False
+                return True
             self._check_orphaned(mid_step=True)
-            if not noted and time.monotonic() - started > BARRIER_NOTE_S:
-                noted = True
-                missing = [r for r, key in enumerate(keys) if not store.check([key])]
-                print(f"ftrun: rank {self.rank}: generation {generation}: waited {BARRIER_NOTE_S:g} s for "
-                      f"rank(s) {missing} to join", file=sys.stderr, flush=True)
+            return False
+
+        if not self.group.build(generation, abandon):
+            return False
+        if self.managed:
+            self.generation = generation
         return True
-
-    def _group_live(self) -> bool:
-        """Whether this rank holds a working process group of the current generation."""
-        return dist.is_initialized() and not self._placeholder
-
-    def _install_placeholder(self) -> None:
-        """Make the default process group a :class:`_DownGroup` while this rank has no live one (a
-        respawned rank before its recovery, a survivor after a failed collective until the next
-        generation): ``dist.get_rank()``, ``dist.get_world_size()`` and ``DistributedSampler``
-        keep working, and every collective raises :class:`GroupDown` at once, which the step
-        records as a failed collective (issue 11: torch.distributed stays usable)."""
-        if self._placeholder or self._rank is None or self.world_size <= 1 or not self.managed or dist.is_initialized():
-            return
-        _register_down_backend()
-        dist.init_process_group(DOWN_BACKEND, store=dist.HashStore(), rank=self._rank, world_size=self.world_size)
-        self._placeholder = True
-
-    def _remove_placeholder(self) -> None:
-        if self._placeholder:
-            self._placeholder = False
-            dist.destroy_process_group()
 
     def _drop_group(self, broken: bool = True) -> None:
-        """Destroy the current group and cut its connections now, releasing peers blocked on us.
-
-        A ``broken`` group (a failed step, an abort, a failed transfer) has its connections cut
-        *before* it is destroyed: gloo's teardown waits for work still in flight (an abandoned
-        asynchronous all-reduce whose peer is gone), and only a cut connection makes that work
-        fail at once (CI saw a survivor wait in ``destroy_process_group`` past the abort's
-        deadline and be replaced as hung). A group ending cleanly (``ft.finish()``) is destroyed
-        first, so nothing its peers still read is cut.
-
-        Destroying the group is not enough with gloo: the process group object outlives
-        ``destroy_process_group`` while anything still references it (a failed work, an
-        exception's traceback), and its sockets stay open, so a peer blocked in a collective with
-        us waits for the full timeout. Shutting down the group's TCP connections (recorded when it
-        was built, :mod:`ftrun.conns`; the user's own connections are left alone) makes each such
-        peer fail within milliseconds; the descriptors stay owned by gloo, which closes them when it
-        lets go.
-
-        A broken gloo group is never destructed (:func:`_retire`): gloo's destructor joins its
-        worker threads, and a work still in flight there (one the cut did not fail) held the
-        training thread for longer than the abort's deadline (a fresh-clone CI run: the stack ended
-        in this method, destroy_process_group already returned), so the rank was replaced as hung.
-        """
-        if self._placeholder:
-            if not broken:
-                self._remove_placeholder()  # ft.finish(): leave no group behind, as with a real one
-            return
-        if not dist.is_initialized():
-            return
-        retired = None
-        if broken and self.backend == "gloo" and self.managed:
-            self._cut_connections()
-            retired = dist.group.WORLD
-        failure = None
-        try:
-            dist.destroy_process_group()
-        except Exception as err:  # a broken group may fail to tear down cleanly
-            failure = f"{type(err).__name__}: {_first_line(err)}"
-        if retired is not None:
-            _retire(retired)
-            del retired
-        if failure is not None:
-            print(f"ftrun: tearing down generation {self.generation} failed: {failure}", file=sys.stderr, flush=True)
-        if self.backend == "gloo" and self.managed:
-            self._cut_connections()
-        self._group_conns.forget()
-        if broken:
-            self._install_placeholder()
+        """Drop the current group (:meth:`ftrun.group.TrainingGroup.drop`): its connections are cut
+        and, when ``broken``, the placeholder group stands until the next generation."""
+        self.group.drop(self.generation, broken)
 
     # ------------------------------------------------------------------ registration
     def register(self, name: str, obj: Any, kind: str = "replica") -> Any:
@@ -544,13 +420,7 @@ class Worker:
             TypeError: ``obj`` has no ``state_dict``/``load_state_dict``.
             ValueError: an unknown ``kind``.
         """
-        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-            raise TypeError(f"ftrun.register({name!r}): the object needs state_dict() and load_state_dict()")
-        if kind not in ("replica", "rank", "committed"):
-            raise ValueError(f"ftrun.register({name!r}): kind must be 'replica', 'rank' or 'committed', not {kind!r}")
-        self.registry[name] = obj
-        self.kinds[name] = kind
-        return obj
+        return self.registry.register(name, obj, kind)
 
     def wrap_model(self, model: torch.nn.Module, name: str = "model", ddp: bool = False, **ddp_kwargs: Any) -> torch.nn.Module:
         """Register ``model``, make every replica start from rank 0's weights (as DDP does), and
@@ -580,7 +450,7 @@ class Worker:
         """
         model.to(self.device)
         self.register(name, model, kind="committed")
-        if self.world_size > 1 and not self.joining and self._group_live():
+        if self.world_size > 1 and not self.joining and self.group.live():
             self._broadcast_initial(model)
         reducer = GradientReducer(
             list(model.parameters()),
@@ -722,22 +592,18 @@ class Worker:
 
     def state_dict(self) -> dict[str, Any]:
         """The registered state: ``{name: obj.state_dict()}``."""
-        return {name: obj.state_dict() for name, obj in self.registry.items()}
+        return self.registry.state_dict()
 
     def replica_state_dict(self) -> dict[str, Any]:
         """What a donor sends: every registered object but this rank's own (kind ``"rank"``)."""
-        return {name: obj.state_dict() for name, obj in self.registry.items() if self.kinds[name] != "rank"}
+        return self.registry.state_dict(exclude=("rank",))
 
     def _snapshot_step_start(self) -> None:
         """Copy the state that work after the update changes (kinds ``replica`` and ``rank``) at the
         start of a step, labelled with the committed step it belongs to."""
-        from .checkpoint import snapshot
-
-        light = {n: o.state_dict() for n, o in self.registry.items() if self.kinds[n] != "committed"}
-        reuse = self._start_snapshot[1] if self._start_snapshot is not None else None
-        self._start_snapshot = (self.committed, snapshot(light, reuse=reuse))
+        own = self.registry.snapshot_step_start(self.committed)
         if self._keeps_rank_records():
-            self._rank_states.put(self.committed, {n: s for n, s in self._start_snapshot[1].items() if self.kinds[n] == "rank"})
+            self._rank_states.put(self.committed, own)
 
     def _keeps_rank_records(self) -> bool:
         """Whether this rank's own state is worth a copy in the store: it runs under ftrun with
@@ -745,12 +611,12 @@ class Worker:
         or RNG streams when no ``seed`` was given)."""
         if not (self.managed and self.world_size > 1 and self.committed >= INITIAL):
             return False
-        if self.seed is not None and not any(k == "rank" and n != "rng" for n, k in self.kinds.items()):
+        if self.seed is not None and not self.registry.has_own_rank_state():
             return False
         if self._rank_states is None:
             from .rankstate import RankStateStore
 
-            self._rank_states = RankStateStore(self._base_store(), self.attempt, self.rank)
+            self._rank_states = RankStateStore(self.group.store(), self.attempt, self.rank)
         return True
 
     def _record_provisional(self) -> None:
@@ -761,20 +627,13 @@ class Worker:
             return
         from .checkpoint import snapshot
 
-        self._rank_states.put(step, snapshot({n: o.state_dict() for n, o in self.registry.items() if self.kinds[n] == "rank"}))
+        self._rank_states.put(step, snapshot(self.registry.state_dict(only=("rank",))))
 
     def _roll_back(self, step: int, kinds: tuple[str, ...]) -> bool:
         """Restore the ``kinds`` objects to their state at committed ``step`` if the step-start
         snapshot is that step's (a retried step: its scheduler.step(), counters and data position
         are undone). True if it did."""
-        if self._start_snapshot is None or self._start_snapshot[0] != step:
-            return False
-        from .checkpoint import snapshot
-
-        for name, state in self._start_snapshot[1].items():
-            if self.kinds.get(name) in kinds:
-                self.registry[name].load_state_dict(snapshot(state))
-        return True
+        return self.registry.roll_back(step, kinds)
 
     # ------------------------------------------------------------------ reporting
     def report(self, step: int, **metrics: Any) -> None:
@@ -865,11 +724,8 @@ class Worker:
         return True
 
     def _cut_connections(self) -> None:
-        """Shut the connections of ftrun's process group down (gloo; those recorded when it was
-        built, :class:`ftrun.conns.GroupConnections`): a collective blocked on them fails at once.
-        Nothing else the process holds is touched."""
-        if self.backend == "gloo":
-            self._group_conns.cut()
+        """Shut the connections of ftrun's process group down (:meth:`ftrun.group.TrainingGroup.cut`)."""
+        self.group.cut()
 
     def _beat_progress(self) -> dict[str, Any] | None:
         """On the I/O thread, at each heartbeat: a ``progress`` while a section is open."""
@@ -905,6 +761,16 @@ class Worker:
             f"{cls.__module__}.{cls.__qualname__}" in self.recoverable_names or cls.__qualname__ in self.recoverable_names
             for cls in type(err).__mro__
         )
+
+    def repair_step_error(self, err: BaseException) -> bool:
+        """An exception leaving a step's ``with`` block (:class:`Step`): if it is recoverable
+        (:meth:`is_recoverable`), repair the rank in place (UCE) and return True, so the block
+        suppresses it; else False (it propagates). The group is dropped by the step loop right
+        after, once the traceback is gone."""
+        if not isinstance(err, Exception) or not self.is_recoverable(err):
+            return False
+        self._repair_in_place(_describe(err), drop=False)
+        return True
 
     def _repair_in_place(self, error: str, drop: bool) -> None:
         """Record a recoverable error (``"Type: message"``): this rank's state is suspect, so it
@@ -980,8 +846,7 @@ class Worker:
                 yield epoch
                 if self._epoch_stash is not None:  # see above: the donor's state, as received
                     stash, self._epoch_stash = self._epoch_stash, None
-                    for name, state in stash.items():
-                        self.registry[name].load_state_dict(state)
+                    self.registry.load(stash)
                 elif progress.epoch == epoch:
                     progress.epoch = epoch + 1
         except GeneratorExit:
@@ -1061,9 +926,7 @@ class Worker:
                 seed_everything(step_seed(self.seed, step, self.rank))
             if self._rank_record is not None:  # a respawned rank: its predecessor's own state
                 record, self._rank_record = self._rank_record, None
-                for name, state in record.items():
-                    if name in self.registry and self.kinds[name] == "rank":
-                        self.registry[name].load_state_dict(state)
+                self.registry.load(record, kinds=("rank",))
             if self.managed:
                 self._snapshot_step_start()
             batch = None
@@ -1090,7 +953,7 @@ class Worker:
                     return
                 continue
             if self.save_steps and (step + 1) % self.save_steps == 0 and self.committed == step:
-                self._save_periodic(step)
+                self.checkpoints.save_periodic(step, self.state_dict)
             self.faults.point("between_steps", step)
             step += 1
             self._next_step = step
@@ -1120,7 +983,7 @@ class Worker:
 
         # Everything but this rank's own state: the epoch's end may change the optimizer too
         # (``scheduler.step()`` sets its learning rates), not only registered replica objects.
-        self._epoch_stash = {n: snapshot(o.state_dict()) for n, o in self.registry.items() if self.kinds[n] != "rank"}
+        self._epoch_stash = snapshot(self.registry.state_dict(exclude=("rank",)))
         return True
 
     def _poll_abort(self, timeout: float = 0.0, newer_than: int | None = None) -> bool:
@@ -1214,7 +1077,7 @@ class Worker:
         record = None
         failure = None
         try:
-            record = RankStateStore(self._base_store(), self.attempt, self.rank).get(step)
+            record = RankStateStore(self.group.store(), self.attempt, self.rank).get(step)
         except Exception as err:
             failure = _describe(err)
         if record is not None:
@@ -1243,9 +1106,7 @@ class Worker:
                 received_any = True
                 state, n = recv_state(donor, self.replica_state_dict())
                 nbytes += n
-                for name, obj in self.registry.items():
-                    if name in state:
-                        obj.load_state_dict(state[name])
+                self.registry.load(state)
         except Exception as err:
             if received_any:
                 self.committed = NO_STATE  # a half-received state is no state
@@ -1255,71 +1116,22 @@ class Worker:
         return role, nbytes, time.monotonic() - started
 
     # ------------------------------------------------------------------ checkpoints (TTP)
-    def _is_shard_writer(self) -> bool:
-        """Whether this rank writes its replica group's checkpoint shard: the group's lowest rank
-        (its replicas hold the same state, so one file per group is the whole state)."""
-        return self.rank == min(self.replica_group)
-
-    def _shard(self) -> int:
-        from .checkpoint import shard_of_rank
-
-        return shard_of_rank(self.rank, self.replica_groups)
-
     def _resume(self) -> int:
         """Load this rank's shard of the checkpoint the supervisor chose; returns its step."""
-        from .checkpoint import load_shard
-
         started = time.monotonic()
         directory, self.resume_dir = Path(self.resume_dir or ""), None
-        state = load_shard(directory, self._shard())
-        for name, obj in self.registry.items():
-            if name in state:
-                obj.load_state_dict(state[name])
+        self.registry.load(self.checkpoints.resume(directory))
         self.committed = _env_int("FTRUN_RESUME_STEP", -1)
         print(f"ftrun: rank {self.rank} resumed from {directory} (step {self.committed}) in "
               f"{time.monotonic() - started:.2f} s", flush=True)
         return self.committed
 
-    def _save_periodic(self, step: int) -> None:
-        """Snapshot the state of committed ``step`` and write it in the background, if this rank is
-        its replica group's writer (the lowest rank); the supervisor completes the checkpoint."""
-        if self.checkpoint_dir is None or not self._is_shard_writer():
-            return
-        from .checkpoint import AsyncCheckpointer
-
-        if self._checkpointer is None:
-            self._checkpointer = AsyncCheckpointer(self.checkpoint_dir, self._shard())
-        started = time.monotonic()
-
-        def done(saved_step: int, result: Any) -> None:
-            if isinstance(result, BaseException):
-                self._send(MsgType.ERROR, reason=f"checkpoint of step {saved_step} failed: {_describe(result)}")
-            else:
-                self._send(MsgType.SAVED, step=saved_step, shard=self._shard(), info=result.to_json(),
-                           seconds=time.monotonic() - started, torch_version=torch.__version__, reason="periodic")
-
-        self._checkpointer.save(step, self.state_dict(), on_done=done)
-
     def _save_dying_gasp(self) -> None:
         """Write this rank's shard of the step the supervisor names (TTP), at a safe point: the
         group is down and the state is exactly that of the committed step."""
-        from .checkpoint import save_shard
-
         req, self._save_request = self._save_request, None
         assert req is not None
-        started = time.monotonic()
-        failure: str | None = None
-        try:
-            if self.committed != req["step"]:
-                raise RuntimeError(f"this rank holds step {self.committed}, not {req['step']}")
-            info = save_shard(Path(req["directory"]), req["shard"], self.state_dict())
-        except Exception as err:
-            failure = _describe(err)
-        if failure is not None:
-            self._send(MsgType.ERROR, reason=f"dying-gasp checkpoint failed: {failure}")
-            return
-        self._send(MsgType.SAVED, step=req["step"], shard=req["shard"], info=info.to_json(),
-                   seconds=time.monotonic() - started, torch_version=torch.__version__, reason=req["reason"])
+        self.checkpoints.save_requested(req, self.committed, self.state_dict())
 
     def commit(self, step: int) -> None:
         """Mark ``step`` committed (called by the optimizer wrapper after its update)."""
@@ -1336,8 +1148,7 @@ class Worker:
         """
         global _worker
         self.faults.point("finish", self.committed)
-        if self._checkpointer is not None:
-            self._checkpointer.close()  # the last periodic checkpoint is written before we leave
+        self.checkpoints.close()  # the last periodic checkpoint is written before we leave
         self._send(MsgType.DONE, committed=self.committed)
         self._drop_group(broken=False)
         if self.channel is not None and self.managed:
@@ -1380,11 +1191,7 @@ class Step(int):
         return self
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, _tb: Any) -> bool:
-        if exc is None or not isinstance(exc, Exception) or not self._worker.is_recoverable(exc):
-            return False
-        # The group is dropped by steps() right after this, once the traceback is gone.
-        self._worker._repair_in_place(_describe(exc), drop=False)
-        return True
+        return exc is not None and self._worker.repair_step_error(exc)
 
 
 def _local_gradients_hook(_state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
@@ -1419,58 +1226,6 @@ def _training_thread_probe(thread_id: int | None, waiting: threading.Event | Non
         return {"in_dist": False}
 
     return probe
-
-
-def _control_port() -> int:
-    addr = os.environ.get("FTRUN_CONTROL_ADDR", "")
-    return int(addr.rsplit(":", 1)[1]) if ":" in addr else 0
-
-
-DOWN_BACKEND = "ftrun_down"  # the backend name of the placeholder default group
-_down_registered = False
-
-
-class GroupDown(RuntimeError):
-    """A collective called while this rank has no live process group (between generations)."""
-
-
-class _DownGroup(dist.ProcessGroup):
-    """The default process group of a rank between generations: knows its rank and world size,
-    fails every collective at once with :class:`GroupDown` (the step is then recovered)."""
-
-    def getBackendName(self) -> str:
-        return DOWN_BACKEND
-
-    def _down(self, *_args: Any, **_kwargs: Any) -> Any:
-        raise GroupDown("ftrun: this rank's process group is down (a recovery is under way); "
-                        "the step's collectives fail and the step is retried")
-
-    allreduce = allreduce_coalesced = broadcast = allgather = _allgather_base = reduce = gather = scatter = _down
-    reduce_scatter = _reduce_scatter_base = alltoall = alltoall_base = send = recv = barrier = _down
-
-
-def _register_down_backend() -> None:
-    global _down_registered
-    if not _down_registered:
-        dist.Backend.register_backend(DOWN_BACKEND, lambda _store, rank, size, _timeout: _DownGroup(rank, size),
-                                      devices=["cpu", "cuda"])
-        _down_registered = True
-
-
-_retired_groups = 0  # broken process groups kept from their destructor (see _retire)
-
-
-def _retire(group: Any) -> None:
-    """Keep a broken gloo process group from ever being destructed: one extra reference, never
-    released. Its destructor would join gloo's worker threads, which can block for the collective
-    timeout on a work still in flight; unregistered by ``destroy_process_group``, the group only
-    costs its idle threads and its (already shut down) sockets until the process exits, a few per
-    recovery this rank lives through."""
-    global _retired_groups
-    import ctypes
-
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
-    _retired_groups += 1
 
 
 def _describe(err: BaseException) -> str:

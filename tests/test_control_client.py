@@ -118,48 +118,45 @@ def test_an_abandoned_all_reduce_failing_late_leaves_later_passes_alone(monkeypa
     assert red.error and "peer gone" in red.error
 
 
-def test_a_broken_gloo_group_is_retired_and_a_clean_one_destroyed(monkeypatch):
+def test_a_broken_gloo_group_is_retired_and_a_clean_one_destroyed():
     """A broken group is unregistered but never destructed (gloo's destructor joins threads that may
     still run a collective); a group ending cleanly is destroyed as usual."""
     import torch.distributed as dist
 
-    from ftrun import worker as worker_mod
+    from ftrun import group as group_mod
 
-    monkeypatch.setenv("FTRUN_HOT_SPARE", "1")
-    worker = worker_mod.Worker("gloo", None, None)
-    worker._cut_connections = lambda: None  # this process's other connections are not ours to cut
+    group = group_mod.TrainingGroup("gloo", world_size=1, pg_timeout=30, cluster_timeout=30)
+    group.bind(rank=0, incarnation=0, attempt=0, managed=True)
     for broken, retired in ((True, 1), (False, 0)):
-        before = worker_mod._retired_groups
+        before = group_mod.retired_groups
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        worker._drop_group(broken=broken)
+        group.drop(generation=0, broken=broken)
         assert not dist.is_initialized()
-        assert worker_mod._retired_groups - before == retired
+        assert group_mod.retired_groups - before == retired
 
 
-def test_between_generations_the_default_group_knows_its_rank_and_fails_collectives(monkeypatch):
+def test_between_generations_the_default_group_knows_its_rank_and_fails_collectives():
     """Issue 11 item 6: while a rank has no live group, a placeholder default group answers
     get_rank()/get_world_size() and fails every collective at once; a broken drop keeps it, a
     clean one (ft.finish()) leaves no group, and building the next generation replaces it."""
     import torch
     import torch.distributed as dist
 
-    from ftrun import worker as worker_mod
+    from ftrun.group import GroupDown, TrainingGroup
 
-    monkeypatch.setenv("FTRUN_HOT_SPARE", "1")
-    worker = worker_mod.Worker("gloo", None, None)
-    worker._cut_connections = lambda: None
-    worker._rank, worker.world_size = 2, 4
+    group = TrainingGroup("gloo", world_size=4, pg_timeout=30, cluster_timeout=30)
+    group.bind(rank=2, incarnation=0, attempt=0, managed=True)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    worker._drop_group(broken=True)  # a failed step: the real group goes, the placeholder stands
+    group.drop(generation=1, broken=True)  # a failed step: the real group goes, the placeholder stands
     try:
-        assert dist.is_initialized() and not worker._group_live()
+        assert dist.is_initialized() and not group.live()
         assert (dist.get_rank(), dist.get_world_size()) == (2, 4)
         for call in (lambda: dist.all_reduce(torch.ones(2)), lambda: dist.all_reduce(torch.ones(2), async_op=True),
                      lambda: dist.broadcast(torch.ones(2), src=0)):
-            with pytest.raises(RuntimeError, match="process group is down"):
+            with pytest.raises(GroupDown, match="process group is down"):
                 call()
-        worker._drop_group(broken=True)  # already down: nothing changes
+        group.drop(generation=1, broken=True)  # already down: nothing changes
         assert dist.get_rank() == 2
     finally:
-        worker._drop_group(broken=False)
+        group.drop(generation=1, broken=False)
     assert not dist.is_initialized()

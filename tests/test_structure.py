@@ -28,3 +28,40 @@ def test_imports_flow_one_way(module: str, forbidden: tuple[str, ...]) -> None:
     code = f"import sys, {module}; print(' '.join(m for m in {forbidden!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.strip() == "", f"{module} imports {out.strip()}"
+
+
+def test_no_class_reaches_into_anothers_private_members() -> None:
+    """Issue 11 item 7: ftrun's classes (the worker's roles among them: group lifecycle, state
+    registry, checkpoints, loop) use each other through public members only. A private name
+    (``_x``) that an ftrun class defines or sets on ``self`` is read or written only through
+    ``self``/``cls`` (a ``__new__`` setting up the instance it made is the one exception)."""
+    import ast
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parent.parent / "ftrun").glob("*.py"))
+    trees = {path.name: ast.parse(path.read_text()) for path in files}
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.endswith("__")
+
+    own: set[str] = set()
+    for tree in trees.values():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for node in ast.walk(cls):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and private(node.name):
+                    own.add(node.name)
+                elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                      and node.value.id == "self" and private(node.attr)):
+                    own.add(node.attr)
+                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and private(node.target.id):
+                    own.add(node.target.id)
+    assert {"_drop_group", "_worker"} <= own  # the scan sees the worker's and Step's members
+    reaches = []
+    for name, tree in trees.items():
+        exempt = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "__new__"
+                  for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr in own and id(node) not in exempt
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                reaches.append(f"ftrun/{name}:{node.lineno}: {ast.unparse(node)}")
+    assert not reaches, "\n".join(reaches)

@@ -1,0 +1,94 @@
+"""The registered training state of one rank, by kind (the state registry, split out of
+:class:`ftrun.worker.Worker`).
+
+Every object with ``state_dict()``/``load_state_dict()`` registered with a worker has a *kind*:
+
+- ``"committed"``: changed only by the optimizer update (the model, the optimizer). A donor sends
+  it; it is not snapshotted at step start (the update runs only once a step's collectives
+  succeeded, so a retried step never finds it changed).
+- ``"replica"``: identical on every replica and changed by work after the update (a scheduler, a
+  counter, an EMA). A donor sends it; it is snapshotted at every step's start and rolled back when
+  the step is retried, so ``scheduler.step()`` never runs twice for one step.
+- ``"rank"``: this rank's own (a data loader's position, per-rank RNG streams). Snapshotted and
+  rolled back the same way, never taken from another rank (TorchFT's separation of replica and
+  rank state; a respawned rank gets its predecessor's from the job's store, :mod:`ftrun.rankstate`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from .checkpoint import snapshot
+
+KINDS = ("replica", "rank", "committed")
+
+
+class StateRegistry:
+    """Named stateful objects and their kinds, with the step-start snapshot used to retry a step.
+
+    ``registry[name]`` is the object, ``name in registry`` tests registration, ``items()`` yields
+    ``(name, obj)`` in registration order, ``kinds[name]`` is its kind.
+    """
+
+    def __init__(self) -> None:
+        self.objects: dict[str, Any] = {}
+        self.kinds: dict[str, str] = {}
+        self._start: tuple[int, dict[str, Any]] | None = None  # (committed step, replica+rank state)
+
+    def register(self, name: str, obj: Any, kind: str = "replica") -> Any:
+        """Add ``obj`` under ``name`` as ``kind`` (see the module docstring). Returns ``obj``.
+
+        Raises:
+            TypeError: ``obj`` has no ``state_dict``/``load_state_dict``.
+            ValueError: an unknown ``kind``.
+        """
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"ftrun.register({name!r}): the object needs state_dict() and load_state_dict()")
+        if kind not in KINDS:
+            raise ValueError(f"ftrun.register({name!r}): kind must be 'replica', 'rank' or 'committed', not {kind!r}")
+        self.objects[name] = obj
+        self.kinds[name] = kind
+        return obj
+
+    def __getitem__(self, name: str) -> Any:
+        return self.objects[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.objects
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        return iter(list(self.objects.items()))
+
+    def state_dict(self, exclude: tuple[str, ...] = (), only: tuple[str, ...] = KINDS) -> dict[str, Any]:
+        """``{name: obj.state_dict()}`` for the objects whose kind is in ``only`` and not in ``exclude``."""
+        return {n: o.state_dict() for n, o in self.objects.items() if self.kinds[n] in only and self.kinds[n] not in exclude}
+
+    def load(self, state: dict[str, Any], kinds: tuple[str, ...] = KINDS) -> None:
+        """``load_state_dict`` each registered object of a kind in ``kinds`` that ``state`` names;
+        names ``state`` has but the registry lacks are ignored."""
+        for name, obj in self.objects.items():
+            if name in state and self.kinds[name] in kinds:
+                obj.load_state_dict(state[name])
+
+    def has_own_rank_state(self) -> bool:
+        """Whether objects of kind ``rank`` other than the per-rank RNG streams (``"rng"``) exist."""
+        return any(k == "rank" and n != "rng" for n, k in self.kinds.items())
+
+    def snapshot_step_start(self, committed: int) -> dict[str, Any]:
+        """Copy the state that work after the update changes (kinds ``replica`` and ``rank``), labelled
+        with the committed step it belongs to; buffers of the previous copy are reused. Returns the
+        copy's ``rank`` entries (for this rank's record in the store)."""
+        reuse = self._start[1] if self._start is not None else None
+        self._start = (committed, snapshot(self.state_dict(exclude=("committed",)), reuse=reuse))
+        return {n: s for n, s in self._start[1].items() if self.kinds[n] == "rank"}
+
+    def roll_back(self, step: int, kinds: tuple[str, ...]) -> bool:
+        """Restore the ``kinds`` objects to their state at committed ``step`` if the step-start
+        snapshot is that step's (a retried step: its scheduler.step(), counters and data position
+        are undone). True if it did."""
+        if self._start is None or self._start[0] != step:
+            return False
+        for name, state in self._start[1].items():
+            if self.kinds.get(name) in kinds:
+                self.objects[name].load_state_dict(snapshot(state))
+        return True
