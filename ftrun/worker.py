@@ -32,6 +32,13 @@ equal to it. Data comes from an epoch loop over a ``DataLoader`` (:meth:`Worker.
 
 Outside ftrun (plain ``torchrun``, or no launcher at all) the same script runs: the library builds
 the group from the ``env://`` variables and simply trains, without recovery.
+
+Roles (issue 11: each its own class, used through its public members only, which
+``tests/test_structure.py`` checks): :class:`Worker` is the script's handle and runs the step loop
+and the recovery; it holds the process group's lifecycle (:class:`ftrun.group.TrainingGroup`),
+the control client (:class:`ftrun.control.ControlClient`), the state registry
+(:class:`ftrun.registry.StateRegistry`), this rank's checkpoints
+(:class:`ftrun.shards.RankCheckpoints`), and the gradient reducers (:mod:`ftrun.reducer`).
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from .channel import Channel
+from .control import ControlClient, open_channel
 from .errors import RecoverableError
 from .faults import FaultInjector
 from .group import GroupDown, TrainingGroup  # noqa: F401  (GroupDown: ftrun.worker.GroupDown, documented)
@@ -70,34 +77,18 @@ UCE_REPORT_WAIT_S = 2.0  # how long a rank repairing in place waits for the supe
 DUMP_SIGNAL = signal.SIGUSR1  # the supervisor asks a hung rank for its Python stacks with this
 ORPHAN_SIGNAL = signal.SIGUSR2  # the kernel sends it to a library rank when its supervisor dies
 
+
 class GroupFailure(RuntimeError):
     """A collective on ftrun's process group failed (recorded, then recovered by :meth:`Worker.steps`)."""
 
 
 _worker: "Worker | None" = None
-_report_channel: Channel | None = None
+_report_channel: Any = None  # ftrun.channel.Channel of a script that only reports
 
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else default
-
-
-def _open_channel(library: bool, replica_group: Sequence[int], generation: int, **extra: Any) -> Channel | None:
-    addr, token = os.environ.get("FTRUN_CONTROL_ADDR"), os.environ.get("FTRUN_TOKEN")
-    if not addr or not token:
-        return None
-    rank = _env_int("RANK", 0)
-    channel = Channel(addr, token, rank, _env_int("FTRUN_INCARNATION", 0), float(os.environ.get("FTRUN_HEARTBEAT_INTERVAL", "1")))
-    channel.send(
-        MsgType.HELLO,
-        pid=os.getpid(),
-        generation=generation,
-        replica_group=[int(r) for r in replica_group],
-        library=library,
-        **extra,
-    )
-    return channel
 
 
 def report(step: int, **metrics: Any) -> None:
@@ -108,7 +99,7 @@ def report(step: int, **metrics: Any) -> None:
         return
     if _report_channel is None:
         world = _env_int("WORLD_SIZE", 1)
-        _report_channel = _open_channel(False, list(range(world)), _env_int("FTRUN_GENERATION", 0))
+        _report_channel = open_channel(False, list(range(world)), _env_int("FTRUN_GENERATION", 0))
         if _report_channel is None:
             return
     _report_channel.send(MsgType.PROGRESS, step=int(step), metrics=_clean_metrics(metrics))
@@ -168,14 +159,15 @@ class Worker:
         # Checkpoints (TTP): where, how often.
         self.save_steps = _env_int("FTRUN_SAVE_STEPS", 0)
         self.checkpoints = RankCheckpoints(os.environ.get("FTRUN_CHECKPOINT_DIR") or None, self.replica_groups, self._send)
-        self._save_request: Message | None = None
+        # What this rank says to its supervisor and hears back (ftrun.control).
+        self.control = ControlClient()
+        self.control.on_abort = self._report_abort
+        self.control.on_io_abort = self._on_io_abort
         self.recoverable_names = {n.strip() for n in os.environ.get("FTRUN_RECOVERABLE_ERRORS", "").split(",") if n.strip()}
         self._in_collective = False
-        self._io_abort_generation = -1  # newest abort generation the I/O thread has seen
         self._waiting = threading.Event()  # set while the training thread waits for an all-reduce
         # The default process group, generation after generation (ftrun.group).
         self.group = TrainingGroup(self.backend, self.world_size, self.pg_timeout, self.cluster_timeout)
-        self._abandon = threading.Event()  # an abort for a newer generation arrived: stop waiting
         self._reducers: list[GradientReducer] = []
         self._pending_uce: str | None = None  # a recoverable error raised inside backward
         # Epoch loops and data (ft.epochs / ft.batches, ftrun.data) and this rank's own state kept
@@ -191,11 +183,8 @@ class Worker:
         self._last_report: tuple[int, dict[str, Any]] = (0, {})  # the last ft.report(), re-sent by sections
         self._error: str | None = None
         self._error_kind = "comm"  # what kind of fault _error is: comm, recoverable
-        self._abort_generation: int | None = None
-        self._plan: Message | None = None  # the coordinator's reconfigure for _abort_generation, once here
         self._current_step: int | None = None
         self._first_step = 0  # the job's first step (DDP's one-bucket iteration)
-        self._finished = False  # the coordinator said every rank finished (the finish barrier)
         # A hot spare (docs/hot_spares.md) runs this set-up without a rank: the rank's identity is
         # bound at its promotion, when the script reaches its loop or first asks for it.
         self._rank: int | None = None
@@ -209,7 +198,6 @@ class Worker:
             # group, no initial broadcast; its identity is unknown.
             self.managed, self.joining, self.committed, self._fresh = True, True, NO_STATE, True
             self.resume_dir = None
-            self.channel = None
             self.faults = FaultInjector([], -1, -1, -1)
             return
         self._bind_rank()
@@ -236,9 +224,9 @@ class Worker:
             torch.cuda.set_device(self._device)
         self._replica_group = self._my_replica_group(self._replica_groups_arg)
         self.faults = FaultInjector.from_env(self._rank, self._incarnation, self.attempt)
-        self.channel = _open_channel(True, self._replica_group, self.generation,
-                                     **({"hot": self.promoted_at} if self.promoted_at is not None else {}))
-        self.managed = self.channel is not None and os.environ.get("FTRUN_ARF", "1") == "1"
+        channel = open_channel(True, self._replica_group, self.generation,
+                               **({"hot": self.promoted_at} if self.promoted_at is not None else {}))
+        self.managed = channel is not None and os.environ.get("FTRUN_ARF", "1") == "1"
         self.group.bind(self._rank, self._incarnation, self.attempt, self.managed)
         self.checkpoints.bind(self._rank)
         # A rank respawned into a running job (ARF) builds no group of its own: it joins the
@@ -250,10 +238,9 @@ class Worker:
         # replica's newer state).
         self.resume_dir = None if self.joining else (os.environ.get("FTRUN_RESUME_DIR") or None)
         self.faults.cut_connections = self._cut_connections
-        if self.channel is not None:
-            self.channel.on_receive = self._on_io_message
-            self.channel.probe = _training_thread_probe(threading.main_thread().ident, self._waiting)
-            self.channel.beat_extra = self._beat_progress
+        self.control.attach(channel, probe=_training_thread_probe(threading.main_thread().ident, self._waiting),
+                            beat_extra=self._beat_progress)
+        if channel is not None:
             # Stacks of every thread into this rank's log when the supervisor suspects a hang.
             faulthandler.register(DUMP_SIGNAL, all_threads=True, chain=False)
             if self.managed:
@@ -461,7 +448,7 @@ class Worker:
             on_failure=self._on_reduce_failure,
             waiting=self._waiting,
             is_first_step=lambda: self._current_step == self._first_step,
-            abandon=self._abandon,
+            abandon=self.control.abandon,
         )
         self._reducers.append(reducer)
         reducer.attach()
@@ -639,8 +626,7 @@ class Worker:
     def report(self, step: int, **metrics: Any) -> None:
         """Show ``step`` and ``metrics`` on the console (queued; never blocks)."""
         self._last_report = (int(step), _clean_metrics(metrics))
-        if self.channel is not None:
-            self.channel.send(MsgType.PROGRESS, step=int(step), metrics=self._last_report[1])
+        self._send(MsgType.PROGRESS, step=int(step), metrics=self._last_report[1])
 
     def _progress_fields(self) -> dict[str, Any]:
         step, metrics = self._last_report
@@ -678,8 +664,7 @@ class Worker:
             self._send(MsgType.PROGRESS, **fields)
 
     def _send(self, msg_type: MsgType, **fields: Any) -> None:
-        if self.channel is not None:
-            self.channel.send(msg_type, **fields)
+        self.control.send(msg_type, **fields)
 
     # ------------------------------------------------------------------ collectives
     def all_reduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> bool:
@@ -731,23 +716,22 @@ class Worker:
         """On the I/O thread, at each heartbeat: a ``progress`` while a section is open."""
         return self._progress_fields() if self._section is not None else None
 
-    def _on_io_message(self, msg: Message) -> None:
-        """On the channel's I/O thread: an abort for a newer generation releases a training thread
-        blocked in a collective (a hung peer, a communication stall) by cutting its connections;
-        the collective then fails at once and the step loop recovers."""
-        if msg.type == MsgType.ABORT:
-            self._io_abort_generation = max(self._io_abort_generation, msg["generation"])
-            if self.managed and msg["generation"] > self.generation:
-                self._abandon.set()
-        if msg.type == MsgType.ABORT and self._in_collective and self.managed and msg["generation"] > self.generation:
-            self._cut_connections()
+    def _on_io_abort(self, generation: int) -> None:
+        """On the channel's I/O thread, for each abort: one for a newer generation makes every wait
+        of the training thread give up, and releases it from a collective it is blocked in (a hung
+        peer, a communication stall) by cutting the group's connections; the collective then
+        fails at once and the step loop recovers."""
+        if self.managed and generation > self.generation:
+            self.control.abandon.set()
+            if self._in_collective:
+                self._cut_connections()
 
     def _release_if_aborted(self) -> None:
         """Entering a collective after an abort already arrived (the peer died while this rank was
         still computing): nobody will release it later, so its connections are cut now and the
         collective fails at once (set ``_in_collective`` first: the I/O thread checks it after it
         records the abort, so one of the two always sees the other)."""
-        if self.managed and self._io_abort_generation > self.generation:
+        if self.managed and self.control.io_aborted_beyond(self.generation):
             self._cut_connections()
 
     def is_recoverable(self, err: BaseException) -> bool:
@@ -897,7 +881,7 @@ class Worker:
             step = max(step, self._resume() + 1)
         if self.joining:
             self.joining = False
-            self._abort_generation = self.generation  # its hello was its report for this generation
+            self.control.abort_generation = self.generation  # its hello was its report for this generation
             step = self._recover(None) + 1
         elif self._error is not None:  # the initial broadcast failed
             reason, self._error = self._error, None
@@ -945,7 +929,7 @@ class Worker:
                 # was called): the state is that of this step all the same.
                 self.commit(step)
                 self._send(MsgType.UPDATE_END, step=step)
-            if self._error is not None or (self.managed and self._abort_generation is not None):
+            if self._error is not None or (self.managed and self.control.abort_generation is not None):
                 reason, self._error = self._error, None
                 step = self._recover(reason) + 1
                 self._next_step = step
@@ -989,29 +973,14 @@ class Worker:
     def _poll_abort(self, timeout: float = 0.0, newer_than: int | None = None) -> bool:
         """Take supervisor messages; True once an abort for a generation newer than
         ``newer_than`` (default: the current one) is pending."""
-        if self.channel is None:
-            return False
-        msg = self.channel.receive(timeout)
-        while msg is not None:
-            self._on_message(msg)
-            msg = self.channel.receive(0.0)
-        newer_than = self.generation if newer_than is None else newer_than
-        return self._abort_generation is not None and self._abort_generation > newer_than
+        self.control.poll(timeout)
+        return self.control.aborted_beyond(self.generation if newer_than is None else newer_than)
 
-    def _on_message(self, msg: Message) -> None:
-        if msg.type == MsgType.ABORT:
-            if self._abort_generation is None or msg["generation"] > self._abort_generation:
-                self._abort_generation = msg["generation"]
-                self._send(MsgType.FAULT, generation=msg["generation"], step=self._current_step or -1,
-                           committed=self.committed, reason=msg["reason"], kind="abort")
-        elif msg.type == MsgType.RECONFIGURE:
-            self._plan = msg
-        elif msg.type == MsgType.SAVE:
-            self._save_request = msg
-        elif msg.type == MsgType.STOP:
-            sys.exit(0)
-        elif msg.type == MsgType.FINISHED:
-            self._finished = True
+    def _report_abort(self, msg: Message) -> None:
+        """An abort for a newer generation, taken on the training thread: report where this rank
+        stands (its step and committed step) to the supervisor."""
+        self._send(MsgType.FAULT, generation=msg["generation"], step=self._current_step or -1,
+                   committed=self.committed, reason=msg["reason"], kind="abort")
 
     def _recover(self, reason: str | None) -> int:
         """Reconfigure after a fault; returns the recovery step S (training resumes at S + 1).
@@ -1023,26 +992,22 @@ class Worker:
             raise GroupFailure(reason or "collective failed")
         self.faults.point("recover", self._current_step)
         self._drop_group()
-        if reason is not None and self._abort_generation is None:
+        if reason is not None and self.control.abort_generation is None:
             # Tell the supervisor now; it answers with an abort naming the next generation.
             self._send(MsgType.FAULT, generation=self.generation, step=self._current_step or -1,
                        committed=self.committed, reason=reason, kind=self._error_kind)
         self._error_kind = "comm"
-        if self._plan is not None and self._plan["generation"] != self._abort_generation:
-            # Stale. A plan for the pending abort is kept: an earlier poll can take it with the
-            # abort when the coordinator was quick (a UCE rank's own report is its answer).
-            self._plan = None
+        # A plan for the pending abort is kept: an earlier poll can take it with the abort when the
+        # coordinator was quick (a UCE rank's own report is its answer).
+        self.control.drop_stale_plan()
         while True:
-            msg = self.channel.receive(timeout=1.0)
-            if msg is not None:
-                self._on_message(msg)
+            self.control.poll(timeout=1.0)
             self._check_orphaned(mid_step=True)
-            if self._save_request is not None:
+            if self.control.save_request is not None:
                 self._save_dying_gasp()
-            plan = self._plan
-            if plan is None or plan["generation"] != self._abort_generation:
+            plan = self.control.take_plan()
+            if plan is None:
                 continue
-            self._plan = None
             generation = plan["generation"]
             started = time.monotonic()
             if not self._build_group(generation):
@@ -1058,9 +1023,7 @@ class Worker:
                 self._send(MsgType.FAULT, generation=generation, step=plan["step"], committed=self.committed,
                            reason="state transfer failed", kind="comm")
                 continue
-            self._abort_generation = None
-            if self._io_abort_generation <= generation:
-                self._abandon.clear()  # no newer abort pending: the new group's waits are real
+            self.control.recovered(generation)  # unless a newer abort is pending, waits are real again
             self.committed = plan["step"]
             if self._fresh:
                 self._fresh = False
@@ -1129,7 +1092,7 @@ class Worker:
     def _save_dying_gasp(self) -> None:
         """Write this rank's shard of the step the supervisor names (TTP), at a safe point: the
         group is down and the state is exactly that of the committed step."""
-        req, self._save_request = self._save_request, None
+        req = self.control.take_save_request()
         assert req is not None
         self.checkpoints.save_requested(req, self.committed, self.state_dict())
 
@@ -1151,18 +1114,17 @@ class Worker:
         self.checkpoints.close()  # the last periodic checkpoint is written before we leave
         self._send(MsgType.DONE, committed=self.committed)
         self._drop_group(broken=False)
-        if self.channel is not None and self.managed:
+        if self.control.channel is not None and self.managed:
             self._finish_barrier()
-        if self.channel is not None:
-            self.channel.close()
+        self.control.close()
         _worker = None
 
     def _finish_barrier(self) -> None:
         """Serve aborts and plans (as a donor, usually) until the coordinator says every rank finished."""
-        self._finished = False
-        while not self._finished:
+        self.control.finished = False
+        while not self.control.finished:
             self._check_orphaned(mid_step=False)
-            if self._save_request is not None:
+            if self.control.save_request is not None:
                 self._save_dying_gasp()
             if self._poll_abort(timeout=0.5):
                 self._recover(None)  # the abort already carried this rank's report

@@ -71,13 +71,13 @@ def test_recovery_uses_a_plan_taken_with_its_abort(monkeypatch):
         def send(self, msg_type, **fields):
             sent.append((msg_type, fields))
 
-    worker.channel = Quiet()
+    worker.control.channel = Quiet()
     worker._drop_group = lambda broken=True: None
     worker._build_group = lambda generation: setattr(worker, "generation", generation) or True
-    worker._abort_generation = 2
-    worker._plan = decode(encode(MsgType.RECONFIGURE, TOKEN, generation=2, world_size=2, step=4, transfers=[]), TOKEN)
+    worker.control.abort_generation = 2
+    worker.control.plan = decode(encode(MsgType.RECONFIGURE, TOKEN, generation=2, world_size=2, step=4, transfers=[]), TOKEN)
     assert worker._recover(None) == 4
-    assert worker.generation == 2 and worker._abort_generation is None
+    assert worker.generation == 2 and worker.control.abort_generation is None
     assert [t for t, _ in sent] == [MsgType.RECOVERED]
 
 
