@@ -11,3 +11,9 @@ class RecoverableError(RuntimeError):
     rank retries the step. Other exception types can be declared recoverable with
     ``--recoverable_errors`` (e.g. ``torch.OutOfMemoryError``).
     """
+
+
+def describe(err: BaseException) -> str:
+    """``"Type: first line of the message"``: an exception in one line, for logs and reports."""
+    text = str(err)
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"

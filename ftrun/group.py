@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from .conns import GroupConnections
+from .errors import describe
 
 BARRIER_NOTE_S = 10.0  # a rank waiting this long for its peers to join a generation says who is missing
 DOWN_BACKEND = "ftrun_down"  # the backend name of the placeholder default group
@@ -239,8 +240,7 @@ class TrainingGroup:
         try:
             dist.destroy_process_group()
         except Exception as err:  # a broken group may fail to tear down cleanly
-            text = str(err)
-            failure = f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+            failure = describe(err)
         if retired is not None:
             retire(retired)
             del retired

@@ -40,6 +40,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from .errors import describe
+
 BUCKET_CAP_BYTES = 25 << 20  # DDP's default bucket_cap_mb (25 MiB)
 
 
@@ -222,7 +224,7 @@ class GradientReducer:
         try:
             work = dist.all_reduce(flat, async_op=True)
         except Exception as err:  # the group is already broken
-            failure = _describe(err)
+            failure = describe(err)
         if failure is not None:
             self.error = failure
             done = torch.futures.Future()
@@ -234,7 +236,7 @@ class GradientReducer:
                 fut.wait()
             except Exception as err:  # recorded, never raised through autograd
                 if self.error is None and self._pass == pass_:
-                    self.error = _describe(err)
+                    self.error = describe(err)
             return out
 
         return work.get_future().then(settle)
@@ -269,8 +271,3 @@ class GradientReducer:
             yield
         finally:
             self.sync = previous
-
-
-def _describe(err: BaseException) -> str:
-    text = str(err)
-    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"

@@ -16,12 +16,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .checkpoint import AsyncCheckpointer, load_shard, save_shard, shard_of_rank, step_dir, write_orphan_note
+from .errors import describe
 from .protocol import MsgType
-
-
-def _describe(err: BaseException) -> str:
-    text = str(err)
-    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 class RankCheckpoints:
@@ -78,7 +74,7 @@ class RankCheckpoints:
 
         def done(saved_step: int, result: Any) -> None:
             if isinstance(result, BaseException):
-                self.send(MsgType.ERROR, reason=f"checkpoint of step {saved_step} failed: {_describe(result)}")
+                self.send(MsgType.ERROR, reason=f"checkpoint of step {saved_step} failed: {describe(result)}")
             else:
                 self.send(MsgType.SAVED, step=saved_step, shard=shard, info=result.to_json(),
                           seconds=time.monotonic() - started, torch_version=torch.__version__, reason="periodic")
@@ -95,7 +91,7 @@ class RankCheckpoints:
                 raise RuntimeError(f"this rank holds step {committed}, not {request['step']}")
             info = save_shard(Path(request["directory"]), request["shard"], state)
         except Exception as err:
-            failure = _describe(err)
+            failure = describe(err)
         if failure is not None:
             self.send(MsgType.ERROR, reason=f"dying-gasp checkpoint failed: {failure}")
             return
@@ -118,7 +114,7 @@ class RankCheckpoints:
             info = save_shard(directory, self.shard, state())
             write_orphan_note(directory, self.shard, info, world_size, self.replica_groups, torch.__version__)
         except Exception as err:
-            return f"; its dying-gasp checkpoint failed: {_describe(err)}"
+            return f"; its dying-gasp checkpoint failed: {describe(err)}"
         return f"; wrote shard {self.shard} of step {committed} to {directory}"
 
     def close(self) -> None:

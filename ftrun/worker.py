@@ -34,10 +34,11 @@ Outside ftrun (plain ``torchrun``, or no launcher at all) the same script runs: 
 the group from the ``env://`` variables and simply trains, without recovery.
 
 Roles (issue 11: each its own class, used through its public members only, which
-``tests/test_structure.py`` checks): :class:`Worker` is the script's handle and runs the step loop
-and the recovery; it holds the process group's lifecycle (:class:`ftrun.group.TrainingGroup`),
-the control client (:class:`ftrun.control.ControlClient`), the state registry
-(:class:`ftrun.registry.StateRegistry`), this rank's checkpoints
+``tests/test_structure.py`` checks): :class:`Worker` is the script's handle and runs the step
+loop; it holds the process group's lifecycle (:class:`ftrun.group.TrainingGroup`), the control
+client (:class:`ftrun.control.ControlClient`), the state registry
+(:class:`ftrun.registry.StateRegistry`), the recovery (:class:`ftrun.recovery.Recovery`, sharing
+the loop's :class:`ftrun.recovery.RankProgress`), this rank's checkpoints
 (:class:`ftrun.shards.RankCheckpoints`), and the gradient reducers (:mod:`ftrun.reducer`).
 """
 
@@ -59,16 +60,17 @@ import torch
 import torch.distributed as dist
 
 from .control import ControlClient, open_channel
-from .errors import RecoverableError
+from .errors import RecoverableError, describe
 from .faults import FaultInjector
 from .group import GroupDown, TrainingGroup  # noqa: F401  (GroupDown: ftrun.worker.GroupDown, documented)
 from .policy import INITIAL, NO_STATE
 from .protocol import Message, MsgType
 from .optim import FTOptimizer
+from .recovery import RankProgress, Recovery
 from .reducer import GradientReducer
 from .shards import RankCheckpoints
 from .registry import StateRegistry
-from .transfer import RNGState, recv_state, send_state
+from .transfer import RNGState
 
 BUCKET_BYTES = 25 << 20  # gradient all-reduce bucket (DDP's default cap)
 
@@ -144,6 +146,7 @@ class Worker:
     """
 
     def __init__(self, backend: str | None, replica_groups: Sequence[Sequence[int]] | None, seed: int | None) -> None:
+        self.progress = RankProgress()  # committed step, generation, current step (ftrun.recovery)
         self.world_size = _env_int("WORLD_SIZE", 1)
         self.seed = seed
         self.pg_timeout = float(os.environ.get("FTRUN_PG_TIMEOUT", "300"))
@@ -152,6 +155,8 @@ class Worker:
         self._replica_groups_arg = replica_groups
         self.replica_groups = [list(g) for g in replica_groups] if replica_groups else [list(range(self.world_size))]
         self.registry = StateRegistry()  # the registered state, by kind (ftrun.registry)
+        # The default process group, generation after generation (ftrun.group).
+        self.group = TrainingGroup(self.backend, self.world_size, self.pg_timeout, self.cluster_timeout)
         self._private_group: Any = None
         self.uce = os.environ.get("FTRUN_UCE", "1") == "1"
         self.ttp = os.environ.get("FTRUN_TTP", "1") == "1"
@@ -163,11 +168,12 @@ class Worker:
         self.control = ControlClient()
         self.control.on_abort = self._report_abort
         self.control.on_io_abort = self._on_io_abort
+        # Its part in recoveries (ftrun.recovery), over the roles above.
+        self.recovery = Recovery(self.progress, self.group, self.control, self.registry,
+                                 build_group=self._build_group, safe_point=self._recovery_safe_point, seed=seed)
         self.recoverable_names = {n.strip() for n in os.environ.get("FTRUN_RECOVERABLE_ERRORS", "").split(",") if n.strip()}
         self._in_collective = False
         self._waiting = threading.Event()  # set while the training thread waits for an all-reduce
-        # The default process group, generation after generation (ftrun.group).
-        self.group = TrainingGroup(self.backend, self.world_size, self.pg_timeout, self.cluster_timeout)
         self._reducers: list[GradientReducer] = []
         self._pending_uce: str | None = None  # a recoverable error raised inside backward
         # Epoch loops and data (ft.epochs / ft.batches, ftrun.data) and this rank's own state kept
@@ -177,13 +183,11 @@ class Worker:
         self._resume_step: int | None = None  # where a pass starts after a resume or a join
         self._next_step = 0
         self._epoch_stash: dict[str, Any] | None = None
-        self._rank_record: dict[str, Any] | None = None  # its predecessor's rank state, to apply
         self._rank_states: Any = None  # ftrun.rankstate.RankStateStore
         self._section: tuple[str, float | None] | None = None  # (name, timeout) of an open ft.section()
         self._last_report: tuple[int, dict[str, Any]] = (0, {})  # the last ft.report(), re-sent by sections
         self._error: str | None = None
         self._error_kind = "comm"  # what kind of fault _error is: comm, recoverable
-        self._current_step: int | None = None
         self._first_step = 0  # the job's first step (DDP's one-bucket iteration)
         # A hot spare (docs/hot_spares.md) runs this set-up without a rank: the rank's identity is
         # bound at its promotion, when the script reaches its loop or first asks for it.
@@ -196,7 +200,7 @@ class Worker:
         if self.hot_spare:
             # Until its promotion it is what a respawned rank is before its transfer: no state, no
             # group, no initial broadcast; its identity is unknown.
-            self.managed, self.joining, self.committed, self._fresh = True, True, NO_STATE, True
+            self.managed, self.joining, self.committed = True, True, NO_STATE
             self.resume_dir = None
             self.faults = FaultInjector([], -1, -1, -1)
             return
@@ -210,6 +214,22 @@ class Worker:
                 self.group.install_placeholder()
         elif self.joining:
             self.group.install_placeholder()  # its set-up may ask torch.distributed for its rank
+
+    @property
+    def committed(self) -> int:
+        return self.progress.committed
+
+    @committed.setter
+    def committed(self, step: int) -> None:
+        self.progress.committed = step
+
+    @property
+    def generation(self) -> int:
+        return self.progress.generation
+
+    @generation.setter
+    def generation(self, generation: int) -> None:
+        self.progress.generation = generation
 
     def _bind_rank(self) -> None:
         """Take this process's identity from the environment (at start, or at a hot spare's
@@ -233,7 +253,7 @@ class Worker:
         # recovery's generation from its first call to steps(), and holds no state until then.
         self.joining = self.managed and (self._incarnation > 0 and self.generation > 0)
         self.committed = NO_STATE if self.joining else INITIAL
-        self._fresh = self.joining  # a respawned rank that has not recovered yet (reads its records then)
+        self.recovery.bind(self._rank, self.attempt, self.faults, fresh=self.joining)
         # Checkpoints (TTP): the one to start from (not for a respawned rank, which takes a live
         # replica's newer state).
         self.resume_dir = None if self.joining else (os.environ.get("FTRUN_RESUME_DIR") or None)
@@ -447,7 +467,7 @@ class Worker:
             on_hook_error=self._on_hook_error,
             on_failure=self._on_reduce_failure,
             waiting=self._waiting,
-            is_first_step=lambda: self._current_step == self._first_step,
+            is_first_step=lambda: self.progress.current_step == self._first_step,
             abandon=self.control.abandon,
         )
         self._reducers.append(reducer)
@@ -480,7 +500,7 @@ class Worker:
                 for tensor in list(model.parameters()) + list(model.buffers()):
                     dist.broadcast(tensor.data, src=0)
         except Exception as err:  # a peer died: recorded, recovered by steps()
-            failure = f"initial broadcast failed: {type(err).__name__}: {_first_line(err)}"
+            failure = f"initial broadcast failed: {describe(err)}"
         finally:
             self._in_collective = False
         if failure is not None:
@@ -534,7 +554,7 @@ class Worker:
             params = [p for g in self._optimizer_groups() for p in g["params"]]
             if not self.all_reduce_gradients(params):
                 return False, None
-        step = self._current_step if self._current_step is not None else self.committed + 1
+        step = self.progress.current_step if self.progress.current_step is not None else self.committed + 1
         self._send(MsgType.UPDATE_BEGIN, step=step)
         failed = None
         result = None
@@ -544,7 +564,7 @@ class Worker:
         except Exception as err:
             if not self.is_recoverable(err):
                 raise
-            failed = _describe(err)
+            failed = describe(err)
         if failed is not None:  # outside the except block (see _record_error)
             self._repair_in_place(failed, drop=True)
             return False, None
@@ -558,18 +578,18 @@ class Worker:
     # Callbacks of the gradient reducer (called on the training thread, inside backward).
     def _before_first_bucket(self) -> None:
         self._record_provisional()
-        self._send(MsgType.COLLECTIVE, step=self._current_step if self._current_step is not None else -1)
+        self._send(MsgType.COLLECTIVE, step=self.progress.current_step if self.progress.current_step is not None else -1)
         self._in_collective = True
         self._release_if_aborted()
         try:
-            self.faults.point("allreduce", self._current_step)
+            self.faults.point("allreduce", self.progress.current_step)
         except BaseException:
             self._in_collective = False  # raised before this rank communicated: it is in no collective
             raise
 
     def _on_hook_error(self, err: BaseException) -> bool:
         if isinstance(err, Exception) and self.is_recoverable(err):
-            self._pending_uce = _describe(err)
+            self._pending_uce = describe(err)
             return True
         return False
 
@@ -609,7 +629,7 @@ class Worker:
     def _record_provisional(self) -> None:
         """At the step's all-reduce: the rank state after its batch and backward, labelled with the
         step (what a respawned rank needs if its peers commit the step and this rank dies)."""
-        step = self._current_step
+        step = self.progress.current_step
         if step is None or self.committed != step - 1 or not self._keeps_rank_records():
             return
         from .checkpoint import snapshot
@@ -630,8 +650,8 @@ class Worker:
 
     def _progress_fields(self) -> dict[str, Any]:
         step, metrics = self._last_report
-        if self._current_step is not None:
-            step = max(step, self._current_step)
+        if self.progress.current_step is not None:
+            step = max(step, self.progress.current_step)
         fields: dict[str, Any] = {"step": step, "metrics": metrics}
         if self._section is not None:
             fields["section"], fields["section_timeout"] = self._section
@@ -681,11 +701,11 @@ class Worker:
         grads = [p.grad for p in params if p.grad is not None]
         failure: str | None = None
         recoverable: str | None = None
-        self._send(MsgType.COLLECTIVE, step=self._current_step if self._current_step is not None else -1)
+        self._send(MsgType.COLLECTIVE, step=self.progress.current_step if self.progress.current_step is not None else -1)
         self._in_collective = True
         self._release_if_aborted()
         try:
-            self.faults.point("allreduce", self._current_step)
+            self.faults.point("allreduce", self.progress.current_step)
             for bucket in _buckets(grads, BUCKET_BYTES):
                 flat = torch.cat([g.reshape(-1) for g in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
                 flat.div_(self.world_size)
@@ -695,8 +715,8 @@ class Worker:
                     g.copy_(flat[offset : offset + g.numel()].view_as(g))
                     offset += g.numel()
         except Exception as err:  # gloo/NCCL raise RuntimeError subclasses; any of them breaks the step
-            failure = f"gradient all-reduce failed: {type(err).__name__}: {_first_line(err)}"
-            recoverable = _describe(err) if self.is_recoverable(err) else None  # no reference kept
+            failure = f"gradient all-reduce failed: {describe(err)}"
+            recoverable = describe(err) if self.is_recoverable(err) else None  # no reference kept
         finally:
             self._in_collective = False
         if recoverable is not None:
@@ -753,20 +773,20 @@ class Worker:
         after, once the traceback is gone."""
         if not isinstance(err, Exception) or not self.is_recoverable(err):
             return False
-        self._repair_in_place(_describe(err), drop=False)
+        self._repair_in_place(describe(err), drop=False)
         return True
 
     def _repair_in_place(self, error: str, drop: bool) -> None:
         """Record a recoverable error (``"Type: message"``): this rank's state is suspect, so it
         takes a replica's (UCE). ``drop``: tear the group down now (never inside an ``except``)."""
-        self._error = f"recoverable error at step {self._current_step}: {error}"
+        self._error = f"recoverable error at step {self.progress.current_step}: {error}"
         self._error_kind = "recoverable"
         self.committed = NO_STATE
         print(f"ftrun: rank {self.rank}: {self._error}; repairing in place", file=sys.stderr, flush=True)
         # Report before anything breaks the peers' collectives, and give the supervisor a moment to
         # answer: otherwise a peer's "collective failed" can reach it first and the round is taken
         # for a communication error. (Once the abort is here, _recover sends no second report.)
-        self._send(MsgType.FAULT, generation=self.generation, step=self._current_step or -1,
+        self._send(MsgType.FAULT, generation=self.generation, step=self.progress.current_step or -1,
                    committed=self.committed, reason=self._error, kind="recoverable")
         deadline = time.monotonic() + UCE_REPORT_WAIT_S
         while not self._poll_abort(timeout=0.01) and time.monotonic() < deadline:
@@ -904,12 +924,12 @@ class Worker:
             if cursor is not None and cursor.exhausted():
                 break
             self.faults.point("before_forward", step)
-            self._current_step = step
+            self.progress.current_step = step
             self._send(MsgType.STEP_BEGIN, step=step, total=total if total is not None else self._loop_total(cursor))
             if self.seed is not None:
                 seed_everything(step_seed(self.seed, step, self.rank))
-            if self._rank_record is not None:  # a respawned rank: its predecessor's own state
-                record, self._rank_record = self._rank_record, None
+            record = self.recovery.take_rank_record()
+            if record is not None:  # a respawned rank: its predecessor's own state
                 self.registry.load(record, kinds=("rank",))
             if self.managed:
                 self._snapshot_step_start()
@@ -979,104 +999,27 @@ class Worker:
     def _report_abort(self, msg: Message) -> None:
         """An abort for a newer generation, taken on the training thread: report where this rank
         stands (its step and committed step) to the supervisor."""
-        self._send(MsgType.FAULT, generation=msg["generation"], step=self._current_step or -1,
+        self._send(MsgType.FAULT, generation=msg["generation"], step=self.progress.current_step or -1,
                    committed=self.committed, reason=msg["reason"], kind="abort")
 
     def _recover(self, reason: str | None) -> int:
-        """Reconfigure after a fault; returns the recovery step S (training resumes at S + 1).
+        """Reconfigure after a fault (:meth:`ftrun.recovery.Recovery.recover`); returns the
+        recovery step S (training resumes at S + 1).
 
         Raises:
             GroupFailure: this rank runs without a supervisor (plain torchrun), so it cannot recover.
         """
         if not self.managed:
             raise GroupFailure(reason or "collective failed")
-        self.faults.point("recover", self._current_step)
-        self._drop_group()
-        if reason is not None and self.control.abort_generation is None:
-            # Tell the supervisor now; it answers with an abort naming the next generation.
-            self._send(MsgType.FAULT, generation=self.generation, step=self._current_step or -1,
-                       committed=self.committed, reason=reason, kind=self._error_kind)
-        self._error_kind = "comm"
-        # A plan for the pending abort is kept: an earlier poll can take it with the abort when the
-        # coordinator was quick (a UCE rank's own report is its answer).
-        self.control.drop_stale_plan()
-        while True:
-            self.control.poll(timeout=1.0)
-            self._check_orphaned(mid_step=True)
-            if self.control.save_request is not None:
-                self._save_dying_gasp()
-            plan = self.control.take_plan()
-            if plan is None:
-                continue
-            generation = plan["generation"]
-            started = time.monotonic()
-            if not self._build_group(generation):
-                continue
-            rebuild_s = time.monotonic() - started
-            # A retried step: undo what the failed body did after (or instead of) its update. A
-            # recipient takes replica state from its donor, so only its own rank state rolls back.
-            recipient = any(int(r) == self.rank for _, r in plan["transfers"])
-            self._roll_back(plan["step"], ("rank",) if recipient else ("rank", "replica"))
-            role, nbytes, transfer_s = self._transfer(plan)
-            if role == "failed":
-                self._drop_group()
-                self._send(MsgType.FAULT, generation=generation, step=plan["step"], committed=self.committed,
-                           reason="state transfer failed", kind="comm")
-                continue
-            self.control.recovered(generation)  # unless a newer abort is pending, waits are real again
-            self.committed = plan["step"]
-            if self._fresh:
-                self._fresh = False
-                self._take_rank_record(plan["step"])
-            self._send(MsgType.RECOVERED, generation=generation, role=role, bytes=nbytes,
-                       seconds=transfer_s, rebuild_seconds=rebuild_s)
-            return plan["step"]
+        kind, self._error_kind = self._error_kind, "comm"
+        return self.recovery.recover(reason, kind)
 
-    def _take_rank_record(self, step: int) -> None:
-        """A respawned rank: fetch its predecessor's own state at committed ``step`` from the store
-        (applied at its first step start); without one, say that it starts fresh."""
-        from .rankstate import RankStateStore
-
-        record = None
-        failure = None
-        try:
-            record = RankStateStore(self.group.store(), self.attempt, self.rank).get(step)
-        except Exception as err:
-            failure = _describe(err)
-        if record is not None:
-            self._rank_record = record
-        elif step >= 0 and (self.seed is None or failure is not None):
-            print(f"ftrun: rank {self.rank}: no record of its own state (RNG, data position) at step {step}"
-                  f"{': ' + failure if failure else ''}; it continues from a fresh one", file=sys.stderr, flush=True)
-
-    def _transfer(self, plan: Message) -> tuple[str, int, float]:
-        """Carry out this rank's part of the plan: ('donor'|'recipient'|'none'|'failed', bytes, seconds)."""
-        started = time.monotonic()
-        transfers = [(int(d), int(r)) for d, r in plan["transfers"]]
-        as_donor = [r for d, r in transfers if d == self.rank]
-        as_recipient = [d for d, r in transfers if r == self.rank]
-        nbytes = 0
-        received_any = False
-        try:
-            for recipient in as_donor:
-                def progress(sent: int, _step: int = plan["step"]) -> None:
-                    if sent:
-                        self.faults.point("transfer", _step)
-
-                nbytes += send_state(self.replica_state_dict(), recipient, on_progress=progress)
-            for donor in as_recipient:
-                self.faults.point("rejoin", plan["step"])
-                received_any = True
-                state, n = recv_state(donor, self.replica_state_dict())
-                nbytes += n
-                self.registry.load(state)
-        except Exception as err:
-            if received_any:
-                self.committed = NO_STATE  # a half-received state is no state
-            self._send(MsgType.ERROR, reason=f"state transfer failed: {type(err).__name__}: {err}")
-            return "failed", nbytes, time.monotonic() - started
-        role = "recipient" if as_recipient else "donor" if as_donor else "none"
-        return role, nbytes, time.monotonic() - started
+    def _recovery_safe_point(self) -> None:
+        """On every turn of a recovery's wait: exit with a dying gasp if the supervisor is gone,
+        write a dying-gasp checkpoint the supervisor asked for."""
+        self._check_orphaned(mid_step=True)
+        if self.control.save_request is not None:
+            self._save_dying_gasp()
 
     # ------------------------------------------------------------------ checkpoints (TTP)
     def _resume(self) -> int:
@@ -1188,15 +1131,6 @@ def _training_thread_probe(thread_id: int | None, waiting: threading.Event | Non
         return {"in_dist": False}
 
     return probe
-
-
-def _describe(err: BaseException) -> str:
-    return f"{type(err).__name__}: {_first_line(err)}"
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err)
-    return text.splitlines()[0] if text else ""
 
 
 def _buckets(tensors: Sequence[torch.Tensor], cap: int) -> Iterator[list[torch.Tensor]]:

@@ -48,16 +48,15 @@ def test_channel_io_thread_survives_a_failing_handler(capfd):
         router.close()
 
 
-def test_recovery_uses_a_plan_taken_with_its_abort(monkeypatch):
+def test_recovery_uses_a_plan_taken_with_its_abort():
     """A plan that arrived right behind its abort (both taken by one poll, before the rank entered
     its recovery loop) is carried out, not dropped: dropping it left the rank waiting for a plan
     that had come, until the coordinator replaced it as hung."""
-    from ftrun.worker import Worker
+    from ftrun.control import ControlClient
+    from ftrun.faults import FaultInjector
+    from ftrun.recovery import RankProgress, Recovery
+    from ftrun.registry import StateRegistry
 
-    monkeypatch.setenv("FTRUN_HOT_SPARE", "1")  # a worker without a process group or a channel
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    worker = Worker("gloo", None, None)
-    worker._rank, worker.generation, worker.committed, worker._fresh = 1, 1, 4, False
     sent = []
 
     class Quiet:
@@ -71,13 +70,21 @@ def test_recovery_uses_a_plan_taken_with_its_abort(monkeypatch):
         def send(self, msg_type, **fields):
             sent.append((msg_type, fields))
 
-    worker.control.channel = Quiet()
-    worker._drop_group = lambda broken=True: None
-    worker._build_group = lambda generation: setattr(worker, "generation", generation) or True
-    worker.control.abort_generation = 2
-    worker.control.plan = decode(encode(MsgType.RECONFIGURE, TOKEN, generation=2, world_size=2, step=4, transfers=[]), TOKEN)
-    assert worker._recover(None) == 4
-    assert worker.generation == 2 and worker.control.abort_generation is None
+    class Group:
+        def drop(self, generation, broken=True):
+            pass
+
+    progress = RankProgress(committed=4, generation=1)
+    control = ControlClient()
+    control.channel = Quiet()
+    built = []
+    recovery = Recovery(progress, Group(), control, StateRegistry(),
+                        build_group=lambda generation: built.append(generation) or True, safe_point=lambda: None, seed=None)
+    recovery.bind(rank=1, attempt=0, faults=FaultInjector([], 1, 0, 0), fresh=False)
+    control.abort_generation = 2
+    control.plan = decode(encode(MsgType.RECONFIGURE, TOKEN, generation=2, world_size=2, step=4, transfers=[]), TOKEN)
+    assert recovery.recover(None, "comm") == 4
+    assert built == [2] and control.abort_generation is None and progress.committed == 4
     assert [t for t, _ in sent] == [MsgType.RECOVERED]
 
 

@@ -1,0 +1,173 @@
+"""One rank's part in a recovery (ARF; the recovery role, split out of :class:`ftrun.worker.Worker`).
+
+From a fault to the next generation: the rank drops its group, reports where it stands (its
+current and committed step) unless the supervisor's abort already asked, waits for the
+coordinator's plan (generation, recovery step S, transfers), builds that generation's group,
+undoes what a failed step's body did after its update (the step-start snapshot of the state
+registry), sends or receives the replica state (:mod:`ftrun.transfer`), and reports it recovered.
+Training resumes at S + 1. A respawned rank does the same from its first loop call, and then takes
+its predecessor's own state (data position, RNG) from the job's store (:mod:`ftrun.rankstate`).
+
+The step loop (:class:`ftrun.worker.Worker`) and this class share one :class:`RankProgress`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import describe
+from .policy import INITIAL, NO_STATE
+from .protocol import Message, MsgType
+from .transfer import recv_state, send_state
+
+
+@dataclass
+class RankProgress:
+    """Where a rank stands, shared by its step loop and its recovery.
+
+    Attributes:
+        committed: the last step whose update finished here (-1: the initial state; -2: no
+            usable state, e.g. a respawned rank before its transfer).
+        generation: the generation of the process group it holds or last held.
+        current_step: the step being run (None before the first).
+    """
+
+    committed: int = INITIAL
+    generation: int = 0
+    current_step: int | None = None
+
+
+class Recovery:
+    """Carries out recoveries for one rank.
+
+    Args:
+        progress: the rank's :class:`RankProgress` (read and updated).
+        group: its :class:`ftrun.group.TrainingGroup` (dropped here; built through ``build_group``).
+        control: its :class:`ftrun.control.ControlClient` (reports, plans).
+        registry: its :class:`ftrun.registry.StateRegistry` (rolled back, sent, received).
+        build_group: builds a generation's group, False if a newer abort overtook it.
+        safe_point: called on every turn of the wait for a plan (the worker writes a requested
+            dying-gasp checkpoint there, and exits if its supervisor is gone).
+        seed: the script's ``init(seed=...)`` (a seeded rank loses nothing without its record).
+
+    :meth:`bind` gives it the rank's identity (late for a hot spare).
+    """
+
+    def __init__(self, progress: RankProgress, group: Any, control: Any, registry: Any,
+                 build_group: Callable[[int], bool], safe_point: Callable[[], None], seed: int | None) -> None:
+        self.progress = progress
+        self.group = group
+        self.control = control
+        self.registry = registry
+        self.build_group = build_group
+        self.safe_point = safe_point
+        self.seed = seed
+        self.rank: int | None = None
+        self.attempt = 0
+        self.faults: Any = None
+        self.fresh = False  # a respawned rank that has not recovered yet (reads its record then)
+        self._rank_record: dict[str, Any] | None = None
+
+    def bind(self, rank: int, attempt: int, faults: Any, fresh: bool) -> None:
+        """Set the rank's identity: rank, whole-job attempt, fault injector, and whether it is a
+        respawned rank that has not recovered yet."""
+        self.rank, self.attempt, self.faults, self.fresh = rank, attempt, faults, fresh
+
+    def recover(self, reason: str | None, kind: str) -> int:
+        """Reconfigure after a fault; returns the recovery step S (training resumes at S + 1).
+
+        ``reason``: this rank's own fault (None: it answers the supervisor's abort), reported as
+        ``kind`` (``comm``, ``recoverable``) unless an abort already asked."""
+        progress = self.progress
+        self.faults.point("recover", progress.current_step)
+        self.group.drop(progress.generation)
+        if reason is not None and self.control.abort_generation is None:
+            # Tell the supervisor now; it answers with an abort naming the next generation.
+            self.control.send(MsgType.FAULT, generation=progress.generation, step=progress.current_step or -1,
+                              committed=progress.committed, reason=reason, kind=kind)
+        # A plan for the pending abort is kept: an earlier poll can take it with the abort when the
+        # coordinator was quick (a UCE rank's own report is its answer).
+        self.control.drop_stale_plan()
+        while True:
+            self.control.poll(timeout=1.0)
+            self.safe_point()
+            plan = self.control.take_plan()
+            if plan is None:
+                continue
+            generation = plan["generation"]
+            started = time.monotonic()
+            if not self.build_group(generation):
+                continue
+            rebuild_s = time.monotonic() - started
+            # A retried step: undo what the failed body did after (or instead of) its update. A
+            # recipient takes replica state from its donor, so only its own rank state rolls back.
+            recipient = any(int(r) == self.rank for _, r in plan["transfers"])
+            self.registry.roll_back(plan["step"], ("rank",) if recipient else ("rank", "replica"))
+            role, nbytes, transfer_s = self.transfer(plan)
+            if role == "failed":
+                self.group.drop(progress.generation)
+                self.control.send(MsgType.FAULT, generation=generation, step=plan["step"], committed=progress.committed,
+                                  reason="state transfer failed", kind="comm")
+                continue
+            self.control.recovered(generation)  # unless a newer abort is pending, waits are real again
+            progress.committed = plan["step"]
+            if self.fresh:
+                self.fresh = False
+                self._fetch_rank_record(plan["step"])
+            self.control.send(MsgType.RECOVERED, generation=generation, role=role, bytes=nbytes,
+                              seconds=transfer_s, rebuild_seconds=rebuild_s)
+            return plan["step"]
+
+    def transfer(self, plan: Message) -> tuple[str, int, float]:
+        """Carry out this rank's part of the plan: ('donor'|'recipient'|'none'|'failed', bytes, seconds)."""
+        started = time.monotonic()
+        transfers = [(int(d), int(r)) for d, r in plan["transfers"]]
+        as_donor = [r for d, r in transfers if d == self.rank]
+        as_recipient = [d for d, r in transfers if r == self.rank]
+        nbytes = 0
+        received_any = False
+        try:
+            for recipient in as_donor:
+                def progress(sent: int, _step: int = plan["step"]) -> None:
+                    if sent:
+                        self.faults.point("transfer", _step)
+
+                nbytes += send_state(self.registry.state_dict(exclude=("rank",)), recipient, on_progress=progress)
+            for donor in as_recipient:
+                self.faults.point("rejoin", plan["step"])
+                received_any = True
+                state, n = recv_state(donor, self.registry.state_dict(exclude=("rank",)))
+                nbytes += n
+                self.registry.load(state)
+        except Exception as err:
+            if received_any:
+                self.progress.committed = NO_STATE  # a half-received state is no state
+            self.control.send(MsgType.ERROR, reason=f"state transfer failed: {type(err).__name__}: {err}")
+            return "failed", nbytes, time.monotonic() - started
+        role = "recipient" if as_recipient else "donor" if as_donor else "none"
+        return role, nbytes, time.monotonic() - started
+
+    def _fetch_rank_record(self, step: int) -> None:
+        """A respawned rank: fetch its predecessor's own state at committed ``step`` from the store
+        (applied at its first step start); without one, say that it starts fresh."""
+        from .rankstate import RankStateStore
+
+        record = None
+        failure = None
+        try:
+            record = RankStateStore(self.group.store(), self.attempt, self.rank).get(step)
+        except Exception as err:
+            failure = describe(err)
+        if record is not None:
+            self._rank_record = record
+        elif step >= 0 and (self.seed is None or failure is not None):
+            print(f"ftrun: rank {self.rank}: no record of its own state (RNG, data position) at step {step}"
+                  f"{': ' + failure if failure else ''}; it continues from a fresh one", file=sys.stderr, flush=True)
+
+    def take_rank_record(self) -> dict[str, Any] | None:
+        """The predecessor's own state fetched by the last recovery, once (then forgotten here)."""
+        record, self._rank_record = self._rank_record, None
+        return record
