@@ -47,7 +47,7 @@ BUCKET_CAP_BYTES = 25 << 20  # DDP's default bucket_cap_mb (25 MiB)
 
 # After an abort, how long a pending all-reduce gets to fail by itself (the abort's connection cut
 # fails it within milliseconds). Leaving one in flight is safe: its group is never destructed
-# (Worker._drop_group) and a late failure cannot touch a later pass (see launch). It must stay
+# (ftrun.group.TrainingGroup.drop) and a late failure cannot touch a later pass (see launch). It must stay
 # well inside the coordinator's deadline for answering the abort (REPORT_DEADLINE_S, 10 s).
 ABANDON_GRACE_S = 1.0
 
