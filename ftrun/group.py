@@ -108,12 +108,14 @@ class TrainingGroup:
         self.attempt = 0
         self.incarnation = 0
         self.placeholder = False  # the default process group is a DownGroup (see install_placeholder)
-        self.conns = GroupConnections(keep_ports={int(os.environ.get("MASTER_PORT", "0")), control_port()})
+        self.conns = GroupConnections()
         self._store: Any = None
 
     def bind(self, rank: int, incarnation: int, attempt: int, managed: bool) -> None:
-        """Set this rank's identity (at start, or at a hot spare's promotion)."""
+        """Set this rank's identity (at start, or at a hot spare's promotion, which also brings
+        the rank's environment: the store's and the control channel's ports are read here)."""
         self.rank, self.incarnation, self.attempt, self.managed = rank, incarnation, attempt, managed
+        self.conns.keep_ports = {p for p in (int(os.environ.get("MASTER_PORT") or 0), control_port()) if p}
 
     def store(self) -> Any:
         """The job's store (a ``TCPStore`` client on ``MASTER_ADDR:MASTER_PORT``), connected once."""

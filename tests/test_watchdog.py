@@ -119,29 +119,29 @@ def test_recoverable_error_with_uce_off_replaces_the_rank(reference: str, tmp_pa
     assert [e["rank"] for e in _kinds(events, "rank_failed")] == [3]
 
 
-class _FakeWorker:
-    def __init__(self, recoverable: bool) -> None:
-        self.recoverable = recoverable
-        self.repaired: list[str] = []
+def test_step_guard_suppresses_only_recoverable_errors(monkeypatch) -> None:
+    from ftrun.worker import Worker
 
-    def is_recoverable(self, err: BaseException) -> bool:
-        return self.recoverable
+    monkeypatch.setenv("FTRUN_HOT_SPARE", "1")  # a worker without a process group or a channel
+    worker = Worker("gloo", None, None)
+    worker.managed, worker.uce = True, True
+    repaired: list[str] = []
 
-    def _repair_in_place(self, error: str, drop: bool) -> None:
+    def repair(error: str, drop: bool) -> None:
         assert drop is False  # inside __exit__ the traceback still holds the frames
-        self.repaired.append(error)
+        repaired.append(error)
 
-
-@pytest.mark.integration
-def test_step_guard_suppresses_only_recoverable_errors() -> None:
-    worker = _FakeWorker(recoverable=True)
-    step = Step(7, worker)  # type: ignore[arg-type]
+    worker._repair_in_place = repair  # type: ignore[method-assign]
+    step = Step(7, worker)
     assert step == 7 and step + 1 == 8 and f"{step}" == "7"
     with step:
         raise RecoverableError("bit flip")
-    assert worker.repaired == ["RecoverableError: bit flip"]
-    worker = _FakeWorker(recoverable=False)
+    assert repaired == ["RecoverableError: bit flip"]
     with pytest.raises(ValueError):
-        with Step(7, worker):  # type: ignore[arg-type]
+        with Step(7, worker):
             raise ValueError("a bug")
-    assert worker.repaired == []
+    worker.uce = False  # UCE off: a RecoverableError is an ordinary exception
+    with pytest.raises(RecoverableError):
+        with Step(8, worker):
+            raise RecoverableError("bit flip")
+    assert repaired == ["RecoverableError: bit flip"]
