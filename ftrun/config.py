@@ -40,6 +40,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -1215,10 +1216,21 @@ def read_job_token(spec: JobSpec, environ: Mapping[str, str] | None = None) -> s
     if spec.token_file:
         where = f"--token_file {spec.token_file}"
         try:
-            with open(spec.token_file, "rb") as fh:
-                raw = fh.read(MAX_TOKEN_FILE_BYTES + 1)
+            # Opened without blocking and checked before any read: a FIFO or a device would block
+            # (or never end) where a file holding a secret is read at once.
+            fd = os.open(spec.token_file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except OSError as err:
             raise ConfigError(f"cannot read {where}: {err.strerror or err}; give a readable file holding the secret") from None
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise ConfigError(f"{where} is {kind}; give a regular file holding the secret")
+        with os.fdopen(fd, "rb") as fh:
+            try:
+                raw = fh.read(MAX_TOKEN_FILE_BYTES + 1)
+            except OSError as err:
+                raise ConfigError(f"cannot read {where}: {err.strerror or err}; give a readable file holding the secret") from None
         if len(raw) > MAX_TOKEN_FILE_BYTES:
             raise ConfigError(f"{where} is larger than {MAX_TOKEN_FILE_BYTES} bytes; it must hold only the secret")
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -1032,8 +1033,16 @@ def test_env_token_errors(tmp_path, script, value, hint):
 
 
 def test_token_file_is_a_directory(tmp_path, script):
-    with pytest.raises(ConfigError, match="cannot read --token_file .*: Is a directory"):
+    with pytest.raises(ConfigError, match="--token_file .* is a directory; give a regular file"):
         res(tmp_path, script, {"token_file": str(tmp_path)})
+
+
+def test_token_file_is_a_fifo_and_nothing_blocks(tmp_path, script):
+    """A FIFO would block a plain read forever (round 3): it is refused before any read."""
+    fifo = tmp_path / "secret.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="--token_file .* is a FIFO; give a regular file"):
+        res(tmp_path, script, {"token_file": str(fifo)})
     with pytest.raises(ConfigError, match="--token_file is empty"):
         res(tmp_path, script, {"token_file": " "})
 
