@@ -61,6 +61,7 @@ from typing import Any, Callable, Mapping, Sequence
 FORMAT = "ftrun-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
+UNUSABLE_NOTE = "unusable.json"  # a shard of this checkpoint failed to load (mark_unusable)
 STEP_DIGITS = 9
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _HASH_BLOCK = 8 << 20  # bytes read at a time when checksumming a file
@@ -624,9 +625,37 @@ def verify(directory: str | os.PathLike[str], checksums: bool = True) -> Manifes
         )
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(path, f"malformed manifest ({type(e).__name__}: {e})") from None
+    unusable = read_unusable_note(directory)
+    if unusable is not None:
+        raise CheckpointError(*unusable)
     for k in sorted(shards):
         _check_shard(directory / shards[k].file, shards[k], checksum=checksums)
     return manifest
+
+
+def mark_unusable(directory: str | os.PathLike[str], err: CheckpointError) -> None:
+    """Record in a step directory that one of its shards does not load (``err`` names the file and
+    the problem: a payload ``weights_only`` refuses, a bad archive...). Every later :func:`verify`
+    of it fails with that error, so the supervisor skips it for the next older checkpoint, as it
+    skips a checksum mismatch, and a later ``--resume auto`` does too. Written atomically; a
+    failure to write is ignored (the rank's own error still says what happened)."""
+    note = Path(directory) / UNUSABLE_NOTE
+    text = json.dumps({"file": str(err.path), "problem": err.problem})
+    try:
+        _write_atomically(note, lambda f: f.write(text.encode("utf-8")))
+    except OSError:
+        pass
+
+
+def read_unusable_note(directory: Path) -> tuple[Path, str] | None:
+    """(the file at fault, the problem) that :func:`mark_unusable` recorded in ``directory``, or None."""
+    try:
+        data = json.loads((directory / UNUSABLE_NOTE).read_text(encoding="utf-8"))
+        return Path(str(data["file"])), f"does not load: {str(data['problem'])[:500]} (found by a rank at resume)"
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return directory / UNUSABLE_NOTE, "marked unusable by a rank at resume"
 
 
 # ------------------------------------------------------------------------------------- resume

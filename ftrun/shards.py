@@ -15,7 +15,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .checkpoint import AsyncCheckpointer, load_shard, save_shard, shard_of_rank, step_dir, write_orphan_note
+from .checkpoint import (
+    AsyncCheckpointer,
+    CheckpointError,
+    load_shard,
+    mark_unusable,
+    save_shard,
+    shard_of_rank,
+    step_dir,
+    write_orphan_note,
+)
 from .errors import describe
 from .protocol import MsgType
 
@@ -59,8 +68,18 @@ class RankCheckpoints:
         return self.rank == self.writer_rank
 
     def resume(self, directory: Path) -> dict[str, Any]:
-        """This rank's shard of the checkpoint in ``directory`` (``{name: state}``)."""
-        return load_shard(directory, self.shard)
+        """This rank's shard of the checkpoint in ``directory`` (``{name: state}``).
+
+        Raises:
+            CheckpointError: the shard does not load (:func:`~ftrun.checkpoint.load_shard`); the
+                checkpoint is then marked unusable (:func:`~ftrun.checkpoint.mark_unusable`), so the
+                whole-job restart that follows starts from the next older one.
+        """
+        try:
+            return load_shard(directory, self.shard)
+        except CheckpointError as err:
+            mark_unusable(directory, err)
+            raise
 
     def save_periodic(self, step: int, state: Callable[[], dict[str, Any]]) -> None:
         """Snapshot ``state()`` (the state of committed ``step``) and write it in the background, if

@@ -360,3 +360,31 @@ def test_async_checkpointer_surfaces_a_write_error(tmp_path: Path) -> None:
 def test_single_writer_needs_one_replica_group(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="one replica group"):
         AsyncCheckpointer(tmp_path, single_writer=True, world_size=2, replica_groups=[[0], [1]])
+
+
+def test_a_shard_that_does_not_load_marks_its_checkpoint_unusable(tmp_path: Path) -> None:
+    """A shard under a valid manifest (size and checksum match) that torch.load(weights_only=True)
+    refuses: the rank that tried it marks the checkpoint, and every later search skips it for the
+    next older one, naming the file (round 3: it was chosen again at every restart)."""
+    import hashlib
+    import pathlib
+
+    from ftrun.shards import RankCheckpoints
+
+    _complete(tmp_path, 3)
+    directory = _complete(tmp_path, 4)
+    shard = directory / "shard_0.pt"
+    torch.save({"format": "ftrun-checkpoint", "version": 1, "shard": 0, "state": {"x": pathlib.PurePosixPath("/")}}, shard)
+    data = shard.read_bytes()
+    ckpt.write_manifest(directory, 4, 1, [[0]], {0: ShardInfo("shard_0.pt", len(data), hashlib.sha256(data).hexdigest())})
+    assert ckpt.find_latest(tmp_path).step == 4  # nothing but loading it can tell
+    rank = RankCheckpoints(None, [[0]], send=lambda *a, **k: None)
+    rank.bind(0)
+    with pytest.raises(CheckpointError, match="not plain tensors"):
+        rank.resume(directory)
+    skipped: list[tuple[Path, str]] = []
+    manifest = ckpt.find_latest(tmp_path, on_skip=lambda p, r: skipped.append((p, r)))
+    assert manifest is not None and manifest.step == 3
+    assert skipped == [(shard, skipped[0][1])] and "does not load" in skipped[0][1]
+    with pytest.raises(CheckpointError, match="does not load"):
+        ckpt.verify(directory)

@@ -147,8 +147,11 @@ def test_shard_without_live_replica_writes_nothing_partial(reference: str, tmp_p
 def test_damaged_checkpoints_are_skipped_with_a_warning(reference: str, tmp_path: Path) -> None:
     # (d) Periodic checkpoints at steps 9, 14, 19 (--save_steps 5, --keep_checkpoints 3); rank 1
     # dies inside its update of step 22, after the all-reduce, so the survivors commit 22 and the
-    # exhausted budget makes them write it (dying gasp). Truncate that newest shard, remove step
-    # 19's manifest: the rerun warns about each, naming the file, and resumes from step 14.
+    # exhausted budget makes them write it (dying gasp). Truncate that newest shard; give step 19
+    # a shard that holds a pickled object (which torch.load(weights_only=True) refuses) under a
+    # manifest whose checksum matches it: the rerun skips step 22 at once (checksum), finds step
+    # 19 unloadable in its ranks, marks it, and restarts from step 14 without spending a restart
+    # (round 3: such a shard burned the whole budget), warning about each, naming the file.
     flags = ("--max_restarts", "0", "--save_steps", "5", "--keep_checkpoints", "3")
     proc = _job(tmp_path, *flags, fault="rank=1,step=22,point=optimizer,kind=kill")
     assert proc.returncode == 137, proc.stdout[-3000:]
@@ -156,11 +159,29 @@ def test_damaged_checkpoints_are_skipped_with_a_warning(reference: str, tmp_path
     assert steps == [14, 19, 22], steps  # step 9 pruned; 22 is the dying gasp
     newest = tmp_path / "ckpt" / "step_000000022" / "shard_0.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
-    (tmp_path / "ckpt" / "step_000000019" / "manifest.json").unlink()
+    _replace_shard_with_a_pickle(tmp_path / "ckpt" / "step_000000019")
     rerun = _job(tmp_path, *flags)
     assert rerun.returncode == 0, rerun.stdout[-3000:]
     assert dj.digest(rerun.stdout) == reference
     warnings = [e["message"] for e in _kinds(rerun, "warning")]
     assert any("shard_0.pt" in w and "step_000000022" in w for w in warnings), warnings
-    assert any("manifest.json" in w and "step_000000019" in w for w in warnings), warnings
-    assert _kinds(rerun, "resumed")[0]["detail"]["step"] == 14
+    assert any("shard_0.pt" in w and "step_000000019" in w and "does not load" in w for w in warnings), warnings
+    assert [e["detail"]["step"] for e in _kinds(rerun, "resumed")] == [19, 14]
+    restarts = _kinds(rerun, "job_restarting")
+    assert len(restarts) == 1 and restarts[0]["detail"]["restarts_used"] == 0, restarts
+
+
+def _replace_shard_with_a_pickle(directory: Path) -> None:
+    """Shard 0 of ``directory`` becomes an ftrun-looking payload holding a pickled object, and the
+    manifest's size and checksum are made to match it (only loading it can tell)."""
+    import hashlib
+    import pathlib
+
+    import torch
+
+    shard = directory / "shard_0.pt"
+    torch.save({"format": "ftrun-checkpoint", "version": 1, "shard": 0, "state": {"x": pathlib.PurePosixPath("/")}}, shard)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    data = shard.read_bytes()
+    manifest["shards"]["0"].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (directory / "manifest.json").write_text(json.dumps(manifest))
