@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping
 
 import zmq
 
-from .protocol import MAX_FRAME_BYTES, FrameAuth, Message, MsgType, ProtocolError, decode, encode
+from .protocol import CONTROL, MAX_FRAME_BYTES, Message, MsgType, ProtocolError, Receiver, Sender, decode, encode, events_for, to_peer
 from .spawner import EXIT_TAIL_LINES, ExitReport, RankProcesses, StopReport, rank_argv, shared_dir_marker
 
 log = logging.getLogger("ftrun.agent")
@@ -248,13 +248,16 @@ class NodeAgent:
     def __init__(self, node: int, control_addr: str, token: str, processes: RankProcesses, heartbeat_interval: float,
                  coordinator_timeout: float, events_addr: str | None) -> None:
         self.node = node
-        self.auth = FrameAuth(token)
+        self._sender = Sender(token)  # frames to the coordinator
+        self._event_sender = Sender(self._sender.auth)  # frames to this node's launcher
         self.processes = processes
         self.heartbeat_interval = heartbeat_interval
         self.coordinator_timeout = coordinator_timeout
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, b"a" + os.urandom(15))
+        identity = b"a" + os.urandom(15)
+        self.sock.setsockopt(zmq.IDENTITY, identity)
+        self._receiver = Receiver(self._sender.auth, to_peer(identity))
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.sock.connect(control_addr)
@@ -271,7 +274,7 @@ class NodeAgent:
         os.set_blocking(self._wakeup_w, False)
 
     def send(self, msg_type: MsgType, **fields: Any) -> None:
-        self.sock.send(encode(msg_type, self.auth, **fields))
+        self.sock.send(encode(msg_type, self._sender, CONTROL, **fields))
 
     def event(self, kind: str, message: str, **detail: Any) -> None:
         """An event for this node's console (the job's events.jsonl is the coordinator's)."""
@@ -279,7 +282,7 @@ class NodeAgent:
         if self.push is not None:
             event = {"time": time.time(), "kind": kind, "node": self.node, "rank": detail.pop("rank", None),
                      "message": message, "detail": detail}
-            self.push.send(encode(MsgType.EVENT, self.auth, event=event))
+            self.push.send(encode(MsgType.EVENT, self._event_sender, events_for(self.node), event=event))
 
     def run(self) -> int:
         """Serve the coordinator until it shuts the job down or is lost; returns the exit code."""
@@ -316,7 +319,7 @@ class NodeAgent:
                     except zmq.Again:
                         break
                     try:
-                        msg = decode(frame, self.auth)
+                        msg = decode(frame, self._receiver)
                     except ProtocolError as err:
                         log.warning("dropped a frame: %s", err)
                         continue
@@ -428,7 +431,7 @@ def main() -> None:
     processes = RankProcesses(
         rank_argv(spec.no_python, spec.module, spec.script, list(spec.script_args)),
         [spec.script, *spec.script_args], spec.module, log_dir, spec.local_worker_num, spec.master_addr,
-        multi_node=spec.nnodes > 1,
+        multi_node=spec.nnodes > 1, token=os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"],
     )
     agent = NodeAgent(spec.node_rank, os.environ["FTRUN_CONTROL_FOR_AGENT"], os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"],
                       processes, spec.heartbeat_interval, max(spec.heartbeat_timeout, 3 * spec.heartbeat_interval),

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import zmq
 
-from .protocol import MAX_FRAME_BYTES, FrameAuth, Message, MsgType, ProtocolError, decode, encode
+from .protocol import CONTROL, MAX_FRAME_BYTES, Message, MsgType, ProtocolError, Receiver, Sender, decode, pack, to_peer
 
 
 class Channel:
@@ -35,7 +35,9 @@ class Channel:
     """
 
     def __init__(self, addr: str, token: str, rank: int, incarnation: int, heartbeat_interval: float) -> None:
-        self.token = FrameAuth(token)
+        # One session per process (a respawned rank's frames can never pass as its predecessor's),
+        # sealed on the I/O thread as they leave, so counters arrive in increasing order.
+        self._sender = Sender(token)
         self.rank = rank
         self.incarnation = incarnation
         self.heartbeat_interval = heartbeat_interval
@@ -50,7 +52,9 @@ class Channel:
         # An unguessable routing identity: the supervisor binds this rank's messages to the
         # connection whose hello verified, and its ROUTER never hands an identity over to another
         # connection, so no local process can take this rank's place on the control plane.
-        self._sock.setsockopt(zmq.IDENTITY, b"r" + secrets.token_bytes(15))
+        identity = b"r" + secrets.token_bytes(15)
+        self._sock.setsockopt(zmq.IDENTITY, identity)
+        self._receiver = Receiver(self._sender.auth, to_peer(identity))
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._sock.setsockopt(zmq.LINGER, 1000)
         self._sock.connect(addr)
@@ -72,7 +76,7 @@ class Channel:
         """Queue a message (rank and incarnation are added). Never blocks on the network."""
         if self._closed:
             return
-        frame = encode(msg_type, self.token, rank=self.rank, incarnation=self.incarnation, **fields)
+        frame = pack(msg_type, rank=self.rank, incarnation=self.incarnation, **fields)
         # Wake the I/O thread once per burst: until it has taken the wake-up, it will drain
         # everything queued meanwhile (a step sends several messages; a system call each was
         # measurable on small steps).
@@ -110,7 +114,8 @@ class Channel:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        heartbeat = encode(MsgType.HEARTBEAT, self.token, rank=self.rank, incarnation=self.incarnation)
+        seal = self._sender.seal
+        heartbeat = pack(MsgType.HEARTBEAT, rank=self.rank, incarnation=self.incarnation)
         next_beat = time.monotonic() + self.heartbeat_interval  # the hello goes first
         running = True
         while running:
@@ -119,19 +124,19 @@ class Channel:
                 beat = heartbeat
                 if self.probe is not None:
                     try:
-                        beat = encode(MsgType.HEARTBEAT, self.token, rank=self.rank, incarnation=self.incarnation, **self.probe())
+                        beat = pack(MsgType.HEARTBEAT, rank=self.rank, incarnation=self.incarnation, **self.probe())
                     except Exception:  # a probe must never stop the heartbeats
                         beat = heartbeat
                 try:
-                    self._sock.send(beat, zmq.NOBLOCK)
+                    self._sock.send(seal(beat, CONTROL), zmq.NOBLOCK)
                 except zmq.Again:
                     pass  # the supervisor is not reading (a full queue): the next beat says the same
                 if self.beat_extra is not None:
                     try:
                         extra = self.beat_extra()
                         if extra is not None:
-                            self._sock.send(encode(MsgType.PROGRESS, self.token, rank=self.rank,
-                                                   incarnation=self.incarnation, **extra), zmq.NOBLOCK)
+                            self._sock.send(seal(pack(MsgType.PROGRESS, rank=self.rank, incarnation=self.incarnation,
+                                                      **extra), CONTROL), zmq.NOBLOCK)
                     except Exception:  # like the probe (zmq.Again included): never stop the heartbeats
                         pass
                 next_beat = now + self.heartbeat_interval
@@ -151,7 +156,7 @@ class Channel:
                 if frame is None:
                     running = False
                     break
-                self._sock.send(frame)
+                self._sock.send(seal(frame, CONTROL))
             if self._sock in events:
                 while True:
                     try:
@@ -159,7 +164,7 @@ class Channel:
                     except zmq.Again:
                         break
                     try:
-                        msg = decode(frame, self.token)
+                        msg = decode(frame, self._receiver)
                     except ProtocolError:
                         continue  # only the supervisor knows our secret; anything else is dropped
                     if self.on_receive is not None:

@@ -63,7 +63,7 @@ from .policy import (
     plan_recovery,
     replica_groups_from_hello,
 )
-from .protocol import MAX_FRAME_BYTES, FrameAuth, Message, MsgType, ProtocolError, decode, encode
+from .protocol import CONTROL, MAX_FRAME_BYTES, Message, MsgType, ProtocolError, Receiver, Sender, decode, encode, events_for, to_peer
 from .spawner import SPARE_MODE_VAR, ExitReport, StopReport, shared_dir_marker, tail_lines
 
 log = logging.getLogger("ftrun.coordinator")
@@ -200,8 +200,10 @@ class Coordinator:
     def __init__(self, spec: JobSpec, token: str, events_addr: str | None, store_port: int,
                  local_agent: AgentHandle | None = None, clock: Callable[[], float] = time.time) -> None:
         self.spec = spec
-        self.token = token  # handed to the ranks in their environment; never sent on a socket
-        self.auth = FrameAuth(token)
+        self.token = token  # each node's agent gives it to its ranks; never sent on a socket
+        self.sender = Sender(token)  # frames to ranks and agents
+        self.receiver = Receiver(self.sender.auth, CONTROL)  # their frames: authentic and fresh
+        self._event_sender = Sender(self.sender.auth)  # frames to node 0's launcher
         self.store_port = store_port
         self.log_dir = Path(spec.log_dir)
         self.ctx = zmq.Context()
@@ -286,7 +288,7 @@ class Coordinator:
         self.event_log.write(event)
         log.info("%s %s", kind.value, message)
         if self.push is not None:
-            self.push.send(encode(MsgType.EVENT, self.auth, event=event.to_json()))
+            self.push.send(encode(MsgType.EVENT, self._event_sender, events_for(0), event=event.to_json()))
         for observer in self.observers:
             try:
                 observer(event)
@@ -324,7 +326,7 @@ class Coordinator:
         if final is not None:
             snapshot.update(final)
         if self.push is not None:
-            self.push.send(encode(MsgType.STATUS, self.auth, ranks=snapshot["ranks"], attempt=self.attempt,
+            self.push.send(encode(MsgType.STATUS, self._event_sender, events_for(0), ranks=snapshot["ranks"], attempt=self.attempt,
                                   generation=self.generation))
         write_status_file(self.log_dir / "status.json", snapshot)
         self._status_dirty = False
@@ -400,7 +402,6 @@ class Coordinator:
             "DEVICE_ID": str(r.local_rank),
             # ftrun worker library
             "FTRUN_CONTROL_ADDR": self.control_addr,
-            "FTRUN_TOKEN": self.token,
             "FTRUN_INCARNATION": str(r.incarnation),
             "FTRUN_GENERATION": str(self.generation),
             "FTRUN_ATTEMPT": str(self.attempt),
@@ -727,7 +728,7 @@ class Coordinator:
         agent.on_message(msg, now)
 
     def _send_to(self, identity: bytes, msg_type: MsgType, fields: dict[str, Any]) -> None:
-        self.router.send_multipart([identity, encode(msg_type, self.auth, **fields)])
+        self.router.send_multipart([identity, encode(msg_type, self.sender, to_peer(identity), **fields)])
 
     def _install_signals(self) -> None:
         signal.set_wakeup_fd(self._wakeup_w)
@@ -843,6 +844,8 @@ class Coordinator:
         spec = self.spec
         if spec.join:
             return None
+        if self.unusable_checkpoint() is not None:
+            return self.restart_job(f"rank(s) {sorted(failed)} failed")
         decision = decide_on_failure(
             failed,
             world_size=spec.worker_num,
@@ -858,13 +861,24 @@ class Coordinator:
             return None
         return self.restart_job(decision.reason)
 
+    def unusable_checkpoint(self) -> tuple[Path, str] | None:
+        """(file, problem) when a rank found that the checkpoint this attempt started from does not
+        load (:func:`ftrun.checkpoint.mark_unusable`): the attempt's failure is the checkpoint's."""
+        return ckpt.read_unusable_note(self.resume_from.directory) if self.resume_from is not None else None
+
     def restart_job(self, reason: str) -> int | None:
         """Stop every rank and start them all again (torchrun semantics), from the newest checkpoint
         (a dying-gasp one if the live ranks could write it)."""
-        if self.restarts_used + 1 > self.spec.max_restarts:
+        unusable = self.unusable_checkpoint()
+        if unusable is not None:
+            # The attempt's checkpoint does not load (its ranks marked it): not the job's fault, so
+            # no restart is counted; the next attempt skips it for the next older one.
+            reason = f"{reason}; checkpoint {self.resume_from.directory} is unusable: {unusable[0]} {unusable[1]}"
+        elif self.restarts_used + 1 > self.spec.max_restarts:
             return self.finish_failed(f"{reason}; restart budget exhausted (max_restarts={self.spec.max_restarts})")
-        self.dying_gasp(reason)
-        self.restarts_used += 1
+        else:
+            self.dying_gasp(reason)
+            self.restarts_used += 1
         self.emit(
             EventKind.JOB_RESTARTING,
             f"restarting all ranks: {reason} (restart {self.restarts_used}/{self.spec.max_restarts})",
@@ -1267,7 +1281,7 @@ class Coordinator:
     def send(self, r: Rank, msg_type: MsgType, **fields: Any) -> None:
         if r.identity is None:
             return  # not connected yet: it will get the current state when it says hello
-        self.router.send_multipart([r.identity, encode(msg_type, self.auth, **fields)])
+        self.router.send_multipart([r.identity, encode(msg_type, self.sender, to_peer(r.identity), **fields)])
 
     def read_messages(self, budget: int = READ_BUDGET, agents_only: bool = False) -> None:
         """Handle up to ``budget`` frames waiting on the ROUTER (with ``agents_only``, ranks'
@@ -1288,7 +1302,7 @@ class Coordinator:
                 self.reject(identity, "wrong number of frames")
                 continue
             try:
-                msg = decode(frames[1], self.auth)
+                msg = decode(frames[1], self.receiver)
             except ProtocolError as err:
                 self.reject(identity, str(err))
                 continue

@@ -24,10 +24,12 @@ import zmq
 from . import procs
 from .config import ConfigError, JobSpec
 from .console import JobConsole, make_console
-from .protocol import MsgType, ProtocolError, decode, new_token
+from .protocol import MsgType, ProtocolError, Receiver, decode, events_for, new_token
 
 FIRST_STOP_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 ORPHAN_GASP_WAIT_S = 60.0  # how long ranks whose supervisor died get to write their dying gasp and exit
+EVENT_READ_BUDGET = 1000  # event frames read per turn of the launcher's loop (then its child is checked)
+EVENT_DRAIN_S = 3.0  # after the child's exit: how long what it sent last is read (a flood never ends)
 
 
 def job_token(spec: JobSpec) -> str:
@@ -327,6 +329,7 @@ class Launcher:
         pull = ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
         events_port = pull.bind_to_random_port("tcp://127.0.0.1")
+        receiver = Receiver(token, events_for(spec.node_rank))
         env = dict(os.environ)
         env.update(
             {
@@ -371,25 +374,28 @@ class Launcher:
                 else:
                     procs.kill_tree(supervisor.pid)
                 handled = len(self.stop_signals)
+            # The child's exit is noticed first, and each turn reads a bounded number of frames: a
+            # flood on the (loopback) event endpoint can delay the console, never the launcher's end.
+            if supervisor.poll() is not None:
+                break
             if pull.poll(100):
-                while True:
+                for _ in range(EVENT_READ_BUDGET):
                     try:
                         frame = pull.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    last_finish = self._dispatch(console, frame, token) or last_finish
+                    last_finish = self._dispatch(console, frame, receiver) or last_finish
             for tailer in tailers:
                 for line in tailer.poll():
                     console.output(tailer.rank, line)
-            if supervisor.poll() is not None:
-                break
         # Ranks of the worker library outlive a killed supervisor long enough for a dying gasp (a
         # plain script's ranks die with it: their death signal is SIGKILL).
         orphans = procs.wait_for_children(self._library_pids, ORPHAN_GASP_WAIT_S)
         procs.kill_descendants()  # ranks' children left by a supervisor that was killed
-        # Drain what the supervisor sent before it exited.
-        while pull.poll(200):
-            last_finish = self._dispatch(console, pull.recv(), token) or last_finish
+        # Drain what the supervisor sent before it exited (for a bounded time: a flood never ends).
+        drain_until = time.monotonic() + EVENT_DRAIN_S
+        while time.monotonic() < drain_until and pull.poll(200):
+            last_finish = self._dispatch(console, pull.recv(), receiver) or last_finish
         for tailer in tailers:
             for line in tailer.poll(final=True):
                 console.output(tailer.rank, line)
@@ -422,9 +428,9 @@ class Launcher:
         return (f"; the ranks wrote a dying-gasp checkpoint of step {manifest.step} ({manifest.directory}): "
                 "run the same command with --resume auto to go on from it")
 
-    def _dispatch(self, console: JobConsole, frame: bytes, token: str) -> dict[str, Any] | None:
+    def _dispatch(self, console: JobConsole, frame: bytes, receiver: Receiver) -> dict[str, Any] | None:
         try:
-            msg = decode(frame, token)
+            msg = decode(frame, receiver)
         except ProtocolError:
             return None
         if msg.type == MsgType.EVENT:

@@ -36,6 +36,7 @@ INTERNAL_VARS = (
     "FTRUN_TOKEN_FOR_SUPERVISOR", "FTRUN_SUPERVISOR_SPEC", "FTRUN_EVENTS_ADDR", "FTRUN_STORE_PORT",
     "FTRUN_AGENT_SPEC", "FTRUN_CONTROL_FOR_AGENT",
 )
+TOKEN_VAR = "FTRUN_TOKEN"  # the job secret in a rank's environment (set by its node's agent, never sent)
 SPARE_MODE_VAR = "FTRUN_SPARE_MODE"  # in the variables the coordinator sends with keep_spares: "hot" or "warm"
 HOT_SPARE_VAR = "FTRUN_HOT_SPARE"  # "1" in a hot spare's environment until it is promoted
 SPARE_READY_VAR = "FTRUN_SPARE_READY"  # the file a hot spare creates once it waits for its rank
@@ -137,11 +138,14 @@ class RankProcesses:
         local_worker_num: ranks on this node (for ``OMP_NUM_THREADS``).
         master_addr: node 0's address (to choose the data-plane interface).
         multi_node: whether the job spans several nodes.
+        token: the job secret, given to every rank and spare as ``FTRUN_TOKEN`` (the node's own copy:
+            the coordinator's ``spawn`` frames never carry it).
     """
 
     def __init__(self, argv: list[str], script_argv: list[str], module: bool, log_dir: Path, local_worker_num: int,
-                 master_addr: str, multi_node: bool) -> None:
+                 master_addr: str, multi_node: bool, token: str) -> None:
         self.argv = argv
+        self.token = token
         self.script_argv = script_argv
         self.module = module
         self.log_dir = log_dir
@@ -165,13 +169,15 @@ class RankProcesses:
 
     # ----------------------------------------------------------------- environment
     def environment(self, rank_vars: Mapping[str, str]) -> dict[str, str]:
-        """This node's environment, less ftrun's internal variables, plus ``rank_vars``."""
+        """This node's environment, less ftrun's internal variables, plus ``rank_vars`` and the job
+        secret."""
         env = {k: v for k, v in os.environ.items() if k not in INTERNAL_VARS}
         if "FTRUN_RESUME_DIR" not in rank_vars:
             env.pop("FTRUN_RESUME_DIR", None)
             env.pop("FTRUN_RESUME_STEP", None)
         env.update(self._extra_env)
         env.update(rank_vars)
+        env[TOKEN_VAR] = self.token
         if self.local_worker_num > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = "1"  # as torchrun does: ranks would oversubscribe the cores
         return env

@@ -41,7 +41,7 @@ def main() -> None:
     processes = RankProcesses(
         rank_argv(spec.no_python, spec.module, spec.script, list(spec.script_args)),
         [spec.script, *spec.script_args], spec.module, log_dir, spec.local_worker_num, spec.master_addr,
-        multi_node=spec.nnodes > 1,
+        multi_node=spec.nnodes > 1, token=os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"],
     )
     metrics, spec = _start_metrics(spec)
     coordinator = Coordinator(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ftrun.protocol import MsgType, decode, encode
+from ftrun.protocol import CONTROL, MsgType, Receiver, Sender, decode, encode, pack, to_peer, unpack
 
 TOKEN = "a" * 64
 
@@ -31,8 +31,8 @@ def test_channel_io_thread_survives_a_failing_handler(capfd):
         channel.on_receive = fail
         assert router.poll(10_000), "no heartbeat from the channel"
         identity, frame = router.recv_multipart()
-        assert decode(frame, TOKEN).type == MsgType.HEARTBEAT
-        router.send_multipart([identity, encode(MsgType.ABORT, TOKEN, generation=3, reason="test")])
+        assert decode(frame, Receiver(TOKEN, CONTROL)).type == MsgType.HEARTBEAT
+        router.send_multipart([identity, encode(MsgType.ABORT, Sender(TOKEN), to_peer(identity), generation=3, reason="test")])
         msg = channel.receive(timeout=10.0)
         assert msg is not None and msg.type == MsgType.ABORT and msg["generation"] == 3
         deadline = time.monotonic() + 10.0
@@ -82,7 +82,7 @@ def test_recovery_uses_a_plan_taken_with_its_abort():
                         build_group=lambda generation: built.append(generation) or True, safe_point=lambda: None, seed=None)
     recovery.bind(rank=1, attempt=0, faults=FaultInjector([], 1, 0, 0), fresh=False)
     control.abort_generation = 2
-    control.plan = decode(encode(MsgType.RECONFIGURE, TOKEN, generation=2, world_size=2, step=4, transfers=[]), TOKEN)
+    control.plan = unpack(pack(MsgType.RECONFIGURE, generation=2, world_size=2, step=4, transfers=[]))
     assert recovery.recover(None, "comm") == 4
     assert built == [2] and control.abort_generation is None and progress.committed == 4
     assert [t for t, _ in sent] == [MsgType.RECOVERED]

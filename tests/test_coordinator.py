@@ -17,7 +17,7 @@ import pytest
 
 from ftrun.agent import AgentHandle, Spawned, Stacks
 from ftrun.config import JobSpec
-from ftrun.coordinator import PLAN_DEADLINE_S, REPORT_DEADLINE_S, Coordinator
+from ftrun.coordinator import OFFENDER_REJECTS, PLAN_DEADLINE_S, REPORT_DEADLINE_S, Coordinator
 from ftrun.protocol import Message, MsgType
 from ftrun.spawner import ExitReport
 
@@ -148,7 +148,9 @@ def test_every_rank_is_spawned_through_its_nodes_agent(tmp_path: Path) -> None:
     coord, agent, _ = make(tmp_path)
     assert [s[:3] for s in agent.spawned] == [(0, 0, False), (1, 0, False), (2, 0, False), (3, 0, False)]
     env = agent.spawned[2][3]
-    assert env["RANK"] == "2" and env["WORLD_SIZE"] == "4" and env["FTRUN_TOKEN"] == TOKEN
+    assert env["RANK"] == "2" and env["WORLD_SIZE"] == "4"
+    # The secret never travels: the node's agent adds it (RankProcesses.environment).
+    assert all(TOKEN not in value for spawned in agent.spawned for value in spawned[3].values())
     assert kinds(tmp_path).count("rank_started") == 4
 
 
@@ -459,3 +461,130 @@ def test_early_replacement_of_a_silent_node_is_taken(tmp_path: Path) -> None:
     join_node1(coord, b"agent-1-new")
     assert coord.agents[1].identity == b"agent-1-new"
     assert events(tmp_path, "node_lost") and coord.recovery is not None and coord.recovery.failed == {2, 3}
+
+
+# ----------------------------------------------------------------- replayed frames (issue 21 item 2)
+class Tap:
+    """A ROUTER standing in for the coordinator: what a capture of the link shows, frame by frame."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.addr = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
+
+    def capture(self, until: Any, deadline_s: float = 30.0) -> list[bytes]:
+        import time
+
+        frames: list[bytes] = []
+        deadline = time.monotonic() + deadline_s
+        while not until(frames):
+            assert time.monotonic() < deadline, f"captured only {len(frames)} frames"
+            if self.router.poll(100):
+                frames.append(self.router.recv_multipart()[1])
+        return frames
+
+    def connection(self, control_addr: str) -> Any:
+        import zmq
+
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(control_addr)
+        return sock
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+def pump(coord: Coordinator, until: Any, deadline_s: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + deadline_s
+    while not until():
+        assert time.monotonic() < deadline, "the coordinator did not get the frames"
+        coord.router.poll(50)
+        coord.read_messages()
+
+
+def test_every_kind_of_captured_rank_frame_replayed_is_rejected_and_changes_nothing(tmp_path: Path) -> None:
+    """A real rank channel's frames, captured on the link and delivered once, are accepted; each
+    replayed, on the original connection or a new one, is rejected (message_rejected) and changes
+    nothing: the rank keeps its connection, its step and its liveness (round 3 found a replayed
+    ``hello`` taking over rank 2's place, which then got it replaced as hung)."""
+    from ftrun.channel import Channel
+
+    coord, agent, clock = make(tmp_path)
+    hello_all(coord, [0, 1, 3])
+    pid = agent.running[2][1]
+    tap = Tap()
+    channel = Channel(tap.addr, TOKEN, rank=2, incarnation=0, heartbeat_interval=0.05)
+    try:
+        channel.send(MsgType.HELLO, pid=pid, generation=0, replica_group=[0, 1, 2, 3], library=True)
+        for mtype in (MsgType.STEP_BEGIN, MsgType.COLLECTIVE, MsgType.UPDATE_BEGIN, MsgType.UPDATE_END):
+            channel.send(mtype, step=0)
+        channel.send(MsgType.PROGRESS, step=0, metrics={"loss": 1.0})
+        kinds_seen = lambda frames: {f[56:] for f in frames}  # noqa: E731
+        frames = tap.capture(lambda fs: len(fs) >= 9 and len(kinds_seen(fs)) >= 7)
+        wire = tap.connection(coord.control_addr)
+        for frame in frames:
+            wire.send(frame)
+        r = coord.ranks[2]
+        pump(coord, lambda: r.identity is not None and r.committed == 0)
+        bound, rejected_before = r.identity, coord.rejected
+        attacker = tap.connection(coord.control_addr)
+        for sock in (attacker, wire):
+            for frame in frames:
+                sock.send(frame)
+        # The new connection is dropped unread after OFFENDER_REJECTS rejected frames (a flood costs nothing).
+        expected = rejected_before + len(frames) + min(len(frames), OFFENDER_REJECTS)
+        pump(coord, lambda: coord.rejected >= expected)
+        assert coord.rejected == expected
+        assert r.identity == bound and r.committed == 0 and r.state.value == "healthy"
+        assert [e for e in events(tmp_path, "rank_joined") if e["rank"] == 2] and len(
+            [e for e in events(tmp_path, "rank_joined") if e["rank"] == 2]) == 1
+        reasons = [e["detail"]["reason"] for e in events(tmp_path, "message_rejected")]
+        assert reasons and all("stale frame" in why for why in reasons), reasons
+    finally:
+        channel.close()
+        tap.close()
+
+
+def test_every_kind_of_captured_agent_frame_replayed_is_rejected(tmp_path: Path) -> None:
+    """The same for a node agent's frames (hello, beat, spawned, exited, stopped, stacks, spare note):
+    replayed, none is accepted, and node 1 stays bound to its agent's connection."""
+    from ftrun.agent import NodeAgent, RemoteAgent
+
+    coord, _agent, _clock = make(tmp_path, world=4, local=2)
+    tap = Tap()
+    node_agent = NodeAgent(1, tap.addr, TOKEN, processes=None, heartbeat_interval=1.0, coordinator_timeout=30.0,
+                           events_addr=None)
+    try:
+        node_agent.send(MsgType.AGENT_HELLO, node=1, pid=4242, host="host1")
+        node_agent.send(MsgType.AGENT_BEAT, node=1)
+        node_agent.send(MsgType.SPAWNED, node=1, rank=2, incarnation=0, pid=5000, spare=False)
+        node_agent.send(MsgType.STOPPED, node=1, rank=2, incarnation=0, pid=5000, signal=19, at=1.0)
+        node_agent.send(MsgType.STACKS, node=1, rank=2, incarnation=0, lines=[], note="none")
+        node_agent.send(MsgType.SPARE_NOTE, node=1, message="note")
+        node_agent.send(MsgType.EXITED, node=1, rank=3, incarnation=0, pid=5001, returncode=0, at=1.0)
+        frames = tap.capture(lambda fs: len(fs) >= 7)
+        wire = tap.connection(coord.control_addr)
+        for frame in frames:
+            wire.send(frame)
+        pump(coord, lambda: isinstance(coord.agents.get(1), RemoteAgent) and coord.agents[1].take_reports() != [])
+        bound, rejected_before = coord.agents[1].identity, coord.rejected
+        attacker = tap.connection(coord.control_addr)
+        for sock in (attacker, wire):
+            for frame in frames:
+                sock.send(frame)
+        # The new connection is dropped unread after OFFENDER_REJECTS rejected frames (a flood costs nothing).
+        expected = rejected_before + len(frames) + min(len(frames), OFFENDER_REJECTS)
+        pump(coord, lambda: coord.rejected >= expected)
+        assert coord.rejected == expected
+        assert coord.agents[1].identity == bound and coord.agents[1].take_reports() == []
+        assert len(events(tmp_path, "node_joined")) == 1
+    finally:
+        node_agent.sock.close(0)
+        node_agent.ctx.term()
+        tap.close()

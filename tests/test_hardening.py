@@ -163,3 +163,72 @@ def test_code_after_finish_runs(ftrun_proc, tmp_path: Path) -> None:
     result = proc.wait(timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert sorted(p.name for p in out_dir.iterdir()) == ["after_finish_0", "after_finish_1"]
+
+
+FLOODED = """
+import os, sys, time
+import ftrun
+ft = ftrun.init(backend="gloo")
+for step in ft.steps(3):
+    pass
+# Hold the job until the test's flood of the launcher's event endpoint runs.
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+ft.finish()
+"""
+
+
+def test_a_flood_of_the_launchers_event_endpoint_does_not_keep_it_running(ftrun_proc, tmp_path: Path) -> None:
+    """Forged frames sent to the launcher's event endpoint without pause: the launcher still notices
+    its supervisor's exit and ends with the job (round 3: it ran on 30 s past the supervisor's exit,
+    until the flood stopped). The flood goes on until the launcher has exited, or 90 s."""
+    script = tmp_path / "flooded.py"
+    script.write_text(FLOODED)
+    go = tmp_path / "go"
+    proc = ftrun_proc(["--worker_num", "2", "--master_port", "0", "--plain", "--log_dir", str(tmp_path / "logs"),
+                       str(script), str(go)])
+    supervisor = None
+    deadline = time.monotonic() + 90
+    while supervisor is None:
+        assert time.monotonic() < deadline and proc.popen.poll() is None, proc.stderr()
+        for child in psutil.Process(proc.pid).children():
+            if "ftrun.supervisor" in " ".join(child.cmdline()):
+                supervisor = child
+        time.sleep(0.05)
+    events_addr = supervisor.environ()["FTRUN_EVENTS_ADDR"]
+    stop = threading.Event()
+    sent = [0, 0, 0]
+
+    def flood(i: int) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.connect(events_addr)
+        frame = os.urandom(56) + msgpack.packb({"v": PROTOCOL_VERSION, "type": "event", "event": {"kind": "x"}})
+        while not stop.is_set():
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+                sent[i] += 1
+            except zmq.Again:
+                time.sleep(0.0005)
+        ctx.destroy(linger=0)
+
+    threads = [threading.Thread(target=flood, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        dj.wait_for(lambda: sum(sent) > 20_000, timeout=60)
+        go.touch()  # the job ends now, under the flood
+        ended = time.monotonic() + 90
+        while proc.popen.poll() is None and time.monotonic() < ended:
+            time.sleep(0.05)
+        still_running = proc.popen.poll() is None
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+    assert not still_running, "the launcher kept running under the flood after its job ended"
+    result = proc.wait(timeout=30)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "job succeeded" in result.stdout

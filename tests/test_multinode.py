@@ -105,13 +105,45 @@ def test_two_hosts_fault_free_matches_single_node(net_hosts, reference: str, tmp
     assert not [e for e in events if e["kind"] in ("rank_failed", "recovery_started", "job_restarting")]
 
 
+def start_capture(host: NetHost, out: Path) -> subprocess.Popen:
+    """A packet capture of ``host``'s link (tests/scripts/sniff.py in its namespace), ready when returned."""
+    proc = host.popen([sys.executable, str(ROOT / "tests" / "scripts" / "sniff.py"), host.ifname, str(out)])
+    dj.wait_for(lambda: Path(str(out) + ".ready").exists() or proc.poll() is not None, timeout=30)
+    assert proc.poll() is None, "the packet capture did not start"
+    return proc
+
+
+def captured_frames(path: Path) -> list[bytes]:
+    data, frames, at = path.read_bytes(), [], 0
+    while at + 4 <= len(data):
+        size = int.from_bytes(data[at:at + 4], "big")
+        frames.append(data[at + 4:at + 4 + size])
+        at += 4 + size
+    return frames
+
+
 def test_kills_at_injection_points_on_the_last_node(net_hosts, reference: str, tmp_path: Path) -> None:  # noqa: F811
     """One job, one kill at each of the step's injection points on the last node's ranks (one
-    after another: the work of four jobs in one), each recovered from a replica on node 0."""
+    after another: the work of four jobs in one), each recovered from a replica on node 0.
+
+    Every frame on node 1's link is captured meanwhile (the respawns send node 1's agent the
+    ranks' environment): the job's secret is in none of them (issue 21 item 1)."""
     hosts = net_hosts(2)
-    digest, events, _ = run_job(hosts, tmp_path, fault=(
-        "rank=3,step=4,point=allreduce,kind=kill; rank=2,step=9,point=optimizer,kind=kill; "
-        "rank=3,step=14,point=before_forward,kind=kill,incarnation=1; rank=2,step=19,point=between_steps,kind=kill,incarnation=1"))
+    capture = start_capture(hosts[1], tmp_path / "node1.pcap")
+    try:
+        digest, events, _ = run_job(hosts, tmp_path / "job", fault=(
+            "rank=3,step=4,point=allreduce,kind=kill; rank=2,step=9,point=optimizer,kind=kill; "
+            "rank=3,step=14,point=before_forward,kind=kill,incarnation=1; rank=2,step=19,point=between_steps,kind=kill,incarnation=1"))
+    finally:
+        capture.terminate()
+        capture.wait(timeout=30)
+    frames = captured_frames(tmp_path / "node1.pcap")
+    # What the capture must have seen for its verdict to mean something: the spawn orders, with the
+    # ranks' environment in them.
+    assert any(b"spawn" in f for f in frames) and any(b"MASTER_ADDR" in f for f in frames), f"{len(frames)} frames, no spawn order"
+    windows = {TOKEN[i:i + 16].encode() for i in range(0, len(TOKEN) - 15, 8)}
+    leaks = [w for w in windows if any(w in f for f in frames)]
+    assert not leaks, f"the job's secret crossed node 1's link: {leaks}"
     assert digest == reference
     dj.assert_survivors_kept_pids(events, {2, 3})
     assert [e["rank"] for e in events if e["kind"] == "rank_failed"] == [3, 2, 3, 2]

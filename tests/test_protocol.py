@@ -6,25 +6,39 @@ import msgpack
 import pytest
 
 from ftrun.protocol import (
+    CONTROL,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
-    FrameAuth,
     MsgType,
     ProtocolError,
+    Receiver,
+    Sender,
     decode,
     encode,
+    events_for,
     new_token,
+    to_peer,
 )
 
 TOKEN = "a" * 64
 
 
+def enc(msg_type: MsgType, token: str = TOKEN, audience: bytes = CONTROL, **fields) -> bytes:
+    """A frame of a fresh session (the first of its sender)."""
+    return encode(msg_type, Sender(token), audience, **fields)
+
+
+def dec(frame: bytes, token: str = TOKEN, audience: bytes = CONTROL):
+    """Decode at a fresh endpoint (no session seen yet)."""
+    return decode(frame, Receiver(token, audience))
+
+
 def test_protocol_round_trip():
     token = new_token()
     assert len(token) == 64 and token != new_token()
-    frame = encode(MsgType.HELLO, token, rank=1, incarnation=0, pid=123, generation=0, replica_group=[0, 1],
-                   library=True, extra="kept")
-    msg = decode(frame, token)
+    frame = enc(MsgType.HELLO, token, rank=1, incarnation=0, pid=123, generation=0, replica_group=[0, 1],
+                library=True, extra="kept")
+    msg = dec(frame, token)
     assert msg.type == MsgType.HELLO
     assert msg["rank"] == 1 and msg["replica_group"] == [0, 1] and msg["library"] is True
     assert msg.get("extra") == "kept" and msg.get("absent", 7) == 7
@@ -43,32 +57,37 @@ def test_protocol_round_trip_every_type():
         MsgType.STOP: dict(reason="bye"),
     }
     for msg_type, fields in samples.items():
-        msg = decode(encode(msg_type, TOKEN, **fields), TOKEN)
+        msg = dec(enc(msg_type, **fields))
         assert msg.type == msg_type and msg.fields == fields
 
 
 def raw(**data) -> bytes:
     """A frame signed with the right secret (tests what is checked after authentication)."""
-    return FrameAuth(TOKEN).sign(msgpack.packb(data, use_bin_type=True))
+    return Sender(TOKEN).seal(msgpack.packb(data, use_bin_type=True), CONTROL)
 
 
 def signed(payload: bytes) -> bytes:
-    return FrameAuth(TOKEN).sign(payload)
+    return Sender(TOKEN).seal(payload, CONTROL)
 
 
-_GOOD = encode(MsgType.HEARTBEAT, TOKEN, rank=0, incarnation=0)
+_GOOD = enc(MsgType.HEARTBEAT, rank=0, incarnation=0)
+_HB = msgpack.packb({"v": PROTOCOL_VERSION, "type": "heartbeat", "rank": 0, "incarnation": 0})
 
 REJECT_CASES = [
     # authentication: checked before anything is decoded
-    (encode(MsgType.HEARTBEAT, "b" * 64, rank=0, incarnation=0), "authentication"),
+    (enc(MsgType.HEARTBEAT, "b" * 64, rank=0, incarnation=0), "authentication"),
+    (enc(MsgType.HEARTBEAT, audience=to_peer(b"r123"), rank=0, incarnation=0), "another endpoint"),
+    (enc(MsgType.HEARTBEAT, audience=events_for(0), rank=0, incarnation=0), "another endpoint"),
     (msgpack.packb({"v": 1, "tok": TOKEN, "type": "heartbeat", "rank": 0, "incarnation": 0}), "authentication"),
-    (b"\x00" * 32 + msgpack.packb({"v": PROTOCOL_VERSION, "type": "heartbeat", "rank": 0, "incarnation": 0}), "authentication"),
+    (b"\x00" * 56 + _HB, "authentication"),
     (_GOOD[:-1] + bytes([_GOOD[-1] ^ 1]), "authentication"),  # one bit of the payload altered
     (bytes([_GOOD[0] ^ 1]) + _GOOD[1:], "authentication"),  # one bit of the tag altered
+    (_GOOD[:40] + bytes([_GOOD[40] ^ 1]) + _GOOD[41:], "authentication"),  # the session altered
+    (_GOOD[:55] + bytes([_GOOD[55] ^ 2]) + _GOOD[56:], "authentication"),  # the counter altered
     (_GOOD + b"x", "authentication"),  # trailing bytes are not covered by the tag
     (b"garbage", "too short"),
     (b"", "too short"),
-    (b"\x00" * 32, "too short"),
+    (b"\x00" * 56, "too short"),
     (b"\x00" * (MAX_FRAME_BYTES + 1), "exceeds"),
     (raw(v=PROTOCOL_VERSION, type="status", ranks=["x" * MAX_FRAME_BYTES]), "exceeds"),
     # signed, but not a valid message
@@ -96,14 +115,14 @@ REJECT_CASES = [
 
 
 def test_frames_never_carry_the_secret():
-    frame = encode(MsgType.ABORT, TOKEN, generation=1, reason="x")
+    frame = enc(MsgType.ABORT, generation=1, reason="x")
     assert TOKEN.encode() not in frame and b"tok" not in frame
 
 
 @pytest.mark.parametrize("frame, hint", REJECT_CASES, ids=[f"{i}-{h.split()[0]}" for i, (_, h) in enumerate(REJECT_CASES)])
 def test_protocol_rejects(frame, hint):
     with pytest.raises(ProtocolError, match=hint):
-        decode(frame, TOKEN)
+        dec(frame)
 
 
 def test_protocol_error_is_value_error():
@@ -112,14 +131,42 @@ def test_protocol_error_is_value_error():
 
 def test_encode_checks_fields():
     with pytest.raises(ProtocolError, match="missing field 'step'"):
-        encode(MsgType.STEP_BEGIN, TOKEN, rank=0, incarnation=0)
+        enc(MsgType.STEP_BEGIN, rank=0, incarnation=0)
     with pytest.raises(ProtocolError, match="type bool"):
-        encode(MsgType.STEP_BEGIN, TOKEN, rank=0, incarnation=0, step=False)
+        enc(MsgType.STEP_BEGIN, rank=0, incarnation=0, step=False)
 
 
 @pytest.mark.parametrize("version", [True, 1.0])
 def test_protocol_rejects_non_int_version(version):
     frame = raw(v=version, type="heartbeat", rank=0, incarnation=0)
     with pytest.raises(ProtocolError, match="version"):
-        decode(frame, TOKEN)
+        dec(frame)
 
+
+
+def test_a_replayed_or_reordered_frame_is_rejected_and_changes_nothing():
+    """Freshness: each session's counters are accepted once, in increasing order; another session
+    (a new connection, a respawned rank) starts its own count."""
+    sender, receiver = Sender(TOKEN), Receiver(TOKEN, CONTROL)
+    frames = [encode(MsgType.HEARTBEAT, sender, CONTROL, rank=0, incarnation=0) for _ in range(3)]
+    assert decode(frames[0], receiver).type == MsgType.HEARTBEAT
+    with pytest.raises(ProtocolError, match="stale frame"):
+        decode(frames[0], receiver)  # replayed
+    assert decode(frames[2], receiver).type == MsgType.HEARTBEAT
+    with pytest.raises(ProtocolError, match="stale frame"):
+        decode(frames[1], receiver)  # overtaken: delivered out of order
+    with pytest.raises(ProtocolError, match="stale frame"):
+        decode(frames[2], receiver)
+    other = Sender(TOKEN)
+    assert other.session != sender.session
+    assert decode(encode(MsgType.HEARTBEAT, other, CONTROL, rank=1, incarnation=0), receiver)["rank"] == 1
+    assert decode(encode(MsgType.HEARTBEAT, sender, CONTROL, rank=0, incarnation=0), receiver)["rank"] == 0
+
+
+def test_a_frame_for_one_endpoint_does_not_verify_at_another():
+    sender = Sender(TOKEN)
+    frame = encode(MsgType.ABORT, sender, to_peer(b"r-one"), generation=1, reason="x")
+    assert decode(frame, Receiver(TOKEN, to_peer(b"r-one")))["generation"] == 1
+    for audience in (to_peer(b"r-two"), CONTROL, events_for(0)):
+        with pytest.raises(ProtocolError, match="another endpoint"):
+            decode(frame, Receiver(TOKEN, audience))
