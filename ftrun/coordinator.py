@@ -80,6 +80,10 @@ _KIND_LABEL = {"comm_error": "HCCE: communication error", "recoverable_error": "
 MAX_REJECT_EVENTS = 20  # rejected frames after this many are counted in the log only
 OFFENDER_REJECTS = 8  # a connection that sent this many rejected frames is not read any more
 READ_BUDGET = 2000  # frames handled per pass of the main loop (then deaths and hangs are checked)
+STALL_BASE_S = 5.0  # a rank outside torch.distributed this long during a watched stage, peers waiting, is hung
+STALL_MIN_BYTES_PER_S = 50e6  # ...plus the stage's bytes at this rate (copying state runs at GB/s)
+STALL_STAGES = {"recover": "the recovery's drop of its group", "transfer": "the state transfer",
+                "init": "the initial broadcast"}  # watched stages (ftrun.recovery.RankProgress.stage)
 STOP_REPORT_WAIT_S = 10.0  # past the grace period: how long stopped ranks' exits are waited for
 
 
@@ -122,6 +126,9 @@ class Rank:
     finished: bool = False  # it called ft.finish(): it waits in the finish barrier, then its code after that runs unwatched
     released: bool = False  # told that every rank finished (it leaves the finish barrier)
     in_dist: bool | None = None  # its last heartbeat: training thread inside torch.distributed (None: unknown)
+    stage: str = "setup"  # its last heartbeat: where in ftrun's flow (ftrun.recovery.RankProgress.stage)
+    stage_bytes: int = 0  # the bytes that stage moves (a transfer's state)
+    outside_since: float | None = None  # first heartbeat of this stage seeing it outside torch.distributed
     total_steps: int | None = None  # the number of steps its loop runs (ft.steps(n)), when known
     last_step_seconds: float | None = None  # its latest step time (for stragglers)
     compute_seconds: float | None = None  # its latest step's start to its collective (its own work)
@@ -438,7 +445,7 @@ class Coordinator:
         r.phase, r.last_progress, r.last_begin, r.samples = "setup", 0.0, None, 0
         r.steps_ended, r.kill_reason, r.hung_since, r.final_step, r.finished = False, None, 0.0, None, False
         r.released = False
-        r.in_dist = None
+        r.in_dist, r.stage, r.stage_bytes, r.outside_since = None, "setup", 0, None
         r.section, r.section_timeout, r.section_started, r.section_closed_at = None, None, 0.0, 0.0
         r.started_at = self.clock()
         header = (
@@ -1160,7 +1167,7 @@ class Coordinator:
                 self.declare_hung(r, "section", f"in section {r.section!r} for {now - r.section_started:.1f} s "
                                                 f"(its timeout {r.section_timeout:g} s)")
                 return
-        if self.check_setup(now) or self.check_round_deadline(now):
+        if self.check_stalls(now) or self.check_setup(now) or self.check_round_deadline(now):
             return
         if self.recovery is not None or any(r.alive() and r.kill_reason is not None for r in self.ranks.values()):
             return  # recovering ranks wait for each other (set-up and heartbeats still apply); or a kill is pending
@@ -1191,6 +1198,35 @@ class Coordinator:
             self.start_recovery(set(), reason, kind="comm_error")
         else:
             self._pending_exit = self.restart_job(f"communication hang ({reason}) and HCCE is off")
+
+    def stall_bound(self, r: Rank) -> float:
+        """Seconds a rank may spend in its own code during a stage that its peers wait on (a
+        recovery's drop and transfer, the initial broadcast): a few heartbeats, plus the time to
+        copy the bytes that stage moves at a rate far below memory speed."""
+        return max(STALL_BASE_S, 3 * self.spec.heartbeat_interval) + r.stage_bytes / STALL_MIN_BYTES_PER_S
+
+    def check_stalls(self, now: float) -> bool:
+        """A rank stuck in its own code during a recovery's drop or transfer, or before the initial
+        broadcast, while a peer waits for it inside torch.distributed (the peers say so: their
+        heartbeats see them there), is hung after :meth:`stall_bound` seconds, whatever the
+        round's or the set-up's longer deadlines (round 3: a hang at ``rejoin`` held the job until
+        the 300 s set-up timeout, at ``transfer`` for 60-150 s). True when it acted."""
+        alive = [r for r in self.ranks.values() if r.alive() and r.identity is not None and r.kill_reason is None
+                 and not r.finished]
+        waiting = [r.rank for r in alive if r.in_dist is True]
+        acted = False
+        for r in alive:
+            if r.stage not in STALL_STAGES or r.outside_since is None:
+                continue
+            stalled, bound = now - r.outside_since, self.stall_bound(r)
+            others = [w for w in waiting if w != r.rank]
+            if stalled > bound and others:
+                r.hung_since = r.outside_since
+                self.declare_hung(r, "stalled", f"rank {r.rank} stuck in its own code for {stalled:.1f} s during "
+                                                f"{STALL_STAGES[r.stage]} (bound {bound:.1f} s) while rank(s) {others} "
+                                                "wait for it in torch.distributed")
+                acted = True
+        return acted
 
     def check_setup(self, now: float) -> bool:
         """Ranks that have not begun a step ``--setup_timeout`` seconds after their start. Only
@@ -1387,6 +1423,15 @@ class Coordinator:
         evidence: whether the training thread waits inside a torch.distributed call."""
         in_dist = msg.get("in_dist")
         r.in_dist = in_dist if isinstance(in_dist, bool) else None
+        stage, nbytes = msg.get("stage"), msg.get("stage_bytes")
+        if isinstance(stage, str):
+            stage = stage[:20]
+            if r.in_dist is not False:
+                r.outside_since = None
+            elif r.outside_since is None or stage != r.stage:
+                r.outside_since = self.clock()
+            r.stage = stage
+            r.stage_bytes = nbytes if isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes > 0 else 0
 
     def on_step(self, r: Rank, msg: Message) -> None:
         """``step_begin`` or ``progress``: the rank's step (and metrics) moved."""

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from .errors import describe
 from .policy import INITIAL, NO_STATE
 from .protocol import Message, MsgType
-from .transfer import recv_state, send_state
+from .transfer import recv_state, send_state, state_bytes
 
 
 @dataclass
@@ -33,11 +33,19 @@ class RankProgress:
             usable state, e.g. a respawned rank before its transfer).
         generation: the generation of the process group it holds or last held.
         current_step: the step being run (None before the first).
+        stage: where the training thread is in ftrun's own flow, for the coordinator's watchdog
+            (sent with each heartbeat): ``setup`` (the script's set-up), ``init`` (the initial
+            broadcast), ``loop``, or a recovery's ``recover`` (dropping the group, reporting),
+            ``wait_plan``, ``build`` (the new group), ``transfer`` (moving state).
+        stage_bytes: the bytes of state the current stage moves (``transfer``; else 0): the
+            coordinator's bound on a stall grows with it.
     """
 
     committed: int = INITIAL
     generation: int = 0
     current_step: int | None = None
+    stage: str = "setup"
+    stage_bytes: int = 0
 
 
 class Recovery:
@@ -82,6 +90,7 @@ class Recovery:
         ``reason``: this rank's own fault (None: it answers the supervisor's abort), reported as
         ``kind`` (``comm``, ``recoverable``) unless an abort already asked."""
         progress = self.progress
+        progress.stage, progress.stage_bytes = "recover", 0
         self.faults.point("recover", progress.current_step)
         self.group.drop(progress.generation)
         if reason is not None and self.control.abort_generation is None:
@@ -92,6 +101,7 @@ class Recovery:
         # coordinator was quick (a UCE rank's own report is its answer).
         self.control.drop_stale_plan()
         while True:
+            progress.stage = "wait_plan"
             self.control.poll(timeout=1.0)
             self.safe_point()
             plan = self.control.take_plan()
@@ -99,6 +109,7 @@ class Recovery:
                 continue
             generation = plan["generation"]
             started = time.monotonic()
+            progress.stage = "build"
             if not self.build_group(generation):
                 continue
             rebuild_s = time.monotonic() - started
@@ -106,7 +117,9 @@ class Recovery:
             # recipient takes replica state from its donor, so only its own rank state rolls back.
             recipient = any(int(r) == self.rank for _, r in plan["transfers"])
             self.registry.roll_back(plan["step"], ("rank",) if recipient else ("rank", "replica"))
+            progress.stage = "transfer"
             role, nbytes, transfer_s = self.transfer(plan)
+            progress.stage, progress.stage_bytes = "loop", 0
             if role == "failed":
                 self.group.drop(progress.generation)
                 self.control.send(MsgType.FAULT, generation=generation, step=plan["step"], committed=progress.committed,
@@ -129,6 +142,8 @@ class Recovery:
         as_recipient = [d for d, r in transfers if r == self.rank]
         nbytes = 0
         received_any = False
+        if as_donor or as_recipient:
+            self.progress.stage_bytes = state_bytes(self.registry.state_dict(exclude=("rank",)))
         try:
             for recipient in as_donor:
                 def progress(sent: int, _step: int = plan["step"]) -> None:

@@ -44,6 +44,11 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     return codec.unflatten(skeleton, tensors)
 
 
+def state_bytes(state: Any) -> int:
+    """The bytes of the tensors in ``state`` (what a transfer of it moves, give or take its skeleton)."""
+    return sum(t.numel() * t.element_size() for t in flatten(state)[1])
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.dim() == 0:

@@ -258,7 +258,8 @@ class Worker:
         # replica's newer state).
         self.resume_dir = None if self.joining else (os.environ.get("FTRUN_RESUME_DIR") or None)
         self.faults.cut_connections = self._cut_connections
-        self.control.attach(channel, probe=_training_thread_probe(threading.main_thread().ident, self._waiting),
+        self.control.attach(channel, probe=_training_thread_probe(threading.main_thread().ident, self._waiting,
+                                                                  self.progress),
                             beat_extra=self._beat_progress)
         if channel is not None:
             # Stacks of every thread into this rank's log when the supervisor suspects a hang.
@@ -492,6 +493,7 @@ class Worker:
     def _broadcast_initial(self, model: torch.nn.Module) -> None:
         """Broadcast rank 0's parameters and buffers; on failure record it (rank 0 keeps INITIAL)."""
         failure: str | None = None
+        self.progress.stage = "init"
         try:
             self.faults.point("init", None)
             self._in_collective = True  # an abort (a peer died) releases it at once
@@ -503,6 +505,7 @@ class Worker:
             failure = f"initial broadcast failed: {describe(err)}"
         finally:
             self._in_collective = False
+            self.progress.stage = "setup"
         if failure is not None:
             if self.rank != 0:
                 self.committed = NO_STATE  # maybe half received: not rank 0's weights
@@ -924,7 +927,7 @@ class Worker:
             if cursor is not None and cursor.exhausted():
                 break
             self.faults.point("before_forward", step)
-            self.progress.current_step = step
+            self.progress.current_step, self.progress.stage = step, "loop"
             self._send(MsgType.STEP_BEGIN, step=step, total=total if total is not None else self._loop_total(cursor))
             if self.seed is not None:
                 seed_everything(step_seed(self.seed, step, self.rank))
@@ -1107,7 +1110,8 @@ def _local_gradients_hook(_state, bucket):  # type: ignore[no-untyped-def]  # DD
     return fut
 
 
-def _training_thread_probe(thread_id: int | None, waiting: threading.Event | None = None) -> Callable[[], dict[str, Any]]:
+def _training_thread_probe(thread_id: int | None, waiting: threading.Event | None = None,
+                           progress: RankProgress | None = None) -> Callable[[], dict[str, Any]]:
     """A heartbeat probe: whether the training thread is inside a torch.distributed call now.
 
     The I/O thread looks at the training thread's innermost Python frames
@@ -1115,20 +1119,29 @@ def _training_thread_probe(thread_id: int | None, waiting: threading.Event | Non
     rank stuck in its own code (an endless loop, a deadlock) does not, even if it had announced
     the collective. That separates the culprit of a stalled job from the peers waiting for it.
     ``waiting`` is set by the gradient reducer while it waits for its asynchronous all-reduces
-    (``Work.wait()`` runs no Python frame inside torch/distributed).
+    (``Work.wait()`` runs no Python frame inside torch/distributed). With ``progress``, the
+    heartbeat also says which stage of ftrun's flow the training thread is in
+    (:attr:`RankProgress.stage`) and the bytes that stage moves: a rank stuck in its own code during
+    a recovery or the initial broadcast, while its peers wait for it in torch.distributed, is then
+    found within seconds.
     """
     marker = os.sep + os.path.join("torch", "distributed") + os.sep
 
-    def probe() -> dict[str, Any]:
+    def in_dist() -> bool:
         if waiting is not None and waiting.is_set():
-            return {"in_dist": True}
+            return True
         frame = sys._current_frames().get(thread_id) if thread_id is not None else None
         depth = 0
         while frame is not None and depth < 8:
             if marker in frame.f_code.co_filename:
-                return {"in_dist": True}
+                return True
             frame, depth = frame.f_back, depth + 1
-        return {"in_dist": False}
+        return False
+
+    def probe() -> dict[str, Any]:
+        if progress is None:
+            return {"in_dist": in_dist()}
+        return {"in_dist": in_dist(), "stage": progress.stage, "stage_bytes": progress.stage_bytes}
 
     return probe
 

@@ -332,6 +332,71 @@ def test_plan_deadline_spares_ranks_waiting_in_torch_distributed(tmp_path: Path)
     assert [rank for rank, _ in agent.hung] == [donor]
 
 
+@pytest.mark.parametrize("stuck", ["recipient", "donor"])
+def test_a_rank_stuck_in_its_own_code_during_the_transfer_is_replaced_within_seconds(tmp_path: Path, stuck: str) -> None:
+    """Round 3: the new rank hung before receiving (``rejoin``) held the job until the 300 s set-up
+    timeout (it had not begun a step, so the round's deadlines skipped it); a donor hung mid-transfer
+    until the 60 s plan deadline. Its peers waiting in torch.distributed name it within seconds,
+    with a bound that grows with the bytes moved; a rank waiting for its plan is never blamed."""
+    from ftrun.coordinator import STALL_BASE_S, STALL_MIN_BYTES_PER_S
+
+    coord, agent, clock = make(tmp_path)
+    hello_all(coord)
+    step(coord, 0)
+    agent.exit(1, -signal.SIGKILL, at=clock.now)
+    coord.check_processes()
+    coord.check_processes()
+    for rank in (0, 2, 3):
+        send(coord, rank, MsgType.FAULT, generation=1, step=1, committed=0, reason="abort")
+    hello_all(coord, [1])
+    assert coord.recovery is not None and coord.recovery.plan is not None
+    donor = coord.recovery.plan.transfers[0].donor
+    culprit = 1 if stuck == "recipient" else donor
+    nbytes = 200_000_000
+    bound = STALL_BASE_S + nbytes / STALL_MIN_BYTES_PER_S
+
+    def beat() -> None:
+        for rank in range(4):
+            if rank == culprit:
+                send(coord, rank, MsgType.HEARTBEAT, in_dist=False, stage="transfer", stage_bytes=nbytes)
+            elif rank in (1, donor):
+                send(coord, rank, MsgType.HEARTBEAT, in_dist=True, stage="transfer", stage_bytes=nbytes)
+            else:  # outside the transfer: waits for the others' in its own code, never blamed
+                send(coord, rank, MsgType.HEARTBEAT, in_dist=False, stage="wait_plan")
+
+    beat()
+    clock.now += bound - 0.5
+    beat()
+    coord.check_hangs()
+    assert agent.hung == []
+    clock.now += 1.0
+    beat()
+    coord.check_hangs()
+    assert [rank for rank, _ in agent.hung] == [culprit]
+    assert "during the state transfer" in coord.ranks[culprit].kill_reason
+
+
+def test_a_rank_stuck_before_the_initial_broadcast_is_named_by_its_waiting_peers(tmp_path: Path) -> None:
+    """The ``init`` case: every peer waits in the broadcast, one rank is in its own code; before,
+    only the 300 s set-up timeout ended it. Nobody is blamed while nobody waits for it."""
+    coord, agent, clock = make(tmp_path)
+    hello_all(coord)
+    for rank in range(4):
+        send(coord, rank, MsgType.HEARTBEAT, in_dist=False, stage="init")
+    clock.now += 30
+    for rank in range(4):
+        send(coord, rank, MsgType.HEARTBEAT, in_dist=False, stage="init")
+    coord.check_hangs()
+    assert agent.hung == []
+    for rank in range(4):
+        send(coord, rank, MsgType.HEARTBEAT, in_dist=rank != 3, stage="init")
+    clock.now += 30
+    for rank in range(4):
+        send(coord, rank, MsgType.HEARTBEAT, in_dist=rank != 3, stage="init")
+    coord.check_hangs()
+    assert [rank for rank, _ in agent.hung] == [3]
+
+
 def join_node1(coord: Coordinator, identity: bytes = b"agent-1") -> None:
     coord.on_agent_message(identity, msg(MsgType.AGENT_HELLO, node=1, pid=77, host="h1"))
 

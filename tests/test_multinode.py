@@ -313,3 +313,18 @@ def test_lost_node_is_replaced_by_a_new_launcher(net_hosts, long_reference: str,
 
 def test_partitioned_node_is_replaced_and_fenced(net_hosts, long_reference: str, tmp_path: Path) -> None:  # noqa: F811
     _replace_node1(net_hosts(3), tmp_path, long_reference, partition=True)
+
+
+def test_hangs_inside_recoveries_across_hosts(net_hosts, reference: str, tmp_path: Path) -> None:  # noqa: F811
+    """Issue 21 item 3 across two hosts: the last rank (host 1) hangs before the initial broadcast,
+    then rank 0 (host 0), a donor, hangs mid-transfer to a respawned rank 2 (host 1); each is named
+    by its waiting peers within seconds, replaced, and the job ends with the fault-free parameters.
+    (Rank 0 hung before the broadcast is a whole-job restart, rightly: nobody else holds the
+    initial state yet.)"""
+    hosts = net_hosts(2)
+    digest, events, _ = run_job(hosts, tmp_path, fault=(
+        "rank=3,point=init,kind=hang; rank=2,step=8,kind=kill; rank=0,point=transfer,kind=hang,step=7"))
+    assert digest == reference
+    found = [(e["rank"], e["detail"]["fault"]) for e in events if e["kind"] == "rank_hung"]
+    assert found == [(3, "stalled"), (0, "stalled")], dj.story(events)
+    assert not [e for e in events if e["kind"] == "job_restarting"], dj.story(events)
