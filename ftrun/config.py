@@ -322,6 +322,8 @@ class JobSpec:
         local_worker_num: ranks on this node.
         master_addr, master_port: rendezvous store endpoint (node 0); an IPv6 address is kept
             without brackets.
+        master_port_auto: the port is the default, of a single-node job (given nowhere): when it is
+            in use, the launcher takes a free one, as torchrun does, instead of refusing to start.
         node_rank: this node's index.
         node_rank_auto: no node index was given anywhere (flag, variable, TOML, cluster
             environment) in a multi-node job: the launcher decides it at start (node 0 where it can
@@ -372,6 +374,7 @@ class JobSpec:
     local_worker_num: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    master_port_auto: bool = False
     node_rank: int = 0
     node_rank_auto: bool = False
     log_dir: str = "ftrun_logs"
@@ -1502,6 +1505,7 @@ def resolve(
         master_port=port,
         node_rank=node_rank,
         node_rank_auto=node_rank_auto,
+        master_port_auto=nnodes == 1 and "master_port" not in given and port != 0,
         log_dir=values["log_dir"],
         join=values["join"],
         cluster_time_out=values["cluster_time_out"],

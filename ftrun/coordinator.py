@@ -169,6 +169,7 @@ class Failure:
     description: str
     time: float
     detection_seconds: float = 0.0  # from the evidence (SIGCHLD, last heartbeat) to detection
+    log_tail: tuple[str, ...] = ()  # the end of that incarnation's log (an error code or a crash)
 
 
 @dataclass
@@ -812,7 +813,8 @@ class Coordinator:
             return False
         r.state = RankState.FAILED
         evidence_at = r.hung_since if r.kill_reason is not None else report.at
-        failure = Failure(r.rank, r.pid, code, desc, now, detection_seconds=max(0.0, now - evidence_at))
+        failure = Failure(r.rank, r.pid, code, desc, now, detection_seconds=max(0.0, now - evidence_at),
+                          log_tail=tuple(report.log_tail))
         self.failures.append(failure)
         self.round_failures.append(failure)
         self.emit(
@@ -853,6 +855,15 @@ class Coordinator:
             return None
         if self.unusable_checkpoint() is not None:
             return self.restart_job(f"rank(s) {sorted(failed)} failed")
+        others = [r for r in self.ranks.values() if r.rank not in failed]
+        if others and all(r.state == RankState.SUCCEEDED for r in others) and not any(self.ranks[f].library for f in failed):
+            # A plain script whose rank fails while exiting after every other rank finished (seen with
+            # Hugging Face Trainer: "terminate called without an active exception" at exit). The job's
+            # work is done on the others; a whole-job restart would train again from the start.
+            return self.finish_failed(
+                f"rank(s) {sorted(failed)} failed after every other rank had finished successfully (exit code 0): "
+                "not restarted (a restart would run the whole script again); the training likely completed, "
+                "check the rank's log for what failed at its end")
         decision = decide_on_failure(
             failed,
             world_size=spec.worker_num,
@@ -943,8 +954,8 @@ class Coordinator:
             if r.state not in (RankState.SUCCEEDED, RankState.FAILED):
                 r.state = RankState.STOPPED
         root = (self.round_failures or self.failures)[0]
-        tail = tail_lines(self.log_dir / f"worker_{root.rank}.log", 20)
-        self._final_message = f"job failed: {reason}; root cause: rank {root.rank} ({root.description}){resume_hint}"
+        tail, same = self.first_failure_tail(root.rank)
+        self._final_message = f"job failed: {reason}; root cause: rank {root.rank} ({root.description}){same}{resume_hint}"
         self.emit(
             EventKind.JOB_FINISHED,
             self._final_message,
@@ -957,6 +968,20 @@ class Coordinator:
             restarts=self.restarts_used,
         )
         return root.exit_code
+
+    def first_failure_tail(self, rank: int) -> tuple[list[str], str]:
+        """The end of the log of ``rank``'s first failed incarnation (its first traceback, not a
+        later incarnation's warnings), and a note when every incarnation of it failed the same way
+        (the same last line: a script error no respawn can repair)."""
+        mine = [f for f in self.failures if f.rank == rank]
+        tails = [f.log_tail for f in mine if f.log_tail]
+        if not tails:
+            return tail_lines(self.log_dir / f"worker_{rank}.log", 20), ""
+        last_lines = {tail[-1].strip() for tail in tails}
+        same = ""
+        if len(mine) > 1 and len(tails) == len(mine) and len(last_lines) == 1:
+            same = f"; each of its {len(mine)} incarnations failed the same way ({tails[0][-1].strip()[:200]})"
+        return list(tails[0]), same
 
     def stop(self, code: int, reason: str) -> int:
         self.emit(EventKind.STOP_REQUESTED, f"{reason}: stopping all ranks (grace {self.spec.grace_period:g} s)")

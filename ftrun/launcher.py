@@ -239,7 +239,14 @@ def host_store(spec: JobSpec) -> tuple[Any, int, JobSpec]:
     else:
         hosting = spec.node_rank == 0
         if hosting:
-            check_port_free(spec.master_addr, spec.master_port)  # before the slow torch import
+            try:
+                check_port_free(spec.master_addr, spec.master_port)  # before the slow torch import
+            except ConfigError:
+                if not spec.master_port_auto:
+                    raise
+                # The default port of a single-node job is taken (another job on this machine):
+                # take a free one, as torchrun does, rather than refuse to start.
+                spec = dataclasses.replace(spec, master_port=0)
     from torch.distributed import TCPStore
 
     timeout = timedelta(seconds=spec.cluster_time_out)

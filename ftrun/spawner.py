@@ -40,8 +40,10 @@ TOKEN_VAR = "FTRUN_TOKEN"  # the job secret in a rank's environment (set by its 
 SPARE_MODE_VAR = "FTRUN_SPARE_MODE"  # in the variables the coordinator sends with keep_spares: "hot" or "warm"
 HOT_SPARE_VAR = "FTRUN_HOT_SPARE"  # "1" in a hot spare's environment until it is promoted
 SPARE_READY_VAR = "FTRUN_SPARE_READY"  # the file a hot spare creates once it waits for its rank
-#: Lines of a rank's log kept with its exit report when it exited with an error code and no error file.
+#: Lines of a rank's log kept with its exit report when it exited with an error code, or was killed by
+#: a fatal signal (its faulthandler stacks), and wrote no error file.
 EXIT_TAIL_LINES = 20
+FATAL_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL})
 # What names a rank: absent from a hot spare's environment until its promotion gives them.
 RANK_IDENTITY_VARS = ("RANK", "LOCAL_RANK", "ROLE_RANK", "RANK_ID", "DEVICE_ID", "FTRUN_INCARNATION",
                       "FTRUN_GENERATION", "TORCHELASTIC_ERROR_FILE")
@@ -178,6 +180,9 @@ class RankProcesses:
         env.update(self._extra_env)
         env.update(rank_vars)
         env[TOKEN_VAR] = self.token
+        # A rank killed by a fatal signal (SIGSEGV in an extension, SIGABRT from C++) leaves the
+        # Python stacks of its threads in its log (faulthandler), unless the user chose otherwise.
+        env.setdefault("PYTHONFAULTHANDLER", "1")
         if self.local_worker_num > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = "1"  # as torchrun does: ranks would oversubscribe the cores
         return env
@@ -300,7 +305,8 @@ class RankProcesses:
             procs.signal_group(p.proc, signal.SIGKILL)  # leave none of its children behind
             del self.procs[rank]
             error = errorfile.read_error_file(p.error_file) if rc != 0 and p.error_file is not None else None
-            tail = tuple(line[:300] for line in tail_lines(p.log_path, EXIT_TAIL_LINES)) if rc > 0 and error is None else ()
+            explained = rc > 0 or -rc in FATAL_SIGNALS  # an error code, or a crash that dumped its stacks
+            tail = tuple(line[:300] for line in tail_lines(p.log_path, EXIT_TAIL_LINES)) if explained and error is None else ()
             reports.append(ExitReport(rank, p.incarnation, p.proc.pid, rc, died_at or time.time(),
                                       error.summary()[:500] if error is not None else None, tail))
         return reports

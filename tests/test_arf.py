@@ -116,6 +116,9 @@ def test_other_exit_kinds(reference: str, tmp_path: Path) -> None:
     dj.assert_survivors_kept_pids(events, {1, 2})
     causes = {e["rank"]: e["detail"]["cause"] for e in events if e["kind"] == "rank_failed"}
     assert causes == {2: "killed by SIGSEGV", 1: "exit code 1"}
+    # Issue 27 item 4: the crash left its Python stacks (faulthandler) in the rank's log and event.
+    tail = next(e for e in events if e["kind"] == "rank_failed" and e["rank"] == 2)["detail"].get("log_tail", [])
+    assert any("Segmentation fault" in line for line in tail) and any("faults.py" in line for line in tail), tail
 
 
 def test_kill_from_outside(long_reference: str, tmp_path: Path) -> None:

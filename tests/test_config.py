@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -1290,3 +1291,27 @@ def test_replica_groups_dp_x_tp():
 def test_replica_groups_invalid(world, declared, hint):
     with pytest.raises(ValueError, match=hint):
         replica_groups_from_hello(world, declared)
+
+
+def test_the_default_port_of_a_single_node_job_falls_back_to_a_free_one(tmp_path, script):
+    """Issue 27 item 5: two single-node jobs started with default flags on one machine. The second
+    takes a free port, as torchrun does; a port given anywhere is kept (and refused when taken)."""
+    import socket
+
+    from ftrun.launcher import host_store
+
+    assert res(tmp_path, script).master_port_auto
+    assert not res(tmp_path, script, {"master_port": "29500"}).master_port_auto
+    assert not res(tmp_path, script, environ={"FTRUN_MASTER_PORT": "29500"}).master_port_auto
+    assert not res(tmp_path, script, {"worker_num": "4", "local_worker_num": "2"},
+                   environ={"FTRUN_TOKEN": SECRET * 2}).master_port_auto
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        spec = dataclasses.replace(res(tmp_path, script), master_port=port)
+        store, used, _ = host_store(spec)
+        assert used != port and used > 0
+        del store
+        with pytest.raises(ConfigError, match=f"--master_port {port} is already in use"):
+            host_store(dataclasses.replace(spec, master_port_auto=False))

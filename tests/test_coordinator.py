@@ -397,6 +397,44 @@ def test_a_rank_stuck_before_the_initial_broadcast_is_named_by_its_waiting_peers
     assert [rank for rank, _ in agent.hung] == [3]
 
 
+def test_the_failure_summary_shows_the_first_incarnations_traceback(tmp_path: Path) -> None:
+    """Issue 27 item 3: a rank that crashes the same way in every incarnation; the summary showed
+    the last incarnation's log (a warning), not the first one's traceback, and never said that
+    every incarnation had failed alike."""
+    coord, agent, clock = make(tmp_path, max_restarts=1)
+    first = ("Traceback (most recent call last):", '  File "train.py", line 9', "KeyError: 'labels'")
+    later = ("UserWarning: something unrelated", "KeyError: 'labels'")
+    for tail in (first, later):
+        incarnation, pid = agent.running.pop(1)
+        agent.reports.append(ExitReport(1, incarnation, pid, 1, clock.now, None, tail))
+        code = coord.check_processes()
+    assert code == 1
+    final = events(tmp_path, "job_finished")[-1]
+    assert final["detail"]["log_tail"] == list(first)
+    assert "each of its 2 incarnations failed the same way (KeyError: 'labels')" in final["message"]
+
+
+def test_a_plain_rank_failing_after_every_other_rank_finished_is_not_restarted(tmp_path: Path) -> None:
+    """Issue 27 item 6: a plain script's rank aborting at its exit, the others already done with
+    code 0; a whole-job restart would train again from the start (twice, with the budget)."""
+    coord, agent, clock = make(tmp_path, max_restarts=3)
+    for rank in (0, 1, 3):
+        agent.exit(rank, 0, at=clock.now)
+    assert coord.check_processes() is None
+    agent.exit(2, -signal.SIGABRT, at=clock.now)
+    assert coord.check_processes() == 128 + signal.SIGABRT
+    assert not events(tmp_path, "job_restarting")
+    assert "after every other rank had finished successfully" in events(tmp_path, "job_finished")[-1]["message"]
+
+
+def test_a_plain_rank_failing_while_others_run_restarts_the_job(tmp_path: Path) -> None:
+    coord, agent, clock = make(tmp_path, max_restarts=3)
+    agent.exit(0, 0, at=clock.now)
+    agent.exit(2, -signal.SIGABRT, at=clock.now)
+    assert coord.check_processes() is None
+    assert len(events(tmp_path, "job_restarting")) == 1
+
+
 def join_node1(coord: Coordinator, identity: bytes = b"agent-1") -> None:
     coord.on_agent_message(identity, msg(MsgType.AGENT_HELLO, node=1, pid=77, host="h1"))
 
