@@ -172,6 +172,7 @@ ft = ftrun.init(backend="gloo")
 for step in ft.steps(3):
     pass
 # Hold the job until the test's flood of the launcher's event endpoint runs.
+open(sys.argv[1] + ".ready." + os.environ["RANK"], "w").close()
 while not os.path.exists(sys.argv[1]):
     time.sleep(0.05)
 ft.finish()
@@ -196,6 +197,11 @@ def test_a_flood_of_the_launchers_event_endpoint_does_not_keep_it_running(ftrun_
                 supervisor = child
         time.sleep(0.05)
     events_addr = supervisor.environ()["FTRUN_EVENTS_ADDR"]
+    # The flood starts once both ranks wait for the go (training is done): it must keep nothing
+    # else from running on a loaded machine, only the launcher's loop from ending.
+    dj.wait_for(lambda: all(Path(f"{go}.ready.{rank}").exists() for rank in (0, 1)) or proc.popen.poll() is not None,
+                timeout=120)
+    assert proc.popen.poll() is None, proc.stdout()[-3000:] + proc.stderr()[-2000:]
     stop = threading.Event()
     sent = [0, 0, 0]
 

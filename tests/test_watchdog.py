@@ -70,7 +70,8 @@ def test_setup_hang_blames_only_the_hung_rank(reference: str, tmp_path: Path) ->
     digest, events, _ = dj.run(tmp_path, "rank=0,point=init,kind=hang", extra_env={"FTRUN_SETUP_TIMEOUT": "40"})
     assert digest == reference
     hung = _kinds(events, "rank_hung")
-    assert [e["rank"] for e in hung] == [0] and hung[0]["detail"]["fault"] == "setup"
+    # Its peers waiting in the broadcast name it within seconds (issue 21 item 3), before --setup_timeout.
+    assert [e["rank"] for e in hung] == [0] and hung[0]["detail"]["fault"] == "stalled"
 
 
 def test_frozen_rank_is_replaced(long_reference: str, tmp_path: Path) -> None:
