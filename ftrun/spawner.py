@@ -96,6 +96,7 @@ class _Proc:
     log_path: Path
     error_file: Path | None = None
     stop_reported: bool = False
+    setup_ready: Path | None = None  # a hot spare given this rank in its set-up: the file it makes at its loop
 
 
 def loopback_hostname() -> bool:
@@ -157,6 +158,7 @@ class RankProcesses:
         self._hot: dict[subprocess.Popen, Path] = {}  # the hot spares -> the file each creates once it waits for a rank
         self._spare_count = 0
         self.hot_broken: str | None = None  # why this node no longer starts hot spares
+        self._pending_note: str | None = None  # a finding of reap() for the next keep_spares() to return
         self.sigchld_at: float | None = None  # arrival of the first SIGCHLD not yet acted on
         self.interface_note: str | None = None
         self._extra_env: dict[str, str] = {}
@@ -212,10 +214,10 @@ class RankProcesses:
         with open(path, "ab") as fh:
             fh.write(header.encode())
             fh.flush()
-            proc, spare = self._take_spare(env, path) if use_spare else (None, "")
+            proc, spare, setup_ready = self._take_spare(env, path) if use_spare else (None, "", None)
             if proc is None:
                 proc = procs.spawn(self.argv, env=env, stdout=fh.fileno(), stderr=subprocess.STDOUT)
-        self.procs[rank] = _Proc(rank, incarnation, proc, path, error_file)
+        self.procs[rank] = _Proc(rank, incarnation, proc, path, error_file, setup_ready=setup_ready)
         return proc.pid, spare
 
     def keep_spares(self, count: int, model_vars: Mapping[str, str]) -> str | None:
@@ -228,7 +230,7 @@ class RankProcesses:
         spares. Returns that finding, once, as a sentence; else None. A spare killed by a signal
         is simply replaced.
         """
-        note = None
+        note, self._pending_note = self._pending_note, None
         alive = []
         for spare in self.spares:
             code = spare.poll()
@@ -265,18 +267,26 @@ class RankProcesses:
             log.info("%s spare started (pid %d)", "hot" if hot else "warm", spare.pid)
         return note
 
-    def _take_spare(self, env: dict[str, str], log_path: Path) -> tuple[subprocess.Popen | None, str]:
-        """Hand the rank to an idle spare: (it, "hot" or "warm"), or (None, "") when none is idle."""
+    def _take_spare(self, env: dict[str, str], log_path: Path) -> tuple[subprocess.Popen | None, str, Path | None]:
+        """Hand the rank to an idle spare: (it, "hot" or "warm", for a hot spare still in the
+        script's set-up the file it creates at its loop), or (None, "", None) when none is idle."""
         # A hot spare that waits for its rank first (past the script's set-up, or as far as the
-        # script lets it go), then a warm one. A hot spare still in its set-up is not given a
-        # rank: one that breaks the contract would fail as that rank instead of as a spare.
+        # script lets it go), then one still in its set-up (it has imported and built more than a
+        # warm spare: it finishes its set-up and takes the rank at the loop, never later than a new
+        # process would; issue 24), then a warm one. A hot spare in its set-up that then fails as
+        # the rank shows the script breaks the contract (reap() turns hot spares off, as for a spare).
         ready = [p for p in self.spares if p in self._hot and self._hot[p].exists()]
-        candidates = ready + [p for p in self.spares if p not in self._hot]
+        in_setup = [p for p in self.spares if p in self._hot and p not in ready]
+        candidates = ready + in_setup + [p for p in self.spares if p not in self._hot]
         for spare in candidates:
             self.spares.remove(spare)
-            kind = "warm"
+            kind, setup_ready = "warm", None
             if spare in self._hot:
-                _unlink(self._hot.pop(spare))
+                ready_file = self._hot.pop(spare)
+                if spare in in_setup:
+                    setup_ready = ready_file  # removed by reap() once the rank has ended
+                else:
+                    _unlink(ready_file)
                 kind = "hot"
             if spare.poll() is not None or spare.stdin is None:
                 continue
@@ -286,8 +296,8 @@ class RankProcesses:
                 spare.stdin.close()
             except OSError:
                 continue  # it died just now
-            return spare, kind
-        return None, ""
+            return spare, kind, setup_ready
+        return None, "", None
 
     # ----------------------------------------------------------------- reaping and signals
     def reap(self) -> list[ExitReport | StopReport]:
@@ -304,6 +314,14 @@ class RankProcesses:
                 continue
             procs.signal_group(p.proc, signal.SIGKILL)  # leave none of its children behind
             del self.procs[rank]
+            reached_loop = p.setup_ready is None or p.setup_ready.exists()
+            if p.setup_ready is not None:
+                _unlink(p.setup_ready)
+            if not reached_loop and rc > 0 and self.hot_broken is None:
+                self.hot_broken = (f"rank {rank}, given to a hot spare still in the script's set-up, exited with code {rc} "
+                                   "before its training loop; the script may need its rank before its loop "
+                                   "(docs/hot_spares.md): this node keeps warm spares instead")
+                self._pending_note = self.hot_broken
             error = errorfile.read_error_file(p.error_file) if rc != 0 and p.error_file is not None else None
             explained = rc > 0 or -rc in FATAL_SIGNALS  # an error code, or a crash that dumped its stacks
             tail = tuple(line[:300] for line in tail_lines(p.log_path, EXIT_TAIL_LINES)) if explained and error is None else ()

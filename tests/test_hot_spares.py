@@ -108,3 +108,45 @@ def test_script_that_reads_its_rank_in_set_up(tmp_path: Path, long_reference: st
     else:
         assert "exited with code 1" in warnings[0] and "KeyError" in warnings[0] and respawn["warm_spare"]
         assert not _ready(log_dir)
+
+
+IN_SETUP = re.compile(r"hot spare \(pid (\d+)\) in its set-up")
+
+
+@pytest.mark.slow
+def test_a_fault_while_the_hot_spare_is_in_its_set_up_is_served_by_it(tmp_path: Path, long_reference: str) -> None:
+    """Issue 24 item 4: a fault that comes while the node's hot spare is still in the script's
+    set-up is given to that spare (it finishes its set-up as the rank), never to a new process; the
+    fault right after it is served by the next spare. Before, a brand-new process took the rank."""
+    log_dir = tmp_path / "logs"
+    hold = tmp_path / "hold"
+    hold.touch()
+    go = [tmp_path / "go0", tmp_path / "go1"]
+    fault = (f"rank=3,point=allreduce,kind=kill,when={go[0]}; "
+             f"rank=1,point=before_forward,kind=kill,when={go[1]}")
+    proc = _start(tmp_path, fault, SCRIPTS / "slow_spare_setup.py", str(hold))
+    try:
+        dj.wait_for(lambda: (log_dir / "spares.log").exists() and IN_SETUP.search((log_dir / "spares.log").read_text())
+                    or proc.poll() is not None, timeout=240)
+        assert not _ready(log_dir)
+        in_setup = int(IN_SETUP.search((log_dir / "spares.log").read_text()).group(1))
+        go[0].touch()  # rank 3 dies while the only spare holds in its set-up
+        dj.wait_for(lambda: len([e for e in dj.events(log_dir) if e["kind"] == "rank_started"]) > 4
+                    or proc.poll() is not None, timeout=240)
+        hold.unlink()  # the spare finishes its set-up, as rank 3
+        dj.wait_for(lambda: [e for e in dj.events(log_dir) if e["kind"] == "recovery_finished"] or proc.poll() is not None,
+                    timeout=240)
+        go[1].touch()  # the next fault at once: the node's next spare serves it, ready or not
+        dj.wait_for(lambda: len([e for e in dj.events(log_dir) if e["kind"] == "recovery_finished"]) > 1
+                    or proc.poll() is not None, timeout=240)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    digest, events = _finish(proc, log_dir)
+    assert digest == long_reference, dj.story(events)
+    assert [e["rank"] for e in events if e["kind"] == "rank_failed"] == [3, 1], dj.story(events)
+    dj.assert_survivors_kept_pids(events, {3, 1})
+    respawns = [e for e in events if e["kind"] == "rank_started"][4:]
+    assert len(respawns) == 2 and all(e["detail"]["hot_spare"] for e in respawns), dj.story(events)
+    assert respawns[0]["pid"] == in_setup, dj.story(events)
+    assert not [e for e in events if e["detail"].get("fault") == "hot_spare_contract"], dj.story(events)
