@@ -313,7 +313,9 @@ def test_recovery_round_has_a_deadline(tmp_path: Path) -> None:
     assert [rank for rank, _ in agent.hung] == [3], "only the survivor that did not answer; not the new rank in set-up"
 
 
-def test_plan_deadline_spares_ranks_waiting_in_torch_distributed(tmp_path: Path) -> None:
+def planned_recovery_of_rank_1(tmp_path: Path) -> tuple[Coordinator, FakeAgent, Clock, int]:
+    """Rank 1 died after step 0, the survivors answered the abort, its new incarnation said hello:
+    the plan is out. Returns the coordinator, its agent, the clock and the plan's donor."""
     coord, agent, clock = make(tmp_path)
     hello_all(coord)
     step(coord, 0)
@@ -324,7 +326,11 @@ def test_plan_deadline_spares_ranks_waiting_in_torch_distributed(tmp_path: Path)
         send(coord, rank, MsgType.FAULT, generation=1, step=1, committed=0, reason="abort")
     hello_all(coord, [1])
     assert coord.recovery is not None and coord.recovery.plan is not None
-    donor = coord.recovery.plan.transfers[0].donor
+    return coord, agent, clock, coord.recovery.plan.transfers[0].donor
+
+
+def test_plan_deadline_spares_ranks_waiting_in_torch_distributed(tmp_path: Path) -> None:
+    coord, agent, clock, donor = planned_recovery_of_rank_1(tmp_path)
     clock.now += PLAN_DEADLINE_S + 1
     for rank in range(4):  # the donor is stuck mid-transfer in its own code; the others wait
         send(coord, rank, MsgType.HEARTBEAT, in_dist=rank != donor)
@@ -340,17 +346,7 @@ def test_a_rank_stuck_in_its_own_code_during_the_transfer_is_replaced_within_sec
     with a bound that grows with the bytes moved; a rank waiting for its plan is never blamed."""
     from ftrun.coordinator import STALL_BASE_S, STALL_MIN_BYTES_PER_S
 
-    coord, agent, clock = make(tmp_path)
-    hello_all(coord)
-    step(coord, 0)
-    agent.exit(1, -signal.SIGKILL, at=clock.now)
-    coord.check_processes()
-    coord.check_processes()
-    for rank in (0, 2, 3):
-        send(coord, rank, MsgType.FAULT, generation=1, step=1, committed=0, reason="abort")
-    hello_all(coord, [1])
-    assert coord.recovery is not None and coord.recovery.plan is not None
-    donor = coord.recovery.plan.transfers[0].donor
+    coord, agent, clock, donor = planned_recovery_of_rank_1(tmp_path)
     culprit = 1 if stuck == "recipient" else donor
     nbytes = 200_000_000
     bound = STALL_BASE_S + nbytes / STALL_MIN_BYTES_PER_S

@@ -40,6 +40,30 @@ def _forged_frames(rank: int, pid: int) -> list[bytes]:
     ]
 
 
+def _start_floods(kind: int, addr: str, frame: bytes, stop: threading.Event, sent: list[int]) -> list[threading.Thread]:
+    """One thread per entry of ``sent``, each sending ``frame`` to ``addr`` from its own ZeroMQ
+    socket of ``kind`` as fast as it can until ``stop`` is set, counting in ``sent``."""
+
+    def flood(i: int) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.connect(addr)
+        while not stop.is_set():
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+                sent[i] += 1
+            except zmq.Again:
+                time.sleep(0.0005)
+        ctx.destroy(linger=0)
+
+    threads = [threading.Thread(target=flood, args=(i,), daemon=True) for i in range(len(sent))]
+    for t in threads:
+        t.start()
+    return threads
+
+
 def test_hijack_and_forged_done_change_nothing(long_reference: str, tmp_path: Path) -> None:
     """Connections presenting each rank's old, guessable routing identity get no frame of the
     job's and cannot end it; the job ends with the fault-free parameters. Also: every socket the
@@ -94,29 +118,12 @@ def test_flood_does_not_delay_death_detection(long_reference: str, tmp_path: Pat
     proc, log_dir = dj.start(tmp_path)
     stop = threading.Event()
     sent = [0, 0, 0]
-
-    def flood(i: int, control: str) -> None:
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 1000)
-        sock.connect(control)
-        frame = os.urandom(32) + msgpack.packb({"v": PROTOCOL_VERSION, "type": "heartbeat", "rank": 0, "incarnation": 0})
-        while not stop.is_set():
-            try:
-                sock.send(frame, zmq.NOBLOCK)
-                sent[i] += 1
-            except zmq.Again:
-                time.sleep(0.001)
-        ctx.destroy(linger=0)
-
     threads: list[threading.Thread] = []
     try:
         dj.wait_for(lambda: dj.training(log_dir))
         control = next(e for e in dj.events(log_dir) if e["kind"] == "job_started")["detail"]["control"]
-        threads = [threading.Thread(target=flood, args=(i, control), daemon=True) for i in range(3)]
-        for t in threads:
-            t.start()
+        frame = os.urandom(56) + msgpack.packb({"v": PROTOCOL_VERSION, "type": "heartbeat", "rank": 0, "incarnation": 0})
+        threads = _start_floods(zmq.DEALER, control, frame, stop, sent)
         dj.wait_for(lambda: sum(sent) > 20_000)
         os.kill(dj.started(dj.events(log_dir))[2][0], signal.SIGKILL)
         dj.wait_for(lambda: any(e["kind"] == "recovery_finished" for e in dj.events(log_dir)))
@@ -204,25 +211,8 @@ def test_a_flood_of_the_launchers_event_endpoint_does_not_keep_it_running(ftrun_
     assert proc.popen.poll() is None, proc.stdout()[-3000:] + proc.stderr()[-2000:]
     stop = threading.Event()
     sent = [0, 0, 0]
-
-    def flood(i: int) -> None:
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 10_000)
-        sock.connect(events_addr)
-        frame = os.urandom(56) + msgpack.packb({"v": PROTOCOL_VERSION, "type": "event", "event": {"kind": "x"}})
-        while not stop.is_set():
-            try:
-                sock.send(frame, zmq.NOBLOCK)
-                sent[i] += 1
-            except zmq.Again:
-                time.sleep(0.0005)
-        ctx.destroy(linger=0)
-
-    threads = [threading.Thread(target=flood, args=(i,), daemon=True) for i in range(3)]
-    for t in threads:
-        t.start()
+    frame = os.urandom(56) + msgpack.packb({"v": PROTOCOL_VERSION, "type": "event", "event": {"kind": "x"}})
+    threads = _start_floods(zmq.PUSH, events_addr, frame, stop, sent)
     try:
         dj.wait_for(lambda: sum(sent) > 20_000, timeout=60)
         go.touch()  # the job ends now, under the flood

@@ -35,6 +35,12 @@ def _ready(log_dir: Path) -> list[int]:
     return [int(m) for m in READY.findall(path.read_text())] if path.exists() else []
 
 
+def _wait_recoveries(proc: subprocess.Popen, log_dir: Path, n: int) -> None:
+    """Until ``n`` recoveries have finished (or the job has ended)."""
+    dj.wait_for(lambda: len([e for e in dj.events(log_dir) if e["kind"] == "recovery_finished"]) >= n
+                or proc.poll() is not None, timeout=240)
+
+
 def _finish(proc: subprocess.Popen, log_dir: Path) -> tuple[str, list[dict]]:
     try:
         out, _ = proc.communicate(timeout=400)
@@ -62,8 +68,7 @@ def test_hot_spares_take_four_faults_in_a_row(tmp_path: Path, long_reference: st
         for i in range(len(points)):
             dj.wait_for(lambda: len(_ready(log_dir)) >= i + 2 or proc.poll() is not None, timeout=240)
             (tmp_path / f"go{i}").touch()
-            dj.wait_for(lambda: len([e for e in dj.events(log_dir) if e["kind"] == "recovery_finished"]) > i
-                        or proc.poll() is not None, timeout=240)
+            _wait_recoveries(proc, log_dir, i + 1)
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
@@ -134,11 +139,9 @@ def test_a_fault_while_the_hot_spare_is_in_its_set_up_is_served_by_it(tmp_path: 
         dj.wait_for(lambda: len([e for e in dj.events(log_dir) if e["kind"] == "rank_started"]) > 4
                     or proc.poll() is not None, timeout=240)
         hold.unlink()  # the spare finishes its set-up, as rank 3
-        dj.wait_for(lambda: [e for e in dj.events(log_dir) if e["kind"] == "recovery_finished"] or proc.poll() is not None,
-                    timeout=240)
+        _wait_recoveries(proc, log_dir, 1)
         go[1].touch()  # the next fault at once: the node's next spare serves it, ready or not
-        dj.wait_for(lambda: len([e for e in dj.events(log_dir) if e["kind"] == "recovery_finished"]) > 1
-                    or proc.poll() is not None, timeout=240)
+        _wait_recoveries(proc, log_dir, 2)
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
