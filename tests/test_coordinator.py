@@ -607,6 +607,18 @@ def pump(coord: Coordinator, until: Any, deadline_s: float = 30.0) -> None:
         coord.read_messages()
 
 
+def replay_everything(coord: Coordinator, tap: Tap, wire: Any, frames: list[bytes], rejected_before: int) -> None:
+    """Replay every captured frame on the original connection and on a new one: each is rejected
+    (the new connection is dropped unread after OFFENDER_REJECTS rejected frames: a flood costs nothing)."""
+    attacker = tap.connection(coord.control_addr)
+    for sock in (attacker, wire):
+        for frame in frames:
+            sock.send(frame)
+    expected = rejected_before + len(frames) + min(len(frames), OFFENDER_REJECTS)
+    pump(coord, lambda: coord.rejected >= expected)
+    assert coord.rejected == expected
+
+
 def test_every_kind_of_captured_rank_frame_replayed_is_rejected_and_changes_nothing(tmp_path: Path) -> None:
     """A real rank channel's frames, captured on the link and delivered once, are accepted; each
     replayed, on the original connection or a new one, is rejected (message_rejected) and changes
@@ -632,17 +644,9 @@ def test_every_kind_of_captured_rank_frame_replayed_is_rejected_and_changes_noth
         r = coord.ranks[2]
         pump(coord, lambda: r.identity is not None and r.committed == 0)
         bound, rejected_before = r.identity, coord.rejected
-        attacker = tap.connection(coord.control_addr)
-        for sock in (attacker, wire):
-            for frame in frames:
-                sock.send(frame)
-        # The new connection is dropped unread after OFFENDER_REJECTS rejected frames (a flood costs nothing).
-        expected = rejected_before + len(frames) + min(len(frames), OFFENDER_REJECTS)
-        pump(coord, lambda: coord.rejected >= expected)
-        assert coord.rejected == expected
+        replay_everything(coord, tap, wire, frames, rejected_before)
         assert r.identity == bound and r.committed == 0 and r.state.value == "healthy"
-        assert [e for e in events(tmp_path, "rank_joined") if e["rank"] == 2] and len(
-            [e for e in events(tmp_path, "rank_joined") if e["rank"] == 2]) == 1
+        assert len([e for e in events(tmp_path, "rank_joined") if e["rank"] == 2]) == 1
         reasons = [e["detail"]["reason"] for e in events(tmp_path, "message_rejected")]
         assert reasons and all("stale frame" in why for why in reasons), reasons
     finally:
@@ -673,14 +677,7 @@ def test_every_kind_of_captured_agent_frame_replayed_is_rejected(tmp_path: Path)
             wire.send(frame)
         pump(coord, lambda: isinstance(coord.agents.get(1), RemoteAgent) and coord.agents[1].take_reports() != [])
         bound, rejected_before = coord.agents[1].identity, coord.rejected
-        attacker = tap.connection(coord.control_addr)
-        for sock in (attacker, wire):
-            for frame in frames:
-                sock.send(frame)
-        # The new connection is dropped unread after OFFENDER_REJECTS rejected frames (a flood costs nothing).
-        expected = rejected_before + len(frames) + min(len(frames), OFFENDER_REJECTS)
-        pump(coord, lambda: coord.rejected >= expected)
-        assert coord.rejected == expected
+        replay_everything(coord, tap, wire, frames, rejected_before)
         assert coord.agents[1].identity == bound and coord.agents[1].take_reports() == []
         assert len(events(tmp_path, "node_joined")) == 1
     finally:
