@@ -221,6 +221,10 @@ class Coordinator:
         # refused, never given that rank's traffic. Oversized frames are dropped by ZeroMQ before
         # they are buffered (the connection that sent one is closed).
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        # A connection that closes is seen at once (a killed host's kernel resets its connections):
+        # an agent's connection closing is its node's loss, with no heartbeat timeout to wait for.
+        self.disconnects = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._agent_fds: dict[int, bytes] = {}  # descriptor of an agent's connection -> its routing identity
         from .stores import bind_host
 
         bind = bind_host(spec.master_addr, spec.nnodes)
@@ -566,6 +570,7 @@ class Coordinator:
         self.start_attempt()
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
+        poller.register(self.disconnects, zmq.POLLIN)
         poller.register(self._wakeup_r, zmq.POLLIN)
         exit_code: int | None = None
         while exit_code is None:
@@ -613,8 +618,12 @@ class Coordinator:
             for agent in self.agents.values():
                 if isinstance(agent, RemoteAgent):
                     agent.beat()
+        closed = self.closed_agent_connections()
         for node in range(self.spec.nnodes):
             agent = self.agents.get(node)
+            if isinstance(agent, RemoteAgent) and not agent.lost and not agent.leaving and agent.identity in closed:
+                return self.node_lost(node, f"node {node} lost: its agent's connection closed (host {agent.host or '?'}; "
+                                            "its processes were killed or its host reset the connection)")
             if agent is None and node in self._waiting_for and now > self.node_deadline[node]:
                 reason = (f"{self._waiting_for.pop(node)}; no replacement joined within --node_wait_timeout "
                           f"{self.spec.node_wait_timeout:g} s")
@@ -628,6 +637,23 @@ class Coordinator:
                 return self.node_lost(node, f"node {node} lost: nothing heard from its agent for {now - agent.last_seen:.1f} s "
                                             f"(host {agent.host or '?'})")
         return None
+
+    def closed_agent_connections(self) -> set[bytes]:
+        """The agent connections (routing identities) that have closed since the last call (the
+        ROUTER's monitor: each connection's descriptor was recorded from its agent's hello,
+        ``SRCFD``). A lost node's old agent, fenced, or a replaced one is not its node's agent any
+        more: the caller checks the identity against the node's current agent."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        identities: set[bytes] = set()
+        while True:
+            try:
+                event = recv_monitor_message(self.disconnects, zmq.NOBLOCK)
+            except zmq.Again:
+                return identities
+            identity = self._agent_fds.pop(event["value"], None)
+            if identity is not None:
+                identities.add(identity)
 
     def node_lost(self, node: int, reason: str, replaceable: bool = True) -> int | None:
         """A node is gone with its ranks (pod-level rescheduling, MindCluster's term).
@@ -676,7 +702,7 @@ class Coordinator:
         except Exception as err:  # the store is node 0's launcher's: gone only if the job is ending
             log.warning("cannot publish vacant node indices: %s", err)
 
-    def on_agent_message(self, identity: bytes, msg: Message) -> None:
+    def on_agent_message(self, identity: bytes, msg: Message, fd: int | None = None) -> None:
         """An agent's hello, beat or report. A hello binds the node to the connection that sent
         it (a replacement for a lost node is accepted while it is awaited); any other agent message
         must come from that connection; a fenced connection (a lost node's old agent, back after a
@@ -716,6 +742,8 @@ class Coordinator:
             agent = RemoteAgent(node=node, identity=identity, send_frame=self._send_to, last_seen=now,
                                 host=msg["host"], pid=msg["pid"])
             self.agents[node] = agent
+            if fd is not None:
+                self._agent_fds[fd] = identity
             self.emit(EventKind.NODE_JOINED,
                       f"{'a replacement for ' if replacing else ''}node {node} joined (host {msg['host']}, agent pid {msg['pid']})",
                       node_joined=node, replacement=replacing is not None)
@@ -1353,9 +1381,10 @@ class Coordinator:
         """
         for _ in range(budget):
             try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
+                parts = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            frames = [part.bytes for part in parts]
             identity = frames[0]
             if identity in self._offenders:
                 continue  # dropped unread: no MAC, no decode, no log
@@ -1368,7 +1397,7 @@ class Coordinator:
                 self.reject(identity, str(err))
                 continue
             if msg.type in AGENT_MESSAGES:
-                self.on_agent_message(identity, msg)
+                self.on_agent_message(identity, msg, fd=parts[1].get(zmq.SRCFD) if msg.type == MsgType.AGENT_HELLO else None)
             elif not agents_only:
                 self.handle(identity, msg)
             if self._pending_exit is not None:
@@ -1719,6 +1748,8 @@ class Coordinator:
             self.on_report(r, self.generation, msg["committed"])
 
     def close(self) -> None:
+        self.router.disable_monitor()
+        self.disconnects.close(0)
         self.router.close(0)
         if self.push is not None:
             self.push.close(2000)

@@ -684,3 +684,27 @@ def test_every_kind_of_captured_agent_frame_replayed_is_rejected(tmp_path: Path)
         node_agent.sock.close(0)
         node_agent.ctx.term()
         tap.close()
+
+
+def test_an_agent_connection_that_closes_is_its_nodes_loss_at_once(tmp_path: Path) -> None:
+    """Issue 24 item 3: a killed host's kernel resets its agent's connection; the coordinator takes
+    that as the node's loss at once, with no heartbeat timeout (the test's clock never moves)."""
+    import time
+
+    from ftrun.agent import NodeAgent, RemoteAgent
+
+    coord, _agent, clock = make(tmp_path, world=4, local=2)
+    node_agent = NodeAgent(1, coord.control_addr, TOKEN, processes=None, heartbeat_interval=1.0, coordinator_timeout=30.0,
+                           events_addr=None)
+    node_agent.send(MsgType.AGENT_HELLO, node=1, pid=4242, host="host1")
+    pump(coord, lambda: isinstance(coord.agents.get(1), RemoteAgent))
+    assert coord.check_agents() is None and not coord.lost_nodes
+    node_agent.sock.close(0)
+    node_agent.ctx.term()
+    deadline = time.monotonic() + 30
+    while not coord.lost_nodes:
+        assert time.monotonic() < deadline, "the closed connection was not noticed"
+        coord.disconnects.poll(100)
+        coord.check_agents()
+    assert "connection closed" in coord.lost_nodes[1]
+    assert clock.now == 1000.0  # no time passed: not the heartbeat timeout

@@ -305,6 +305,10 @@ def _replace_node1(hosts: list[NetHost], tmp_path: Path, long_reference: str, pa
     assert not [e for e in events if e["kind"] == "job_restarting"]
     joined = [e for e in events if e["kind"] == "node_joined" and e["detail"].get("replacement")]
     assert joined and hosts[2].addr not in ("",)
+    lost = [e for e in events if e["kind"] == "node_lost"][0]
+    # A killed host's connections close: its loss is seen at once (issue 24 item 3); a cut link
+    # closes nothing, and the agent's silence (the heartbeat timeout) tells.
+    assert ("nothing heard" if partition else "connection closed") in lost["message"], dj.story(events)
 
 
 def test_lost_node_is_replaced_by_a_new_launcher(net_hosts, long_reference: str, tmp_path: Path) -> None:  # noqa: F811
