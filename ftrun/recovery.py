@@ -69,7 +69,10 @@ class Recovery:
         self.attempt = 0
         self.faults: Any = None
         self.fresh = False  # a respawned rank that has not recovered yet (reads its record then)
-        self._rank_record: dict[str, Any] | None = None
+        self._rank_record: Any = None  # ftrun.rankstate.RankRecord fetched for a respawned rank
+        # What the predecessor of a respawned rank recorded of the step it computed but did not see
+        # committed: (step, digest of its local gradient), compared when this rank recomputes it.
+        self.predecessor_gradient: tuple[int, str] | None = None
 
     def bind(self, rank: int, attempt: int, faults: Any, fresh: bool) -> None:
         """Set the rank's identity: rank, whole-job attempt, fault injector, and whether it is a
@@ -152,13 +155,18 @@ class Recovery:
 
     def _fetch_rank_record(self, step: int) -> None:
         """A respawned rank: fetch its predecessor's own state at committed ``step`` from the store
-        (applied at its first step start); without one, say that it starts fresh."""
+        (applied where its first step begins, :meth:`ftrun.worker.Worker.epochs`) and the digest of
+        the local gradient it computed for ``step + 1``, if it got that far; without a record, say
+        that it starts fresh."""
         from .rankstate import RankStateStore
 
         record = None
         failure = None
         try:
-            record = RankStateStore(self.group.store(), self.attempt, self.rank).get(step)
+            records = RankStateStore(self.group.store(), self.attempt, self.rank)
+            record = records.get(step)
+            digest = records.get_gradient_digest(step + 1)
+            self.predecessor_gradient = (step + 1, digest) if digest is not None else None
         except Exception as err:
             failure = describe(err)
         if record is not None:
@@ -167,7 +175,12 @@ class Recovery:
             print(f"ftrun: rank {self.rank}: no record of its own state (RNG, data position) at step {step}"
                   f"{': ' + failure if failure else ''}; it continues from a fresh one", file=sys.stderr, flush=True)
 
-    def take_rank_record(self) -> dict[str, Any] | None:
-        """The predecessor's own state fetched by the last recovery, once (then forgotten here)."""
+    def pending_rank_record(self) -> Any:
+        """The predecessor's record fetched by the last recovery and not applied yet (a
+        :class:`ftrun.rankstate.RankRecord`), or None."""
+        return self._rank_record
+
+    def take_rank_record(self) -> Any:
+        """The predecessor's record fetched by the last recovery, once (then forgotten here)."""
         record, self._rank_record = self._rank_record, None
         return record

@@ -634,7 +634,14 @@ class Worker:
             return
         from .checkpoint import snapshot
 
-        self._rank_states.put(step, snapshot(self.registry.state_dict(only=("rank",))))
+        self._rank_states.put(step, snapshot(self.registry.state_dict(only=("rank",))), provisional=True)
+
+    def _apply_rank_record(self) -> None:
+        """Load the predecessor's record of this rank's own state, if a recovery fetched one and it
+        is not applied yet (a respawned rank; :class:`ftrun.rankstate.RankRecord`)."""
+        record = self.recovery.take_rank_record()
+        if record is not None:
+            self.registry.load(record.state, kinds=("rank",))
 
     def _roll_back(self, step: int, kinds: tuple[str, ...]) -> bool:
         """Restore the ``kinds`` objects to their state at committed ``step`` if the step-start
@@ -842,6 +849,13 @@ class Worker:
         self._epochs_stop = stop
         self._first_step = progress.step
         self._resume_step = self._enter_loop(progress.step)
+        record = self.recovery.pending_rank_record()
+        if record is not None and record.provisional and self._resume_step == progress.step:
+            # A respawned rank starting at an epoch's first step with its predecessor's state from
+            # the previous epoch's last all-reduce: apply it before the epoch's prologue (the code
+            # between ft.epochs and ft.batches: resetting a hidden state, set_epoch, a draw), which
+            # this rank now runs as its predecessor did. Applied after it, it would undo it.
+            self._apply_rank_record()
         if progress.epoch is None:
             progress.epoch = first
         try:
@@ -921,6 +935,9 @@ class Worker:
                     self._next_step = step
                     return
                 continue
+            # A respawned rank: its predecessor's own state, where the predecessor's next step
+            # began (or would have: after the pass's last step it goes on to the epoch's end).
+            self._apply_rank_record()
             if cursor is not None and cursor.exhausted():
                 break
             self.faults.point("before_forward", step)
@@ -928,9 +945,6 @@ class Worker:
             self._send(MsgType.STEP_BEGIN, step=step, total=total if total is not None else self._loop_total(cursor))
             if self.seed is not None:
                 seed_everything(step_seed(self.seed, step, self.rank))
-            record = self.recovery.take_rank_record()
-            if record is not None:  # a respawned rank: its predecessor's own state
-                self.registry.load(record, kinds=("rank",))
             if self.managed:
                 self._snapshot_step_start()
             batch = None
