@@ -81,6 +81,7 @@ MAX_REJECT_EVENTS = 20  # rejected frames after this many are counted in the log
 OFFENDER_REJECTS = 8  # a connection that sent this many rejected frames is not read any more
 READ_BUDGET = 2000  # frames handled per pass of the main loop (then deaths and hangs are checked)
 STOP_REPORT_WAIT_S = 10.0  # past the grace period: how long stopped ranks' exits are waited for
+DIVERGENCE_EXIT_CODE = 3  # the job stopped on a detected divergence (--on_divergence fail)
 
 
 @dataclass
@@ -411,6 +412,7 @@ class Coordinator:
             "FTRUN_UCE": "1" if spec.tft.uce else "0",
             "FTRUN_TTP": "1" if spec.tft.ttp else "0",
             "FTRUN_RECOVERABLE_ERRORS": ",".join(spec.recoverable_errors),
+            "FTRUN_ON_DIVERGENCE": spec.on_divergence,
             "FTRUN_CHECKPOINT_DIR": str(self.checkpoint_root),
             "FTRUN_SAVE_STEPS": str(spec.save_steps),
             "PYTHONUNBUFFERED": "1",
@@ -1468,6 +1470,22 @@ class Coordinator:
                 x.released = True
                 self.send(x, MsgType.FINISHED)
 
+    def on_divergence(self, r: Rank, msg: Message) -> None:
+        """A rank found that exactly-once does not hold (issue 20): a step it recomputed gave
+        another local gradient than the first computation (state the script carries outside what
+        ftrun restores), or replicas hold other parameters after a recovery. A ``divergence``
+        event and a console warning; with ``--on_divergence fail`` the job stops with a
+        dying-gasp checkpoint of the last step every rank committed (the rank holds its
+        diverged step back until the abort)."""
+        step, check = msg["step"], msg["check"]
+        fail = self.spec.on_divergence == "fail"
+        self.emit(EventKind.DIVERGENCE, f"rank {r.rank} diverged at step {step} ({check}): {msg['reason'][:300]}"
+                  + ("; stopping (--on_divergence fail)" if fail else ""), rank=r.rank, step=step, check=check,
+                  reason=msg["reason"][:1000])
+        if fail and self._pending_exit is None and self._gasp is None:
+            self._pending_exit = self.stop(DIVERGENCE_EXIT_CODE, f"stopped: rank {r.rank} diverged at step {step} "
+                                           "(--on_divergence fail)")
+
     _rank_handlers: dict[MsgType, Callable[["Coordinator", Rank, Message], None]] = {
         MsgType.HEARTBEAT: on_heartbeat,
         MsgType.STEP_BEGIN: on_step,
@@ -1481,6 +1499,7 @@ class Coordinator:
         MsgType.RECOVERED: lambda self, r, msg: self.on_recovered(r, msg),
         MsgType.DONE: lambda self, r, msg: self.on_done(r, msg),
         MsgType.ERROR: on_error,
+        MsgType.DIVERGENCE: on_divergence,
     }
 
     # ----------------------------------------------------------------- checkpoints (TTP)

@@ -52,12 +52,16 @@ class Recovery:
         safe_point: called on every turn of the wait for a plan (the worker writes a requested
             dying-gasp checkpoint there, and exits if its supervisor is gone).
         seed: the script's ``init(seed=...)`` (a seeded rank loses nothing without its record).
+        check_replicas: called on every rank with the recovery step once the transfers are done:
+            replicas compare their parameters (a collective of the new generation); False if it
+            failed, which is handled as a failed transfer.
 
     :meth:`bind` gives it the rank's identity (late for a hot spare).
     """
 
     def __init__(self, progress: RankProgress, group: Any, control: Any, registry: Any,
-                 build_group: Callable[[int], bool], safe_point: Callable[[], None], seed: int | None) -> None:
+                 build_group: Callable[[int], bool], safe_point: Callable[[], None], seed: int | None,
+                 check_replicas: Callable[[int], bool] | None = None) -> None:
         self.progress = progress
         self.group = group
         self.control = control
@@ -65,6 +69,7 @@ class Recovery:
         self.build_group = build_group
         self.safe_point = safe_point
         self.seed = seed
+        self.check_replicas = check_replicas
         self.rank: int | None = None
         self.attempt = 0
         self.faults: Any = None
@@ -110,6 +115,8 @@ class Recovery:
             recipient = any(int(r) == self.rank for _, r in plan["transfers"])
             self.registry.roll_back(plan["step"], ("rank",) if recipient else ("rank", "replica"))
             role, nbytes, transfer_s = self.transfer(plan)
+            if role != "failed" and self.check_replicas is not None and not self.check_replicas(plan["step"]):
+                role = "failed"
             if role == "failed":
                 self.group.drop(progress.generation)
                 self.control.send(MsgType.FAULT, generation=generation, step=plan["step"], committed=progress.committed,

@@ -170,12 +170,18 @@ class Worker:
         self.control.on_io_abort = self._on_io_abort
         # Its part in recoveries (ftrun.recovery), over the roles above.
         self.recovery = Recovery(self.progress, self.group, self.control, self.registry,
-                                 build_group=self._build_group, safe_point=self._recovery_safe_point, seed=seed)
+                                 build_group=self._build_group, safe_point=self._recovery_safe_point, seed=seed,
+                                 check_replicas=self._compare_replicas)
         self.recoverable_names = {n.strip() for n in os.environ.get("FTRUN_RECOVERABLE_ERRORS", "").split(",") if n.strip()}
         self._in_collective = False
         self._waiting = threading.Event()  # set while the training thread waits for an all-reduce
         self._reducers: list[GradientReducer] = []
         self._pending_uce: str | None = None  # a recoverable error raised inside backward
+        # Exactly-once checks (ftrun.digest, issue 20): the fingerprint of this rank's local
+        # gradient of the step last computed, what a detected divergence does, and those found.
+        self._local_gradient: tuple[int, str] | None = None
+        self.on_divergence = os.environ.get("FTRUN_ON_DIVERGENCE", "warn")
+        self.divergences: list[tuple[int, str, str]] = []  # (step, check, reason)
         # Epoch loops and data (ft.epochs / ft.batches, ftrun.data) and this rank's own state kept
         # in the job's store for its next incarnation (ftrun.rankstate).
         self._progress: Any = None  # ftrun.data.EpochProgress once an epoch loop runs
@@ -469,6 +475,8 @@ class Worker:
             waiting=self._waiting,
             is_first_step=lambda: self.progress.current_step == self._first_step,
             abandon=self.control.abandon,
+            on_local_gradient=self._check_local_gradient if self.managed or self.hot_spare else None,
+            hold_for_check=lambda: self.on_divergence == "fail" and self._expected_gradient() is not None,
         )
         self._reducers.append(reducer)
         reducer.attach()
@@ -612,18 +620,105 @@ class Worker:
         if self._keeps_rank_records():
             self._rank_states.put(self.committed, own)
 
-    def _keeps_rank_records(self) -> bool:
+    def _keeps_rank_records(self, gradient: bool = False) -> bool:
         """Whether this rank's own state is worth a copy in the store: it runs under ftrun with
         peers, and holds rank state that per-step reseeding does not make up (a data position,
-        or RNG streams when no ``seed`` was given)."""
+        or RNG streams when no ``seed`` was given). ``gradient``: for its gradient fingerprint,
+        which is always kept."""
         if not (self.managed and self.world_size > 1 and self.committed >= INITIAL):
             return False
-        if self.seed is not None and not self.registry.has_own_rank_state():
+        if not gradient and self.seed is not None and not self.registry.has_own_rank_state():
             return False
         if self._rank_states is None:
             from .rankstate import RankStateStore
 
             self._rank_states = RankStateStore(self.group.store(), self.attempt, self.rank)
+        return True
+
+    # ------------------------------------------------------------------ exactly-once checks
+    def _expected_gradient(self) -> tuple[str, str] | None:
+        """What the current step's local gradient must be, if this rank computed it before:
+        (fingerprint, who computed it: "its previous try" or "its predecessor")."""
+        step = self.progress.current_step
+        if step is None:
+            return None
+        if self._local_gradient is not None and self._local_gradient[0] == step:
+            return self._local_gradient[1], "its previous try"
+        before = self.recovery.predecessor_gradient
+        if before is not None and before[0] == step:
+            return before[1], "its predecessor (the process this one replaced)"
+        return None
+
+    def _check_local_gradient(self, digest: str) -> bool:
+        """At each synced backward (:class:`ftrun.reducer.GradientReducer`): keep the fingerprint of
+        the local gradient of the step (in memory, and in the job's store next to the rank state,
+        for a respawned successor) and, if the step was computed before, compare. A difference
+        means state outside what ftrun restores; it is reported (a ``divergence`` event). Returns
+        False only under ``--on_divergence fail``: the step is then held back (never
+        communicated) until the coordinator's abort for the dying gasp arrives."""
+        step = self.progress.current_step
+        if step is None:
+            return True
+        expected = self._expected_gradient()
+        self._local_gradient = (step, digest)
+        if self.recovery.predecessor_gradient is not None and self.recovery.predecessor_gradient[0] <= step:
+            self.recovery.predecessor_gradient = None
+        if self._keeps_rank_records(gradient=True):
+            try:
+                self._rank_states.put_gradient_digest(step, digest)
+            except Exception as err:  # the store is the launcher's; a failed write costs a check only
+                print(f"ftrun: rank {self.rank}: could not record its gradient fingerprint: {describe(err)}",
+                      file=sys.stderr, flush=True)
+        if expected is None or expected[0] == digest:
+            return True
+        reason = (f"step {step} computed again gave another local gradient than {expected[1]} "
+                  f"(fingerprint {digest[:12]} != {expected[0][:12]}): the script carries state ftrun does not restore "
+                  "(an unregistered tensor carried between steps, a module-level variable, a random generator "
+                  "of its own); register it (README: Porting a script)")
+        return self._report_divergence(step, "gradient", reason)
+
+    def _report_divergence(self, step: int, check: str, reason: str) -> bool:
+        """Tell the coordinator and the rank's log; under ``--on_divergence fail`` wait for the
+        abort that stops the job (returns False then)."""
+        self.divergences.append((step, check, reason))
+        print(f"ftrun: rank {self.rank}: DIVERGENCE at step {step}: {reason}", file=sys.stderr, flush=True)
+        self._send(MsgType.DIVERGENCE, step=int(step), check=check, reason=reason)
+        if self.on_divergence != "fail" or not self.managed:
+            return True
+        deadline = time.monotonic() + 60.0
+        while not self._poll_abort(timeout=0.05) and time.monotonic() < deadline:
+            pass
+        return False
+
+    def _compare_replicas(self, step: int) -> bool:
+        """After a recovery's transfers (:class:`ftrun.recovery.Recovery`), on every rank of the new
+        generation: all-gather a fingerprint of the parameters and compare it with the lowest
+        rank's of this rank's replica group; a difference (a transfer that went wrong, a replica
+        that diverged) is reported as a ``divergence``. False if the collective failed (the
+        recovery then goes on as after a failed transfer)."""
+        if self.world_size == 1:
+            return True
+        from .digest import fingerprint
+
+        params = [p for name, obj in self.registry.items()
+                  if self.registry.kinds[name] == "committed" and isinstance(obj, torch.nn.Module) for p in obj.parameters()]
+        raw = bytes.fromhex(fingerprint(params))
+        mine = torch.tensor([int.from_bytes(raw[:8], "little", signed=True), int.from_bytes(raw[8:16], "little", signed=True)],
+                            dtype=torch.int64, device=self.device)
+        gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        failure = None
+        try:
+            dist.all_gather(gathered, mine)
+        except Exception as err:
+            failure = describe(err)
+        if failure is not None:
+            print(f"ftrun: rank {self.rank}: comparing parameters with its replicas failed: {failure}", file=sys.stderr, flush=True)
+            return False
+        reference = min(self.replica_group)
+        if reference != self.rank and not torch.equal(gathered[reference], mine):
+            self._report_divergence(step, "replica_parameters",
+                                    f"after the recovery to step {step} its parameters differ from rank {reference}'s, "
+                                    "a replica's (a transfer that went wrong, or replicas that diverged before)")
         return True
 
     def _record_provisional(self) -> None:
