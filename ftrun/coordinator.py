@@ -1479,7 +1479,7 @@ class Coordinator:
         diverged step back until the abort)."""
         step, check = msg["step"], msg["check"]
         fail = self.spec.on_divergence == "fail"
-        self.emit(EventKind.DIVERGENCE, f"rank {r.rank} diverged at step {step} ({check}): {msg['reason'][:300]}"
+        self.emit(EventKind.DIVERGENCE, f"rank {r.rank} diverged at step {step} ({check}): {msg['reason'][:600]}"
                   + ("; stopping (--on_divergence fail)" if fail else ""), rank=r.rank, step=step, check=check,
                   reason=msg["reason"][:1000])
         if fail and self._pending_exit is None and self._gasp is None:

@@ -673,7 +673,7 @@ class Worker:
             return True
         reason = (f"step {step} computed again gave another local gradient than {expected[1]} "
                   f"(fingerprint {digest[:12]} != {expected[0][:12]}): the script carries state ftrun does not restore "
-                  "(an unregistered tensor carried between steps, a module-level variable, a random generator "
+                  "(an unregistered carried tensor, a module-level variable, a random generator "
                   "of its own); register it (README: Porting a script)")
         return self._report_divergence(step, "gradient", reason)
 

@@ -48,10 +48,10 @@ def _events(log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def _ftrun_cmd(log_dir: Path, args: list[str], ftrun_args: tuple[str, ...] = ()) -> list[str]:
+def _ftrun_cmd(log_dir: Path, args: list[str], ftrun_args: tuple[str, ...] = (), script: Path = EXAMPLES / "word_lm.py") -> list[str]:
     return [sys.executable, "-m", "ftrun", "--worker_num", "2", "--master_port", "0", "--plain",
             "--log_dir", str(log_dir), "--tail_worker_log", "0", "--max_restarts", "6", *ftrun_args,
-            str(EXAMPLES / "word_lm.py"), *args]
+            str(script), *args]
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,8 @@ def test_word_lm_injected_kills_around_epoch_ends(tmp_path: Path, twin_digest: s
     digest, events = _run(tmp_path, fault)
     assert sorted(e["rank"] for e in events if e["kind"] == "rank_failed") == [0, 1, 1]
     assert len([e for e in events if e["kind"] == "recovery_finished"]) >= 3
+    # Rank 1 computed step 67 again after rank 0's death: the same local gradient, bitwise.
+    assert not [e["message"] for e in events if e["kind"] == "divergence"]
     assert digest == twin_digest
 
 
@@ -127,3 +129,24 @@ def test_word_lm_outside_sigkills(tmp_path: Path, twin_digest: str) -> None:
     events = _events(log_dir)
     assert [e["rank"] for e in events if e["kind"] == "rank_failed"] == [1, 1, 1, 1]
     assert _digest(out) == twin_digest
+
+
+def test_unregistered_hidden_state_is_a_divergence_and_fail_stops_the_job(tmp_path: Path) -> None:
+    """The port with its hidden state left unregistered (tests/scripts/word_lm_hidden_unregistered.py),
+    rank 1 killed in step 20's all-reduce: rank 0 retries step 20 from the hidden state its failed
+    try left, its local gradient differs from the first try's, and that is a ``divergence`` event
+    naming rank 0 and step 20; with ``--on_divergence fail`` the job stops (exit code 3) with a
+    dying-gasp checkpoint of step 19, the last step known good."""
+    log_dir = tmp_path / "logs"
+    script = ROOT / "tests" / "scripts" / "word_lm_hidden_unregistered.py"
+    cmd = _ftrun_cmd(log_dir, [], ("--on_divergence", "fail", "--checkpoint_dir", str(tmp_path / "ckpt")), script)
+    proc = subprocess.run(cmd, env=_env({"FTRUN_FAULT": "rank=1,step=20,point=allreduce,kind=kill"}),
+                          capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert proc.returncode == 3, proc.stdout[-4000:] + proc.stderr[-2000:]
+    events = _events(log_dir)
+    found = [e for e in events if e["kind"] == "divergence"]
+    assert [(e["rank"], e["detail"]["step"], e["detail"]["check"]) for e in found][:1] == [(0, 20, "gradient")]
+    assert "previous try" in found[0]["message"]
+    saved = [e for e in events if e["kind"] == "checkpoint_saved"]
+    assert saved and "checkpoint of step 19 written" in saved[-1]["message"], [e["message"] for e in saved]
+    assert "diverged at step 20" in proc.stdout
