@@ -182,6 +182,10 @@ class Worker:
         self._local_gradient: tuple[int, str] | None = None
         self.on_divergence = os.environ.get("FTRUN_ON_DIVERGENCE", "warn")
         self.divergences: list[tuple[int, str, str]] = []  # (step, check, reason)
+        # ftrun check (ftrun.check): a trace of this process's run, written at finish().
+        trace_dir = os.environ.get("FTRUN_CHECK_TRACE")
+        self._trace: dict[str, Any] | None = None if not trace_dir else {
+            "dir": trace_dir, "steps": {}, "epochs": [], "sections": []}
         # Epoch loops and data (ft.epochs / ft.batches, ftrun.data) and this rank's own state kept
         # in the job's store for its next incarnation (ftrun.rankstate).
         self._progress: Any = None  # ftrun.data.EpochProgress once an epoch loop runs
@@ -777,6 +781,9 @@ class Worker:
         previous = self._section
         self._section = (str(name), None if timeout is None else float(timeout))
         self._send(MsgType.PROGRESS, **self._progress_fields())
+        if self._trace is not None:
+            self._trace["sections"].append({"name": str(name), "committed": self.committed})
+        self.faults.point("section", self.committed)
         try:
             yield
         finally:
@@ -956,6 +963,8 @@ class Worker:
         try:
             while progress.epoch < stop:
                 epoch = progress.epoch
+                if self._trace is not None:
+                    self._trace["epochs"].append({"epoch": epoch, "first_step": progress.step})
                 yield epoch
                 if self._epoch_stash is not None:  # see above: the donor's state, as received
                     stash, self._epoch_stash = self._epoch_stash, None
@@ -1151,6 +1160,34 @@ class Worker:
     def commit(self, step: int) -> None:
         """Mark ``step`` committed (called by the optimizer wrapper after its update)."""
         self.committed = step
+        if self._trace is not None:
+            from .digest import fingerprint
+
+            self._trace["steps"][str(step)] = [fingerprint([p]) for _, p in self._traced_parameters()]
+
+    def _traced_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of every parameter of the registered models, named
+        ``<registered name>.<parameter name>`` (what ``ftrun check`` compares)."""
+        return [(f"{name}.{pname}", p) for name, obj in self.registry.items()
+                if self.registry.kinds[name] == "committed" and isinstance(obj, torch.nn.Module)
+                for pname, p in obj.named_parameters()]
+
+    def _write_trace(self) -> None:
+        """ftrun check: write this process's trace (per committed step, a fingerprint of each
+        parameter; the epochs' first steps; the sections; the divergences it found) as JSON."""
+        import json
+
+        trace = self._trace
+        assert trace is not None
+        doc = {"rank": self.rank, "incarnation": self.incarnation, "committed": self.committed,
+               "names": [n for n, _ in self._traced_parameters()], "steps": trace["steps"],
+               "epochs": trace["epochs"], "sections": trace["sections"],
+               "divergences": [{"step": s, "check": c, "reason": r} for s, c, r in self.divergences]}
+        directory = Path(trace["dir"])
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"trace_rank{self.rank}_inc{self.incarnation}.json"
+        path.with_suffix(".tmp").write_text(json.dumps(doc))
+        path.with_suffix(".tmp").replace(path)
 
     def finish(self) -> None:
         """Say the rank is done, wait for every other rank to be done too, then tear the group
@@ -1163,6 +1200,8 @@ class Worker:
         """
         global _worker
         self.faults.point("finish", self.committed)
+        if self._trace is not None:
+            self._write_trace()
         self.checkpoints.close()  # the last periodic checkpoint is written before we leave
         self._send(MsgType.DONE, committed=self.committed)
         self._drop_group(broken=False)

@@ -78,3 +78,48 @@ def test_on_divergence_option(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="must be 'warn' or 'fail'"):
         res(tmp_path, str(script), cli_values={"on_divergence": "ignore"})
     assert json.loads(json.dumps(res(tmp_path, str(script)).to_json()))["on_divergence"] == "warn"
+
+
+def _trace(steps: dict[int, list[str]], epochs: list[tuple[int, int]] = (), sections: list[tuple[str, int]] = (),
+           divergences: list[dict] = (), rank: int = 0, incarnation: int = 0) -> dict:
+    return {"rank": rank, "incarnation": incarnation, "names": ["model.a", "model.b"],
+            "steps": {str(k): v for k, v in steps.items()},
+            "epochs": [{"epoch": e, "first_step": s} for e, s in epochs],
+            "sections": [{"name": n, "committed": c} for n, c in sections], "divergences": list(divergences)}
+
+
+def test_check_picks_the_steps_where_scripts_go_wrong() -> None:
+    from ftrun.check import Trace, choose_scenarios
+
+    reference = Trace({0: _trace({s: ["x", "y"] for s in range(40)}, epochs=[(1, 0), (2, 10), (3, 20), (4, 30)],
+                                 sections=[("eval", 9), ("eval", 19), ("eval", 29), ("eval", 39)])})
+    faults = [s.fault for s in choose_scenarios(reference, world=2)]
+    assert faults == [
+        "rank=1,step=4,point=allreduce,kind=kill",        # mid first epoch: survivors compute it again
+        "rank=1,step=29,point=between_steps,kind=kill",   # the last step of the second-to-last epoch
+        "rank=1,step=30,point=before_forward,kind=kill",  # the last epoch's first step
+        "rank=1,step=19,point=section,kind=kill",         # inside an evaluation
+    ]
+    plain = Trace({0: _trace({s: ["x"] for s in range(30)})})  # ft.steps(): no epochs, no sections
+    assert [s.step for s in choose_scenarios(plain, world=4)] == [9, 14, 19]
+
+
+def test_check_names_the_first_step_and_tensor_and_the_likely_cause() -> None:
+    from ftrun.check import Scenario, Trace, explain, first_difference
+
+    good = {s: ["a%d" % s, "b%d" % s] for s in range(12)}
+    reference = Trace({0: _trace(good, epochs=[(1, 0), (2, 6)]), 1: _trace(good, rank=1, epochs=[(1, 0), (2, 6)])})
+    same = Trace({0: _trace(good), 1: _trace({s: good[s] for s in range(4, 12)}, rank=1, incarnation=1)})
+    assert first_difference(reference, same) is None
+    bad = dict(good)
+    bad.update({s: [good[s][0], "other"] for s in range(7, 12)})
+    run = Trace({0: _trace(bad), 1: _trace({s: bad[s] for s in range(5, 12)}, rank=1, incarnation=1)})
+    diff = first_difference(reference, run)
+    assert diff is not None and (diff.step, diff.tensor) == (7, "model.b")
+    scenario = Scenario("after the epoch's last step", "rank=1,step=5,point=between_steps,kind=kill", 5)
+    # The same gradients, other updates, after an epoch boundary: state outside the registered one.
+    why = explain(diff, [], scenario, reference)
+    assert "module-level variable" in why and "epoch boundary at step 6" in why
+    # A recomputed step with another gradient: carried state in the forward pass.
+    why = explain(diff, [{"rank": 0, "step": 5, "check": "gradient", "reason": "..."}], scenario, reference)
+    assert "rank 0 computed step 5 again" in why and "hidden state" in why
