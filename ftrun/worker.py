@@ -681,13 +681,14 @@ class Worker:
                   "of its own); register it (README: Porting a script)")
         return self._report_divergence(step, "gradient", reason)
 
-    def _report_divergence(self, step: int, check: str, reason: str) -> bool:
-        """Tell the coordinator and the rank's log; under ``--on_divergence fail`` wait for the
-        abort that stops the job (returns False then)."""
+    def _report_divergence(self, step: int, check: str, reason: str, hold: bool = True) -> bool:
+        """Tell the coordinator and the rank's log; under ``--on_divergence fail`` and with
+        ``hold``, wait for the abort that stops the job (returns False then). Without ``hold``
+        (inside a recovery) the coordinator's dying gasp aborts the rank at its next safe point."""
         self.divergences.append((step, check, reason))
         print(f"ftrun: rank {self.rank}: DIVERGENCE at step {step}: {reason}", file=sys.stderr, flush=True)
         self._send(MsgType.DIVERGENCE, step=int(step), check=check, reason=reason)
-        if self.on_divergence != "fail" or not self.managed:
+        if self.on_divergence != "fail" or not self.managed or not hold:
             return True
         deadline = time.monotonic() + 60.0
         while not self._poll_abort(timeout=0.05) and time.monotonic() < deadline:
@@ -722,7 +723,7 @@ class Worker:
         if reference != self.rank and not torch.equal(gathered[reference], mine):
             self._report_divergence(step, "replica_parameters",
                                     f"after the recovery to step {step} its parameters differ from rank {reference}'s, "
-                                    "a replica's (a transfer that went wrong, or replicas that diverged before)")
+                                    "a replica's (a transfer that went wrong, or replicas that diverged before)", hold=False)
         return True
 
     def _record_provisional(self) -> None:
