@@ -135,6 +135,15 @@ def explain(diff: Difference | None, divergences: list[dict[str, Any]], scenario
     """The likely cause of a difference, in words, from where it appears and what the run saw."""
     gradient = [d for d in divergences if d["check"] == "gradient"]
     replicas = [d for d in divergences if d["check"] == "replica_parameters"]
+    epoch_end = [d for d in divergences if d["check"] == "epoch_end_rng"]
+    if epoch_end:
+        d = epoch_end[0]
+        return (f"the end of the epoch that ends with step {d['step']} draws from the global random generators on "
+                f"every rank (an evaluation DataLoader's iter() draws a seed from torch's even with num_workers=0; "
+                "dropout left in train mode in an evaluation; a random sample), and rank "
+                f"{d['rank']} replaced a process that died before that end was over, so its random streams cannot "
+                "be its predecessor's. Give what the epoch's end draws its own generator, e.g. "
+                "DataLoader(test_set, generator=torch.Generator()), in the script and its twin")
     if gradient:
         d = gradient[0]
         return (f"rank {d['rank']} computed step {d['step']} again and got another local gradient: the forward or "
@@ -153,7 +162,7 @@ def explain(diff: Difference | None, divergences: list[dict[str, Any]], scenario
     epochs = [int(e["first_step"]) for e in reference.ranks[0].get("epochs", [])]
     later = [s for s in epochs if scenario.step < s <= diff.step]
     where = f" (from step {diff.step}, after the epoch boundary at step {later[-1]})" if later else ""
-    return ("the gradients computed again were the same, but the updates are not: what the optimizer step or its "
+    return ("the gradients computed again were the same (no check saw a difference), but the updates are not: what the optimizer step or its "
             "hyperparameters depend on lives outside the registered state on the new rank -- a learning rate or "
             "another value in a module-level variable, a scheduler not registered, a best-so-far value or a plateau "
             f"or early-stopping counter that decides an annealing at an epoch's end{where}. Register it as replica "

@@ -37,11 +37,17 @@ class RankRecord:
             ran between the two (the rest of the step, an epoch's end, the next epoch's prologue)
             is not in it: a respawned rank applies it *before* it replays that code, a step-start
             record after (:meth:`ftrun.worker.Worker.epochs`).
+        epoch_boundary: written by :meth:`ftrun.worker.Worker.epochs` once an epoch's end (the code
+            after its ``ft.batches`` loop) has run, before the next epoch's prologue: like a
+            provisional one it is applied before the prologue, and it holds what the epoch's end
+            did to the rank's own state (an evaluation DataLoader's ``iter()`` draws a seed from
+            torch's global generator).
     """
 
     label: int
     state: dict[str, Any]
     provisional: bool = False
+    epoch_boundary: bool = False  # written after an epoch's end, before the next epoch's prologue
 
 
 class RankStateStore:
@@ -57,11 +63,13 @@ class RankStateStore:
         self.store = store
         self.prefix = f"{PREFIX}/attempt{attempt}/rank{rank}"
 
-    def put(self, label: int, state: dict[str, Any], provisional: bool = False) -> None:
+    def put(self, label: int, state: dict[str, Any], provisional: bool = False, epoch_boundary: bool = False) -> None:
         """Record ``state`` (``{name: state_dict}``) as the rank's state at committed step ``label``
-        (``provisional``: taken at that step's all-reduce, see :class:`RankRecord`)."""
+        (``provisional``: taken at that step's all-reduce; ``epoch_boundary``: after an epoch's end;
+        see :class:`RankRecord`)."""
         self.store.set(f"{self.prefix}/{label % 2}",
-                       codec.to_bytes({"label": int(label), "state": state, "provisional": bool(provisional)}))
+                       codec.to_bytes({"label": int(label), "state": state, "provisional": bool(provisional),
+                                       "epoch_boundary": bool(epoch_boundary)}))
 
     def get(self, label: int) -> RankRecord | None:
         """The record of committed step ``label``, or None if there is none."""
@@ -71,7 +79,7 @@ class RankStateStore:
         doc = codec.from_bytes(bytes(self.store.get(key)))
         if int(doc["label"]) != label:
             return None
-        return RankRecord(label, doc["state"], bool(doc.get("provisional", False)))
+        return RankRecord(label, doc["state"], bool(doc.get("provisional", False)), bool(doc.get("epoch_boundary", False)))
 
     def put_gradient_digest(self, step: int, digest: str) -> None:
         """Record the digest of this rank's local gradient (before averaging) of ``step``."""

@@ -193,6 +193,7 @@ class Worker:
         self._resume_step: int | None = None  # where a pass starts after a resume or a join
         self._next_step = 0
         self._epoch_stash: dict[str, Any] | None = None
+        self._pass_end_rng: dict[str, Any] | None = None  # the RNG streams when the epoch's pass ended
         self._rank_states: Any = None  # ftrun.rankstate.RankStateStore
         self._section: tuple[str, float | None] | None = None  # (name, timeout) of an open ft.section()
         self._last_report: tuple[int, dict[str, Any]] = (0, {})  # the last ft.report(), re-sent by sections
@@ -736,6 +737,16 @@ class Worker:
 
         self._rank_states.put(step, snapshot(self.registry.state_dict(only=("rank",))), provisional=True)
 
+    def _record_epoch_boundary(self) -> None:
+        """After an epoch's end, before the next epoch's prologue: this rank's own state, labelled
+        with its committed step, for a successor that would start the next epoch (its predecessor's
+        epoch end is then in it; :class:`ftrun.rankstate.RankRecord`)."""
+        if not self._keeps_rank_records():
+            return
+        from .checkpoint import snapshot
+
+        self._rank_states.put(self.committed, snapshot(self.registry.state_dict(only=("rank",))), epoch_boundary=True)
+
     def _apply_rank_record(self) -> None:
         """Load the predecessor's record of this rank's own state, if a recovery fetched one and it
         is not applied yet (a respawned rank; :class:`ftrun.rankstate.RankRecord`)."""
@@ -953,12 +964,24 @@ class Worker:
         self._first_step = progress.step
         self._resume_step = self._enter_loop(progress.step)
         record = self.recovery.pending_rank_record()
-        if record is not None and record.provisional and self._resume_step == progress.step:
+        if record is not None and (record.provisional or record.epoch_boundary) and self._resume_step == progress.step:
             # A respawned rank starting at an epoch's first step with its predecessor's state from
-            # the previous epoch's last all-reduce: apply it before the epoch's prologue (the code
-            # between ft.epochs and ft.batches: resetting a hidden state, set_epoch, a draw), which
-            # this rank now runs as its predecessor did. Applied after it, it would undo it.
+            # the previous epoch's last all-reduce or end: apply it before the epoch's prologue (the
+            # code between ft.epochs and ft.batches: resetting a hidden state, set_epoch, a draw),
+            # which this rank now runs as its predecessor did. Applied after it, it would undo it.
             self._apply_rank_record()
+            if record.provisional and progress.end_moved_rng:
+                # Its predecessor died before the end of the previous epoch was over (or before it
+                # recorded it); that end moved the random streams on its replicas, so it would have
+                # moved this rank's too, by draws no one recorded.
+                self._report_divergence(
+                    max(progress.step - 1, 0), "epoch_end_rng",
+                    f"rank {self.rank} replaces a process that died after step {progress.step - 1}, an epoch's last, "
+                    "before that epoch's end was over; the epoch's end draws from the global random generators "
+                    "(an evaluation DataLoader's iter() draws a seed from torch's even with num_workers=0; dropout "
+                    "left in train mode; a random sample), so its random streams cannot be its predecessor's. Give "
+                    "what the epoch's end draws with its own generator (DataLoader(..., generator=torch.Generator()))",
+                    hold=False)
         if progress.epoch is None:
             progress.epoch = first
         try:
@@ -966,12 +989,17 @@ class Worker:
                 epoch = progress.epoch
                 if self._trace is not None:
                     self._trace["epochs"].append({"epoch": epoch, "first_step": progress.step})
+                self._pass_end_rng = None
                 yield epoch
+                if self._pass_end_rng is not None:  # the epoch's end has run: did it draw?
+                    progress.end_moved_rng = not _same_state(self._pass_end_rng, self.registry["rng"].state_dict())
+                    self._pass_end_rng = None
                 if self._epoch_stash is not None:  # see above: the donor's state, as received
                     stash, self._epoch_stash = self._epoch_stash, None
                     self.registry.load(stash)
                 elif progress.epoch == epoch:
                     progress.epoch = epoch + 1
+                    self._record_epoch_boundary()
         except GeneratorExit:
             self._send(MsgType.STEPS_END)
             raise
@@ -1010,6 +1038,9 @@ class Worker:
         yield from self._step_loop(step, None, cursor)
         if progress.epoch == epoch or epoch < 0:  # else a recovery brought the donor's later epoch
             progress.step = self._next_step
+            from .checkpoint import snapshot
+
+            self._pass_end_rng = snapshot(self.registry["rng"].state_dict())
 
     def _enter_loop(self, step: int) -> int:
         """Before the first step: resume from a checkpoint, or join the job (a respawned rank), or
@@ -1246,6 +1277,21 @@ class Step(int):
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, _tb: Any) -> bool:
         return exc is not None and self._worker.repair_step_error(exc)
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Whether two state_dicts (nested dicts, lists, tensors, arrays, numbers) are equal, bitwise."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    if hasattr(a, "shape") and hasattr(b, "shape"):  # numpy arrays
+        import numpy as np
+
+        return bool(np.array_equal(a, b))
+    return bool(a == b)
 
 
 def _local_gradients_hook(_state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations

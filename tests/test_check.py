@@ -30,7 +30,7 @@ def _check(tmp_path: Path, script: str, *args: str) -> tuple[int, str]:
     ("word_lm_hidden_unregistered.py", "computed step 8 again and got another local gradient"),
     # The module-level learning rate and best loss, unregistered: a rank respawned after the
     # annealing (end of epoch 3) trains epoch 4 with the initial rate: same gradients, other updates.
-    ("word_lm_lr_unregistered.py", "the gradients computed again were the same, but the updates are not"),
+    ("word_lm_lr_unregistered.py", "the gradients computed again were the same (no check saw a difference), but the updates are not"),
 ])
 def test_check_finds_a_broken_port_and_says_why(tmp_path: Path, script: str, cause: str) -> None:
     code, out = _check(tmp_path, str(ROOT / "tests" / "scripts" / script))
