@@ -10,12 +10,12 @@ checks make a break of that promise loud instead of silent:
   carries outside what ftrun restores (an unregistered carried tensor, a global, a random draw);
 - after every recovery, replicas compare fingerprints of their parameters.
 
-A fingerprint is not a cryptographic hash: per tensor, the sum and the sum of squares of its
-elements' bit patterns as 64-bit integers (wrapping), computed where the tensor lives (no copy to
-the host beyond two numbers per tensor), hashed together with the tensors' shapes and dtypes. Any
-change of one element changes it, and so does nearly any change of several; only a permutation of
-equal bit patterns within a tensor goes unseen. The cost is about two passes over the memory of the
-tensors, per step.
+A fingerprint is SHA-1 over the tensors' bytes (CPU tensors, read in place: about 1.8 GB/s on
+this project's machines, 0.7 ms for the digits MLP's 300k gradients, while the all-reduces run),
+with their shapes and dtypes: any changed bit changes it. A tensor on an accelerator is not copied
+to the host: there, per tensor, the sum and the sum of squares of its elements' bit patterns as
+64-bit integers (wrapping) are computed on the device and hashed; one changed element changes
+them, as does nearly any change of several (only a permutation of equal bit patterns goes unseen).
 """
 
 from __future__ import annotations
@@ -39,14 +39,18 @@ def tensor_sums(t: torch.Tensor) -> torch.Tensor:
 
 def fingerprint(tensors: Iterable[torch.Tensor | None]) -> str:
     """The fingerprint (32 hex digits) of a sequence of tensors, in order; None counts as absent."""
-    h = hashlib.sha256()
+    h = hashlib.sha1()
     sums = []
     for t in tensors:
         if t is None:
             h.update(b"none;")
             continue
         h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
-        sums.append(tensor_sums(t))
+        if t.device.type == "cpu":
+            flat = t.detach().contiguous().reshape(-1)
+            h.update(flat.view(torch.uint8).numpy() if flat.numel() else b"")
+        else:
+            sums.append(tensor_sums(t))
     if sums:
         h.update(torch.stack(sums).cpu().numpy().tobytes())
     return h.hexdigest()[:32]

@@ -81,18 +81,20 @@ def test_word_lm_matches_torchrun_twin(tmp_path: Path, twin_digest: str) -> None
 
 @pytest.mark.slow
 def test_word_lm_injected_kills_around_epoch_ends(tmp_path: Path, twin_digest: str) -> None:
-    """Three kills in one job, each recovered before the next: rank 1 after the last step of epoch
+    """Four kills in one job, each recovered before the next: rank 1 after the last step of epoch
     2 committed (between_steps 33: its peer runs the evaluation and the next epoch's prologue
-    before it notices), its next incarnation before the forward of epoch 4's first step (51), and
-    rank 0 in the all-reduce of the job's last step (67). Each of the first two once diverged."""
+    before it notices), its next incarnation before the forward of epoch 3's last step (50), the
+    one after before the forward of epoch 4's first step (51), and rank 0 in the all-reduce of the
+    job's last step (67). The first and the third once diverged."""
     fault = ";".join([
         "rank=1,step=33,point=between_steps,kind=kill",
-        "rank=1,incarnation=1,step=51,point=before_forward,kind=kill",
+        "rank=1,incarnation=1,step=50,point=before_forward,kind=kill",
+        "rank=1,incarnation=2,step=51,point=before_forward,kind=kill",
         "rank=0,step=67,point=allreduce,kind=kill",
     ])
     digest, events = _run(tmp_path, fault)
-    assert sorted(e["rank"] for e in events if e["kind"] == "rank_failed") == [0, 1, 1]
-    assert len([e for e in events if e["kind"] == "recovery_finished"]) >= 3
+    assert sorted(e["rank"] for e in events if e["kind"] == "rank_failed") == [0, 1, 1, 1]
+    assert len([e for e in events if e["kind"] == "recovery_finished"]) >= 4
     # Rank 1 computed step 67 again after rank 0's death: the same local gradient, bitwise.
     assert not [e["message"] for e in events if e["kind"] == "divergence"]
     assert digest == twin_digest
