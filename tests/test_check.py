@@ -41,3 +41,4 @@ def test_check_finds_a_broken_port_and_says_why(tmp_path: Path, script: str, cau
     if script == "word_lm_lr_unregistered.py":
         assert "ok    a kill in the all-reduce of step 8" in out  # a retried step alone is fine there
         assert "module-level variable" in out
+
