@@ -115,8 +115,6 @@ class Recovery:
             recipient = any(int(r) == self.rank for _, r in plan["transfers"])
             self.registry.roll_back(plan["step"], ("rank",) if recipient else ("rank", "replica"))
             role, nbytes, transfer_s = self.transfer(plan)
-            if role != "failed" and self.check_replicas is not None and not self.check_replicas(plan["step"]):
-                role = "failed"
             if role == "failed":
                 self.group.drop(progress.generation)
                 self.control.send(MsgType.FAULT, generation=generation, step=plan["step"], committed=progress.committed,
@@ -158,6 +156,8 @@ class Recovery:
             self.control.send(MsgType.ERROR, reason=f"state transfer failed: {type(err).__name__}: {err}")
             return "failed", nbytes, time.monotonic() - started
         role = "recipient" if as_recipient else "donor" if as_donor else "none"
+        if self.check_replicas is not None and not self.check_replicas(plan["step"]):  # every rank, after the transfers
+            return "failed", nbytes, time.monotonic() - started
         return role, nbytes, time.monotonic() - started
 
     def _fetch_rank_record(self, step: int) -> None:
