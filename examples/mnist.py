@@ -7,6 +7,11 @@ and DDP) ported to the worker library; every changed line says ``# ftrun``. A ru
 with the parameters of the run without, and of the torchrun twin (bitwise). Data: scikit-learn's
 digits scaled to 28x28 (or MNIST IDX files with ``--data mnist:DIR``), see mnist_data.py. Rank 0 prints the final line
 ``final step=<n> loss=<x> test_accuracy=<y> params_sha256=<digest>``.
+
+One line differs from upstream in both files: the test loader has its own generator. ``iter()`` of
+a DataLoader draws a seed from torch's global generator, so upstream's test pass moves the stream
+the next epoch's dropout draws from, and a rank replaced right after an epoch's last step could not
+know that draw (``ftrun check`` found it; README "Porting a script").
 """
 import argparse
 import os
@@ -126,7 +131,7 @@ def main():
     dataset1, dataset2 = mnist_data.datasets(args.data, args.seed)
     sampler = DistributedSampler(dataset1, num_replicas=ft.world_size, rank=ft.rank, seed=args.seed)  # ftrun
     train_loader = DataLoader(dataset1, sampler=sampler, **train_kwargs)
-    test_loader = DataLoader(dataset2, **test_kwargs)
+    test_loader = DataLoader(dataset2, generator=torch.Generator(), **test_kwargs)  # its own seed draws: the test pass leaves the global stream alone
 
     model = ft.wrap_model(Net().to(device))  # ftrun
     optimizer = ft.wrap_optimizer(optim.Adadelta(model.parameters(), lr=args.lr))  # ftrun

@@ -7,6 +7,9 @@ each epoch) with what data parallelism needs: a process group, a DistributedSamp
 set_epoch, DDP. Data: scikit-learn's digits scaled to 28x28 (or MNIST IDX files with
 ``--data mnist:DIR``), see mnist_data.py. Rank 0 prints the final line
 ``final step=<n> loss=<x> test_accuracy=<y> params_sha256=<digest>``.
+
+One line differs from upstream: the test loader has its own generator, so the test pass leaves
+torch's global random stream alone (see mnist.py).
 """
 import argparse
 import os
@@ -125,7 +128,7 @@ def main():
     dataset1, dataset2 = mnist_data.datasets(args.data, args.seed)
     sampler = DistributedSampler(dataset1, seed=args.seed)
     train_loader = DataLoader(dataset1, sampler=sampler, **train_kwargs)
-    test_loader = DataLoader(dataset2, **test_kwargs)
+    test_loader = DataLoader(dataset2, generator=torch.Generator(), **test_kwargs)  # its own seed draws: the test pass leaves the global stream alone
 
     model = DistributedDataParallel(Net().to(device))
     optimizer = optim.Adadelta(model.parameters(), lr=args.lr)

@@ -136,6 +136,7 @@ def run(
     warm_spares: Optional[str] = _opt("warm_spares"),
     hot_spares: Optional[str] = _opt("hot_spares"),
     recoverable_errors: Optional[str] = _opt("recoverable_errors"),
+    on_divergence: Optional[str] = _opt("on_divergence"),
     checkpoint_dir: Optional[str] = _opt("checkpoint_dir"),
     save_steps: Optional[str] = _opt("save_steps"),
     keep_checkpoints: Optional[str] = _opt("keep_checkpoints"),
@@ -150,7 +151,7 @@ def run(
     """Launch SCRIPT on --worker_num ranks; on a fault, respawn only the failed rank (ARF).
 
     Also: `ftrun status [--log_dir DIR] [--watch]` shows a running or finished job; `ftrun report
-    LOG_DIR [--plot FILE.png]` summarises a run (a script named status or report runs as ./status)."""
+    LOG_DIR [--plot FILE.png]` summarises a run; `ftrun check SCRIPT [ARGS]` tells whether SCRIPT is exactly-once under ftrun (a script named status, report or check runs as ./status)."""
     if nproc_per_node is not None and not nproc_per_node.strip().isdigit():
         nproc_per_node = str(count_local_devices(nproc_per_node))  # torchrun's auto, cpu, gpu, xpu
     local_worker_num = _same(nproc_per_node, "--nproc_per_node", local_worker_num, "--local_worker_num")
@@ -188,6 +189,7 @@ def run(
         "warm_spares": warm_spares,
         "hot_spares": hot_spares,
         "recoverable_errors": recoverable_errors,
+        "on_divergence": on_divergence,
         "checkpoint_dir": checkpoint_dir,
         "save_steps": save_steps,
         "keep_checkpoints": keep_checkpoints,
@@ -301,14 +303,40 @@ def report(
         print(f"timeline plot written to {plot}")
 
 
-SUBCOMMANDS = {"status": status_app, "report": report_app}
+check_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
+                        context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]})
+
+
+@check_app.command()
+def check(
+    script: str = typer.Argument(..., help="The training script (it uses the worker library).", show_default=False),
+    script_args: Optional[List[str]] = typer.Argument(None, help="Arguments passed to the script.", show_default=False),
+    worker_num: int = typer.Option(2, *_flags("worker_num"), help="Ranks per run (at least 2)."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds each run may take."),
+    keep: Optional[str] = typer.Option(None, "--keep", help="Keep every run's logs and traces in this directory.",
+                                       show_default=False),
+) -> None:
+    """Tell whether SCRIPT is exactly-once under ftrun: a fault-free run, then runs with a rank killed
+    mid-epoch in the all-reduce, after an epoch's last step, before an epoch's first step and inside a
+    section; each must end with the same parameters. If one does not: the step and parameter tensor
+    where it first differs, and the likely cause. Exit code 0: exactly-once; 1: not; 2: it did not run."""
+    from .check import check as run_check
+
+    if worker_num < 2:
+        raise ConfigError(f"--worker_num {worker_num}: a check needs at least 2 ranks (a replacement takes its state from a replica)")
+    if not Path(script).is_file():
+        raise ConfigError(f"{script}: no such script")
+    raise SystemExit(run_check(script, list(script_args or ()), world=worker_num, timeout=timeout, keep=keep))
+
+
+SUBCOMMANDS = {"status": status_app, "report": report_app, "check": check_app}
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: runs the CLI; user errors print one line and exit 2.
 
-    ``ftrun status ...`` and ``ftrun report ...`` are subcommands when the first argument is exactly
-    ``status`` or ``report``; a script of that name runs as ``ftrun ./status``.
+    ``ftrun status ...``, ``ftrun report ...`` and ``ftrun check ...`` are subcommands when the first
+    argument is exactly ``status``, ``report`` or ``check``; a script of that name runs as ``ftrun ./status``.
     """
     from .report import ReportError
 

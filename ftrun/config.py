@@ -293,6 +293,10 @@ OPTIONS: tuple[Option, ...] = (
            low=0, high=64, why="each hot spare holds the script's data, model and optimizer in memory"),
     Option("recoverable_errors", str, "", "More exception types repaired in place (UCE), e.g. "
            "'torch.OutOfMemoryError,MyError'."),
+    Option("on_divergence", str, "warn", "What a detected divergence does (a rank that recomputes a step gets "
+           "another local gradient than the first time, or replicas hold other parameters after a recovery): 'warn' "
+           "(a divergence event and a console warning) or 'fail' (stop the job with a dying-gasp checkpoint of the "
+           "last step known good)."),
     Option("checkpoint_dir", str, "ftrun_checkpoints", "Directory of checkpoints (periodic and dying-gasp); created "
            "and checked for writing at start when TTP is on."),
     Option("save_steps", int, 0, "Write a checkpoint every N committed steps, in the background (0: never).",
@@ -350,6 +354,7 @@ class JobSpec:
         warm_spares: processes kept with torch imported, to replace failed ranks faster.
         hot_spares: processes per node kept past the script's set-up, waiting at its training loop.
         recoverable_errors: extra exception type names repaired in place (UCE).
+        on_divergence: ``"warn"`` or ``"fail"``: what a detected divergence does (issue 20).
         checkpoint_dir, save_steps, keep_checkpoints, resume: checkpoints (TTP).
         config_file: the TOML file the spec was read from, if any.
         run_id: the run's id (torchrun's ``--rdzv-id``), the ranks' ``TORCHELASTIC_RUN_ID``;
@@ -398,6 +403,7 @@ class JobSpec:
     warm_spares: int = 1
     hot_spares: int = 0
     recoverable_errors: tuple[str, ...] = ()
+    on_divergence: str = "warn"
     checkpoint_dir: str = "ftrun_checkpoints"
     save_steps: int = 0
     keep_checkpoints: int = 3
@@ -1461,6 +1467,9 @@ def resolve(
             raise ConfigError(
                 f"{label('recoverable_errors')}: {name!r} is not an exception type name; write e.g. 'torch.OutOfMemoryError'"
             )
+    on_divergence = values["on_divergence"].strip().lower()
+    if on_divergence not in ("warn", "fail"):
+        raise ConfigError(f"{label('on_divergence')} {values['on_divergence']!r} must be 'warn' or 'fail'")
     resume = values["resume"].strip()
     if not resume:
         raise ConfigError(f"{label('resume')} is empty; use 'auto', 'none' or the path of a checkpoint")
@@ -1527,6 +1536,7 @@ def resolve(
         warm_spares=values["warm_spares"],
         hot_spares=values["hot_spares"],
         recoverable_errors=recoverable,
+        on_divergence=on_divergence,
         checkpoint_dir=values["checkpoint_dir"],
         save_steps=values["save_steps"],
         keep_checkpoints=values["keep_checkpoints"],

@@ -43,6 +43,7 @@ _EVENT_STYLE = {
     "recovery_fallback": "red",
     "job_restarting": "yellow",
     "warning": "yellow",
+    "divergence": "bold red",
     "message_rejected": "red",
 }
 #: Seconds of samples kept for the step rate.

@@ -85,6 +85,7 @@ STALL_MIN_BYTES_PER_S = 50e6  # ...plus the stage's bytes at this rate (copying 
 STALL_STAGES = {"recover": "the recovery's drop of its group", "transfer": "the state transfer",
                 "init": "the initial broadcast"}  # watched stages (ftrun.recovery.RankProgress.stage)
 STOP_REPORT_WAIT_S = 10.0  # past the grace period: how long stopped ranks' exits are waited for
+DIVERGENCE_EXIT_CODE = 3  # the job stopped on a detected divergence (--on_divergence fail)
 
 
 @dataclass
@@ -424,6 +425,7 @@ class Coordinator:
             "FTRUN_UCE": "1" if spec.tft.uce else "0",
             "FTRUN_TTP": "1" if spec.tft.ttp else "0",
             "FTRUN_RECOVERABLE_ERRORS": ",".join(spec.recoverable_errors),
+            "FTRUN_ON_DIVERGENCE": spec.on_divergence,
             "FTRUN_CHECKPOINT_DIR": str(self.checkpoint_root),
             "FTRUN_SAVE_STEPS": str(spec.save_steps),
             "PYTHONUNBUFFERED": "1",
@@ -1581,6 +1583,22 @@ class Coordinator:
                 x.released = True
                 self.send(x, MsgType.FINISHED)
 
+    def on_divergence(self, r: Rank, msg: Message) -> None:
+        """A rank found that exactly-once does not hold (issue 20): a step it recomputed gave
+        another local gradient than the first computation (state the script carries outside what
+        ftrun restores), or replicas hold other parameters after a recovery. A ``divergence``
+        event and a console warning; with ``--on_divergence fail`` the job stops with a
+        dying-gasp checkpoint of the last step every rank committed (the rank holds its
+        diverged step back until the abort)."""
+        step, check = msg["step"], msg["check"]
+        fail = self.spec.on_divergence == "fail"
+        self.emit(EventKind.DIVERGENCE, f"rank {r.rank} diverged at step {step} ({check}): {msg['reason'][:600]}"
+                  + ("; stopping (--on_divergence fail)" if fail else ""), rank=r.rank, step=step, check=check,
+                  reason=msg["reason"][:1000])
+        if fail and self._pending_exit is None and self._gasp is None:
+            self._pending_exit = self.stop(DIVERGENCE_EXIT_CODE, f"stopped: rank {r.rank} diverged at step {step} "
+                                           "(--on_divergence fail)")
+
     _rank_handlers: dict[MsgType, Callable[["Coordinator", Rank, Message], None]] = {
         MsgType.HEARTBEAT: on_heartbeat,
         MsgType.STEP_BEGIN: on_step,
@@ -1594,6 +1612,7 @@ class Coordinator:
         MsgType.RECOVERED: lambda self, r, msg: self.on_recovered(r, msg),
         MsgType.DONE: lambda self, r, msg: self.on_done(r, msg),
         MsgType.ERROR: on_error,
+        MsgType.DIVERGENCE: on_divergence,
     }
 
     # ----------------------------------------------------------------- checkpoints (TTP)

@@ -48,13 +48,18 @@ class EpochProgress:
     def __init__(self) -> None:
         self.epoch: int | None = None
         self.step = 0
+        # Whether the last epoch's end (the code after its batch loop) moved this rank's random
+        # streams: then a rank replaced right after that epoch's last step cannot know them.
+        self.end_moved_rng = False
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": -1 if self.epoch is None else int(self.epoch), "step": int(self.step)}
+        return {"epoch": -1 if self.epoch is None else int(self.epoch), "step": int(self.step),
+                "end_moved_rng": bool(self.end_moved_rng)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = None if int(state["epoch"]) < 0 else int(state["epoch"])
         self.step = int(state["step"])
+        self.end_moved_rng = bool(state.get("end_moved_rng", False))
 
 
 def _is_stateful(loader: Any) -> bool:

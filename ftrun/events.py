@@ -50,6 +50,7 @@ class EventKind(str, Enum):
     JOB_FINISHED = "job_finished"
     NODE_JOINED = "node_joined"
     NODE_LOST = "node_lost"
+    DIVERGENCE = "divergence"  # exactly-once broken: a recomputed step or a replica's parameters differ
 
 
 @dataclass

@@ -15,7 +15,8 @@ Keys:
         ``recover`` (any rank entering a recovery, before it rebuilds the group), ``rejoin`` (a
         rank receiving state, after the new group is built and before it receives), ``transfer``
         (a donor, after part of the state was sent), ``finish`` (entering ``ft.finish()``, after the
-        script's epilogue; ``step`` is then the committed step). Default ``before_forward``.
+        script's epilogue; ``step`` is then the committed step), ``section`` (entering an
+        ``ft.section()``; ``step`` is then the committed step). Default ``before_forward``.
     kind: what happens. Deaths: ``kill`` (SIGKILL itself), ``exit`` (``os._exit(code)``),
         ``exception`` (raise :class:`InjectedFault`, uncaught), ``segv`` (SIGSEGV). Hangs:
         ``stop`` (SIGSTOP itself: frozen, no heartbeat), ``hang`` (an endless Python loop),
@@ -48,7 +49,8 @@ from typing import Callable
 
 from .errors import RecoverableError
 
-POINTS = ("before_forward", "allreduce", "optimizer", "between_steps", "init", "recover", "rejoin", "transfer", "finish")
+POINTS = ("before_forward", "allreduce", "optimizer", "between_steps", "init", "recover", "rejoin", "transfer", "finish",
+          "section")
 KINDS = ("kill", "exit", "exception", "segv", "stop", "hang", "deadlock", "comm", "recoverable")
 
 

@@ -28,7 +28,7 @@ mistyped fields are rejected with :class:`ProtocolError` before any field is use
 unpickled.
 
 Worker -> supervisor (DEALER -> ROUTER): ``hello``, ``heartbeat``, ``step_begin``, ``update_begin``,
-``update_end``, ``progress``, ``fault``, ``recovered``, ``done``, ``error``.
+``update_end``, ``progress``, ``fault``, ``recovered``, ``done``, ``error``, ``divergence``.
 Supervisor -> worker: ``abort`` (drop the group, report your committed step for generation g),
 ``reconfigure`` (the plan of generation g), ``stop``.
 Supervisor -> launcher (PUSH -> PULL): ``event``, ``status``.
@@ -75,6 +75,7 @@ class MsgType(str, Enum):
     STEPS_END = "steps_end"  # left the step loop: no step watchdog from here on
     DONE = "done"
     ERROR = "error"
+    DIVERGENCE = "divergence"  # a recomputed step's local gradient, or replicas' parameters, differ
     RECONFIGURE = "reconfigure"
     ABORT = "abort"
     SAVE = "save"  # write your shard of the given committed step (TTP dying gasp)
@@ -120,6 +121,7 @@ SCHEMA: dict[MsgType, dict[str, tuple[type, ...]]] = {
     MsgType.STEPS_END: {"rank": _INT, "incarnation": _INT},
     MsgType.DONE: {"rank": _INT, "incarnation": _INT},
     MsgType.ERROR: {"rank": _INT, "incarnation": _INT, "reason": _STR},
+    MsgType.DIVERGENCE: {"rank": _INT, "incarnation": _INT, "step": _INT, "check": _STR, "reason": _STR},
     MsgType.RECONFIGURE: {"generation": _INT, "world_size": _INT, "step": _INT, "transfers": (list,)},
     MsgType.ABORT: {"generation": _INT, "reason": _STR},
     MsgType.SAVE: {"generation": _INT, "step": _INT, "shard": _INT, "directory": _STR, "reason": _STR},

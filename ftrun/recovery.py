@@ -60,12 +60,16 @@ class Recovery:
         safe_point: called on every turn of the wait for a plan (the worker writes a requested
             dying-gasp checkpoint there, and exits if its supervisor is gone).
         seed: the script's ``init(seed=...)`` (a seeded rank loses nothing without its record).
+        check_replicas: called on every rank with the recovery step once the transfers are done:
+            replicas compare their parameters (a collective of the new generation); False if it
+            failed, which is handled as a failed transfer.
 
     :meth:`bind` gives it the rank's identity (late for a hot spare).
     """
 
     def __init__(self, progress: RankProgress, group: Any, control: Any, registry: Any,
-                 build_group: Callable[[int], bool], safe_point: Callable[[], None], seed: int | None) -> None:
+                 build_group: Callable[[int], bool], safe_point: Callable[[], None], seed: int | None,
+                 check_replicas: Callable[[int], bool] | None = None) -> None:
         self.progress = progress
         self.group = group
         self.control = control
@@ -73,11 +77,15 @@ class Recovery:
         self.build_group = build_group
         self.safe_point = safe_point
         self.seed = seed
+        self.check_replicas = check_replicas
         self.rank: int | None = None
         self.attempt = 0
         self.faults: Any = None
         self.fresh = False  # a respawned rank that has not recovered yet (reads its record then)
-        self._rank_record: dict[str, Any] | None = None
+        self._rank_record: Any = None  # ftrun.rankstate.RankRecord fetched for a respawned rank
+        # What the predecessor of a respawned rank recorded of the step it computed but did not see
+        # committed: (step, digest of its local gradient), compared when this rank recomputes it.
+        self.predecessor_gradient: tuple[int, str] | None = None
 
     def bind(self, rank: int, attempt: int, faults: Any, fresh: bool) -> None:
         """Set the rank's identity: rank, whole-job attempt, fault injector, and whether it is a
@@ -163,17 +171,24 @@ class Recovery:
             self.control.send(MsgType.ERROR, reason=f"state transfer failed: {type(err).__name__}: {err}")
             return "failed", nbytes, time.monotonic() - started
         role = "recipient" if as_recipient else "donor" if as_donor else "none"
+        if self.check_replicas is not None and not self.check_replicas(plan["step"]):  # every rank, after the transfers
+            return "failed", nbytes, time.monotonic() - started
         return role, nbytes, time.monotonic() - started
 
     def _fetch_rank_record(self, step: int) -> None:
         """A respawned rank: fetch its predecessor's own state at committed ``step`` from the store
-        (applied at its first step start); without one, say that it starts fresh."""
+        (applied where its first step begins, :meth:`ftrun.worker.Worker.epochs`) and the digest of
+        the local gradient it computed for ``step + 1``, if it got that far; without a record, say
+        that it starts fresh."""
         from .rankstate import RankStateStore
 
         record = None
         failure = None
         try:
-            record = RankStateStore(self.group.store(), self.attempt, self.rank).get(step)
+            records = RankStateStore(self.group.store(), self.attempt, self.rank)
+            record = records.get(step)
+            digest = records.get_gradient_digest(step + 1)
+            self.predecessor_gradient = (step + 1, digest) if digest is not None else None
         except Exception as err:
             failure = describe(err)
         if record is not None:
@@ -182,7 +197,12 @@ class Recovery:
             print(f"ftrun: rank {self.rank}: no record of its own state (RNG, data position) at step {step}"
                   f"{': ' + failure if failure else ''}; it continues from a fresh one", file=sys.stderr, flush=True)
 
-    def take_rank_record(self) -> dict[str, Any] | None:
-        """The predecessor's own state fetched by the last recovery, once (then forgotten here)."""
+    def pending_rank_record(self) -> Any:
+        """The predecessor's record fetched by the last recovery and not applied yet (a
+        :class:`ftrun.rankstate.RankRecord`), or None."""
+        return self._rank_record
+
+    def take_rank_record(self) -> Any:
+        """The predecessor's record fetched by the last recovery, once (then forgotten here)."""
         record, self._rank_record = self._rank_record, None
         return record

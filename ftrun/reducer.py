@@ -68,6 +68,13 @@ class GradientReducer:
             a rank that starts later (respawned, resumed) must use the rebuilt layout its peers use.
         waiting: a flag the worker's heartbeat probe reads (set while this thread waits for an
             all-reduce, so the watchdog knows the rank waits in torch.distributed).
+        on_local_gradient: called at the end of every synced backward with the fingerprint of the
+            local gradients (before averaging; :func:`ftrun.digest.fingerprint`, parameter order)
+            while the all-reduces run; returns False to fail the step instead (see
+            ``hold_for_check``). The worker keeps and compares it (exactly-once check, issue 20).
+        hold_for_check: whether this pass must not communicate before ``on_local_gradient`` has
+            seen the fingerprint (a recomputed step under ``--on_divergence fail``): every bucket
+            is then launched at the end of backward, after the check.
         abandon: set (by the worker's I/O thread) when an abort for a newer generation arrived:
             a wait in progress gives up (the step fails and is recovered) instead of trusting the
             backend to fail an all-reduce whose peer is gone (seen in CI: a future that never
@@ -85,6 +92,8 @@ class GradientReducer:
         waiting: threading.Event,
         is_first_step: Callable[[], bool] = lambda: True,
         abandon: threading.Event | None = None,
+        on_local_gradient: Callable[[str], bool] | None = None,
+        hold_for_check: Callable[[], bool] = lambda: False,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.world_size = world_size
@@ -102,6 +111,8 @@ class GradientReducer:
         self.forward_sync = True
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._is_first_step = is_first_step
+        self._on_local_gradient = on_local_gradient
+        self._hold_for_check = hold_for_check
         self._rebuilt: list[list[int]] | None = None  # buckets by ready order, once known
         self._ready_order: list[int] = []  # recorded until the rebuilt layout is known
         self._hooks: list[Any] = []
@@ -124,12 +135,15 @@ class GradientReducer:
         self._callback_queued = False
         self._buckets: list[list[int]] | None = None  # chosen at the pass's first ready gradient
         self._deferred = False
+        self._held = False  # this pass launches nothing before the local gradient is checked
 
     def _choose_layout(self) -> None:
         """DDP's layout for this pass: one bucket on the job's first step; the rebuilt buckets after;
         a rank that starts later and has not seen a backward yet defers every bucket to the end of
         this pass, when it knows the ready order (same layout as its peers, no overlap once)."""
-        if self._is_first_step():
+        if self._on_local_gradient is not None and self._hold_for_check():
+            self._buckets, self._deferred, self._held = [], True, True
+        elif self._is_first_step():
             self._buckets = [list(range(len(self.params)))]
         elif self._rebuilt is not None:
             self._buckets = self._rebuilt
@@ -164,10 +178,18 @@ class GradientReducer:
         if self._rebuilt is None and self._ready_order:
             self._rebuild(self._ready_order)
         if self._deferred or self._buckets is None:
-            self._buckets = self._rebuilt or [list(range(len(self.params)))]
+            if self._is_first_step():
+                self._buckets = [list(range(len(self.params)))]
+            else:
+                self._buckets = self._rebuilt or [list(range(len(self.params)))]
+        if self._held and self._on_local_gradient is not None:
+            if not self._on_local_gradient(self.local_fingerprint()) and self.error is None:
+                self.error = "held back: this rank's recomputed step diverged (--on_divergence fail)"
         while self._next_bucket < len(self._buckets):  # parameters that got no gradient this pass
             self._launch_bucket(self._buckets[self._next_bucket])
             self._next_bucket += 1
+        if not self._held and self._on_local_gradient is not None:
+            self._on_local_gradient(self.local_fingerprint())  # while the all-reduces run
         self.wait()
         for bucket, flat, _ in self._pending:
             if self.error is not None:
@@ -180,6 +202,13 @@ class GradientReducer:
                     p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
                 offset += n
         self._reset_pass()
+
+    def local_fingerprint(self) -> str:
+        """The fingerprint of this rank's local gradients (``.grad``, not averaged yet: the
+        all-reduces work on flattened copies until :meth:`_finish_pass` copies them back)."""
+        from .digest import fingerprint
+
+        return fingerprint(p.grad for p in self.params)
 
     def _rebuild(self, order: list[int]) -> None:
         """Bucket by the first backward's ready order, as DDP's reducer rebuilds its buckets."""

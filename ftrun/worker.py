@@ -170,12 +170,22 @@ class Worker:
         self.control.on_io_abort = self._on_io_abort
         # Its part in recoveries (ftrun.recovery), over the roles above.
         self.recovery = Recovery(self.progress, self.group, self.control, self.registry,
-                                 build_group=self._build_group, safe_point=self._recovery_safe_point, seed=seed)
+                                 build_group=self._build_group, safe_point=self._recovery_safe_point, seed=seed,
+                                 check_replicas=self._compare_replicas)
         self.recoverable_names = {n.strip() for n in os.environ.get("FTRUN_RECOVERABLE_ERRORS", "").split(",") if n.strip()}
         self._in_collective = False
         self._waiting = threading.Event()  # set while the training thread waits for an all-reduce
         self._reducers: list[GradientReducer] = []
         self._pending_uce: str | None = None  # a recoverable error raised inside backward
+        # Exactly-once checks (ftrun.digest, issue 20): the fingerprint of this rank's local
+        # gradient of the step last computed, what a detected divergence does, and those found.
+        self._local_gradient: tuple[int, str] | None = None
+        self.on_divergence = os.environ.get("FTRUN_ON_DIVERGENCE", "warn")
+        self.divergences: list[tuple[int, str, str]] = []  # (step, check, reason)
+        # ftrun check (ftrun.check): a trace of this process's run, written at finish().
+        trace_dir = os.environ.get("FTRUN_CHECK_TRACE")
+        self._trace: dict[str, Any] | None = None if not trace_dir else {
+            "dir": trace_dir, "steps": {}, "epochs": [], "sections": []}
         # Epoch loops and data (ft.epochs / ft.batches, ftrun.data) and this rank's own state kept
         # in the job's store for its next incarnation (ftrun.rankstate).
         self._progress: Any = None  # ftrun.data.EpochProgress once an epoch loop runs
@@ -183,6 +193,7 @@ class Worker:
         self._resume_step: int | None = None  # where a pass starts after a resume or a join
         self._next_step = 0
         self._epoch_stash: dict[str, Any] | None = None
+        self._pass_end_rng: dict[str, Any] | None = None  # the RNG streams when the epoch's pass ended
         self._rank_states: Any = None  # ftrun.rankstate.RankStateStore
         self._section: tuple[str, float | None] | None = None  # (name, timeout) of an open ft.section()
         self._last_report: tuple[int, dict[str, Any]] = (0, {})  # the last ft.report(), re-sent by sections
@@ -470,6 +481,8 @@ class Worker:
             waiting=self._waiting,
             is_first_step=lambda: self.progress.current_step == self._first_step,
             abandon=self.control.abandon,
+            on_local_gradient=self._check_local_gradient if self.managed or self.hot_spare else None,
+            hold_for_check=lambda: self.on_divergence == "fail" and self._expected_gradient() is not None,
         )
         self._reducers.append(reducer)
         reducer.attach()
@@ -615,18 +628,106 @@ class Worker:
         if self._keeps_rank_records():
             self._rank_states.put(self.committed, own)
 
-    def _keeps_rank_records(self) -> bool:
+    def _keeps_rank_records(self, gradient: bool = False) -> bool:
         """Whether this rank's own state is worth a copy in the store: it runs under ftrun with
         peers, and holds rank state that per-step reseeding does not make up (a data position,
-        or RNG streams when no ``seed`` was given)."""
+        or RNG streams when no ``seed`` was given). ``gradient``: for its gradient fingerprint,
+        which is always kept."""
         if not (self.managed and self.world_size > 1 and self.committed >= INITIAL):
             return False
-        if self.seed is not None and not self.registry.has_own_rank_state():
+        if not gradient and self.seed is not None and not self.registry.has_own_rank_state():
             return False
         if self._rank_states is None:
             from .rankstate import RankStateStore
 
             self._rank_states = RankStateStore(self.group.store(), self.attempt, self.rank)
+        return True
+
+    # ------------------------------------------------------------------ exactly-once checks
+    def _expected_gradient(self) -> tuple[str, str] | None:
+        """What the current step's local gradient must be, if this rank computed it before:
+        (fingerprint, who computed it: "its previous try" or "its predecessor")."""
+        step = self.progress.current_step
+        if step is None:
+            return None
+        if self._local_gradient is not None and self._local_gradient[0] == step:
+            return self._local_gradient[1], "its previous try"
+        before = self.recovery.predecessor_gradient
+        if before is not None and before[0] == step:
+            return before[1], "its predecessor (the process this one replaced)"
+        return None
+
+    def _check_local_gradient(self, digest: str) -> bool:
+        """At each synced backward (:class:`ftrun.reducer.GradientReducer`): keep the fingerprint of
+        the local gradient of the step (in memory, and in the job's store next to the rank state,
+        for a respawned successor) and, if the step was computed before, compare. A difference
+        means state outside what ftrun restores; it is reported (a ``divergence`` event). Returns
+        False only under ``--on_divergence fail``: the step is then held back (never
+        communicated) until the coordinator's abort for the dying gasp arrives."""
+        step = self.progress.current_step
+        if step is None:
+            return True
+        expected = self._expected_gradient()
+        self._local_gradient = (step, digest)
+        if self.recovery.predecessor_gradient is not None and self.recovery.predecessor_gradient[0] <= step:
+            self.recovery.predecessor_gradient = None
+        if self._keeps_rank_records(gradient=True):
+            try:
+                self._rank_states.put_gradient_digest(step, digest)
+            except Exception as err:  # the store is the launcher's; a failed write costs a check only
+                print(f"ftrun: rank {self.rank}: could not record its gradient fingerprint: {describe(err)}",
+                      file=sys.stderr, flush=True)
+        if expected is None or expected[0] == digest:
+            return True
+        reason = (f"step {step} computed again gave another local gradient than {expected[1]} "
+                  f"(fingerprint {digest[:12]} != {expected[0][:12]}): the script carries state ftrun does not restore "
+                  "(an unregistered carried tensor, a module-level variable, a random generator "
+                  "of its own); register it (README: Porting a script)")
+        return self._report_divergence(step, "gradient", reason)
+
+    def _report_divergence(self, step: int, check: str, reason: str, hold: bool = True) -> bool:
+        """Tell the coordinator and the rank's log; under ``--on_divergence fail`` and with
+        ``hold``, wait for the abort that stops the job (returns False then). Without ``hold``
+        (inside a recovery) the coordinator's dying gasp aborts the rank at its next safe point."""
+        self.divergences.append((step, check, reason))
+        print(f"ftrun: rank {self.rank}: DIVERGENCE at step {step}: {reason}", file=sys.stderr, flush=True)
+        self._send(MsgType.DIVERGENCE, step=int(step), check=check, reason=reason)
+        if self.on_divergence != "fail" or not self.managed or not hold:
+            return True
+        deadline = time.monotonic() + 60.0
+        while not self._poll_abort(timeout=0.05) and time.monotonic() < deadline:
+            pass
+        return False
+
+    def _compare_replicas(self, step: int) -> bool:
+        """After a recovery's transfers (:class:`ftrun.recovery.Recovery`), on every rank of the new
+        generation: all-gather a fingerprint of the parameters and compare it with the lowest
+        rank's of this rank's replica group; a difference (a transfer that went wrong, a replica
+        that diverged) is reported as a ``divergence``. False if the collective failed (the
+        recovery then goes on as after a failed transfer)."""
+        if self.world_size == 1:
+            return True
+        from .digest import fingerprint
+
+        params = [p for name, obj in self.registry.items()
+                  if self.registry.kinds[name] == "committed" and isinstance(obj, torch.nn.Module) for p in obj.parameters()]
+        raw = bytes.fromhex(fingerprint(params))
+        mine = torch.tensor([int.from_bytes(raw[:8], "little", signed=True), int.from_bytes(raw[8:16], "little", signed=True)],
+                            dtype=torch.int64, device=self.device)
+        gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        failure = None
+        try:
+            dist.all_gather(gathered, mine)
+        except Exception as err:
+            failure = describe(err)
+        if failure is not None:
+            print(f"ftrun: rank {self.rank}: comparing parameters with its replicas failed: {failure}", file=sys.stderr, flush=True)
+            return False
+        reference = min(self.replica_group)
+        if reference != self.rank and not torch.equal(gathered[reference], mine):
+            self._report_divergence(step, "replica_parameters",
+                                    f"after the recovery to step {step} its parameters differ from rank {reference}'s, "
+                                    "a replica's (a transfer that went wrong, or replicas that diverged before)", hold=False)
         return True
 
     def _record_provisional(self) -> None:
@@ -637,7 +738,24 @@ class Worker:
             return
         from .checkpoint import snapshot
 
-        self._rank_states.put(step, snapshot(self.registry.state_dict(only=("rank",))))
+        self._rank_states.put(step, snapshot(self.registry.state_dict(only=("rank",))), provisional=True)
+
+    def _record_epoch_boundary(self) -> None:
+        """After an epoch's end, before the next epoch's prologue: this rank's own state, labelled
+        with its committed step, for a successor that would start the next epoch (its predecessor's
+        epoch end is then in it; :class:`ftrun.rankstate.RankRecord`)."""
+        if not self._keeps_rank_records():
+            return
+        from .checkpoint import snapshot
+
+        self._rank_states.put(self.committed, snapshot(self.registry.state_dict(only=("rank",))), epoch_boundary=True)
+
+    def _apply_rank_record(self) -> None:
+        """Load the predecessor's record of this rank's own state, if a recovery fetched one and it
+        is not applied yet (a respawned rank; :class:`ftrun.rankstate.RankRecord`)."""
+        record = self.recovery.take_rank_record()
+        if record is not None:
+            self.registry.load(record.state, kinds=("rank",))
 
     def _roll_back(self, step: int, kinds: tuple[str, ...]) -> bool:
         """Restore the ``kinds`` objects to their state at committed ``step`` if the step-start
@@ -678,6 +796,9 @@ class Worker:
         previous = self._section
         self._section = (str(name), None if timeout is None else float(timeout))
         self._send(MsgType.PROGRESS, **self._progress_fields())
+        if self._trace is not None:
+            self._trace["sections"].append({"name": str(name), "committed": self.committed})
+        self.faults.point("section", self.committed)
         try:
             yield
         finally:
@@ -845,17 +966,43 @@ class Worker:
         self._epochs_stop = stop
         self._first_step = progress.step
         self._resume_step = self._enter_loop(progress.step)
+        record = self.recovery.pending_rank_record()
+        if record is not None and (record.provisional or record.epoch_boundary) and self._resume_step == progress.step:
+            # A respawned rank starting at an epoch's first step with its predecessor's state from
+            # the previous epoch's last all-reduce or end: apply it before the epoch's prologue (the
+            # code between ft.epochs and ft.batches: resetting a hidden state, set_epoch, a draw),
+            # which this rank now runs as its predecessor did. Applied after it, it would undo it.
+            self._apply_rank_record()
+            if record.provisional and progress.end_moved_rng:
+                # Its predecessor died before the end of the previous epoch was over (or before it
+                # recorded it); that end moved the random streams on its replicas, so it would have
+                # moved this rank's too, by draws no one recorded.
+                self._report_divergence(
+                    max(progress.step - 1, 0), "epoch_end_rng",
+                    f"rank {self.rank} replaces a process that died after step {progress.step - 1}, an epoch's last, "
+                    "before that epoch's end was over; the epoch's end draws from the global random generators "
+                    "(an evaluation DataLoader's iter() draws a seed from torch's even with num_workers=0; dropout "
+                    "left in train mode; a random sample), so its random streams cannot be its predecessor's. Give "
+                    "what the epoch's end draws with its own generator (DataLoader(..., generator=torch.Generator()))",
+                    hold=False)
         if progress.epoch is None:
             progress.epoch = first
         try:
             while progress.epoch < stop:
                 epoch = progress.epoch
+                if self._trace is not None:
+                    self._trace["epochs"].append({"epoch": epoch, "first_step": progress.step})
+                self._pass_end_rng = None
                 yield epoch
+                if self._pass_end_rng is not None:  # the epoch's end has run: did it draw?
+                    progress.end_moved_rng = not _same_state(self._pass_end_rng, self.registry["rng"].state_dict())
+                    self._pass_end_rng = None
                 if self._epoch_stash is not None:  # see above: the donor's state, as received
                     stash, self._epoch_stash = self._epoch_stash, None
                     self.registry.load(stash)
                 elif progress.epoch == epoch:
                     progress.epoch = epoch + 1
+                    self._record_epoch_boundary()
         except GeneratorExit:
             self._send(MsgType.STEPS_END)
             raise
@@ -894,6 +1041,9 @@ class Worker:
         yield from self._step_loop(step, None, cursor)
         if progress.epoch == epoch or epoch < 0:  # else a recovery brought the donor's later epoch
             progress.step = self._next_step
+            from .checkpoint import snapshot
+
+            self._pass_end_rng = snapshot(self.registry["rng"].state_dict())
 
     def _enter_loop(self, step: int) -> int:
         """Before the first step: resume from a checkpoint, or join the job (a respawned rank), or
@@ -924,6 +1074,9 @@ class Worker:
                     self._next_step = step
                     return
                 continue
+            # A respawned rank: its predecessor's own state, where the predecessor's next step
+            # began (or would have: after the pass's last step it goes on to the epoch's end).
+            self._apply_rank_record()
             if cursor is not None and cursor.exhausted():
                 break
             self.faults.point("before_forward", step)
@@ -931,9 +1084,6 @@ class Worker:
             self._send(MsgType.STEP_BEGIN, step=step, total=total if total is not None else self._loop_total(cursor))
             if self.seed is not None:
                 seed_everything(step_seed(self.seed, step, self.rank))
-            record = self.recovery.take_rank_record()
-            if record is not None:  # a respawned rank: its predecessor's own state
-                self.registry.load(record, kinds=("rank",))
             if self.managed:
                 self._snapshot_step_start()
             batch = None
@@ -1045,6 +1195,34 @@ class Worker:
     def commit(self, step: int) -> None:
         """Mark ``step`` committed (called by the optimizer wrapper after its update)."""
         self.committed = step
+        if self._trace is not None:
+            from .digest import fingerprint
+
+            self._trace["steps"][str(step)] = [fingerprint([p]) for _, p in self._traced_parameters()]
+
+    def _traced_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of every parameter of the registered models, named
+        ``<registered name>.<parameter name>`` (what ``ftrun check`` compares)."""
+        return [(f"{name}.{pname}", p) for name, obj in self.registry.items()
+                if self.registry.kinds[name] == "committed" and isinstance(obj, torch.nn.Module)
+                for pname, p in obj.named_parameters()]
+
+    def _write_trace(self) -> None:
+        """ftrun check: write this process's trace (per committed step, a fingerprint of each
+        parameter; the epochs' first steps; the sections; the divergences it found) as JSON."""
+        import json
+
+        trace = self._trace
+        assert trace is not None
+        doc = {"rank": self.rank, "incarnation": self.incarnation, "committed": self.committed,
+               "names": [n for n, _ in self._traced_parameters()], "steps": trace["steps"],
+               "epochs": trace["epochs"], "sections": trace["sections"],
+               "divergences": [{"step": s, "check": c, "reason": r} for s, c, r in self.divergences]}
+        directory = Path(trace["dir"])
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"trace_rank{self.rank}_inc{self.incarnation}.json"
+        path.with_suffix(".tmp").write_text(json.dumps(doc))
+        path.with_suffix(".tmp").replace(path)
 
     def finish(self) -> None:
         """Say the rank is done, wait for every other rank to be done too, then tear the group
@@ -1057,6 +1235,8 @@ class Worker:
         """
         global _worker
         self.faults.point("finish", self.committed)
+        if self._trace is not None:
+            self._write_trace()
         self.checkpoints.close()  # the last periodic checkpoint is written before we leave
         self._send(MsgType.DONE, committed=self.committed)
         self._drop_group(broken=False)
@@ -1100,6 +1280,21 @@ class Step(int):
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, _tb: Any) -> bool:
         return exc is not None and self._worker.repair_step_error(exc)
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Whether two state_dicts (nested dicts, lists, tensors, arrays, numbers) are equal, bitwise."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    if hasattr(a, "shape") and hasattr(b, "shape"):  # numpy arrays
+        import numpy as np
+
+        return bool(np.array_equal(a, b))
+    return bool(a == b)
 
 
 def _local_gradients_hook(_state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations

@@ -1,0 +1,65 @@
+"""Fingerprints of tensors, to check exactly-once while training runs (issue 20).
+
+ftrun promises that a run with recovered faults ends with the parameters of the run without. Two
+checks make a break of that promise loud instead of silent:
+
+- each rank fingerprints its *local* gradient (before averaging) at every step's all-reduce and
+  keeps it next to its rank state (:mod:`ftrun.rankstate`); a rank that computes a step again (a
+  retried step, or a respawned rank recomputing the step its predecessor computed but did not see
+  committed) compares: the same state must give the same bits, so a difference is state the script
+  carries outside what ftrun restores (an unregistered carried tensor, a global, a random draw);
+- after every recovery, replicas compare fingerprints of their parameters.
+
+A fingerprint is SHA-1 over the tensors' bytes (CPU tensors, read in place: about 1.8 GB/s on
+this project's machines, 0.7 ms for the digits MLP's 300k gradients, while the all-reduces run),
+with their shapes and dtypes: any changed bit changes it. A tensor on an accelerator is not copied
+to the host: there, per tensor, the sum and the sum of squares of its elements' bit patterns as
+64-bit integers (wrapping) are computed on the device and hashed; one changed element changes
+them, as does nearly any change of several (only a permutation of equal bit patterns goes unseen).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable
+
+import torch
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def tensor_sums(t: torch.Tensor) -> torch.Tensor:
+    """``[sum, sum of squares]`` (int64, wrapping) of the bit patterns of ``t``'s elements."""
+    flat = t.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    bits = flat.view(_INT_OF_SIZE[flat.element_size()]).to(torch.int64)
+    return torch.stack([bits.sum(), (bits * bits).sum()])
+
+
+def fingerprint(tensors: Iterable[torch.Tensor | None]) -> str:
+    """The fingerprint (32 hex digits) of a sequence of tensors, in order; None counts as absent."""
+    h = hashlib.sha1()
+    sums = []
+    for t in tensors:
+        if t is None:
+            h.update(b"none;")
+            continue
+        h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
+        if t.device.type == "cpu":
+            flat = t.detach().contiguous().reshape(-1)
+            h.update(flat.view(torch.uint8).numpy() if flat.numel() else b"")
+        else:
+            sums.append(tensor_sums(t))
+    if sums:
+        h.update(torch.stack(sums).cpu().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def first_difference(names: list[str], a: list[torch.Tensor], b: list[torch.Tensor]) -> str | None:
+    """The name of the first tensor where ``a`` and ``b`` differ bitwise (None: all equal)."""
+    for name, x, y in zip(names, a, b):
+        if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x.reshape(-1).view(_INT_OF_SIZE[x.element_size()]),
+                                                                        y.reshape(-1).view(_INT_OF_SIZE[y.element_size()])):
+            return name
+    return None

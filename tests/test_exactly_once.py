@@ -1,0 +1,125 @@
+"""Exactly-once checks without processes (issue 20): fingerprints, the rank-state records a
+respawned rank reads, the coordinator's answer to a ``divergence``, the ``--on_divergence`` option,
+and ``ftrun check``'s verdict logic. The runs with real ranks are in tests/test_word_lm.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ftrun.config import ConfigError
+from ftrun.digest import first_difference, fingerprint
+from ftrun.protocol import MsgType
+from ftrun.rankstate import RankStateStore
+
+from test_config import res
+from test_coordinator import events, hello_all, make, send
+
+
+def test_fingerprint_sees_one_ulp_and_ignores_copies() -> None:
+    a = [torch.randn(3, 4), torch.randn(5, dtype=torch.float64), torch.arange(4, dtype=torch.int16)]
+    b = [t.clone() for t in a]
+    assert fingerprint(a) == fingerprint(b)
+    b[1][2] = torch.nextafter(b[1][2], torch.tensor(9.0, dtype=torch.float64))
+    assert fingerprint(a) != fingerprint(b)
+    assert first_difference(["w", "v", "i"], a, b) == "v"
+    assert first_difference(["w", "v", "i"], a, [t.clone() for t in a]) is None
+    # Same values, another shape, or a missing gradient: another fingerprint.
+    assert fingerprint([a[0]]) != fingerprint([a[0].reshape(4, 3)])
+    assert fingerprint([a[0], None]) != fingerprint([a[0]])
+
+
+def test_rank_records_say_where_they_were_taken_and_keep_the_gradient_fingerprint() -> None:
+    records = RankStateStore(dist.HashStore(), attempt=0, rank=1)
+    state = {"hidden": {"h": torch.ones(2)}}
+    records.put(7, state, provisional=True)  # at step 7's all-reduce
+    got = records.get(7)
+    assert got is not None and got.provisional and got.label == 7 and torch.equal(got.state["hidden"]["h"], torch.ones(2))
+    records.put(7, {"hidden": {"h": torch.zeros(2)}})  # at step 8's start: replaces it
+    got = records.get(7)
+    assert got is not None and not got.provisional and torch.equal(got.state["hidden"]["h"], torch.zeros(2))
+    assert records.get(6) is None and records.get(9) is None  # another label in the slot, or none
+    records.put_gradient_digest(8, "abc")
+    assert records.get_gradient_digest(8) == "abc"
+    assert records.get_gradient_digest(10) is None  # same slot, other step: never a stale match
+    assert records.get_gradient_digest(9) is None
+
+
+def test_a_divergence_is_an_event_and_with_fail_stops_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "warn").mkdir()
+    (tmp_path / "fail").mkdir()
+    coord, _, _ = make(tmp_path / "warn", world=2)
+    hello_all(coord)
+    send(coord, 1, MsgType.DIVERGENCE, step=12, check="gradient", reason="step 12 computed again differs")
+    found = events(tmp_path / "warn", "divergence")
+    assert [(e["rank"], e["detail"]["step"], e["detail"]["check"]) for e in found] == [(1, 12, "gradient")]
+    assert coord._pending_exit is None  # warn (the default): training goes on
+
+    coord, _, _ = make(tmp_path / "fail", world=2, on_divergence="fail")
+    hello_all(coord)
+    stops: list[tuple[int, str]] = []
+    monkeypatch.setattr(coord, "stop", lambda code, reason: stops.append((code, reason)) or code)
+    send(coord, 0, MsgType.DIVERGENCE, step=5, check="replica_parameters", reason="parameters differ")
+    assert coord._pending_exit == 3
+    assert len(stops) == 1 and "rank 0 diverged at step 5" in stops[0][1]
+    assert "stopping" in events(tmp_path / "fail", "divergence")[0]["message"]
+
+
+def test_on_divergence_option(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert res(tmp_path, str(script)).on_divergence == "warn"
+    assert res(tmp_path, str(script), cli_values={"on_divergence": "FAIL"}).on_divergence == "fail"
+    assert res(tmp_path, str(script), environ={"FTRUN_ON_DIVERGENCE": "fail"}).on_divergence == "fail"
+    with pytest.raises(ConfigError, match="must be 'warn' or 'fail'"):
+        res(tmp_path, str(script), cli_values={"on_divergence": "ignore"})
+    assert json.loads(json.dumps(res(tmp_path, str(script)).to_json()))["on_divergence"] == "warn"
+
+
+def _trace(steps: dict[int, list[str]], epochs: list[tuple[int, int]] = (), sections: list[tuple[str, int]] = (),
+           divergences: list[dict] = (), rank: int = 0, incarnation: int = 0) -> dict:
+    return {"rank": rank, "incarnation": incarnation, "names": ["model.a", "model.b"],
+            "steps": {str(k): v for k, v in steps.items()},
+            "epochs": [{"epoch": e, "first_step": s} for e, s in epochs],
+            "sections": [{"name": n, "committed": c} for n, c in sections], "divergences": list(divergences)}
+
+
+def test_check_picks_the_steps_where_scripts_go_wrong() -> None:
+    from ftrun.check import Trace, choose_scenarios
+
+    reference = Trace({0: _trace({s: ["x", "y"] for s in range(40)}, epochs=[(1, 0), (2, 10), (3, 20), (4, 30)],
+                                 sections=[("eval", 9), ("eval", 19), ("eval", 29), ("eval", 39)])})
+    faults = [s.fault for s in choose_scenarios(reference, world=2)]
+    assert faults == [
+        "rank=1,step=4,point=allreduce,kind=kill",        # mid first epoch: survivors compute it again
+        "rank=1,step=29,point=between_steps,kind=kill",   # the last step of the second-to-last epoch
+        "rank=1,step=30,point=before_forward,kind=kill",  # the last epoch's first step
+        "rank=1,step=19,point=section,kind=kill",         # inside an evaluation
+    ]
+    plain = Trace({0: _trace({s: ["x"] for s in range(30)})})  # ft.steps(): no epochs, no sections
+    assert [s.step for s in choose_scenarios(plain, world=4)] == [9, 14, 19]
+
+
+def test_check_names_the_first_step_and_tensor_and_the_likely_cause() -> None:
+    from ftrun.check import Scenario, Trace, explain, first_difference
+
+    good = {s: ["a%d" % s, "b%d" % s] for s in range(12)}
+    reference = Trace({0: _trace(good, epochs=[(1, 0), (2, 6)]), 1: _trace(good, rank=1, epochs=[(1, 0), (2, 6)])})
+    same = Trace({0: _trace(good), 1: _trace({s: good[s] for s in range(4, 12)}, rank=1, incarnation=1)})
+    assert first_difference(reference, same) is None
+    bad = dict(good)
+    bad.update({s: [good[s][0], "other"] for s in range(7, 12)})
+    run = Trace({0: _trace(bad), 1: _trace({s: bad[s] for s in range(5, 12)}, rank=1, incarnation=1)})
+    diff = first_difference(reference, run)
+    assert diff is not None and (diff.step, diff.tensor) == (7, "model.b")
+    scenario = Scenario("after the epoch's last step", "rank=1,step=5,point=between_steps,kind=kill", 5)
+    # The same gradients, other updates, after an epoch boundary: state outside the registered one.
+    why = explain(diff, [], scenario, reference)
+    assert "module-level variable" in why and "epoch boundary at step 6" in why
+    # A recomputed step with another gradient: carried state in the forward pass.
+    why = explain(diff, [{"rank": 0, "step": 5, "check": "gradient", "reason": "..."}], scenario, reference)
+    assert "rank 0 computed step 5 again" in why and "hidden state" in why
