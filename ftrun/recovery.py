@@ -150,7 +150,7 @@ class Recovery:
         as_recipient = [d for d, r in transfers if r == self.rank]
         nbytes = 0
         received_any = False
-        if as_donor or as_recipient:
+        if as_donor or as_recipient or self.check_replicas is not None:  # what it sends, receives or fingerprints
             self.progress.stage_bytes = state_bytes(self.registry.state_dict(exclude=("rank",)))
         try:
             for recipient in as_donor:
