@@ -1,0 +1,108 @@
+"""examples/deploy/ftrun.sbatch on a real Slurm cluster (tests/slurmcluster.py: slurmctld and three
+slurmd, each node a network-namespace host), submitted with ``sbatch`` as a user would.
+
+The job is the digits job of tests/digits_job.py: 2 training nodes x 2 ranks (the 4 ranks of the
+``reference`` run) and the script's spare node. Its correctness bar is the single-node one: the
+final parameters equal the fault-free run's, bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import digits_job as dj
+import pytest
+import slurmcluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parent.parent
+SBATCH = ROOT / "examples" / "deploy" / "ftrun.sbatch"
+FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
+            "DEADLINE")
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """One Slurm cluster for the module (controller + sn1..sn3); skips where Slurm cannot run here."""
+    reason = slurmcluster.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    cluster = slurmcluster.SlurmCluster(3)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def cluster(slurm):
+    """The module's cluster with every node up and idle before the test (a test may kill a node)."""
+    for name, host in slurm.nodes.items():
+        if not host.pids():
+            slurm.start_slurmd(name)
+    slurm.wait_nodes("idle", list(slurm.nodes), timeout=60)
+    yield slurm
+    out = slurm.cmd(["squeue", "-h", "-o", "%i"], timeout=30).stdout.split()
+    for job in out:
+        slurm.cmd(["scancel", job], timeout=30)
+
+
+class Job:
+    """One submitted batch job: its id, its output file, node 0's log directory."""
+
+    def __init__(self, cluster: slurmcluster.SlurmCluster, job_id: str, cwd: Path) -> None:
+        self.cluster = cluster
+        self.id = job_id
+        self.cwd = cwd
+        self.out = cwd / f"ftrun-{job_id}.out"
+        self.log_dir = cwd / "ftrun_logs" / job_id
+
+    def output(self) -> str:
+        return self.out.read_text(errors="replace") if self.out.exists() else ""
+
+    def events(self) -> list[dict]:
+        return dj.events(self.log_dir)
+
+    def state(self) -> str:
+        return self.cluster.job_state(self.id)
+
+    def wait(self, timeout: float = 300) -> str:
+        deadline = time.monotonic() + timeout
+        while (state := self.state()) not in FINISHED:
+            if time.monotonic() > deadline:
+                pytest.fail(f"job {self.id} still {state} after {timeout:g} s\n{self.output()[-4000:]}\n"
+                            f"{dj.story(self.events())}")
+            time.sleep(0.5)
+        return state
+
+    def why(self) -> str:
+        return f"{self.output()[-5000:]}\n--- events\n{dj.story(self.events())}\n--- slurm\n{self.cluster.logs()}"
+
+
+def submit(cluster: slurmcluster.SlurmCluster, cwd: Path, steps: str, sbatch_args: tuple[str, ...] = (),
+           env: dict[str, str] | None = None) -> Job:
+    cwd.mkdir(parents=True, exist_ok=True)
+    environ = dj.env({"PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+                      "PYTHONUNBUFFERED": "1", "FTRUN_LOCAL_WORKER_NUM": "2",
+                      **(env or {})})
+    proc = cluster.cmd(["sbatch", "--parsable", *sbatch_args, str(SBATCH), str(dj.SCRIPT), "--steps", steps,
+                        "--log_every", "10"], cwd=cwd, env=environ, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id = proc.stdout.strip().split(";")[0]
+    assert re.fullmatch(r"\d+", job_id), proc.stdout
+    return Job(cluster, job_id, cwd)
+
+
+def test_sbatch_trains_to_the_fault_free_digest(cluster, reference: str, tmp_path: Path) -> None:
+    job = submit(cluster, tmp_path, dj.STEPS)
+    state = job.wait()
+    assert state == "COMPLETED", job.why()
+    assert dj.digest(job.output(), dj.STEPS) == reference, job.why()
+    events = job.events()
+    assert {e["detail"].get("node") for e in events if e["kind"] == "rank_started"} == {0, 1}, job.why()
+    assert not [e for e in events if e["kind"] in ("rank_failed", "recovery_started", "job_restarting")], job.why()
