@@ -106,3 +106,49 @@ def test_sbatch_trains_to_the_fault_free_digest(cluster, reference: str, tmp_pat
     events = job.events()
     assert {e["detail"].get("node") for e in events if e["kind"] == "rank_started"} == {0, 1}, job.why()
     assert not [e for e in events if e["kind"] in ("rank_failed", "recovery_started", "job_restarting")], job.why()
+
+
+def kill_node(cluster: slurmcluster.SlurmCluster, name: str) -> float:
+    """SIGKILL every process of node ``name`` (its slurmd, slurmstepd, ftrun and ranks): a dead
+    machine. Returns the wall-clock time of the kill."""
+    host = cluster.nodes[name]
+    at = time.time()
+    deadline = time.monotonic() + 30
+    while pids := host.pids():
+        assert time.monotonic() < deadline, f"processes of {name} survive SIGKILL: {pids}"
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+    return at
+
+
+def test_lost_node_is_replaced_by_the_spare(cluster, long_reference: str, tmp_path: Path) -> None:
+    """Every process of training node 1's host is killed, slurmd included; the script's spare
+    takes node 1's index; the job ends with the fault-free digest, node 0's ranks keep their PIDs."""
+    job = submit(cluster, tmp_path, dj.LONG_STEPS)
+    dj.wait_for(lambda: job.state() in FINISHED or dj.training(job.log_dir), timeout=240)
+    assert dj.training(job.log_dir), job.why()
+    # Which host is node 1 is decided at start (the spare may have come first): the one that runs rank 2.
+    rank2 = dj.started(job.events())[2][0]
+    victim = next(name for name, host in cluster.nodes.items() if rank2 in host.pids())
+    assert victim != "sn1", "node 1's rank runs on node 0's host"
+    lost_at = kill_node(cluster, victim)
+    state = job.wait(timeout=200)
+    events = job.events()
+    assert dj.digest(job.output(), dj.LONG_STEPS) == long_reference, job.why()
+    lost = [e for e in events if e["kind"] == "node_lost"]
+    assert [e["detail"].get("node_lost") for e in lost] == [1], job.why()
+    joined = [e for e in events if e["kind"] == "node_joined" and e["detail"].get("replacement")]
+    assert joined, job.why()
+    pids = dj.started(events)
+    assert len(pids[0]) == 1 and len(pids[1]) == 1, f"a rank of node 0 was restarted\n{job.why()}"
+    assert len(pids[2]) == 2 and len(pids[3]) == 2, job.why()
+    assert not [e for e in events if e["kind"] == "job_restarting"], job.why()
+    finished = [e for e in events if e["kind"] == "recovery_finished" and e["time"] > lost_at]
+    assert finished, job.why()
+    print(f"slurm: node lost -> node_lost {lost[0]['time'] - lost_at:.2f} s, -> replacement joined "
+          f"{joined[0]['time'] - lost_at:.2f} s, -> training again {finished[0]['time'] - lost_at:.2f} s; job {state}")
+    assert state == "COMPLETED", job.why()
