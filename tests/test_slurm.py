@@ -152,3 +152,35 @@ def test_lost_node_is_replaced_by_the_spare(cluster, long_reference: str, tmp_pa
     print(f"slurm: node lost -> node_lost {lost[0]['time'] - lost_at:.2f} s, -> replacement joined "
           f"{joined[0]['time'] - lost_at:.2f} s, -> training again {finished[0]['time'] - lost_at:.2f} s; job {state}")
     assert state == "COMPLETED", job.why()
+
+
+def stop_and_resume(cluster: slurmcluster.SlurmCluster, tmp_path: Path, reference: str, stop, steps: str,
+                    sbatch_args: tuple[str, ...] = ()) -> Job:
+    """Submit the job, let ``stop(job)`` stop it once it trains, check its dying-gasp checkpoint,
+    and submit it again with the same FTRUN_CHECKPOINT_DIR: it resumes and ends with ``reference``."""
+    ckpt = tmp_path / "ckpt"
+    job = submit(cluster, tmp_path / "first", steps, sbatch_args, env={"FTRUN_CHECKPOINT_DIR": str(ckpt)})
+    dj.wait_for(lambda: job.state() in FINISHED or dj.training(job.log_dir), timeout=240)
+    assert dj.training(job.log_dir), job.why()
+    stop(job)
+    state = job.wait(timeout=240)
+    events = job.events()
+    gasp = [e for e in events if e["kind"] == "checkpoint_saved" and "dying gasp" in e["message"]]
+    assert gasp, f"{state}: no dying-gasp checkpoint\n{job.why()}"
+    assert not [e for e in events if e["kind"] == "rank_failed"], job.why()  # no rank died before the save
+    assert state == "FAILED", job.why()  # ftrun's exit code 143 (stopped by SIGTERM)
+    again = submit(cluster, tmp_path / "again", steps, env={"FTRUN_CHECKPOINT_DIR": str(ckpt)})
+    assert again.wait(timeout=240) == "COMPLETED", again.why()
+    assert "starting from checkpoint" in again.output(), again.why()
+    assert dj.digest(again.output(), steps) == reference, again.why()
+    return job
+
+
+def test_scancel_saves_a_dying_gasp_and_the_job_resumes(cluster, long_reference: str, tmp_path: Path) -> None:
+    """``scancel --batch --signal=USR1`` (the script's stop signal): node 0's ftrun writes a
+    dying-gasp checkpoint from live ranks; the re-submitted job resumes from it, bitwise."""
+    def stop(job: Job) -> None:
+        proc = cluster.cmd(["scancel", "--batch", "--signal=USR1", job.id], timeout=30)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    stop_and_resume(cluster, tmp_path, long_reference, stop, dj.LONG_STEPS)
