@@ -85,13 +85,13 @@ class Job:
 
 
 def submit(cluster: slurmcluster.SlurmCluster, cwd: Path, steps: str, sbatch_args: tuple[str, ...] = (),
-           env: dict[str, str] | None = None) -> Job:
+           env: dict[str, str] | None = None, script_args: tuple[str, ...] = ()) -> Job:
     cwd.mkdir(parents=True, exist_ok=True)
     environ = dj.env({"PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
                       "PYTHONUNBUFFERED": "1", "FTRUN_LOCAL_WORKER_NUM": "2",
                       **(env or {})})
     proc = cluster.cmd(["sbatch", "--parsable", *sbatch_args, str(SBATCH), str(dj.SCRIPT), "--steps", steps,
-                        "--log_every", "10"], cwd=cwd, env=environ, timeout=60)
+                        "--log_every", "10", *script_args], cwd=cwd, env=environ, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id = proc.stdout.strip().split(";")[0]
     assert re.fullmatch(r"\d+", job_id), proc.stdout
@@ -155,11 +155,12 @@ def test_lost_node_is_replaced_by_the_spare(cluster, long_reference: str, tmp_pa
 
 
 def stop_and_resume(cluster: slurmcluster.SlurmCluster, tmp_path: Path, reference: str, stop, steps: str,
-                    sbatch_args: tuple[str, ...] = ()) -> Job:
+                    sbatch_args: tuple[str, ...] = (), script_args: tuple[str, ...] = ()) -> Job:
     """Submit the job, let ``stop(job)`` stop it once it trains, check its dying-gasp checkpoint,
     and submit it again with the same FTRUN_CHECKPOINT_DIR: it resumes and ends with ``reference``."""
     ckpt = tmp_path / "ckpt"
-    job = submit(cluster, tmp_path / "first", steps, sbatch_args, env={"FTRUN_CHECKPOINT_DIR": str(ckpt)})
+    job = submit(cluster, tmp_path / "first", steps, sbatch_args, env={"FTRUN_CHECKPOINT_DIR": str(ckpt)},
+                 script_args=script_args)
     dj.wait_for(lambda: job.state() in FINISHED or dj.training(job.log_dir), timeout=240)
     assert dj.training(job.log_dir), job.why()
     stop(job)
@@ -184,3 +185,14 @@ def test_scancel_saves_a_dying_gasp_and_the_job_resumes(cluster, long_reference:
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
     stop_and_resume(cluster, tmp_path, long_reference, stop, dj.LONG_STEPS)
+
+
+def test_time_limit_warning_saves_a_dying_gasp_and_the_job_resumes(cluster, long_reference: str,
+                                                                   tmp_path: Path) -> None:
+    """A 2-minute job that would train for 150 s: Slurm sends the script's USR1 60 s before the
+    limit (``--signal=B:USR1@60`` on the command line, the script's own is 120 s), node 0's ftrun
+    saves a dying gasp well before the kill, and the job submitted again resumes, bitwise."""
+    job = stop_and_resume(cluster, tmp_path, long_reference, lambda job: None, dj.LONG_STEPS,
+                          sbatch_args=("--time=2", "--signal=B:USR1@60"), script_args=("--step_pause", "1.0"))
+    stopped = [e for e in job.events() if e["kind"] == "stop_requested"]
+    assert stopped and stopped[0]["time"] - job.events()[0]["time"] < 110, job.why()  # the warning, not the kill
