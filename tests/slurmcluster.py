@@ -86,6 +86,7 @@ class SlurmCluster:
         self.root = Path(tempfile.mkdtemp(prefix="ftslurm-"))
         self.conf = self.root / "slurm.conf"
         self._etc: list[Path] = []
+        self._made_etc_netns = not ETC_NETNS.exists()
         self._slurmd: dict[str, subprocess.Popen] = {}
         try:
             self._write_files(kill_wait)
@@ -239,8 +240,9 @@ class SlurmCluster:
         finally:
             for d in self._etc:
                 shutil.rmtree(d, ignore_errors=True)
-            try:
-                ETC_NETNS.rmdir()  # only if empty: another network's files stay
-            except OSError:
-                pass
+            if self._made_etc_netns:
+                try:
+                    ETC_NETNS.rmdir()  # only if empty: another network's files stay
+                except OSError:
+                    pass
             shutil.rmtree(self.root, ignore_errors=True)
