@@ -13,7 +13,8 @@ within seconds.
 Node names must resolve on every host (Slurm hands them to ftrun as ``SLURM_JOB_NODELIST``): each
 namespace gets ``/etc/netns/<namespace>/hosts``, which ``ip netns exec`` binds over ``/etc/hosts``
 for the processes it starts (slurmd's jobs inherit it). :meth:`SlurmCluster.close` kills every
-process in the hosts (the network's own close), and removes those files and the temporary directory.
+process in the hosts (the network's own close), and removes those files and the temporary directory;
+what a killed session left behind is removed by the next one (:func:`cleanup_stale`).
 
 Commands (``sbatch``, ``squeue``, ``scontrol``...) run in host 0 with :meth:`SlurmCluster.cmd`;
 ``SLURM_CONF`` names the cluster's slurm.conf.
@@ -28,7 +29,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import IO, Callable, Mapping, Sequence
 
 from nethosts import HostNetwork, NetHost
 
@@ -65,6 +66,39 @@ def unavailable_reason(install: bool = True) -> str | None:
     return None
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_stale() -> list[str]:
+    """Remove what a killed test session left outside its network (nethosts removes the namespaces
+    and their processes): ``/etc/netns/<namespace>`` and ``$TMPDIR/ftslurm-<pid>-*`` of dead pids.
+
+    Returns:
+        The paths removed.
+    """
+    import nethosts
+
+    removed = []
+    for d in ETC_NETNS.glob(f"{nethosts.PREFIX}*"):
+        pid = nethosts.creator_pid(d.name)
+        if pid is not None and not _alive(pid):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(str(d))
+    for d in Path(tempfile.gettempdir()).glob("ftslurm-*-*"):
+        pid = d.name.split("-")[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(str(d))
+    return removed
+
+
 def _which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin:/sbin:/bin")
 
@@ -80,10 +114,11 @@ class SlurmCluster:
     """
 
     def __init__(self, n_nodes: int = 3, kill_wait: int = KILL_WAIT) -> None:
+        cleanup_stale()
         self.network = HostNetwork(n_nodes + 1)
         self.hosts = self.network.hosts
         self.nodes = {f"sn{i}": host for i, host in enumerate(self.hosts) if i > 0}
-        self.root = Path(tempfile.mkdtemp(prefix="ftslurm-"))
+        self.root = Path(tempfile.mkdtemp(prefix=f"ftslurm-{os.getpid()}-"))
         self.conf = self.root / "slurm.conf"
         self._etc: list[Path] = []
         self._made_etc_netns = not ETC_NETNS.exists()
@@ -157,14 +192,14 @@ class SlurmCluster:
             self._etc.append(d)
             (d / "hosts").write_text(hosts_text)
 
-    def env(self, host: NetHost | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """``base`` (os.environ) with SLURM_CONF set, without the caller's SLURM_* variables."""
         env = {k: v for k, v in dict(os.environ if base is None else base).items() if not k.startswith("SLURM_")}
         env["SLURM_CONF"] = str(self.conf)
         return env
 
-    def _log(self, name: str) -> subprocess.Popen:
-        return open(self.root / f"{name}.stdout", "wb")  # type: ignore[return-value]
+    def _log(self, name: str) -> IO[bytes]:
+        return open(self.root / f"{name}.stdout", "wb")
 
     def _start(self) -> None:
         r = self.root
