@@ -17,3 +17,9 @@ fi
 # Operating a job: ftrun's metrics (prometheus_client) and report plots (matplotlib, the test extra).
 .venv/bin/python -c "import prometheus_client, matplotlib" \
     || { echo "setup: prometheus_client or matplotlib is missing from .venv" >&2; exit 1; }
+# The Slurm tests (tests/test_slurm.py) bring up a real cluster: Debian's slurm-wlm and munge, where
+# this runs as root with apt (elsewhere those tests skip with one line saying why).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v slurmctld >/dev/null; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null \
+        || echo "setup: apt-get install slurm-wlm munge failed; the Slurm tests will skip" >&2
+fi

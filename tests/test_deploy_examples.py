@@ -19,7 +19,7 @@ MANIFEST = DEPLOY / "pytorchjob.yaml"
 
 # sbatch options the script may use, long form (Slurm stops reading #SBATCH at the first command).
 SBATCH_OPTIONS = {"job-name", "nodes", "ntasks-per-node", "cpus-per-task", "time", "no-kill", "output", "error",
-                  "partition", "account", "gres", "gpus-per-node", "exclusive", "mem", "requeue"}
+                  "partition", "account", "gres", "gpus-per-node", "exclusive", "mem", "requeue", "signal"}
 
 
 def test_sbatch_is_bash():
@@ -53,8 +53,8 @@ FAKES = {
     "srun": '#!/bin/bash\n{ echo "srun $*"; echo "token=$FTRUN_TOKEN nproc=$FTRUN_LOCAL_WORKER_NUM '
             'port=$FTRUN_MASTER_PORT ckpt=$FTRUN_CHECKPOINT_DIR"; } >> "$FAKE_LOG"\n'
             'while [ "${1#-}" != "$1" ]; do shift; done\nexec "$@"\n',
-    # The training step's ftrun lasts a second, so that the spare's loop starts meanwhile.
-    "ftrun": '#!/bin/bash\necho "ftrun $*" >> "$FAKE_LOG"\ncase "$*" in *--nnodes*) ;; *) sleep 1 ;; esac\n',
+    # Each ftrun lasts a second, so that the spare's loop starts while node 0 runs.
+    "ftrun": '#!/bin/bash\necho "ftrun $*" >> "$FAKE_LOG"\nsleep 1\n',
 }
 
 
@@ -72,16 +72,31 @@ def test_sbatch_dry_run(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     calls = log.read_text().splitlines()
     steps = [c for c in calls if c.startswith("srun ")]
-    train = next(c for c in steps if "--nodelist=n01,n02" in c)
-    assert "--nodes=2" in train and "--ntasks-per-node=1" in train
+    # One one-node step per host (the first two train, the last is the spare), the same command.
+    for host in ("n01", "n02", "n03"):
+        step = next(c for c in steps if f"--nodelist={host}" in c)
+        assert "--nodes=1" in step and "--ntasks=1" in step, step
     ftrun_calls = [c for c in calls if c.startswith("ftrun ")]
-    assert "ftrun examples/train_digits.py --steps 3000" in ftrun_calls  # no flags: Slurm's environment
-    assert all("--node_rank" not in c for c in ftrun_calls)
+    assert set(ftrun_calls) == {"ftrun --nnodes 2 examples/train_digits.py --steps 3000"}  # no index: decided at start
     tokens = {m.group(1) for c in calls for m in [re.match(r"token=(\S*) ", c)] if m}
     assert len(tokens) == 1 and re.fullmatch(r"[0-9a-f]{64}", tokens.pop())  # made once, the same everywhere
     assert any(f"port={20000 + 4242} ckpt={tmp_path}/ftrun_checkpoints/4242" in c for c in calls)
-    spare = next(c for c in steps if "--nodelist=n03" in c)  # the spare, told the job's node count
-    assert "--nodes=1" in spare and "ftrun --nnodes 2 examples/train_digits.py" in spare
+
+
+def test_sbatch_passes_its_arguments_as_the_training_command(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in FAKES.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "calls.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FTRUN_", "PET_"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", FAKE_LOG=str(log), SLURM_JOB_ID="7", SLURM_JOB_NUM_NODES="3",
+               SLURM_NNODES="3", SLURM_JOB_NODELIST="n[01-03]", SLURM_SUBMIT_DIR=str(tmp_path))
+    result = subprocess.run(["bash", str(SBATCH), "train.py", "--lr", "0.1 0.2"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ftrun --nnodes 2 train.py --lr 0.1 0.2" in log.read_text().splitlines()
 
 
 def _job():
