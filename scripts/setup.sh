@@ -20,6 +20,6 @@ fi
 # The Slurm tests (tests/test_slurm.py) bring up a real cluster: Debian's slurm-wlm and munge, where
 # this runs as root with apt (elsewhere those tests skip with one line saying why).
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v slurmctld >/dev/null; then
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null \
+    { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null; } \
         || echo "setup: apt-get install slurm-wlm munge failed; the Slurm tests will skip" >&2
 fi
