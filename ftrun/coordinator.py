@@ -80,6 +80,9 @@ _KIND_LABEL = {"comm_error": "HCCE: communication error", "recoverable_error": "
 MAX_REJECT_EVENTS = 20  # rejected frames after this many are counted in the log only
 OFFENDER_REJECTS = 8  # a connection that sent this many rejected frames is not read any more
 READ_BUDGET = 2000  # frames handled per pass of the main loop (then deaths and hangs are checked)
+# A rank that ends with one of these after every other rank exited 0 crashed in its teardown (an
+# abort or a segfault in a destructor): the job is not restarted for it (Coordinator.on_failure).
+TEARDOWN_CRASH_CODES = frozenset({128 + signal.SIGABRT, 128 + signal.SIGSEGV})
 STALL_BASE_S = 5.0  # a rank outside torch.distributed this long during a watched stage, peers waiting, is hung
 STALL_MIN_BYTES_PER_S = 50e6  # ...plus the stage's bytes at this rate (copying state runs at GB/s)
 STALL_STAGES = {"recover": "the recovery's drop of its group", "transfer": "the state transfer",
@@ -886,14 +889,16 @@ class Coordinator:
         if self.unusable_checkpoint() is not None:
             return self.restart_job(f"rank(s) {sorted(failed)} failed")
         others = [r for r in self.ranks.values() if r.rank not in failed]
-        if others and all(r.state == RankState.SUCCEEDED for r in others) and not any(self.ranks[f].library for f in failed):
-            # A plain script whose rank fails while exiting after every other rank finished (seen with
-            # Hugging Face Trainer: "terminate called without an active exception" at exit). The job's
-            # work is done on the others; a whole-job restart would train again from the start.
+        if (others and all(r.state == RankState.SUCCEEDED for r in others)
+                and all(not self.ranks[f].library and self.ranks[f].exit_code in TEARDOWN_CRASH_CODES for f in failed)):
+            # A plain script whose rank crashes in its teardown after every other rank finished (seen
+            # with Hugging Face Trainer: "terminate called without an active exception", SIGABRT, at
+            # exit). The job's work is done on the others; a whole-job restart would train again from
+            # the start. Any other failure (an error code, SIGKILL: an OOM kill mid-work) restarts.
             return self.finish_failed(
-                f"rank(s) {sorted(failed)} failed after every other rank had finished successfully (exit code 0): "
-                "not restarted (a restart would run the whole script again); the training likely completed, "
-                "check the rank's log for what failed at its end")
+                f"rank(s) {sorted(failed)} crashed ({self.ranks[failed[0]].exit_desc}) after every other rank had "
+                "finished successfully (exit code 0): not restarted (a restart would run the whole script again); "
+                "the training likely completed: check the rank's log for what failed at its end")
         decision = decide_on_failure(
             failed,
             world_size=spec.worker_num,

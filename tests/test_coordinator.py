@@ -423,10 +423,14 @@ def test_a_plain_rank_failing_after_every_other_rank_finished_is_not_restarted(t
     assert "after every other rank had finished successfully" in events(tmp_path, "job_finished")[-1]["message"]
 
 
-def test_a_plain_rank_failing_while_others_run_restarts_the_job(tmp_path: Path) -> None:
+@pytest.mark.parametrize("others_done, code", [(False, -signal.SIGABRT), (True, -signal.SIGKILL), (True, 1)])
+def test_a_plain_rank_failing_otherwise_restarts_the_job(tmp_path: Path, others_done: bool, code: int) -> None:
+    """While others still run, or killed (an OOM kill mid-work), or with an error code: a restart."""
     coord, agent, clock = make(tmp_path, max_restarts=3)
-    agent.exit(0, 0, at=clock.now)
-    agent.exit(2, -signal.SIGABRT, at=clock.now)
+    for rank in (0, 1, 3) if others_done else (0,):
+        agent.exit(rank, 0, at=clock.now)
+    assert coord.check_processes() is None
+    agent.exit(2, code, at=clock.now)
     assert coord.check_processes() is None
     assert len(events(tmp_path, "job_restarting")) == 1
 
