@@ -32,7 +32,9 @@ from typing import Any, Callable, Mapping
 
 import zmq
 
-from .protocol import CONTROL, MAX_FRAME_BYTES, Message, MsgType, ProtocolError, Receiver, Sender, decode, encode, events_for, to_peer
+from . import procs
+from .events import Event, EventKind
+from .protocol import CONTROL, MAX_FRAME_BYTES, Message, MsgType, Receiver, Sender, encode, events_for, receive, to_peer
 from .spawner import EXIT_TAIL_LINES, ExitReport, RankProcesses, StopReport, rank_argv, shared_dir_marker
 
 log = logging.getLogger("ftrun.agent")
@@ -74,6 +76,7 @@ class AgentHandle:
     they cause comes back through :meth:`take_reports`."""
 
     node: int
+    leaving: str | None = None  # the reason a node's launcher gave for leaving the job (a remote agent's)
 
     def spawn(self, rank: int, incarnation: int, rank_vars: Mapping[str, str], header: str, use_spare: bool) -> None:
         raise NotImplementedError
@@ -101,6 +104,15 @@ class AgentHandle:
 
     def connected(self) -> bool:
         return True
+
+    def note_child_signal(self, at: float) -> None:
+        """A ``SIGCHLD`` reached the coordinator's process at Unix time ``at`` (seconds): it dates
+        the death of a child of this agent, if the agent runs in that process (node 0's)."""
+
+    def start_note(self) -> str | None:
+        """What the job's start should warn of about this node (e.g. the network interface
+        chosen for gloo), or None."""
+        return None
 
 
 class LocalAgent(AgentHandle):
@@ -140,6 +152,13 @@ class LocalAgent(AgentHandle):
     def take_reports(self) -> list[Report]:
         reports, self._reports = self._reports + self.processes.reap(), []
         return reports
+
+    def note_child_signal(self, at: float) -> None:
+        if self.processes.sigchld_at is None:
+            self.processes.sigchld_at = at
+
+    def start_note(self) -> str | None:
+        return self.processes.interface_note
 
 
 @dataclass
@@ -269,34 +288,31 @@ class NodeAgent:
         self.exit_code: int | None = None
         self.stop_signal: int | None = None
         self.checkpoint_marker: Path | None = None  # node 0's marker in the checkpoint dir, if TTP is on
-        self._wakeup_r, self._wakeup_w = os.pipe()
-        os.set_blocking(self._wakeup_r, False)
-        os.set_blocking(self._wakeup_w, False)
+        self._wakeup = procs.WakeupPipe()
 
     def send(self, msg_type: MsgType, **fields: Any) -> None:
         self.sock.send(encode(msg_type, self._sender, CONTROL, **fields))
 
-    def event(self, kind: str, message: str, **detail: Any) -> None:
+    def event(self, kind: EventKind, message: str, **detail: Any) -> None:
         """An event for this node's console (the job's events.jsonl is the coordinator's)."""
-        log.info("%s %s", kind, message)
+        log.info("%s %s", kind.value, message)
         if self.push is not None:
-            event = {"time": time.time(), "kind": kind, "node": self.node, "rank": detail.pop("rank", None),
-                     "message": message, "detail": detail}
-            self.push.send(encode(MsgType.EVENT, self._event_sender, events_for(self.node), event=event))
+            event = Event(kind=kind, message=message, rank=detail.pop("rank", None), node=self.node, detail=detail)
+            self.push.send(encode(MsgType.EVENT, self._event_sender, events_for(self.node), event=event.to_json()))
 
     def run(self) -> int:
         """Serve the coordinator until it shuts the job down or is lost; returns the exit code."""
-        signal.set_wakeup_fd(self._wakeup_w)
+        self._wakeup.install()
         signal.signal(signal.SIGCHLD, lambda *_: setattr(self.processes, "sigchld_at", self.processes.sigchld_at or time.time()))
         signal.signal(signal.SIGTERM, lambda s, _f: setattr(self, "stop_signal", s))
         signal.signal(signal.SIGINT, lambda s, _f: setattr(self, "stop_signal", s))
         self.send(MsgType.AGENT_HELLO, node=self.node, pid=os.getpid(), host=socket.gethostname(),
                   **({} if self.checkpoint_marker is None else {"sees_checkpoint_dir": self.checkpoint_marker.exists()}))
         if self.processes.interface_note:
-            self.event("warning", self.processes.interface_note)
+            self.event(EventKind.WARNING, self.processes.interface_note)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        poller.register(self._wakeup_r, zmq.POLLIN)
+        poller.register(self._wakeup.fd, zmq.POLLIN)
         last_heard = time.monotonic()
         next_beat = 0.0
         while self.exit_code is None:
@@ -305,24 +321,11 @@ class NodeAgent:
                 self.send(MsgType.AGENT_BEAT, node=self.node)
                 next_beat = now + self.heartbeat_interval
             events = dict(poller.poll(timeout=int(min(self.heartbeat_interval, 0.5) * 1000)))
-            if self._wakeup_r in events:
-                try:
-                    while os.read(self._wakeup_r, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
+            if self._wakeup.fd in events:
+                self._wakeup.drain()
             self.report_exits()
             if self.sock in events:
-                for _ in range(1000):
-                    try:
-                        frame = self.sock.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    try:
-                        msg = decode(frame, self._receiver)
-                    except ProtocolError as err:
-                        log.warning("dropped a frame: %s", err)
-                        continue
+                for msg in receive(self.sock, self._receiver, 1000, lambda err: log.warning("dropped a frame: %s", err)):
                     last_heard = time.monotonic()
                     self.handle(msg)
             if self.stop_signal is not None and self.exit_code is None:
@@ -332,13 +335,13 @@ class NodeAgent:
                 reason = f"its launcher was stopped by {signal.Signals(self.stop_signal).name} or died"
                 self.send(MsgType.AGENT_BEAT, node=self.node, leaving=reason)
                 self.stop_all(reason)
-                self.event("job_finished", f"node {self.node} left the job: {reason}", exit_code=128 + self.stop_signal)
+                self.event(EventKind.JOB_FINISHED, f"node {self.node} left the job: {reason}", exit_code=128 + self.stop_signal)
                 self.exit_code = 128 + self.stop_signal
             elif self.exit_code is None and time.monotonic() - last_heard > self.coordinator_timeout:
                 message = (f"lost the job coordinator on node 0 (nothing heard for {self.coordinator_timeout:g} s); "
                            "stopping this node's ranks")
                 self.stop_all(message)
-                self.event("job_finished", f"job failed: {message}", exit_code=1)
+                self.event(EventKind.JOB_FINISHED, f"job failed: {message}", exit_code=1)
                 self.exit_code = 1
         self.processes.stop_spares()
         self.sock.close(2000)
@@ -382,7 +385,7 @@ class NodeAgent:
             return
         self.send(MsgType.SPAWNED, node=self.node, rank=msg["rank"], incarnation=msg["incarnation"], pid=pid,
                   spare=bool(spare), spare_kind=spare)
-        self.event("rank_started", f"rank {msg['rank']} started (pid {pid}, incarnation {msg['incarnation']})", rank=msg["rank"])
+        self.event(EventKind.RANK_STARTED, f"rank {msg['rank']} started (pid {pid}, incarnation {msg['incarnation']})", rank=msg["rank"])
 
     def _on_signal(self, msg: Message) -> None:
         self.processes.signal(msg["rank"], msg["incarnation"], msg["signal"])
@@ -406,8 +409,7 @@ class NodeAgent:
         for report in self.processes.stop(2.0):
             if isinstance(report, ExitReport):
                 self._send_exit(report)
-        kind = "job_finished"
-        self.event(kind, msg["message"], exit_code=msg["code"])
+        self.event(EventKind.JOB_FINISHED, msg["message"], exit_code=msg["code"])
         self.exit_code = msg["code"]
 
     _handlers: dict[MsgType, Callable[["NodeAgent", Message], None]] = {

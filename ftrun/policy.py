@@ -51,6 +51,12 @@ class Decision:
     reason: str
 
 
+def restart_fits(restarts_used: int, cost: int, max_restarts: int) -> bool:
+    """The restart budget (torchrun's and msrun's ``max_restarts``): ``cost`` more restarts (one
+    per respawned rank, one for a whole-job restart) fit when the total stays within it."""
+    return restarts_used + cost <= max_restarts
+
+
 def decide_on_failure(
     failed: Iterable[int],
     *,
@@ -85,9 +91,9 @@ def decide_on_failure(
     if not failed_ranks:
         raise ValueError("decide_on_failure needs at least one failed rank")
     arf_possible = arf and set(library_ranks) >= set(range(world_size))
-    if arf_possible and restarts_used + len(failed_ranks) <= max_restarts:
+    if arf_possible and restart_fits(restarts_used, len(failed_ranks), max_restarts):
         return Decision(Action.RESPAWN_RANKS, failed_ranks, "ARF: respawn only the failed rank(s)")
-    if restarts_used + 1 > max_restarts:
+    if not restart_fits(restarts_used, 1, max_restarts):
         cost = len(failed_ranks) if arf_possible else 1
         return Decision(
             Action.FAIL_JOB,

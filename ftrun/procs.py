@@ -1,6 +1,6 @@
 """Process plumbing shared by the launcher and the supervisor.
 
-Two rules from DESIGN.md live here: whoever spawns a process reaps it (so exit codes and signals are
+Two rules of the process tree (README, Architecture) live here: whoever spawns a process reaps it (so exit codes and signals are
 exact), and no process outlives its parent (Linux ``PR_SET_PDEATHSIG``; a child whose parent is
 already gone when it starts exits at once).
 """
@@ -183,3 +183,24 @@ def describe_exit(returncode: int) -> tuple[int, str]:
             name = f"signal {sig}"
         return 128 + sig, f"killed by {name}"
     return returncode, f"exit code {returncode}"
+
+
+class WakeupPipe:
+    """A non-blocking pipe whose write end is the process's signal wake-up descriptor
+    (:func:`signal.set_wakeup_fd`): a signal's arrival makes :attr:`fd` readable, so a poll on it
+    returns at once; :meth:`drain` empties it."""
+
+    def __init__(self) -> None:
+        self.fd, self._write_fd = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._write_fd, False)
+
+    def install(self) -> None:
+        signal.set_wakeup_fd(self._write_fd)
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except BlockingIOError:
+            pass

@@ -44,7 +44,7 @@ import hmac
 import secrets
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import msgpack
 
@@ -348,3 +348,22 @@ def _check_fields(msg_type: MsgType, fields: dict[str, Any]) -> None:
             raise ProtocolError(f"{msg_type.value}: field {name!r} has type bool")
         if not isinstance(value, types):
             raise ProtocolError(f"{msg_type.value}: field {name!r} has type {type(value).__name__}")
+
+
+def receive(sock: Any, receiver: Receiver, budget: int, on_reject: Callable[[ProtocolError], None]) -> Iterator[Message]:
+    """The authentic, fresh messages waiting on a DEALER socket (one frame each), at most ``budget``
+    frames read; a frame that does not verify is passed to ``on_reject`` and skipped, never decoded.
+    Stops when none is waiting (``zmq.Again``)."""
+    import zmq
+
+    for _ in range(budget):
+        try:
+            frame = sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        try:
+            msg = decode(frame, receiver)
+        except ProtocolError as err:
+            on_reject(err)
+            continue
+        yield msg

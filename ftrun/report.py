@@ -424,9 +424,9 @@ class JobTimeline:
             self.attempt = event["attempt"]
         if kind in TIMELINE_KINDS:
             self.timeline.append(event)
-        handler = getattr(self, f"_on_{kind}", None)
+        handler = self._handlers.get(kind)
         if handler is not None:
-            handler(event, detail, t)
+            handler(self, event, detail, t)
 
     def add_sample(self, sample: Sample) -> None:
         """Take a progress sample: marks the first step and the end of a restart's lost time."""
@@ -597,6 +597,22 @@ class JobTimeline:
             if fault.repair == Repair.OPEN:
                 fault.repair = Repair.FAILED
             fault.end = max(t, fault.start)
+
+    # one handler per event kind (the kinds the timeline needs; others only feed the event list)
+    _handlers: dict[str, Callable[["JobTimeline", dict[str, Any], dict[str, Any], float], None]] = {
+        "job_started": _on_job_started,
+        "rank_hung": _on_rank_hung,
+        "rank_failed": _on_rank_failed,
+        "recovery_started": _on_recovery_started,
+        "recovery_fallback": _on_recovery_fallback,
+        "recovery_finished": _on_recovery_finished,
+        "job_restarting": _on_job_restarting,
+        "rank_started": _on_rank_started,
+        "resumed": _on_resumed,
+        "checkpoint_saved": _on_checkpoint_saved,
+        "stop_requested": _on_stop_requested,
+        "job_finished": _on_job_finished,
+    }
 
     # -- questions
     def end_time(self, now: float | None = None) -> float:

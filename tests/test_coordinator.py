@@ -95,7 +95,7 @@ def make(tmp_path: Path, world: int = 4, local: int | None = None, **kw: Any) ->
     clock = Clock()
     agent = FakeAgent(0)
     coord = Coordinator(spec, TOKEN, None, 29500, local_agent=agent, clock=clock)
-    coord.run_id = "test"
+    coord.spawning.run_id = "test"
     _made.append(coord)
     coord.start_attempt()
     assert coord.check_processes() is None
@@ -113,7 +113,7 @@ def ident(rank: int, incarnation: int = 0) -> bytes:
 def hello_all(coord: Coordinator, ranks: list[int] | None = None) -> None:
     for rank in ranks if ranks is not None else list(coord.ranks):
         r = coord.ranks[rank]
-        coord.handle(ident(rank, r.incarnation), msg(MsgType.HELLO, rank=rank, incarnation=r.incarnation, pid=r.pid,
+        coord.handle(ident(rank, r.incarnation), msg(MsgType.HELLO, rank=rank, incarnation=r.incarnation, pid=r.proc.pid,
                                                      generation=coord.generation, replica_group=list(coord.ranks), library=True))
 
 
@@ -140,7 +140,7 @@ def events(tmp_path: Path, kind: str) -> list[dict]:
 
 def beat_all(coord: Coordinator, **probe: Any) -> None:
     for rank, r in coord.ranks.items():
-        if r.alive() and r.identity is not None:
+        if r.alive() and r.proc.identity is not None:
             send(coord, rank, MsgType.HEARTBEAT, **probe)
 
 
@@ -369,7 +369,7 @@ def test_a_rank_stuck_in_its_own_code_during_the_transfer_is_replaced_within_sec
     beat()
     coord.check_hangs()
     assert [rank for rank, _ in agent.hung] == [culprit]
-    assert "during the state transfer" in coord.ranks[culprit].kill_reason
+    assert "during the state transfer" in coord.ranks[culprit].proc.kill_reason
 
 
 def test_a_rank_stuck_before_the_initial_broadcast_is_named_by_its_waiting_peers(tmp_path: Path) -> None:
@@ -448,7 +448,7 @@ def test_agent_messages_are_bound_to_the_connection_of_its_hello(tmp_path: Path)
     coord.on_agent_message(b"agent-1", msg(MsgType.SPAWNED, node=1, rank=2, incarnation=0, pid=5002, spare=False))
     coord.on_agent_message(b"intruder", msg(MsgType.EXITED, node=1, rank=2, incarnation=0, pid=5002, returncode=0, at=0.0))
     coord.check_processes()
-    assert coord.ranks[2].pid == 5002 and coord.ranks[2].alive(), "an exit from another connection was believed"
+    assert coord.ranks[2].proc.pid == 5002 and coord.ranks[2].alive(), "an exit from another connection was believed"
     join_node1(coord, b"agent-1-again")
     assert any("already connected" in e["message"] for e in events(tmp_path, "message_rejected"))
 
@@ -475,7 +475,7 @@ def test_lost_node_is_replaced_and_its_old_agent_fenced(tmp_path: Path) -> None:
     join_node1(coord, b"agent-1-replacement")
     replacement = coord.agents[1]
     sent: list[tuple[bytes, MsgType]] = []
-    coord._send_to = lambda identity, kind, fields: sent.append((identity, kind))  # type: ignore[method-assign]
+    coord.control.send = lambda identity, kind, fields: sent.append((identity, kind))  # type: ignore[method-assign]
     coord.on_agent_message(b"agent-1", msg(MsgType.AGENT_BEAT, node=1))  # the old agent is back
     assert sent == [(b"agent-1", MsgType.SHUTDOWN)]
     assert any("fenced" in e["message"] for e in events(tmp_path, "message_rejected"))
@@ -490,7 +490,7 @@ def test_lost_node_is_replaced_and_its_old_agent_fenced(tmp_path: Path) -> None:
 
 def test_no_replacement_in_time_fails_naming_the_node(tmp_path: Path) -> None:
     coord, agent, clock = make(tmp_path, world=4, local=2, node_wait_timeout=60.0)
-    coord.ttp_report_wait = 0.0  # the fake ranks never answer the dying gasp's abort
+    coord.ttp.report_wait = 0.0  # the fake ranks never answer the dying gasp's abort
     join_node1(coord)
     hello_all(coord)
     clock.now += 30.0
@@ -514,7 +514,7 @@ def test_messages_are_bound_to_the_connection_that_said_hello(tmp_path: Path, fr
     hello_all(coord)
     r = coord.ranks[2]
     coord.handle(frame_identity, msg(MsgType.STEP_BEGIN, rank=2, incarnation=0, step=5))
-    assert (r.step == 5) == (frame_identity == ident(2))
+    assert (r.proc.step == 5) == (frame_identity == ident(2))
 
 
 def test_a_section_has_its_own_bound_and_does_not_poison_step_times(tmp_path: Path) -> None:
@@ -607,7 +607,7 @@ def pump(coord: Coordinator, until: Any, deadline_s: float = 30.0) -> None:
     deadline = time.monotonic() + deadline_s
     while not until():
         assert time.monotonic() < deadline, "the coordinator did not get the frames"
-        coord.router.poll(50)
+        coord.control.router.poll(50)
         coord.read_messages()
 
 
@@ -646,10 +646,10 @@ def test_every_kind_of_captured_rank_frame_replayed_is_rejected_and_changes_noth
         for frame in frames:
             wire.send(frame)
         r = coord.ranks[2]
-        pump(coord, lambda: r.identity is not None and r.committed == 0)
-        bound, rejected_before = r.identity, coord.rejected
+        pump(coord, lambda: r.proc.identity is not None and r.proc.committed == 0)
+        bound, rejected_before = r.proc.identity, coord.rejected
         replay_everything(coord, tap, wire, frames, rejected_before)
-        assert r.identity == bound and r.committed == 0 and r.state.value == "healthy"
+        assert r.proc.identity == bound and r.proc.committed == 0 and r.proc.state.value == "healthy"
         assert len([e for e in events(tmp_path, "rank_joined") if e["rank"] == 2]) == 1
         reasons = [e["detail"]["reason"] for e in events(tmp_path, "message_rejected")]
         assert reasons and all("stale frame" in why for why in reasons), reasons
@@ -708,7 +708,7 @@ def test_an_agent_connection_that_closes_is_its_nodes_loss_at_once(tmp_path: Pat
     deadline = time.monotonic() + 30
     while not coord.lost_nodes:
         assert time.monotonic() < deadline, "the closed connection was not noticed"
-        coord.disconnects.poll(100)
+        coord.control.disconnects.poll(100)
         coord.check_agents()
     assert "connection closed" in coord.lost_nodes[1]
     assert clock.now == 1000.0  # no time passed: not the heartbeat timeout

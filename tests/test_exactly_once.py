@@ -57,14 +57,14 @@ def test_a_divergence_is_an_event_and_with_fail_stops_the_job(tmp_path: Path, mo
     send(coord, 1, MsgType.DIVERGENCE, step=12, check="gradient", reason="step 12 computed again differs")
     found = events(tmp_path / "warn", "divergence")
     assert [(e["rank"], e["detail"]["step"], e["detail"]["check"]) for e in found] == [(1, 12, "gradient")]
-    assert coord._pending_exit is None  # warn (the default): training goes on
+    assert coord.exit_code is None  # warn (the default): training goes on
 
     coord, _, _ = make(tmp_path / "fail", world=2, on_divergence="fail")
     hello_all(coord)
     stops: list[tuple[int, str]] = []
     monkeypatch.setattr(coord, "stop", lambda code, reason: stops.append((code, reason)) or code)
     send(coord, 0, MsgType.DIVERGENCE, step=5, check="replica_parameters", reason="parameters differ")
-    assert coord._pending_exit == 3
+    assert coord.exit_code == 3
     assert len(stops) == 1 and "rank 0 diverged at step 5" in stops[0][1]
     assert "stopping" in events(tmp_path / "fail", "divergence")[0]["message"]
 

@@ -1,0 +1,167 @@
+"""The ranks' messages: one handler per message type (a dispatch table), each recording what the
+message says in the rank table or handing it to the role it concerns (recovery rounds, TTP).
+
+A message must name a live rank and its current incarnation; every message but ``hello`` must come
+from the connection whose ``hello`` was accepted for that incarnation (:meth:`RankMessages.handle`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from ..events import EventKind
+from ..policy import RankState
+from ..protocol import Message, MsgType
+from .phases import JobPhase
+from .ranks import Rank, RankPhase
+
+if TYPE_CHECKING:
+    from .core import Coordinator
+
+DIVERGENCE_EXIT_CODE = 3  # the job stopped on a detected divergence (--on_divergence fail)
+
+
+class RankMessages:
+    """Handles the ranks' control messages for the coordinator ``job``."""
+
+    def __init__(self, job: "Coordinator") -> None:
+        self.job = job
+
+    def handle(self, identity: bytes, msg: Message) -> None:
+        """Route one authenticated message of a rank to its handler (:attr:`_rank_handlers`).
+
+        A message must name a live rank and its current incarnation; every message but ``hello``
+        must come from the connection whose ``hello`` was accepted for that incarnation.
+        """
+        r = self.job.ranks.get(msg.get("rank")) if "rank" in msg.fields else None
+        if r is None or msg.get("incarnation") != r.incarnation or not r.alive():
+            self.job.control.reject(identity, f"{msg.type.value} for a rank/incarnation that is not live here")
+            return
+        if msg.type == MsgType.HELLO:
+            self.on_hello(identity, r, msg)
+            return
+        if identity != r.proc.identity:
+            self.job.control.reject(identity, f"{msg.type.value} for rank {r.rank} from a connection that did not say hello")
+            return
+        r.proc.last_heartbeat = self.job.clock()
+        handler = self._rank_handlers.get(msg.type)
+        if handler is not None:
+            handler(self, r, msg)
+
+    def on_hello(self, identity: bytes, r: Rank, msg: Message) -> None:
+        """A rank's process connects: bind the rank to this connection; during a recovery its
+        hello is its report (it holds no state) or it is told the recovery's generation."""
+        p = r.proc
+        if p.pid is None:
+            p.pid = msg["pid"]  # its node's agent has not reported the spawn yet
+        elif msg["pid"] != p.pid:
+            self.job.control.reject(identity, f"hello for rank {r.rank} from pid {msg['pid']}, expected {p.pid}")
+            return
+        p.identity = identity
+        r.library = bool(msg["library"])
+        r.replica_group = tuple(int(x) for x in msg["replica_group"])
+        p.last_heartbeat = self.job.clock()
+        p.state = RankState.HEALTHY if self.job.rounds.current is None else RankState.RECOVERING
+        self.job.emit(EventKind.RANK_JOINED, f"rank {r.rank} connected (pid {p.pid})", rank=r.rank, library=r.library)
+        hot = msg.get("hot")
+        if isinstance(hot, str) and hot != "the training loop":
+            # A hot spare promoted while its script waited for its rank in its set-up: correct, but
+            # only as fast as a warm spare (docs/hot_spares.md).
+            self.job.emit(EventKind.WARNING,
+                      f"rank {r.rank}: its hot spare was still in the script's set-up, waiting on {hot[:80]} (the "
+                      "script reads its rank before its training loop); it finished the set-up after its promotion, "
+                      "as a warm spare does (docs/hot_spares.md)", rank=r.rank, fault="hot_spare_contract")
+        if self.job.rounds.current is not None:
+            self.job.rounds.on_hello(r, msg["generation"])
+
+    def on_heartbeat(self, r: Rank, msg: Message) -> None:
+        r.on_heartbeat(msg.get("in_dist"), msg.get("stage"), msg.get("stage_bytes"), self.job.clock())
+
+    def on_step(self, r: Rank, msg: Message) -> None:
+        """``step_begin`` or ``progress``: the rank's step (and metrics) moved."""
+        now = self.job.clock()
+        if msg.type == MsgType.PROGRESS:
+            r.on_progress(msg["step"], msg["metrics"], now)
+            if "section" in msg.fields:
+                r.on_section(msg.get("section"), msg.get("section_timeout"), now)
+        else:
+            self.job.watchdog.observe(r.on_step_begin(msg["step"], msg.get("total"), now, self.job.spec.warmup_steps))
+        self.job.publisher.dirty = True
+
+    def on_fault_message(self, r: Rank, msg: Message) -> None:
+        """A failed collective, a recoverable error, or the answer to an abort (a dying gasp's
+        report while one runs)."""
+        r.proc.committed = msg["committed"]
+        r.proc.phase = RankPhase.RECOVERING
+        gasp = self.job.ttp.gasp
+        if gasp is not None:
+            if msg["generation"] == gasp.generation:
+                gasp.reports[r.rank] = msg["committed"]
+            return
+        self.job.rounds.on_fault(r, msg)
+
+    def on_error(self, r: Rank, msg: Message) -> None:
+        """A rank reports a problem it survived (e.g. a shard it could not write)."""
+        self.job.emit(EventKind.WARNING, f"rank {r.rank} reported: {msg['reason']}", rank=r.rank)
+        self.job.ttp.on_writer_error(r.rank, msg["reason"])
+
+    def on_done(self, r: Rank, msg: Message) -> None:
+        """A rank says it called ``ft.finish()``: a claim, never the job's end.
+
+        The job ends when every rank's *process* has exited (code after ``finish()`` -- saving the
+        model, writing metrics -- runs, as under torchrun). The claim is checked: ranks that
+        finished at different committed steps are named in a warning (a diverged job).
+        """
+        p = r.proc
+        p.steps_ended, p.phase, p.finished = True, RankPhase.DONE, True
+        committed = msg.get("committed")
+        if isinstance(committed, int) and not isinstance(committed, bool):
+            p.final_step = committed
+            claims = {x.rank: x.proc.final_step for x in self.job.ranks.values() if x.proc.final_step is not None}
+            if len(set(claims.values())) > 1:
+                self.job.emit(EventKind.WARNING, f"ranks finished at different committed steps: {claims}", claims=claims)
+        self.release_finish_barrier()
+
+    def release_finish_barrier(self) -> None:
+        """Once every rank has finished (said ``done``, or exited 0), let the ranks waiting in
+        ``ft.finish()`` go. Until then they keep their final state for a rank that dies in its
+        epilogue (it is respawned and recovers from them like any other)."""
+        if self.job.rounds.current is not None or not all(x.proc.finished or x.proc.state == RankState.SUCCEEDED
+                                                      for x in self.job.ranks.values()):
+            return
+        for x in self.job.ranks.values():
+            if x.proc.finished and x.alive() and x.proc.identity is not None and not x.proc.released:
+                x.proc.released = True
+                self.job.send(x, MsgType.FINISHED)
+
+    def on_divergence(self, r: Rank, msg: Message) -> None:
+        """A rank found that exactly-once does not hold (issue 20): a step it recomputed gave
+        another local gradient than the first computation (state the script carries outside what
+        ftrun restores), or replicas hold other parameters after a recovery. A ``divergence``
+        event and a console warning; with ``--on_divergence fail`` the job stops with a
+        dying-gasp checkpoint of the last step every rank committed (the rank holds its
+        diverged step back until the abort)."""
+        step, check = msg["step"], msg["check"]
+        fail = self.job.spec.on_divergence == "fail"
+        self.job.emit(EventKind.DIVERGENCE, f"rank {r.rank} diverged at step {step} ({check}): {msg['reason'][:600]}"
+                  + ("; stopping (--on_divergence fail)" if fail else ""), rank=r.rank, step=step, check=check,
+                  reason=msg["reason"][:1000])
+        if fail and self.job.exit_code is None and self.job.phase.current in (JobPhase.RUNNING, JobPhase.RECOVERING):
+            self.job.finish_with(self.job.stop(DIVERGENCE_EXIT_CODE, f"stopped: rank {r.rank} diverged at step {step} "
+                                       "(--on_divergence fail)"))
+
+    _rank_handlers: dict[MsgType, Callable[["RankMessages", Rank, Message], None]] = {
+        MsgType.HEARTBEAT: on_heartbeat,
+        MsgType.STEP_BEGIN: on_step,
+        MsgType.PROGRESS: on_step,
+        MsgType.COLLECTIVE: lambda self, r, msg: r.on_collective(self.job.clock()),
+        MsgType.UPDATE_BEGIN: lambda self, r, msg: r.on_update(self.job.clock()),
+        MsgType.UPDATE_END: lambda self, r, msg: r.on_update_end(msg["step"], self.job.clock()),
+        MsgType.STEPS_END: lambda self, r, msg: r.on_steps_end(),
+        MsgType.FAULT: on_fault_message,
+        MsgType.SAVED: lambda self, r, msg: self.job.ttp.on_saved(msg),
+        MsgType.RECOVERED: lambda self, r, msg: self.job.rounds.on_recovered(r, msg),
+        MsgType.DONE: on_done,
+        MsgType.ERROR: on_error,
+        MsgType.DIVERGENCE: on_divergence,
+    }

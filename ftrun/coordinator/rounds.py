@@ -1,0 +1,212 @@
+"""ARF recovery rounds (MindSpore's process-level rescheduling): respawn only the failed ranks and
+orchestrate the state transfer to them, or repair the group in place (HCCE, UCE).
+
+A round is one generation: the failed ranks are respawned, every survivor is aborted to a safe
+point and reports its committed step; once every live rank has reported, :func:`ftrun.policy.plan_recovery`
+chooses the step to resume from and the donor of each recipient's state, and every live rank is
+sent the plan; the round ends when every live rank says it carried it out. A fault during a round
+starts the next round (the next generation), keeping the first failure's start time.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..events import EventKind
+from ..policy import NO_STATE, NoLiveReplica, RankState, default_replica_groups, plan_recovery, replica_groups_from_hello
+from ..protocol import Message, MsgType
+from .phases import JobPhase
+from .ranks import Rank, RankPhase, Recovery
+
+if TYPE_CHECKING:
+    from .core import Coordinator
+
+_KIND_LABEL = {"comm_error": "HCCE: communication error", "recoverable_error": "UCE: recoverable error"}
+
+
+class RecoveryRounds:
+    """The recovery in progress (:attr:`current`, None between recoveries) and its rounds.
+
+    Args:
+        job: the coordinator (its spec, clock, rank table, spawning, events and restart policy).
+    """
+
+    def __init__(self, job: "Coordinator") -> None:
+        self.job = job
+        self.current: Recovery | None = None
+
+    def start(self, failed: set[int], reason: str, kind: str = "death") -> None:
+        """Begin (or restart) a recovery round: respawn ``failed`` and ask survivors to report.
+
+        ``kind`` names the fault for the events: death, hang, comm_error (HCCE) or
+        recoverable_error (UCE); the last two respawn nothing.
+        """
+        job = self.job
+        now = job.clock()
+        job.phase.move(JobPhase.RECOVERING)
+        job.generation += 1
+        for x in job.ranks.values():
+            x.proc.last_begin = None  # a step time measured across a recovery says nothing about steps
+        rec = self.current
+        if rec is None:
+            detection = max((f.detection_seconds for f in job.round_failures if f.rank in failed), default=0.0)
+            rec = self.current = Recovery(generation=job.generation, started_at=now - detection, failed=set(failed),
+                                          detection_seconds=detection, round_started=now)
+            job.emit(EventKind.RECOVERY_STARTED,
+                     f"recovery of rank(s) {sorted(failed)} started: generation {job.generation}" if failed
+                     else f"{_KIND_LABEL.get(kind, kind)}: {reason}; rebuilding the group (generation {job.generation}), no respawn",
+                     failed=sorted(failed), reason=reason, fault=kind)
+        else:
+            rec.generation = job.generation
+            rec.failed |= failed
+            rec.reports.clear()
+            rec.plan = None
+            rec.recovered.clear()
+            rec.rounds += 1
+            rec.round_started = now
+            job.emit(EventKind.RECOVERY_STARTED,
+                     f"recovery restarted (round {rec.rounds}): rank(s) {sorted(failed)} failed during recovery; "
+                     f"generation {job.generation}", failed=sorted(failed), reason=reason, round=rec.rounds, fault=kind)
+        for rank in sorted(failed):
+            r = job.ranks[rank]
+            job.restarts_used += 1
+            r.restarts += 1
+            job.spawn(r, use_spare=True)
+            rec.respawned_at[rank] = job.clock()
+            job.emit(EventKind.RANK_RESPAWNED,
+                     f"rank {rank} respawned as incarnation {r.incarnation} (restart {job.restarts_used}/{job.spec.max_restarts})",
+                     rank=rank, restarts_used=job.restarts_used)
+        for r in job.ranks.values():
+            if r.alive() and r.rank not in failed:
+                r.proc.state = RankState.RECOVERING
+                job.send(r, MsgType.ABORT, generation=job.generation, reason=reason)
+
+    def on_report(self, r: Rank, generation: int, committed: int) -> None:
+        """A live rank reports its committed step for this round (its hello, for a new one)."""
+        rec = self.current
+        if rec is None or generation != rec.generation:
+            return
+        rec.reports[r.rank] = committed
+        r.proc.state = RankState.RECOVERING
+        live = [x.rank for x in self.job.ranks.values() if x.alive()]
+        if rec.plan is None and set(live) <= set(rec.reports):
+            self.make_plan(live)
+
+    def on_hello(self, r: Rank, generation: int) -> None:
+        """A rank's process connected during a recovery: its hello is its report (it holds no
+        state), or it is told the round's generation."""
+        rec = self.current
+        assert rec is not None
+        rec.joined_at.setdefault(r.rank, self.job.clock())
+        if generation != rec.generation:
+            self.job.send(r, MsgType.ABORT, generation=rec.generation, reason="recovery in progress")
+        else:
+            self.on_report(r, generation, NO_STATE)
+
+    def make_plan(self, live: list[int]) -> None:
+        job, rec = self.job, self.current
+        assert rec is not None
+        try:
+            groups = self.replica_groups()
+            plan = plan_recovery({rank: rec.reports[rank] for rank in live}, groups)
+        except (NoLiveReplica, ValueError) as err:
+            job.emit(EventKind.RECOVERY_FALLBACK, f"ARF cannot recover: {err}; falling back to a whole-job restart", reason=str(err))
+            job.finish_with(job.restart_job(f"no live replica ({err})"))
+            return
+        rec.plan = plan
+        rec.planned_at = job.clock()
+        transfers = [[t.donor, t.recipient] for t in plan.transfers]
+        job.emit(EventKind.RECOVERY_PLANNED,
+                 f"generation {rec.generation}: resume at step {plan.step + 1}; transfers "
+                 + (", ".join(f"{d}->{r}" for d, r in transfers) or "none"),
+                 step=plan.step, transfers=transfers, committed=dict(sorted((str(k), v) for k, v in rec.reports.items())))
+        for x in job.ranks.values():
+            if x.alive():
+                job.send(x, MsgType.RECONFIGURE, generation=rec.generation, world_size=job.spec.worker_num, step=plan.step,
+                         transfers=transfers)
+
+    def replica_groups(self) -> list[list[int]]:
+        """The job's replica groups, as the ranks declared them in their hello.
+
+        Raises:
+            ValueError: the declarations are not a partition of the ranks.
+        """
+        job = self.job
+        declared = {x.rank: list(x.replica_group) for x in job.ranks.values() if x.replica_group}
+        if not declared:
+            return default_replica_groups(job.spec.worker_num)
+        return replica_groups_from_hello(job.spec.worker_num, declared)
+
+    def on_recovered(self, r: Rank, msg: Message) -> None:
+        """A rank carried out the plan (donor, recipient or neither); the last one ends the recovery."""
+        job, rec = self.job, self.current
+        if rec is None or msg["generation"] != rec.generation or rec.plan is None:
+            return
+        rec.recovered[r.rank] = dict(msg.fields, at=job.clock())
+        r.proc.state = RankState.HEALTHY
+        role = msg["role"]
+        if role != "none":
+            job.emit(EventKind.RANK_RECOVERED, f"rank {r.rank} rejoined as {role}: {msg['bytes'] / 1e6:.2f} MB in {msg['seconds']:.3f} s",
+                     rank=r.rank, role=role, bytes=msg["bytes"], seconds=msg["seconds"], rebuild_seconds=msg.get("rebuild_seconds"))
+        if set(rec.recovered) >= {x.rank for x in job.ranks.values() if x.alive()}:
+            self.finish(rec)
+
+    def finish(self, rec: Recovery) -> None:
+        """Every live rank carried out the plan: the ``recovery_finished`` event with its costs."""
+        job = self.job
+        assert rec.plan is not None
+        now = job.clock()
+        total_bytes = sum(int(v["bytes"]) for v in rec.recovered.values() if v["role"] == "recipient")
+        transfer_s = max((float(v["seconds"]) for v in rec.recovered.values()), default=0.0)
+        # Survivors wait inside the rebuild for the new rank; the last rank to arrive measures
+        # the rebuild itself.
+        rebuild_s = min((float(v.get("rebuild_seconds") or 0.0) for v in rec.recovered.values()), default=0.0)
+        # Respawn: from the spawn to the new rank starting its rebuild (process start, imports,
+        # the script's own set-up).
+        respawn_s: dict[str, Any] = {}
+        for rank, t in rec.respawned_at.items():
+            v = rec.recovered.get(rank, {})
+            ready = float(v.get("at", now)) - float(v.get("rebuild_seconds") or 0.0) - float(v.get("seconds", 0.0))
+            respawn_s[str(rank)] = round(ready - t, 3)
+        job.emit(
+            EventKind.RECOVERY_FINISHED,
+            (f"recovered rank(s) {sorted(rec.failed)}" if rec.failed else "repaired in place")
+            + f" in {now - rec.started_at:.2f} s (detection "
+            f"{rec.detection_seconds:.3f} s, respawn {max(map(float, respawn_s.values()), default=0.0):.2f} s, "
+            f"group rebuild {rebuild_s:.2f} s, transfer {transfer_s:.3f} s): resuming at step {rec.plan.step + 1}, "
+            f"{total_bytes / 1e6:.2f} MB transferred",
+            failed=sorted(rec.failed), resume_step=rec.plan.step + 1, total_seconds=round(now - rec.started_at, 3),
+            detection_seconds=round(rec.detection_seconds, 4), respawn_seconds=respawn_s, rebuild_seconds=round(rebuild_s, 3),
+            transfer_seconds=round(transfer_s, 3), bytes=total_bytes, rounds=rec.rounds,
+        )
+        self.current = None
+        job.round_failures = []
+        job.phase.move(JobPhase.RUNNING)
+        for x in job.ranks.values():
+            x.proc.last_progress, x.proc.phase = now, RankPhase.COMPUTE
+
+    def on_fault(self, r: Rank, msg: Message) -> None:
+        """A rank reports a failed collective, a recoverable error, or its answer to an abort."""
+        job, rec = self.job, self.current
+        kind = msg.get("kind", "comm")
+        if rec is not None and rec.plan is not None and msg["generation"] == rec.generation and kind == "abort":
+            # An answer to this round's abort arriving after its plan: the rank's report was already
+            # counted (a UCE rank's own report is its answer). Not a failure.
+            return
+        if rec is not None and rec.plan is not None and msg["generation"] == rec.generation and job.spec.tft.arf:
+            # The plan itself failed (a transfer or the new group broke) with no death seen: next round.
+            self.start(set(), f"rank {r.rank} could not carry out the plan: {msg['reason']}", kind="comm_error")
+        elif rec is not None:
+            self.on_report(r, msg["generation"], msg["committed"])
+        elif msg["generation"] == job.generation and kind in ("comm", "recoverable"):
+            # No rank died (yet): repair in place, no respawn. UCE: the rank reloads from a replica.
+            event_kind = "recoverable_error" if kind == "recoverable" else "comm_error"
+            allowed = job.spec.tft.arf and (job.spec.tft.uce if kind == "recoverable" else job.spec.tft.hcce)
+            reason = f"rank {r.rank} reported {msg['reason']}"
+            if not allowed:
+                # A collective also fails when a peer dies, and its report can beat the peer's
+                # SIGCHLD: wait a moment for a death before restarting the whole job.
+                job.watchdog.note_unrepaired(job.clock(), f"{reason} and {'UCE' if kind == 'recoverable' else 'HCCE'} is off")
+                return
+            self.start(set(), reason, kind=event_kind)
+            self.on_report(r, job.generation, msg["committed"])

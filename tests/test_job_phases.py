@@ -1,0 +1,132 @@
+"""The coordinator's roles without processes (issue 23): the job's phases and their transition
+table, a rank's incarnation record, and the watchdog's verdicts on a rank table and a clock."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+from test_coordinator import events, hello_all, make, send, step
+
+from ftrun.coordinator.phases import TRANSITIONS, IllegalTransition, JobPhase, JobPhases
+from ftrun.coordinator.ranks import Rank, RankPhase
+from ftrun.coordinator.watchdog import CommHang, Hung, Unrepaired, Watchdog, WatchdogBounds
+from ftrun.protocol import MsgType
+
+ILLEGAL = [(a, b) for a in JobPhase for b in JobPhase if b not in TRANSITIONS[a]]
+
+
+@pytest.mark.parametrize("start, to", ILLEGAL, ids=[f"{a.value}->{b.value}" for a, b in ILLEGAL])
+def test_an_illegal_transition_raises_and_changes_nothing(start: JobPhase, to: JobPhase) -> None:
+    phases = JobPhases()
+    path = {JobPhase.RUNNING: [], JobPhase.RECOVERING: [JobPhase.RECOVERING], JobPhase.GASPING: [JobPhase.GASPING],
+            JobPhase.RESTARTING: [JobPhase.RESTARTING], JobPhase.STOPPING: [JobPhase.STOPPING],
+            JobPhase.FINISHED: [JobPhase.FINISHED]}[start]
+    for phase in path:
+        phases.move(phase)
+    assert phases.current == start
+    with pytest.raises(IllegalTransition, match=f"{start.value} -> {to.value}"):
+        phases.move(to)
+    assert phases.current == start and phases.history[-1] == start
+
+
+def test_the_table_has_an_end_and_every_phase_reaches_it() -> None:
+    assert TRANSITIONS[JobPhase.FINISHED] == frozenset()
+    for phase in JobPhase:
+        seen, todo = set(), [phase]
+        while todo:
+            p = todo.pop()
+            if p not in seen:
+                seen.add(p)
+                todo.extend(TRANSITIONS[p])
+        assert JobPhase.FINISHED in seen, phase
+
+
+def test_a_recovery_a_restart_and_a_failure_walk_the_phases(tmp_path: Path) -> None:
+    coord, agent, clock = make(tmp_path, max_restarts=2)
+    coord.ttp.report_wait = 0.0  # the fake ranks never answer a dying gasp's abort
+    hello_all(coord)
+    step(coord, 0)
+    agent.exit(2, -signal.SIGKILL, at=0.0)
+    assert coord.check_processes() is None and coord.phase.current == JobPhase.RECOVERING
+    assert coord.check_processes() is None
+    for rank in (0, 1, 3):
+        send(coord, rank, MsgType.FAULT, generation=1, step=1, committed=0, reason="abort")
+    hello_all(coord, [2])
+    for rank in range(4):
+        send(coord, rank, MsgType.RECOVERED, generation=1, role="recipient" if rank == 2 else "none", bytes=10, seconds=0.1)
+    assert coord.phase.current == JobPhase.RUNNING and coord.recovery is None
+    # the budget has one restart left: two deaths at once restart the whole job
+    hello_all(coord, [2])
+    agent.exit(0, 1)
+    agent.exit(1, 1)
+    assert coord.check_processes() is None
+    assert coord.attempt == 1 and coord.phase.current == JobPhase.RUNNING
+    assert JobPhase.RESTARTING in coord.phase.history
+    # the budget is spent: the next death fails the job, through stopping to finished
+    assert coord.check_processes() is None
+    hello_all(coord)
+    agent.exit(3, 1)
+    assert coord.check_processes() == 1
+    assert coord.phase.history[-2:] == [JobPhase.STOPPING, JobPhase.FINISHED]
+    assert "restart budget exhausted" in events(tmp_path, "job_finished")[-1]["message"]
+    # a death reported while the job is over is recorded, never acted on
+    assert coord.on_failure([0]) is None and coord.phase.current == JobPhase.FINISHED
+
+
+def test_each_spawn_starts_a_fresh_incarnation_record() -> None:
+    r = Rank(rank=1, local_rank=1)
+    first = r.respawned(5.0)
+    first.kill_reason, first.section, first.phase, first.committed = "hung: x", "eval", RankPhase.UPDATE, 7
+    r.library, r.total_steps = True, 100
+    second = r.respawned(9.0)
+    assert second is not first and r.incarnation == 1 and second.started_at == 9.0 and second.running
+    assert (second.kill_reason, second.section, second.phase, second.committed) == (None, None, RankPhase.SETUP, -2)
+    assert r.library and r.total_steps == 100  # the rank's own facts stay
+
+
+BOUNDS = WatchdogBounds(heartbeat_timeout=30.0, heartbeat_interval=1.0, setup_timeout=300.0, step_timeout=0.0,
+                        step_timeout_min=10.0, step_timeout_factor=5.0, warmup_steps=1)
+
+
+def table(n: int, now: float) -> list[Rank]:
+    ranks = [Rank(rank=i, local_rank=i) for i in range(n)]
+    for r in ranks:
+        r.respawned(now)
+        r.library, r.proc.identity, r.proc.last_heartbeat = True, b"x%d" % r.rank, now
+    return ranks
+
+
+def test_watchdog_verdicts_follow_the_clock_it_is_given() -> None:
+    dog = Watchdog(BOUNDS)
+    ranks = table(2, 0.0)
+    assert dog.inspect(ranks, None, False, {0}, 29.0) is None
+    ranks[0].proc.last_heartbeat = 20.0
+    found = dog.inspect(ranks, None, False, {0}, 31.0)
+    assert found == [Hung(1, "no_heartbeat", "no heartbeat for 31.0 s (--heartbeat_timeout 30)", 0.0)]
+    # steps begun, then every rank waits in the collective past the step timeout: the group is stuck
+    ranks = table(2, 0.0)
+    for t in (0.0, 1.0, 2.0):
+        for r in ranks:
+            dog.observe(r.on_step_begin(int(t), None, t, BOUNDS.warmup_steps))
+    assert dog.max_step_time == 1.0 and dog.step_timeout() == 10.0
+    for r in ranks:
+        r.on_collective(2.5)
+        r.proc.last_heartbeat = 12.0
+    assert dog.inspect(ranks, None, False, {0}, 12.4) is None
+    assert isinstance(dog.inspect(ranks, None, False, {0}, 12.6), CommHang)
+    # one rank outside the collective it announced: it alone is the culprit
+    ranks[1].on_heartbeat(False, "loop", 0, 12.6)
+    ranks[0].on_heartbeat(True, "loop", 0, 12.6)
+    found = dog.inspect(ranks, None, False, {0}, 12.7)
+    assert [(h.rank, h.kind) for h in found] == [(1, "no_progress")] and "outside the collective" in found[0].evidence
+
+
+def test_an_unrepaired_fault_waits_its_grace_unless_a_death_explains_it() -> None:
+    dog = Watchdog(BOUNDS)
+    dog.note_unrepaired(0.0, "rank 1 reported X and HCCE is off")
+    assert dog.inspect([], None, False, set(), 0.5) is None
+    assert dog.inspect([], None, False, set(), 1.5) == Unrepaired("rank 1 reported X and HCCE is off")
+    dog.note_unrepaired(2.0, "again")
+    assert dog.inspect([], None, True, set(), 9.0) is None and dog.unrepaired is None  # a death explained it
