@@ -112,6 +112,8 @@ class JobMetrics:
         self.failures = Counter("ftrun_rank_failures", "Rank processes that failed (died, or killed as hung).",
                                 registry=r)
         self.restarts = Counter("ftrun_job_restarts", "Whole-job restarts.", registry=r)
+        self.node_losses = Counter("ftrun_node_losses", "Nodes lost (every process of a node, or its host), by how "
+                                   "the loss was seen.", ["cause"], registry=r)
         self.recovery_seconds = Histogram("ftrun_recovery_seconds", "A recovery's time from the fault to training "
                                           "again, seconds.", buckets=RECOVERY_BUCKETS, registry=r)
         self.phase_seconds = Histogram("ftrun_recovery_phase_seconds", "A recovery's time split by phase, seconds.",
@@ -124,9 +126,11 @@ class JobMetrics:
         self.checkpoint_bytes = Counter("ftrun_checkpoint_bytes", "Bytes of completed checkpoints.", registry=r)
         self.checkpoint_step = Gauge("ftrun_checkpoint_step", "The step of the newest completed checkpoint.",
                                      registry=r)
-        for fault in ("death", "hang", "comm_error", "recoverable_error"):
+        for fault in ("death", "node_loss", "hang", "comm_error", "recoverable_error"):
             self.recoveries.labels(fault=fault)  # every kind shows, at 0, before it first happens
-        for phase in ("detection", "respawn", "rebuild", "transfer"):
+        for cause in ("connection_closed", "silent", "left", "not_joined", "replaced"):
+            self.node_losses.labels(cause=cause)
+        for phase in ("detection", "node_wait", "respawn", "rebuild", "transfer"):
             self.phase_seconds.labels(phase=phase)
         r.register(StatusCollector(self))
 
@@ -146,12 +150,16 @@ class JobMetrics:
                 self.detection_seconds.observe(float(detail["detection_seconds"]))
         elif kind == "job_restarting":
             self.restarts.inc()
+        elif kind == "node_lost":
+            self.node_losses.labels(cause=str(detail.get("cause") or "silent")).inc()
         elif kind == "recovery_finished":
             if _number(detail.get("total_seconds")):
                 self.recovery_seconds.observe(float(detail["total_seconds"]))
             respawn = detail.get("respawn_seconds")
+            node_wait = detail.get("node_wait_seconds")
             phases = {
                 "detection": detail.get("detection_seconds"),
+                "node_wait": max((v for v in node_wait.values() if _number(v)), default=None) if isinstance(node_wait, dict) else None,
                 "respawn": max((v for v in respawn.values() if _number(v)), default=None) if isinstance(respawn, dict) else None,
                 "rebuild": detail.get("rebuild_seconds"),
                 "transfer": detail.get("transfer_seconds"),

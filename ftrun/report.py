@@ -275,8 +275,9 @@ class Fault:
         step: the step the job had reached (the failed rank's step), when known.
         repair: how it was dealt with.
         resume_step: the step training resumed at (ARF, in place, or a restart from a checkpoint).
-        detection_s, respawn_s, rebuild_s, transfer_s: the recovery's cost split, seconds
-            (``recovery_finished``'s detail; respawn is the slowest respawned rank's).
+        detection_s, node_wait_s, respawn_s, rebuild_s, transfer_s: the recovery's cost split,
+            seconds (``recovery_finished``'s detail; respawn is the slowest respawned rank's;
+            node_wait, a lost node's ranks waiting for its replacement to join).
         bytes: state transferred to recovering ranks.
         rounds: recovery rounds (a fault during the recovery starts another).
         recomputed: steps recomputed after a whole-job restart.
@@ -293,6 +294,7 @@ class Fault:
     repair: Repair = Repair.OPEN
     resume_step: int | None = None
     detection_s: float | None = None
+    node_wait_s: float | None = None
     respawn_s: float | None = None
     rebuild_s: float | None = None
     transfer_s: float | None = None
@@ -315,8 +317,9 @@ class Fault:
 
     def split(self) -> str:
         """The cost split in words, or '' when there is none."""
-        parts = [(name, value) for name, value in (("detection", self.detection_s), ("respawn", self.respawn_s),
-                                                    ("rebuild", self.rebuild_s), ("transfer", self.transfer_s))
+        parts = [(name, value) for name, value in (("detection", self.detection_s), ("waiting for a node", self.node_wait_s),
+                                                    ("respawn", self.respawn_s), ("rebuild", self.rebuild_s),
+                                                    ("transfer", self.transfer_s))
                  if value is not None]
         return ", ".join(f"{name} {_secs(value)}" for name, value in parts)
 
@@ -524,10 +527,11 @@ class JobTimeline:
             fault.start = min(fault.start, t - float(total))
         if fault.repair == Repair.OPEN:
             fault.repair = Repair.ARF if fault.ranks else Repair.IN_PLACE
-        respawn = detail.get("respawn_seconds")
-        if isinstance(respawn, dict):
-            values = [float(v) for v in respawn.values() if _is_number(v)]
-            fault.respawn_s = max(values) if values else None
+        for name, key in (("respawn_s", "respawn_seconds"), ("node_wait_s", "node_wait_seconds")):
+            per_rank = detail.get(key)
+            if isinstance(per_rank, dict):
+                values = [float(v) for v in per_rank.values() if _is_number(v)]
+                setattr(fault, name, max(values) if values else None)
         for name, key in (("detection_s", "detection_seconds"), ("rebuild_s", "rebuild_seconds"),
                           ("transfer_s", "transfer_seconds")):
             if _is_number(detail.get(key)):
@@ -908,14 +912,16 @@ def format_report(report: Report, now: float | None = None) -> list[str]:
     lines.append("")
     if tl.faults:
         lines.append("faults (times from the job's start, seconds):")
-        header = ("#", "at", "fault", "repair", "lost", "detect", "respawn", "rebuild", "transfer", "moved", "resumed at")
+        header = ("#", "at", "fault", "repair", "lost", "detect", "node wait", "respawn", "rebuild", "transfer", "moved",
+                  "resumed at")
         rows = []
         for i, f in enumerate(tl.faults, start=1):
             resumed = "-" if f.resume_step is None else f"step {f.resume_step}"
             if f.recomputed:
                 resumed += f" ({f.recomputed} recomputed)"
             rows.append((str(i), f"{f.start - start:+.2f}", f.label(), f.repair.value, f"{f.lost(end):.2f}",
-                         _fmt_opt(f.detection_s, 3), _fmt_opt(f.respawn_s, 2), _fmt_opt(f.rebuild_s, 2),
+                         _fmt_opt(f.detection_s, 3), _fmt_opt(f.node_wait_s, 2), _fmt_opt(f.respawn_s, 2),
+                         _fmt_opt(f.rebuild_s, 2),
                          _fmt_opt(f.transfer_s, 3), _mb(f.bytes), resumed))
         lines.extend("  " + line for line in _columns([header, *rows]))
         for i, f in enumerate(tl.faults, start=1):
@@ -960,7 +966,7 @@ def _columns(rows: Sequence[Sequence[str]]) -> list[str]:
 
 
 _FAULT_COLOURS = {"death": "tab:red", "hang": "tab:orange", "comm_error": "tab:purple",
-                  "recoverable_error": "tab:olive"}
+                  "recoverable_error": "tab:olive", "node_loss": "tab:brown"}
 
 
 def plot_timeline(report: Report, out: Path, now: float | None = None) -> None:

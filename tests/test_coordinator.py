@@ -466,12 +466,15 @@ def test_lost_node_is_replaced_and_its_old_agent_fenced(tmp_path: Path) -> None:
     assert coord.check_agents() is None, "the job ended instead of waiting for a replacement"
     lost = events(tmp_path, "node_lost")[0]
     assert lost["detail"]["ranks"] == [2, 3] and lost["detail"]["waiting"]
+    assert lost["detail"]["cause"] == "silent" and lost["detail"]["detection_seconds"] == 30.0  # the silence
     assert coord.recovery is not None and coord.recovery.failed == {2, 3}
+    assert events(tmp_path, "recovery_started")[-1]["detail"]["fault"] == "node_loss"
     for rank in (0, 1):
         send(coord, rank, MsgType.FAULT, generation=coord.generation, step=1, committed=0, reason="abort")
     assert coord.recovery.plan is None  # the plan waits for the replacement's ranks
     remote = [c for c in coord.agents.values() if c.node == 1]
     assert remote == []
+    clock.now += 4.0  # the replacement launcher joins 4 s after the loss
     join_node1(coord, b"agent-1-replacement")
     replacement = coord.agents[1]
     sent: list[tuple[bytes, MsgType]] = []
@@ -486,6 +489,22 @@ def test_lost_node_is_replaced_and_its_old_agent_fenced(tmp_path: Path) -> None:
     plan = events(tmp_path, "recovery_planned")[-1]["detail"]
     assert sorted(t[1] for t in plan["transfers"]) == [2, 3] and all(t[0] in (0, 1) for t in plan["transfers"])
     assert replacement.node == 1 and coord.restarts_used == 2  # one restart per respawned rank
+    for rank in range(4):
+        send(coord, rank, MsgType.RECOVERED, generation=coord.generation, role="recipient" if rank >= 2 else "none",
+             bytes=10, seconds=0.1)
+    finished = events(tmp_path, "recovery_finished")[-1]["detail"]
+    # the recovery's cost split: the node's silence, then the wait for its replacement, apart from the respawn
+    assert finished["detection_seconds"] == 30.0 and finished["node_wait_seconds"] == {"2": 4.0, "3": 4.0}
+    assert all(v <= 0.0 for v in finished["respawn_seconds"].values())  # the fake clock stood still after the join
+    from ftrun.metrics import JobMetrics
+
+    metrics = JobMetrics(tmp_path, status_source=lambda: None)
+    for line in (tmp_path / "events.jsonl").read_text().splitlines():
+        metrics.observe(json.loads(line))
+    text = metrics.render().decode()
+    assert 'ftrun_node_losses_total{cause="silent"} 1.0' in text
+    assert 'ftrun_recoveries_total{fault="node_loss"} 1.0' in text
+    assert 'ftrun_recovery_phase_seconds_count{phase="node_wait"} 1.0' in text
 
 
 def test_no_replacement_in_time_fails_naming_the_node(tmp_path: Path) -> None:

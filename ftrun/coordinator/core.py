@@ -277,10 +277,10 @@ class Coordinator:
         if isinstance(found, NoReplacement):
             return self.finish_failed(found.reason)
         if isinstance(found, NodeLoss):
-            return self.node_lost(found.node, found.reason, found.replaceable)
+            return self.node_lost(found)
         return None
 
-    def node_lost(self, node: int, reason: str, replaceable: bool = True) -> int | None:
+    def node_lost(self, loss: NodeLoss) -> int | None:
         """A node is gone with its ranks (pod-level rescheduling, MindCluster's term).
 
         Its agent's connection is fenced, its ranks are recorded as failed, and the failure goes
@@ -292,30 +292,32 @@ class Coordinator:
         already restarting or ending, the loss is only recorded. Returns the exit code once the
         job ends.
         """
+        node, reason = loss.node, loss.reason
         self.members.lose(node, reason)
         now, wall = self.clock(), self.wall()
         lost = [r for r in self.ranks.values() if r.node == node and r.proc.state != RankState.SUCCEEDED]
         for r in lost:
             r.proc.running = False
             r.proc.exit_code, r.proc.exit_desc, r.proc.state = 1, reason, RankState.FAILED
-            self._record_failure(Failure(r.rank, r.proc.pid, 1, reason, wall))
+            self._record_failure(Failure(r.rank, r.proc.pid, 1, reason, wall, detection_seconds=loss.evidence_age))
         if self.phase.current not in ACTIVE:
             return None
-        waits = replaceable and self.spec.tft.arf and bool(lost) and not self.spec.join
+        waits = loss.replaceable and self.spec.tft.arf and bool(lost) and not self.spec.join
         self.emit(EventKind.NODE_LOST, reason + (f"; waiting up to {self.spec.node_wait_timeout:g} s for a replacement "
                                                  f"launcher with --node_rank {node}" if waits else ""),
-                  node_lost=node, ranks=[r.rank for r in lost], waiting=waits)
+                  node_lost=node, ranks=[r.rank for r in lost], waiting=waits, cause=loss.cause,
+                  detection_seconds=round(loss.evidence_age, 4))
         if not waits:
             return self.finish_failed(reason)
         self.members.await_replacement(node, reason, now)
-        return self.on_failure([r.rank for r in lost])
+        return self.on_failure([r.rank for r in lost], kind="node_loss")
 
     def on_agent_message(self, identity: bytes, msg: Message, fd: int | None = None) -> None:
         """An agent's message (:meth:`Membership.on_agent_message`); a replacement's hello while
         the old agent is silent first makes the old one's node lost."""
         loss = self.members.on_agent_message(identity, msg, fd)
         if loss is not None:
-            self.finish_with(self.node_lost(loss.node, loss.reason))
+            self.finish_with(self.node_lost(loss))
             if self.exit_code is None:
                 self.members.on_agent_message(identity, msg, fd)  # now awaited: accepted
 
@@ -404,9 +406,10 @@ class Coordinator:
         return None
 
     # ----------------------------------------------------------------- the policy's outcomes
-    def on_failure(self, failed: list[int]) -> int | None:
-        """Ranks failed: respawn them (ARF), restart the job, or fail it (:func:`ftrun.policy.decide_on_failure`).
-        While the job is already restarting or ending, the failure is only recorded."""
+    def on_failure(self, failed: list[int], kind: str = "death") -> int | None:
+        """Ranks failed (``kind``: death, or node_loss): respawn them (ARF), restart the job, or fail
+        it (:func:`ftrun.policy.decide_on_failure`). While the job is already restarting or ending,
+        the failure is only recorded."""
         spec = self.spec
         if spec.join or self.phase.current not in ACTIVE:
             return None
@@ -429,7 +432,7 @@ class Coordinator:
         if decision.action == Action.FAIL_JOB:
             return self.finish_failed(decision.reason)
         if decision.action == Action.RESPAWN_RANKS:
-            self.rounds.start(set(decision.ranks), decision.reason)
+            self.rounds.start(set(decision.ranks), decision.reason, kind=kind)
             return None
         return self.restart_job(decision.reason)
 

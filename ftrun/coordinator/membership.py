@@ -30,11 +30,15 @@ SpawnOrder = tuple[int, int, Mapping[str, str], str, bool]  # rank, incarnation,
 
 @dataclass(frozen=True)
 class NodeLoss:
-    """A node found lost: its index, why, and whether a replacement may be awaited."""
+    """A node found lost: its index, why (in words, and as a ``cause`` for metrics: connection_closed,
+    silent, left, not_joined, replaced), whether a replacement may be awaited, and how long the
+    evidence is older than the finding (a silent agent's silence), seconds."""
 
     node: int
     reason: str
+    cause: str
     replaceable: bool = True
+    evidence_age: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -92,18 +96,18 @@ class Membership:
             remote = agent if isinstance(agent, RemoteAgent) and not agent.lost else None
             if remote is not None and remote.identity in closed:
                 return NodeLoss(node, f"node {node} lost: its agent's connection closed (host {remote.host or '?'}; "
-                                      "its processes were killed or its host reset the connection)")
+                                      "its processes were killed or its host reset the connection)", "connection_closed")
             if agent is None and node in self.waiting_for and now > self.node_deadline[node]:
                 return NoReplacement(f"{self.waiting_for.pop(node)}; no replacement joined within --node_wait_timeout "
                                      f"{spec.node_wait_timeout:g} s")
             if agent is None and node not in self.lost_nodes and now > self.node_deadline.get(node, float("inf")):
                 return NodeLoss(node, f"node {node} did not join within --cluster_time_out {spec.cluster_time_out:g} s",
-                                replaceable=False)
+                                "not_joined", replaceable=False)
             if remote is not None and remote.leaving:
-                return NodeLoss(node, f"node {node} left the job: {remote.leaving} (host {remote.host or '?'})")
+                return NodeLoss(node, f"node {node} left the job: {remote.leaving} (host {remote.host or '?'})", "left")
             if remote is not None and now - remote.last_seen > timeout:
                 return NodeLoss(node, f"node {node} lost: nothing heard from its agent for {now - remote.last_seen:.1f} s "
-                                      f"(host {remote.host or '?'})")
+                                      f"(host {remote.host or '?'})", "silent", evidence_age=now - remote.last_seen)
         return None
 
     def lose(self, node: int, reason: str) -> None:
@@ -169,7 +173,7 @@ class Membership:
             # A replacement launcher (a restarted pod) can say hello before the old agent's
             # silence reaches --heartbeat_timeout: the old one is already quiet, so it is lost.
             return NodeLoss(node, f"node {node} replaced: a new launcher joined while its agent had "
-                                  f"been silent for {now - current.last_seen:.1f} s")
+                                  f"been silent for {now - current.last_seen:.1f} s", "replaced", evidence_age=now - current.last_seen)
         if node in self.agents or (node in self.lost_nodes and node not in self.waiting_for):
             why = "was declared lost and is not awaited any more" if node in self.lost_nodes else "is already connected"
             job.control.reject(identity, f"agent hello for node {node}, which {why}")

@@ -163,20 +163,29 @@ class RecoveryRounds:
         rebuild_s = min((float(v.get("rebuild_seconds") or 0.0) for v in rec.recovered.values()), default=0.0)
         # Respawn: from the spawn to the new rank starting its rebuild (process start, imports,
         # the script's own set-up).
+        # A rank of a lost node waits for its replacement's agent before its process can start:
+        # that wait is the node's, not the respawn's.
         respawn_s: dict[str, Any] = {}
+        node_wait_s: dict[str, Any] = {}
         for rank, t in rec.respawned_at.items():
             v = rec.recovered.get(rank, {})
             ready = float(v.get("at", now)) - float(v.get("rebuild_seconds") or 0.0) - float(v.get("seconds", 0.0))
-            respawn_s[str(rank)] = round(ready - t, 3)
+            started = max(t, job.ranks[rank].proc.started_at)
+            if started - t > 1e-3:
+                node_wait_s[str(rank)] = round(started - t, 3)
+            respawn_s[str(rank)] = round(ready - started, 3)
+        node_wait = max(map(float, node_wait_s.values()), default=0.0)
         job.emit(
             EventKind.RECOVERY_FINISHED,
             (f"recovered rank(s) {sorted(rec.failed)}" if rec.failed else "repaired in place")
             + f" in {now - rec.started_at:.2f} s (detection "
-            f"{rec.detection_seconds:.3f} s, respawn {max(map(float, respawn_s.values()), default=0.0):.2f} s, "
+            f"{rec.detection_seconds:.3f} s, " + (f"waiting for a replacement node {node_wait:.2f} s, " if node_wait_s else "")
+            + f"respawn {max(map(float, respawn_s.values()), default=0.0):.2f} s, "
             f"group rebuild {rebuild_s:.2f} s, transfer {transfer_s:.3f} s): resuming at step {rec.plan.step + 1}, "
             f"{total_bytes / 1e6:.2f} MB transferred",
             failed=sorted(rec.failed), resume_step=rec.plan.step + 1, total_seconds=round(now - rec.started_at, 3),
-            detection_seconds=round(rec.detection_seconds, 4), respawn_seconds=respawn_s, rebuild_seconds=round(rebuild_s, 3),
+            detection_seconds=round(rec.detection_seconds, 4), respawn_seconds=respawn_s, node_wait_seconds=node_wait_s,
+            rebuild_seconds=round(rebuild_s, 3),
             transfer_seconds=round(transfer_s, 3), bytes=total_bytes, rounds=rec.rounds,
         )
         self.current = None
