@@ -1095,9 +1095,10 @@ def test_cli_nproc_per_node_cpu(cli_spec, script):
 @pytest.mark.parametrize(
     "argv, hint",
     [
-        (["--start-method", "spawn"], "ftrun does not support torchrun's --start-method: ranks are always started"),
-        (["--start_method=fork"], "does not support torchrun's --start_method"),
-        (["--role", "x"], "does not support torchrun's --role"),
+        (["--start_method=fork"], "--start-method fork is refused: ftrun starts every rank as a fresh interpreter"),
+        (["--start-method", "forkserver"], "--start-method forkserver is refused"),
+        (["--start-method", "threads"], "--start-method 'threads' is not one of torchrun's spawn, fork, forkserver"),
+        (["--role", "a b"], "--role 'a b' must be 1 to 256 printable characters without spaces"),
         (["--event-log-handler", "x"], "--event-log-handler"),
         (["--signals-to-handle", "SIGUSR1"], "--signals-to-handle"),
         (["--virtual-local-rank"], "--virtual-local-rank"),
