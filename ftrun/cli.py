@@ -18,7 +18,7 @@ import dataclasses
 import inspect
 import sys
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Mapping, Optional
 
 import typer
 
@@ -33,7 +33,7 @@ from .config import (
     resolve,
 )
 
-__all__ = ["UNSUPPORTED_TORCHRUN_FLAGS", "app", "main", "run"]
+__all__ = ["UNSUPPORTED_TORCHRUN_FLAGS", "app", "main", "parse_command_line", "run", "spec_from_flags"]
 
 
 def _exception_types(names: tuple[str, ...]) -> tuple[type[BaseException], ...]:
@@ -118,21 +118,55 @@ def _run_parameters() -> list[inspect.Parameter]:
     return params
 
 
+def spec_from_flags(given: Mapping[str, Any], *, environ: Mapping[str, str] | None = None,
+                    cwd: Path | None = None) -> JobSpec:
+    """The job the ``run`` command's parsed flags describe: torchrun's aliases folded in, torchrun's
+    flags and every layer resolved (:func:`ftrun.config.resolve`).
+
+    Args:
+        given: parameter name -> value, as the command passes them (every parameter of
+            :func:`_run_parameters`; None or False where a flag was not given).
+        environ, cwd: as in :func:`ftrun.config.resolve` (default: this process's).
+
+    Raises:
+        ConfigError: any invalid value, in one line.
+    """
+    values = dict(given)
+    torchrun = TorchrunFlags(**{flag.name: values.pop(flag.name) for flag in dataclasses.fields(TorchrunFlags)})
+    return resolve(
+        merge_aliases(values),
+        script=values["script"],
+        script_args=tuple(values["script_args"] or ()),
+        module=values["module"],
+        no_python=values["no_python"],
+        config_file=values["config"],
+        environ=environ,
+        cwd=cwd,
+        torchrun=torchrun,
+    )
+
+
+def parse_command_line(argv: list[str], *, environ: Mapping[str, str] | None = None,
+                       cwd: Path | None = None) -> JobSpec:
+    """The job ``ftrun ARGV`` would launch, without launching it (nothing is started).
+
+    Args:
+        argv: the arguments after ``ftrun`` (options, SCRIPT, the script's arguments).
+        environ, cwd: as in :func:`ftrun.config.resolve`.
+
+    Raises:
+        ConfigError: an invalid value; click's ``UsageError`` for an unknown flag or a missing value.
+    """
+    context = typer.main.get_command(app).make_context("ftrun", list(argv))
+    return spec_from_flags(context.params, environ=environ, cwd=cwd)
+
+
 def run(**given: Any) -> None:
     """Launch SCRIPT on --worker_num ranks; on a fault, respawn only the failed rank (ARF).
 
     Also: `ftrun status [--log_dir DIR] [--watch]` shows a running or finished job; `ftrun report
     LOG_DIR [--plot FILE.png]` summarises a run; `ftrun check SCRIPT [ARGS]` tells whether SCRIPT is exactly-once under ftrun (a script named status, report or check runs as ./status)."""
-    torchrun = TorchrunFlags(**{flag.name: given.pop(flag.name) for flag in dataclasses.fields(TorchrunFlags)})
-    spec = resolve(
-        merge_aliases(given),
-        script=given["script"],
-        script_args=tuple(given["script_args"] or ()),
-        module=given["module"],
-        no_python=given["no_python"],
-        config_file=given["config"],
-        torchrun=torchrun,
-    )
+    spec = spec_from_flags(given)
     if spec.resume.lower() not in ("auto", "none"):
         from .checkpoint import CheckpointError, resolve_resume
 
