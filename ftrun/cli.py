@@ -100,11 +100,12 @@ def _run_parameters() -> list[inspect.Parameter]:
                                      Optional[str]))
     for flag in dataclasses.fields(TorchrunFlags):
         help = flag.metadata["help"] + " (torchrun; command line only)."
-        if flag.type in (bool, "bool"):
-            info = typer.Option(False, *flag.metadata["short"], *_flags(flag.name), help=help)
+        names = (*flag.metadata["short"], *_flags(flag.name))
+        if flag.metadata["switch"]:
+            params.append(_parameter(flag.name, typer.Option(False, *names, help=help), bool))
         else:
-            info = typer.Option(None, *flag.metadata["short"], *_flags(flag.name), help=help, show_default=False)
-        params.append(_parameter(flag.name, info, bool if flag.type in (bool, "bool") else Optional[str]))
+            params.append(_parameter(flag.name, typer.Option(None, *names, help=help, show_default=False),
+                                     Optional[str]))
     params += [
         _parameter("module", typer.Option(False, "-m", "--module", help="Run SCRIPT as a module (python -m)."), bool),
         _parameter("no_python", typer.Option(False, *_flags("no_python"),

@@ -77,7 +77,7 @@ def merge_aliases(values: Mapping[str, Any]) -> dict[str, Any]:
 def torchrun_flag(help: str, *short: str, switch: bool = False) -> Any:
     """Declare a :class:`TorchrunFlags` field: its ``--help`` text, its short flags (``-r``), and
     whether it is a switch (no value)."""
-    return field(default=False if switch else None, metadata={"help": help, "short": short})
+    return field(default=False if switch else None, metadata={"help": help, "short": short, "switch": switch})
 
 
 @dataclass(frozen=True)
