@@ -115,7 +115,8 @@ def _run_parameters() -> list[inspect.Parameter]:
         _parameter("plain", typer.Option(False, "--plain", help="Plain timestamped lines even on a terminal."), bool),
     ]
     names = [param.name for param in params]
-    assert len(names) == len(set(names)), f"two flags share a name: {sorted(n for n in names if names.count(n) > 1)}"
+    if len(names) != len(set(names)):  # an option, an alias and a torchrun flag must not collide
+        raise TypeError(f"two flags share a name: {sorted({n for n in names if names.count(n) > 1})}")
     return params
 
 

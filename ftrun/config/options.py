@@ -170,7 +170,8 @@ class Option:
 
 
 _OPTION = "ftrun.option"  # the key of an option's declaration in its field's metadata
-_SAME = object()
+_SAME = object()  # given_nowhere not given: the field's default
+_FROM_ANNOTATION = type(None)  # Option.type until _read_options reads it from the field's annotation
 
 
 def option(
@@ -204,12 +205,10 @@ def option(
     Returns:
         A ``dataclasses.field`` carrying the declaration.
     """
-    declared = Option("", kind or type(None), default if given_nowhere is _SAME else given_nowhere, help, low=low,
-                      high=high, low_open=low_open, unit=unit, why=why, alias=alias, alias_help=alias_help,
+    declared = Option("", kind or _FROM_ANNOTATION, default if given_nowhere is _SAME else given_nowhere, help,
+                      low=low, high=high, low_open=low_open, unit=unit, why=why, alias=alias, alias_help=alias_help,
                       stored=init)
-    if init:
-        return field(default=default, metadata={_OPTION: declared})
-    return field(default=default, init=False, metadata={_OPTION: declared})
+    return field(default=default, init=init, metadata={_OPTION: declared})
 
 
 def _timeout(default: float, help: str, *, zero_ok: bool = False, why: str = TIMEOUT_WHY) -> Any:
@@ -352,7 +351,8 @@ class JobSpec:
     warnings: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "nnodes", self.worker_num // self.local_worker_num)
+        # nnodes is computed, never given (--nnodes sets worker_num to nnodes x local_worker_num).
+        object.__setattr__(self, "nnodes", self.worker_num // self.local_worker_num if self.local_worker_num else 0)
 
     def global_rank(self, local_rank: int) -> int:
         """Global rank of ``local_rank`` on this node."""
@@ -403,7 +403,7 @@ def _read_options(spec_class: type) -> tuple[Option, ...]:
         declared = spec_field.metadata.get(_OPTION)
         if declared is None:
             continue
-        kind = _option_type(hints[spec_field.name]) if declared.type is type(None) else declared.type
+        kind = _option_type(hints[spec_field.name]) if declared.type is _FROM_ANNOTATION else declared.type
         if kind is None:
             raise TypeError(f"JobSpec.{spec_field.name} holds {hints[spec_field.name]}; give option(kind=...)")
         found.append(dataclasses.replace(declared, name=spec_field.name, type=kind))
