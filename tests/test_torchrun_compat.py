@@ -151,3 +151,19 @@ def test_same_result_as_torchrun(tmp_path: Path) -> None:
         tmp_path,
     )
     assert under_ftrun == under_torchrun
+
+
+def test_every_flag_of_torchrun_is_accepted_or_refused_by_name():
+    """The installed torch's torchrun parser: each of its flags is one of ftrun's, or one ftrun
+    refuses by name with the reason (never click's bare 'No such option')."""
+    import typer
+
+    from ftrun.cli import app
+    from ftrun.config import UNSUPPORTED_TORCHRUN_FLAGS
+
+    run_module = pytest.importorskip("torch.distributed.run")
+    ours = {flag for param in typer.main.get_command(app).params for flag in param.opts}
+    theirs = {flag for action in run_module.get_args_parser()._actions for flag in action.option_strings} - {"-h", "--help"}
+    assert {"--nproc-per-node", "--rdzv-endpoint", "--start-method", "--role"} <= theirs  # the parser was read
+    unknown = {flag for flag in theirs - ours if flag.replace("_", "-") not in UNSUPPORTED_TORCHRUN_FLAGS}
+    assert unknown == set()
