@@ -76,7 +76,16 @@ from .options import (
     option,
 )
 from .resolve import resolve
-from .sources import ClusterEnv, convert_toml, expand_hostlist, first_host, iter_hostlist, read_cluster_env, read_env, read_toml
+from .sources import (
+    ClusterEnv,
+    convert_toml,
+    expand_hostlist,
+    first_host,
+    iter_hostlist,
+    read_cluster_env,
+    read_env,
+    read_toml,
+)
 from .torchrun import (
     DEVICE_COUNT_ALIAS,
     RDZV_CONF_KEYS,

@@ -164,7 +164,8 @@ class TorchrunFlags:
             raise ConfigError(f"--start-method {self.start_method!r} is not one of torchrun's spawn, fork, forkserver; "
                               "give spawn (ftrun's way) or leave it out")
         if START_METHODS[method]:
-            raise ConfigError(f"--start-method {method} is refused: {START_METHODS[method]}; give spawn or leave it out")
+            raise ConfigError(f"--start-method {method} is refused: {START_METHODS[method]}; give spawn or leave it "
+                              "out")
 
     @property
     def sets_console(self) -> bool:
