@@ -1,25 +1,40 @@
 """``ftrun [OPTIONS] SCRIPT [SCRIPT_ARGS...]``: the command line (typer).
 
-Option names follow msrun (``--worker_num``, ``--local_worker_num``, ``--master_addr``,
-``--master_port``, ``--node_rank``, ``--log_dir``, ``--join``, ``--cluster_time_out``,
-``--tail_worker_log``) and torchrun where msrun has none (``--nproc_per_node``, ``--max_restarts``,
-``--monitor_interval``, ``-m/--module``, ``--no_python``). Hyphenated spellings are accepted too.
-torchrun's whole command line is accepted as well (``--nnodes``, ``--standalone``, ``--rdzv-backend``,
-``--rdzv-endpoint``, ``--rdzv-id``, ``--rdzv-conf``, ``--local-addr``, ``--run-path``, ``-r``, ``-t``,
-``--local-ranks-filter``, ``--shutdown-timeout``), and the torchrun flags ftrun does not implement are
-refused by name with the reason. Values are read as text and converted by :mod:`ftrun.config`, so a
-bad value from the command line, the environment or TOML gets the same one-line error and exit code 2.
+The ``run`` command's flags are built from the option table (:data:`ftrun.config.OPTIONS`, the
+fields of :class:`~ftrun.config.JobSpec`): each option is ``--name`` and ``--name-with-hyphens``,
+plus torchrun's name for it where it has one (``--nproc-per-node``, ``--rdzv-id``,
+``--shutdown-timeout``); torchrun's own flags come from the fields of
+:class:`~ftrun.config.TorchrunFlags` (``--standalone``, ``--rdzv-*``, ``--run-path``,
+``--start-method``, ``-r``, ``-t``, ``--local-ranks-filter``). Option names follow msrun
+(``--worker_num``, ``--master_addr``, ``--join``, ``--cluster_time_out``, ``--tail_worker_log``) and
+torchrun where msrun has none. torchrun flags ftrun does not implement are refused by name with the
+reason. Values are read as text and converted by :mod:`ftrun.config`, so a bad value from the
+command line, the environment or TOML gets the same one-line error and exit code 2.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import sys
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Mapping, Optional
 
 import typer
 
-from .config import OPTIONS, ConfigError, TorchrunFlags, count_local_devices, resolve
+from .config import (
+    OPTIONS,
+    UNSUPPORTED_TORCHRUN_FLAGS,
+    ConfigError,
+    JobSpec,
+    Option,
+    TorchrunFlags,
+    merge_aliases,
+    resolve,
+)
+
+__all__ = ["UNSUPPORTED_TORCHRUN_FLAGS", "app", "main", "parse_command_line", "run", "spec_from_flags"]
+
 
 def _exception_types(names: tuple[str, ...]) -> tuple[type[BaseException], ...]:
     """The named exception classes of click and of typer's vendored copy of click, where present
@@ -40,20 +55,6 @@ _CLICK_ERRORS = _exception_types(("ClickException",))
 _NO_SUCH_OPTION = _exception_types(("NoSuchOption",))
 _ABORTS = _exception_types(("Abort",))
 
-# torchrun flags ftrun does not implement, and why (both spellings are looked up).
-UNSUPPORTED_TORCHRUN_FLAGS: dict[str, str] = {
-    "--start-method": "ranks are always started as new processes running a fresh interpreter, as torchrun's "
-    "default 'spawn'",
-    "--role": "every rank has the role 'default' (ROLE_NAME)",
-    "--event-log-handler": "ftrun writes its events to LOG_DIR/events.jsonl",
-    "--logs-specs": "ftrun writes each rank's output to LOG_DIR/worker_<rank>.log",
-    "--duplicate-stdout-filters": "each rank's output is in LOG_DIR/worker_<rank>.log; filter that file",
-    "--duplicate-stderr-filters": "each rank's output is in LOG_DIR/worker_<rank>.log; filter that file",
-    "--numa-binding": "ranks are not bound to CPUs; bind them in the script (os.sched_setaffinity) if needed",
-    "--signals-to-handle": "ftrun forwards SIGINT and SIGTERM to the ranks",
-    "--virtual-local-rank": "LOCAL_RANK is always the rank's index on its node",
-}
-
 app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -69,151 +70,105 @@ def _flags(name: str) -> list[str]:
     return flags
 
 
-def _opt(name: str) -> typer.models.OptionInfo:
-    opt = next(o for o in OPTIONS if o.name == name)
+def _option_help(opt: Option) -> str:
+    """An option's ``--help`` text: its sentence, its range, its default and its variable."""
     default = "" if opt.default is None else f" [default: {str(opt.default).lower() if opt.type is bool else opt.default}]"
     bounds = f" Range: {opt.range_text()}." if opt.range_text() else ""
-    return typer.Option(
-        None,
-        *_flags(name),
-        help=opt.help + bounds + default + f" Env: FTRUN_{name.upper()}.",
-        show_default=False,
+    return opt.help + bounds + default + f" Env: {opt.env_var}."
+
+
+def _parameter(name: str, info: Any, annotation: Any) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=annotation)
+
+
+def _run_parameters() -> list[inspect.Parameter]:
+    """The ``run`` command's parameters: SCRIPT and its arguments, one flag per option (and its
+    torchrun alias), one per torchrun flag, and the launcher's own switches. Every value is text
+    (None: not given) that :func:`ftrun.config.resolve` converts."""
+    params = [
+        _parameter("script", typer.Argument(None, help="Training script (or module with -m, program with --no_python).",
+                                            show_default=False), Optional[str]),
+        _parameter("script_args", typer.Argument(None, help="Arguments passed to the script.", show_default=False),
+                   Optional[List[str]]),
+    ]
+    for opt in OPTIONS:
+        params.append(_parameter(opt.name, typer.Option(None, *_flags(opt.name), help=_option_help(opt),
+                                                        show_default=False), Optional[str]))
+        if opt.alias:
+            help = f"torchrun's name for --{opt.name}{opt.alias_help} (command line only)."
+            params.append(_parameter(opt.alias, typer.Option(None, *_flags(opt.alias), help=help, show_default=False),
+                                     Optional[str]))
+    for flag in dataclasses.fields(TorchrunFlags):
+        help = flag.metadata["help"] + " (torchrun; command line only)."
+        names = (*flag.metadata["short"], *_flags(flag.name))
+        if flag.metadata["switch"]:
+            params.append(_parameter(flag.name, typer.Option(False, *names, help=help), bool))
+        else:
+            params.append(_parameter(flag.name, typer.Option(None, *names, help=help, show_default=False),
+                                     Optional[str]))
+    params += [
+        _parameter("module", typer.Option(False, "-m", "--module", help="Run SCRIPT as a module (python -m)."), bool),
+        _parameter("no_python", typer.Option(False, *_flags("no_python"),
+                                             help="Run SCRIPT as a program, not with Python."), bool),
+        _parameter("config", typer.Option(None, "--config", help="TOML file of options (default: [tool.ftrun] in "
+                                          "./pyproject.toml).", show_default=False), Optional[str]),
+        _parameter("plain", typer.Option(False, "--plain", help="Plain timestamped lines even on a terminal."), bool),
+    ]
+    names = [param.name for param in params]
+    if len(names) != len(set(names)):  # an option, an alias and a torchrun flag must not collide
+        raise TypeError(f"two flags share a name: {sorted({n for n in names if names.count(n) > 1})}")
+    return params
+
+
+def spec_from_flags(given: Mapping[str, Any], *, environ: Mapping[str, str] | None = None,
+                    cwd: Path | None = None) -> JobSpec:
+    """The job the ``run`` command's parsed flags describe: torchrun's aliases folded in, torchrun's
+    flags and every layer resolved (:func:`ftrun.config.resolve`).
+
+    Args:
+        given: parameter name -> value, as the command passes them (every parameter of
+            :func:`_run_parameters`; None or False where a flag was not given).
+        environ, cwd: as in :func:`ftrun.config.resolve` (default: this process's).
+
+    Raises:
+        ConfigError: any invalid value, in one line.
+    """
+    values = dict(given)
+    torchrun = TorchrunFlags(**{flag.name: values.pop(flag.name) for flag in dataclasses.fields(TorchrunFlags)})
+    return resolve(
+        merge_aliases(values),
+        script=values["script"],
+        script_args=tuple(values["script_args"] or ()),
+        module=values["module"],
+        no_python=values["no_python"],
+        config_file=values["config"],
+        environ=environ,
+        cwd=cwd,
+        torchrun=torchrun,
     )
 
 
-def _torchrun_opt(name: str, help: str, *short: str) -> typer.models.OptionInfo:
-    return typer.Option(None, *short, *_flags(name), help=help + " (torchrun; command line only).", show_default=False)
+def parse_command_line(argv: list[str], *, environ: Mapping[str, str] | None = None,
+                       cwd: Path | None = None) -> JobSpec:
+    """The job ``ftrun ARGV`` would launch, without launching it (nothing is started).
+
+    Args:
+        argv: the arguments after ``ftrun`` (options, SCRIPT, the script's arguments).
+        environ, cwd: as in :func:`ftrun.config.resolve`.
+
+    Raises:
+        ConfigError: an invalid value; click's ``UsageError`` for an unknown flag or a missing value.
+    """
+    context = typer.main.get_command(app).make_context("ftrun", list(argv))
+    return spec_from_flags(context.params, environ=environ, cwd=cwd)
 
 
-def _same(first: Optional[str], first_flag: str, second: Optional[str], second_flag: str) -> Optional[str]:
-    """Two flags with one meaning: the one given, or ConfigError if both are given and differ."""
-    if first is not None and second is not None and first.strip() != second.strip():
-        raise ConfigError(f"{first_flag} {first} and {second_flag} {second} disagree; give only one of them")
-    return first if first is not None else second
-
-
-@app.command()
-def run(
-    script: Optional[str] = typer.Argument(None, help="Training script (or module with -m, program with --no_python).", show_default=False),
-    script_args: Optional[List[str]] = typer.Argument(None, help="Arguments passed to the script.", show_default=False),
-    worker_num: Optional[str] = _opt("worker_num"),
-    local_worker_num: Optional[str] = _opt("local_worker_num"),
-    nproc_per_node: Optional[str] = typer.Option(None, *_flags("nproc_per_node"), help="torchrun's name for --local_worker_num; also auto, cpu, gpu or xpu (that many ranks as devices).", show_default=False),
-    nnodes: Optional[str] = _opt("nnodes"),
-    master_addr: Optional[str] = _opt("master_addr"),
-    master_port: Optional[str] = _opt("master_port"),
-    node_rank: Optional[str] = _opt("node_rank"),
-    run_id: Optional[str] = _opt("run_id"),
-    rdzv_id: Optional[str] = _torchrun_opt("rdzv_id", "The run id: same as --run_id"),
-    local_addr: Optional[str] = _opt("local_addr"),
-    token_file: Optional[str] = _opt("token_file"),
-    standalone: bool = typer.Option(False, "--standalone", help="Single-node job: the store on 127.0.0.1 on a free port (torchrun)."),
-    rdzv_backend: Optional[str] = _torchrun_opt("rdzv_backend", "c10d or static: both mean ftrun's own store on node 0"),
-    rdzv_endpoint: Optional[str] = _torchrun_opt("rdzv_endpoint", "HOST[:PORT] of node 0's store ([ADDR]:PORT for IPv6; port 29400 by default): sets --master_addr/--master_port"),
-    rdzv_conf: Optional[str] = _torchrun_opt("rdzv_conf", "KEY=VALUE,...: is_host, join_timeout or timeout (set --cluster_time_out); read_timeout, last_call_timeout, close_timeout are accepted and ignored"),
-    run_path: bool = typer.Option(False, *_flags("run_path"), help="Run SCRIPT as a Python file (torchrun runs it with runpy.run_path; so does ftrun's default)."),
-    redirects: Optional[str] = _torchrun_opt("redirects", "0-3 or e.g. 0:3,1:1; ftrun always writes every rank's output to LOG_DIR/worker_<rank>.log, so this only decides with --tee which local ranks reach the console (3 without --tee: none)", "-r"),
-    tee: Optional[str] = _torchrun_opt("tee", "0-3 or e.g. 0:3,1:1: local ranks whose output is also shown on the console", "-t"),
-    local_ranks_filter: Optional[str] = _torchrun_opt("local_ranks_filter", "e.g. 0,1: only these local ranks on the console"),
-    log_dir: Optional[str] = _opt("log_dir"),
-    join: Optional[str] = _opt("join"),
-    cluster_time_out: Optional[str] = _opt("cluster_time_out"),
-    tail_worker_log: Optional[str] = _opt("tail_worker_log"),
-    max_restarts: Optional[str] = _opt("max_restarts"),
-    monitor_interval: Optional[str] = _opt("monitor_interval"),
-    grace_period: Optional[str] = _opt("grace_period"),
-    shutdown_timeout: Optional[str] = _torchrun_opt("shutdown_timeout", "Same as --grace_period"),
-    heartbeat_interval: Optional[str] = _opt("heartbeat_interval"),
-    pg_timeout: Optional[str] = _opt("pg_timeout"),
-    tft: Optional[str] = _opt("tft"),
-    heartbeat_timeout: Optional[str] = _opt("heartbeat_timeout"),
-    step_timeout: Optional[str] = _opt("step_timeout"),
-    step_timeout_factor: Optional[str] = _opt("step_timeout_factor"),
-    step_timeout_min: Optional[str] = _opt("step_timeout_min"),
-    warmup_steps: Optional[str] = _opt("warmup_steps"),
-    setup_timeout: Optional[str] = _opt("setup_timeout"),
-    node_wait_timeout: Optional[str] = _opt("node_wait_timeout"),
-    warm_spares: Optional[str] = _opt("warm_spares"),
-    hot_spares: Optional[str] = _opt("hot_spares"),
-    recoverable_errors: Optional[str] = _opt("recoverable_errors"),
-    on_divergence: Optional[str] = _opt("on_divergence"),
-    checkpoint_dir: Optional[str] = _opt("checkpoint_dir"),
-    save_steps: Optional[str] = _opt("save_steps"),
-    keep_checkpoints: Optional[str] = _opt("keep_checkpoints"),
-    resume: Optional[str] = _opt("resume"),
-    metrics_port: Optional[str] = _opt("metrics_port"),
-    metrics_addr: Optional[str] = _opt("metrics_addr"),
-    module: bool = typer.Option(False, "-m", "--module", help="Run SCRIPT as a module (python -m)."),
-    no_python: bool = typer.Option(False, *_flags("no_python"), help="Run SCRIPT as a program, not with Python."),
-    config: Optional[str] = typer.Option(None, "--config", help="TOML file of options (default: [tool.ftrun] in ./pyproject.toml).", show_default=False),
-    plain: bool = typer.Option(False, "--plain", help="Plain timestamped lines even on a terminal."),
-) -> None:
+def run(**given: Any) -> None:
     """Launch SCRIPT on --worker_num ranks; on a fault, respawn only the failed rank (ARF).
 
     Also: `ftrun status [--log_dir DIR] [--watch]` shows a running or finished job; `ftrun report
     LOG_DIR [--plot FILE.png]` summarises a run; `ftrun check SCRIPT [ARGS]` tells whether SCRIPT is exactly-once under ftrun (a script named status, report or check runs as ./status)."""
-    if nproc_per_node is not None and not nproc_per_node.strip().isdigit():
-        nproc_per_node = str(count_local_devices(nproc_per_node))  # torchrun's auto, cpu, gpu, xpu
-    local_worker_num = _same(nproc_per_node, "--nproc_per_node", local_worker_num, "--local_worker_num")
-    run_id = _same(rdzv_id, "--rdzv-id", run_id, "--run_id")
-    grace_period = _same(shutdown_timeout, "--shutdown-timeout", grace_period, "--grace_period")
-    if run_path and (module or no_python):
-        raise ConfigError("--run-path runs SCRIPT as a Python file; it cannot be combined with -m/--module or --no_python")
-    cli_values = {
-        "worker_num": worker_num,
-        "local_worker_num": local_worker_num,
-        "nnodes": nnodes,
-        "master_addr": master_addr,
-        "master_port": master_port,
-        "node_rank": node_rank,
-        "run_id": run_id,
-        "local_addr": local_addr,
-        "token_file": token_file,
-        "log_dir": log_dir,
-        "join": join,
-        "cluster_time_out": cluster_time_out,
-        "tail_worker_log": tail_worker_log,
-        "max_restarts": max_restarts,
-        "monitor_interval": monitor_interval,
-        "grace_period": grace_period,
-        "heartbeat_interval": heartbeat_interval,
-        "pg_timeout": pg_timeout,
-        "tft": tft,
-        "heartbeat_timeout": heartbeat_timeout,
-        "step_timeout": step_timeout,
-        "step_timeout_factor": step_timeout_factor,
-        "step_timeout_min": step_timeout_min,
-        "warmup_steps": warmup_steps,
-        "setup_timeout": setup_timeout,
-        "node_wait_timeout": node_wait_timeout,
-        "warm_spares": warm_spares,
-        "hot_spares": hot_spares,
-        "recoverable_errors": recoverable_errors,
-        "on_divergence": on_divergence,
-        "checkpoint_dir": checkpoint_dir,
-        "save_steps": save_steps,
-        "keep_checkpoints": keep_checkpoints,
-        "resume": resume,
-        "metrics_port": metrics_port,
-        "metrics_addr": metrics_addr,
-    }
-    spec = resolve(
-        cli_values,
-        script=script,
-        script_args=tuple(script_args or ()),
-        module=module,
-        no_python=no_python,
-        config_file=config,
-        torchrun=TorchrunFlags(
-            standalone=standalone,
-            rdzv_backend=rdzv_backend,
-            rdzv_endpoint=rdzv_endpoint,
-            rdzv_conf=rdzv_conf,
-            redirects=redirects,
-            tee=tee,
-            local_ranks_filter=local_ranks_filter,
-        ),
-    )
+    spec = spec_from_flags(given)
     if spec.resume.lower() not in ("auto", "none"):
         from .checkpoint import CheckpointError, resolve_resume
 
@@ -226,11 +181,16 @@ def run(
     from .console import make_console
     from .launcher import Launcher
 
-    console = make_console(f"ftrun: {spec.script} on {spec.worker_num} rank(s)", force_plain=plain)
+    console = make_console(f"ftrun: {spec.script} on {spec.worker_num} rank(s)", force_plain=given["plain"])
     raise SystemExit(Launcher(spec, console).run())
 
 
-def _check_metrics_endpoint(spec: Any) -> None:
+# typer reads a command's flags from its callback's signature: this one's is built from the tables.
+run.__signature__ = inspect.Signature(_run_parameters())  # type: ignore[attr-defined]
+app.command()(run)
+
+
+def _check_metrics_endpoint(spec: JobSpec) -> None:
     """Refuse a metrics endpoint that cannot be served, before any rank starts.
 
     Raises:

@@ -84,7 +84,9 @@ def resolve_log_dir(given: str | None, environ: Mapping[str, str] | None = None,
 
         text, source = read_toml(cwd / "pyproject.toml", section=("tool", "ftrun")).get("log_dir"), "log_dir in pyproject.toml"
     if not text:
-        text, source = "ftrun_logs", "the default --log_dir"
+        from .config import OPTIONS_BY_NAME
+
+        text, source = OPTIONS_BY_NAME["log_dir"].default, "the default --log_dir"
     path = Path(text) if Path(text).is_absolute() else cwd / text
     if not path.is_dir():
         raise ReportError(f"no job in {text}: {source} {text} is not a directory (give the job's --log_dir)")

@@ -185,9 +185,10 @@ CASES = {
     "run-path-with-module": Case(["--run-path", "-m", "json"], "--run-path runs SCRIPT as a Python file; it cannot be combined"),
     "shutdown-timeout-disagrees": Case(["--shutdown-timeout", "5", "--grace_period", "6", "{script}"], "disagree"),
     "rdzv-id-disagrees": Case(["--rdzv-id", "a", "--run_id", "b", "{script}"], "disagree"),
-    "start-method": Case(["--start-method", "spawn", "{script}"], "ftrun does not support torchrun's --start-method"),
-    "start-method-underscore": Case(["--start_method=fork", "{script}"], "does not support torchrun's --start_method"),
-    "role": Case(["--role", "trainer", "{script}"], "does not support torchrun's --role"),
+    "start-method-fork": Case(["--start-method", "fork", "{script}"],
+                              "--start-method fork is refused: ftrun starts every rank as a fresh interpreter"),
+    "start-method-underscore": Case(["--start_method=forkserver", "{script}"], "--start-method forkserver is refused"),
+    "role-with-space": Case(["--role", "my role", "{script}"], "--role 'my role' must be 1 to 256 printable"),
     "numa-binding": Case(["--numa-binding", "node", "{script}"], "does not support torchrun's --numa-binding"),
     "logs-specs": Case(["--logs-specs", "x", "{script}"], "does not support torchrun's --logs-specs"),
 }

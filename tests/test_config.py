@@ -1058,6 +1058,31 @@ def test_jobspec_json_round_trip_new_fields(tmp_path, script):
     assert JobSpec.from_json(old).warnings == ()  # a spec from an older writer still loads
 
 
+def test_role_on_every_layer_and_in_the_spec_json(tmp_path, script):
+    """torchrun's --role is an option like the others: flag, FTRUN_ROLE, TOML; default 'default'."""
+    assert res(tmp_path, script).role == "default"
+    assert res(tmp_path, script, {"role": " trainer "}).role == "trainer"
+    assert res(tmp_path, script, environ={"FTRUN_ROLE": "reader"}).role == "reader"
+    config = write(tmp_path / "cfg.toml", 'role = "evaluator"\n')
+    assert res(tmp_path, script, config_file=config).role == "evaluator"
+    assert res(tmp_path, script, {"role": "trainer"}, environ={"FTRUN_ROLE": "reader"}).role == "trainer"
+    spec = res(tmp_path, script, {"role": "trainer"})
+    assert JobSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    with pytest.raises(ConfigError, match="^FTRUN_ROLE 'x y' must be 1 to 256 printable characters without spaces"):
+        res(tmp_path, script, environ={"FTRUN_ROLE": "x y"})
+
+
+def test_nnodes_is_computed_and_kept_consistent():
+    """nnodes is an option (--nnodes) the spec computes: worker_num / local_worker_num, also
+    after dataclasses.replace and a JSON round trip."""
+    spec = JobSpec(script="x.py", worker_num=8, local_worker_num=2)
+    assert spec.nnodes == 4
+    assert dataclasses.replace(spec, worker_num=4).nnodes == 2
+    assert JobSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(TypeError):
+        JobSpec(script="x.py", nnodes=3)  # computed, never given
+
+
 # --------------------------------------------------------------------------- torchrun's command line, in process
 
 
@@ -1095,9 +1120,10 @@ def test_cli_nproc_per_node_cpu(cli_spec, script):
 @pytest.mark.parametrize(
     "argv, hint",
     [
-        (["--start-method", "spawn"], "ftrun does not support torchrun's --start-method: ranks are always started"),
-        (["--start_method=fork"], "does not support torchrun's --start_method"),
-        (["--role", "x"], "does not support torchrun's --role"),
+        (["--start_method=fork"], "--start-method fork is refused: ftrun starts every rank as a fresh interpreter"),
+        (["--start-method", "forkserver"], "--start-method forkserver is refused"),
+        (["--start-method", "threads"], "--start-method 'threads' is not one of torchrun's spawn, fork, forkserver"),
+        (["--role", "a b"], "--role 'a b' must be 1 to 256 printable characters without spaces"),
         (["--event-log-handler", "x"], "--event-log-handler"),
         (["--signals-to-handle", "SIGUSR1"], "--signals-to-handle"),
         (["--virtual-local-rank"], "--virtual-local-rank"),

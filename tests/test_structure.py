@@ -11,7 +11,8 @@ import pytest
 
 
 @pytest.mark.parametrize("module", ["ftrun.cli", "ftrun.launcher", "ftrun.supervisor", "ftrun.coordinator",
-                                    "ftrun.agent", "ftrun.spawner", "ftrun.policy", "ftrun.protocol"])
+                                    "ftrun.agent", "ftrun.spawner", "ftrun.policy", "ftrun.protocol",
+                                    "ftrun.config"])
 def test_control_side_does_not_import_torch(module: str) -> None:
     code = f"import sys, {module}; print('torch' in sys.modules, 'ftrun.worker' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
@@ -27,6 +28,7 @@ def test_control_side_does_not_import_torch(module: str) -> None:
     ("ftrun.coordinator.watchdog", ("ftrun.coordinator.core", "ftrun.coordinator.control", "zmq")),
     ("ftrun.coordinator.ranks", ("ftrun.coordinator.core", "ftrun.coordinator.control", "zmq")),
     ("ftrun.coordinator.phases", ("ftrun.coordinator.core", "ftrun.coordinator.ranks", "zmq")),
+    ("ftrun.config", ("ftrun.cli", "ftrun.launcher", "ftrun.coordinator", "ftrun.agent", "ftrun.spawner")),
 ])
 def test_imports_flow_one_way(module: str, forbidden: tuple[str, ...]) -> None:
     code = f"import sys, {module}; print(' '.join(m for m in {forbidden!r} if m in sys.modules))"
@@ -43,8 +45,8 @@ def test_no_class_reaches_into_anothers_private_members() -> None:
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent / "ftrun"
-    files = sorted(root.rglob("*.py"))  # the packages' modules too (ftrun/coordinator/...)
-    trees = {str(path.relative_to(root)): ast.parse(path.read_text()) for path in files}
+    files = sorted(root.rglob("*.py"))
+    trees = {path.relative_to(root).as_posix(): ast.parse(path.read_text()) for path in files}
 
     def private(name: str) -> bool:
         return name.startswith("_") and not name.endswith("__")
@@ -87,3 +89,82 @@ def test_no_class_in_ftrun_is_over_600_lines() -> None:
 
 
 SPLIT_PENDING = {"worker.py:Worker"}  # being split by role (issue 23); emptied when that lands
+
+
+# The modules of ftrun/config and the siblings each may import (imports flow one way).
+CONFIG_IMPORTS = {
+    "options": set(),
+    "checks": {"options"},
+    "sources": {"options", "checks"},
+    "torchrun": {"options", "checks"},
+    "resolve": {"options", "checks", "sources", "torchrun"},
+    "__init__": {"options", "checks", "sources", "torchrun", "resolve"},
+}
+
+
+def test_config_modules_import_one_way_and_no_private_names() -> None:
+    """Issue 23 item 3: ftrun/config is split by role; a module imports only the roles below it
+    (options <- checks <- sources, torchrun <- resolve) and no sibling's private name."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "ftrun" / "config"
+    assert {path.stem for path in root.glob("*.py")} == set(CONFIG_IMPORTS)
+    wrong = []
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.level == 0:
+                continue
+            if node.level == 1 and node.module:
+                sibling = node.module.split(".")[0]
+                if sibling not in CONFIG_IMPORTS[path.stem]:
+                    wrong.append(f"{path.name}:{node.lineno} imports .{node.module}")
+            wrong += [f"{path.name}:{node.lineno} imports the private {a.name}" for a in node.names
+                      if a.name.startswith("_")]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_command_line_is_built_from_the_option_table() -> None:
+    """Issue 23 item 3: every option of the table (JobSpec's fields) is a flag in both spellings,
+    with its variable in the help, and every torchrun flag and alias is one too; nothing else is."""
+    import dataclasses
+
+    import typer
+
+    from ftrun.cli import app
+    from ftrun.config import OPTIONS, JobSpec, TorchrunFlags
+
+    command = typer.main.get_command(app)
+    params = {param.name: param for param in command.params}
+    expected = {"script", "script_args", "module", "no_python", "config", "plain"}
+    for opt in OPTIONS:
+        expected |= {opt.name} | ({opt.alias} if opt.alias else set())
+        assert f"--{opt.name}" in params[opt.name].opts, opt.name
+        assert f"--{opt.name.replace('_', '-')}" in params[opt.name].opts, opt.name
+        assert f"Env: FTRUN_{opt.name.upper()}." in params[opt.name].help, opt.name
+        if opt.alias:
+            assert f"--{opt.alias.replace('_', '-')}" in params[opt.alias].opts, opt.alias
+    expected |= {flag.name for flag in dataclasses.fields(TorchrunFlags)}
+    assert set(params) == expected
+    spec_fields = {field.name for field in dataclasses.fields(JobSpec)}
+    assert {opt.name for opt in OPTIONS} <= spec_fields
+
+
+def test_readme_options_table_names_every_option_and_only_real_flags() -> None:
+    """README's Options table is the user's view of the option table: it names every option, and
+    every flag it names is one the command line has."""
+    import re
+    from pathlib import Path
+
+    import typer
+
+    from ftrun.cli import app
+    from ftrun.config import OPTIONS
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = text[text.index("## Options"):text.index("Timeouts stop at 7 days")]
+    named = {flag for row in table.splitlines() if row.startswith("| `")
+             for flag in re.findall(r"`(--?[a-z_-]+)", row.split("|")[1])}
+    flags = {flag for param in typer.main.get_command(app).params for flag in param.opts}
+    assert named <= flags, sorted(named - flags)
+    assert [opt.name for opt in OPTIONS if f"--{opt.name}" not in named] == []

@@ -51,7 +51,7 @@ def rank_environment(spec: JobSpec, r: Rank, *, attempt: int, generation: int, a
         "GROUP_WORLD_SIZE": str(spec.nnodes),
         "ROLE_RANK": str(r.rank),
         "ROLE_WORLD_SIZE": str(spec.worker_num),
-        "ROLE_NAME": getattr(spec, "role", "default"),
+        "ROLE_NAME": spec.role,
         "MASTER_ADDR": spec.master_addr,
         "MASTER_PORT": str(attempt_port),
         "TORCHELASTIC_RESTART_COUNT": str(attempt),
