@@ -1,0 +1,201 @@
+"""The restart policy (ftrun/policy.py): pure functions, tested with no processes at all.
+
+What to do when ranks fail (respawn them, restart the job, fail it: the restart budget), and the
+plan of a recovery (the step every rank resumes from, and which replica gives its state to whom).
+"""
+
+import pytest
+
+from ftrun.policy import (
+    INITIAL,
+    NO_STATE,
+    Action,
+    NoLiveReplica,
+    RecoveryPlan,
+    Transfer,
+    decide_on_failure,
+    default_replica_groups,
+    plan_recovery,
+    replica_groups_from_hello,
+    restart_fits,
+)
+
+
+def test_the_budget_counts_every_restart_and_allows_exactly_max_restarts() -> None:
+    assert restart_fits(0, 3, 3) and restart_fits(2, 1, 3) and not restart_fits(3, 1, 3) and not restart_fits(1, 3, 3)
+    assert restart_fits(0, 0, 0) and not restart_fits(0, 1, 0)
+
+
+# --------------------------------------------------------------------------- policy: decide_on_failure
+
+
+def decide(failed, *, world=4, arf=True, library=None, used=0, max_restarts=3):
+    return decide_on_failure(
+        failed,
+        world_size=world,
+        arf=arf,
+        library_ranks=range(world) if library is None else library,
+        restarts_used=used,
+        max_restarts=max_restarts,
+    )
+
+
+def test_arf_when_all_ranks_use_library_on_one_node():
+    d = decide([2, 1, 2])
+    assert d.action == Action.RESPAWN_RANKS and d.ranks == (1, 2)
+
+
+def test_restart_job_when_a_rank_lacks_the_library():
+    d = decide([1], library=[0, 1, 2])
+    assert d.action == Action.RESTART_JOB and d.ranks == (1,)
+    assert "3" in d.reason and "library" in d.reason
+
+
+def test_restart_job_when_no_rank_uses_the_library():
+    d = decide([0], library=[])
+    assert d.action == Action.RESTART_JOB and "0-3" in d.reason
+
+
+def test_arf_whatever_node_the_rank_runs_on():
+    # The policy no longer knows nodes: ARF respawns a rank on its own node, wherever that is.
+    assert decide([3], world=8).action == Action.RESPAWN_RANKS
+
+
+def test_restart_job_when_arf_off():
+    d = decide([1], arf=False)
+    assert d.action == Action.RESTART_JOB and "ARF is off" in d.reason
+
+
+def test_budget_exhausted_whole_job():
+    assert decide([1], arf=False, used=2, max_restarts=3).action == Action.RESTART_JOB
+    d = decide([1], arf=False, used=3, max_restarts=3)
+    assert d.action == Action.FAIL_JOB and "max_restarts=3" in d.reason
+    assert decide([0], arf=False, max_restarts=0).action == Action.FAIL_JOB
+
+
+def test_arf_cost_is_number_of_failed_ranks():
+    assert decide([0, 1], used=1, max_restarts=3).action == Action.RESPAWN_RANKS  # 1 + 2 <= 3
+    # 2 + 2 > 3, but one whole-job restart fits: restart the job rather than fail it
+    d = decide([0, 1], used=2, max_restarts=3)
+    assert d.action == Action.RESTART_JOB and d.ranks == (0, 1) and "one whole-job restart fits" in d.reason
+    assert decide([0, 1], used=2, max_restarts=3, library=[]).action == Action.RESTART_JOB
+    assert decide([0, 1, 2], max_restarts=2).action == Action.RESTART_JOB
+    d = decide([0, 1], used=3, max_restarts=3)
+    assert d.action == Action.FAIL_JOB and "2 more needed" in d.reason
+
+
+def test_decide_needs_a_failed_rank():
+    with pytest.raises(ValueError):
+        decide([])
+
+
+# --------------------------------------------------------------------------- policy: plan_recovery
+
+
+def pairs(plan: RecoveryPlan) -> list[tuple[int, int]]:
+    return sorted((t.donor, t.recipient) for t in plan.transfers)
+
+
+def test_plan_single_respawned_rank():
+    plan = plan_recovery({0: 10, 1: NO_STATE, 2: 10, 3: 10}, default_replica_groups(4))
+    assert plan.step == 10
+    assert plan.recipients == {1}
+    assert plan.donors <= {0, 2, 3}
+    assert pairs(plan) == [(0, 1)]
+
+
+def test_plan_step_is_newest_committed_and_laggards_receive():
+    # The newest step committed by a live replica is S; a survivor whose update for S did not run (9)
+    # and a respawned rank (-1) receive it.
+    plan = plan_recovery({0: 10, 1: 9, 2: NO_STATE, 3: 10}, [[0, 1, 2, 3]])
+    assert plan.step == 10 and plan.recipients == {1, 2} and plan.donors <= {0, 3}
+
+
+def test_plan_donors_round_robin():
+    plan = plan_recovery({0: 5, 1: 5, 2: NO_STATE, 3: NO_STATE, 4: NO_STATE, 5: 4}, [[0, 1, 2, 3, 4, 5]])
+    assert plan.step == 5
+    assert pairs(plan) == [(0, 2), (0, 4), (1, 3), (1, 5)]
+
+
+def test_plan_nothing_to_do():
+    plan = plan_recovery({0: 3, 1: 3}, [[0, 1]])
+    assert plan == RecoveryPlan(step=3, transfers=())
+
+
+def test_plan_dead_ranks_are_neither_donors_nor_recipients():
+    plan = plan_recovery({0: 7, 2: NO_STATE}, [[0, 1, 2, 3]])
+    assert plan.step == 7 and pairs(plan) == [(0, 2)]
+
+
+def test_plan_dp_x_tp_groups():
+    # DP=2 x TP=2: replica groups are the ranks with the same TP coordinate.
+    groups = [[0, 2], [1, 3]]
+    plan = plan_recovery({0: 8, 1: 8, 2: NO_STATE, 3: 8}, groups)
+    assert plan.step == 8 and pairs(plan) == [(0, 2)]
+    plan = plan_recovery({0: NO_STATE, 1: 8, 2: 8, 3: NO_STATE}, groups)
+    assert plan.step == 8 and pairs(plan) == [(1, 3), (2, 0)]
+    assert all(
+        any(t.donor in g and t.recipient in g for g in groups) for t in plan.transfers
+    ), "a transfer crossed replica groups"
+
+
+def test_plan_step_is_oldest_newest_across_groups():
+    # Group [0,2] reached step 9 on rank 0, rank 2 holds 8; group [1,3] only 8: all shards resume at 8.
+    plan = plan_recovery({0: 9, 1: 8, 2: 8, 3: NO_STATE}, [[0, 2], [1, 3]])
+    assert plan.step == 8
+    assert pairs(plan) == [(1, 3), (2, 0)]
+
+
+def test_plan_no_live_replica():
+    with pytest.raises(NoLiveReplica, match="0,2"):
+        plan_recovery({0: NO_STATE, 1: 5, 2: NO_STATE, 3: 5}, [[0, 2], [1, 3]])
+    with pytest.raises(NoLiveReplica):
+        plan_recovery({1: 5, 3: 5}, [[0, 2], [1, 3]])  # group [0,2] entirely dead
+    with pytest.raises(NoLiveReplica):
+        plan_recovery({0: NO_STATE, 1: NO_STATE}, [[0, 1]])
+
+
+def test_plan_before_the_first_step():
+    # Nothing committed yet: ranks holding the broadcast initial state give it to those without.
+    plan = plan_recovery({0: INITIAL, 1: NO_STATE, 2: INITIAL, 3: NO_STATE}, [[0, 1, 2, 3]])
+    assert plan.step == INITIAL and pairs(plan) == [(0, 1), (2, 3)]
+    with pytest.raises(NoLiveReplica):
+        plan_recovery({0: NO_STATE, 1: NO_STATE}, [[0, 1]])  # rank 0 died before its broadcast
+
+
+def test_plan_shards_diverged():
+    # Group [0,2] only has step 9, group [1,3] only step 8: no step every group can provide.
+    with pytest.raises(NoLiveReplica, match="diverged"):
+        plan_recovery({0: 9, 1: 8, 2: 9, 3: 8}, [[0, 2], [1, 3]])
+
+
+def test_transfer_and_plan_properties():
+    plan = RecoveryPlan(step=1, transfers=(Transfer(0, 1), Transfer(0, 2)))
+    assert plan.recipients == {1, 2} and plan.donors == {0}
+
+
+# --------------------------------------------------------------------------- policy: replica groups
+
+
+def test_replica_groups_default_and_undeclared():
+    assert default_replica_groups(3) == [[0, 1, 2]]
+    assert replica_groups_from_hello(3, {}) == [[0, 1, 2]]
+
+
+def test_replica_groups_dp_x_tp():
+    declared = {0: [2, 0], 1: [1, 3], 2: [0, 2], 3: [3, 1]}
+    assert replica_groups_from_hello(4, declared) == [[0, 2], [1, 3]]
+
+
+@pytest.mark.parametrize(
+    "world, declared, hint",
+    [
+        (3, {0: [1, 2], 1: [1, 2], 2: [1, 2]}, "without itself"),
+        (3, {0: [0, 1], 1: [1, 2], 2: [1, 2]}, "overlap"),
+        (4, {0: [0, 1], 1: [0, 1]}, "overlap"),  # ranks 2, 3 undeclared: their default group overlaps
+        (4, {0: [0, 5], 1: [1], 2: [2], 3: [3]}, "cover"),  # a rank outside the job
+    ],
+)
+def test_replica_groups_invalid(world, declared, hint):
+    with pytest.raises(ValueError, match=hint):
+        replica_groups_from_hello(world, declared)
