@@ -176,7 +176,10 @@ def _header(snap: JobSnapshot) -> str:
     parts = [f"{len(s.get('ranks') or [])} rank(s) on {s.get('nnodes', 1)} node(s)",
              f"attempt {s.get('attempt', 0)}, generation {s.get('generation', 0)}",
              f"restarts {s.get('restarts_used', 0)}/{s.get('max_restarts', '?')}"]
-    if s.get("recovering"):
+    phase = s.get("phase")
+    if isinstance(phase, str) and phase not in ("running", "finished"):
+        parts.append(phase[:20])  # recovering, gasping (a dying-gasp checkpoint), restarting, stopping
+    elif s.get("recovering"):
         parts.append("recovering")
     if s.get("lost_nodes"):
         parts.append("lost node(s) " + ", ".join(str(k) for k in s["lost_nodes"]))

@@ -216,3 +216,17 @@ def test_read_snapshot_of_a_running_job_samples_the_status(tmp_path):
     snap = read_snapshot(log_dir, alive=lambda pid: True, now=T0 + 12.0)
     assert snap.verdict.state == "running" and snap.timeline.first_step_at == T0 + 12.0
     assert snap.timeline.goodput(T0 + 12.0).ratio == 0.0
+
+
+@pytest.mark.parametrize("phase, shown", [("gasping", "gasping"), ("recovering", "recovering"), ("running", None)])
+def test_the_header_names_the_jobs_phase(tmp_path, phase, shown):
+    from ftrun.status import _header
+
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    rows, _, _ = rows_and_timeline()
+    (log_dir / "status.json").write_text(json.dumps({"state": "running", "pid": os.getpid(), "ranks": rows, "attempt": 1,
+                                                     "phase": phase, "updated": T0 + 12.0}))
+    (log_dir / "events.jsonl").write_text(json.dumps({"time": T0, "kind": "job_started", "message": "m", "detail": {}}) + "\n")
+    parts = _header(read_snapshot(log_dir, alive=lambda pid: True, now=T0 + 12.0)).split("; ")
+    assert (shown in parts) if shown else not {"gasping", "recovering", "restarting", "stopping"} & set(parts)
