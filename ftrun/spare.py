@@ -56,6 +56,16 @@ def take_assignment(hot: bool) -> dict:
     return job
 
 
+def await_promotion(what: str, ready_file: str | None) -> dict:
+    """A hot spare at the point where its script needs its rank (``what``: "the training loop",
+    "ft.rank"...): say so in ``spares.log``, create ``ready_file`` (its agent may now give it a
+    rank) and block until the rank comes (:func:`take_assignment`). Returns the assignment."""
+    print(f"ftrun: hot spare (pid {os.getpid()}) waits for a rank at {what}", flush=True)  # into spares.log
+    if ready_file:
+        open(ready_file, "a").close()
+    return take_assignment(hot=True)
+
+
 def run_script(argv: list[str], module: bool) -> None:
     """Run the script as ``__main__`` (``runpy``), as ``python script args`` would."""
     sys.argv = argv
