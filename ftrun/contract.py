@@ -48,6 +48,11 @@ SPARE_JOB = "FTRUN_SPARE_JOB"  # a hot spare's script (JSON: argv, module, cwd)
 
 #: What names a rank: absent from a spare's environment (hot or warm) until its promotion gives them.
 IDENTITY_VARS = ("RANK", "LOCAL_RANK", "ROLE_RANK", "RANK_ID", "DEVICE_ID", INCARNATION, GENERATION, ERROR_FILE)
+#: The last variable of a spare's environment: room in its initial environment block (what
+#: ``/proc/<pid>/environ`` and ``ps e`` show) that its promotion overwrites with the rank's identity
+#: (:func:`ftrun.spare.show_identity`).
+IDENTITY_PAD = "FTRUN_IDENTITY_PAD"
+IDENTITY_PAD_BYTES = 1024
 
 # ----------------------------------------------------------------------------- c10d store keys
 CONTROL_ADDR_KEY = "ftrun/control_addr"  # the coordinator's control address (coordinator -> launchers)

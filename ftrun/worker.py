@@ -14,7 +14,7 @@ A complete loop::
         ft.report(step, loss=loss.item())
     ft.finish()
 
-How a fault is absorbed (ARF, DESIGN.md "Recovery"): the optimizer wrapper all-reduces gradients
+How a fault is absorbed (ARF; README, "How a rank is recovered (ARF)"): the optimizer wrapper all-reduces gradients
 over ftrun's process group and applies the update only when that succeeded (TorchFT's
 ``should_commit`` idea), so a collective broken by a dead peer becomes a recorded error, not an
 exception through autograd. A step whose update finished is *committed*. At the end of a failed
@@ -39,7 +39,12 @@ loop; it holds the process group's lifecycle (:class:`ftrun.group.TrainingGroup`
 client (:class:`ftrun.control.ControlClient`), the state registry
 (:class:`ftrun.registry.StateRegistry`), the recovery (:class:`ftrun.recovery.Recovery`, sharing
 the loop's :class:`ftrun.recovery.RankProgress`), this rank's checkpoints
-(:class:`ftrun.shards.RankCheckpoints`), and the gradient reducers (:mod:`ftrun.reducer`).
+(:class:`ftrun.shards.RankCheckpoints`), the collectives and their faults
+(:class:`ftrun.gradsync.GradientSync`, over the gradient reducers of :mod:`ftrun.reducer`), the
+exactly-once checks (:class:`ftrun.exactlyonce.ExactlyOnceChecks`), the epoch loop
+(:class:`ftrun.epochs.EpochLoop`), the supervisor's death (:class:`ftrun.orphan.ParentWatch`) and
+``ftrun check``'s trace (:class:`ftrun.trace.RunTrace`). Where the process stands is one phase
+(:class:`ftrun.workerstate.WorkerState`); its environment is :class:`ftrun.contract.RankEnv`.
 """
 
 from __future__ import annotations
