@@ -87,7 +87,7 @@ def _int(environ: Mapping[str, str], name: str, default: int | None) -> int | No
 
 def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
     value = environ.get(name)
-    return default if value in (None, "") else value == "1"
+    return default if value is None else value == "1"
 
 
 @dataclass(frozen=True)

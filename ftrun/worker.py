@@ -257,8 +257,8 @@ class Worker:
 
     @property
     def joining(self) -> bool:
-        """A respawned rank (or a promoted spare) that has not taken its state yet."""
-        return self.state.phase is Phase.JOINING
+        """A respawned rank (or a hot spare, before or after its promotion) that has no state yet."""
+        return self.state.phase in (Phase.JOINING, Phase.SPARE)
 
     def _bind_rank(self) -> None:
         """Take this process's identity from the environment (at start, or at a hot spare's

@@ -82,6 +82,6 @@ def test_a_hot_spare_worker_is_in_the_spare_phase(monkeypatch) -> None:
 
     monkeypatch.setenv("FTRUN_HOT_SPARE", "1")  # a worker without a process group or a channel
     worker = Worker("gloo", None, None)
-    assert worker.state.phase is Phase.SPARE and worker.managed and not worker.joining
+    assert worker.state.phase is Phase.SPARE and worker.managed and worker.joining
     with pytest.raises(IllegalTransition):
         worker.state.to(Phase.RECOVERING)
