@@ -314,7 +314,7 @@ class Worker:
         self.group.install_placeholder()
 
     def _identity(self, what: str) -> None:
-        if self._rank is None:
+        if self.state.phase is Phase.SPARE:  # a hot spare, not promoted yet
             self._await_promotion(what)
 
     @property
@@ -345,7 +345,7 @@ class Worker:
     def device(self) -> torch.device:
         """Where tensors live: CPU with gloo; ``cuda:LOCAL_RANK`` with NCCL (a hot spare of an NCCL
         job waits here for its promotion: its GPU comes with its rank)."""
-        if self._rank is None and self.backend != "nccl":
+        if self.state.phase is Phase.SPARE and self.backend != "nccl":
             return torch.device("cpu")
         self._identity("ft.device")
         return self._device
