@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from . import contract
+from .contract import RankEnv
 from .conns import GroupConnections
 from .errors import describe
 
@@ -77,7 +79,7 @@ def retire(group: Any) -> None:
 
 def control_port() -> int:
     """The port of this rank's control channel (``FTRUN_CONTROL_ADDR``), 0 if none."""
-    addr = os.environ.get("FTRUN_CONTROL_ADDR", "")
+    addr = os.environ.get(contract.CONTROL_ADDR, "")
     return int(addr.rsplit(":", 1)[1]) if ":" in addr else 0
 
 
@@ -115,14 +117,14 @@ class TrainingGroup:
         """Set this rank's identity (at start, or at a hot spare's promotion, which also brings
         the rank's environment: the store's and the control channel's ports are read here)."""
         self.rank, self.incarnation, self.attempt, self.managed = rank, incarnation, attempt, managed
-        self.conns.keep_ports = {p for p in (int(os.environ.get("MASTER_PORT") or 0), control_port()) if p}
+        self.conns.keep_ports = {p for p in (int(os.environ.get(contract.MASTER_PORT) or 0), control_port()) if p}
 
     def store(self) -> Any:
         """The job's store (a ``TCPStore`` client on ``MASTER_ADDR:MASTER_PORT``), connected once."""
         if self._store is None:
             self._store = dist.TCPStore(
-                os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                int(os.environ["MASTER_PORT"]),
+                os.environ.get(contract.MASTER_ADDR) or RankEnv.master_addr,
+                int(os.environ[contract.MASTER_PORT]),
                 is_master=False,
                 timeout=timedelta(seconds=self.cluster_timeout),
             )
@@ -137,7 +139,7 @@ class TrainingGroup:
             if not dist.is_initialized():
                 dist.init_process_group(self.backend, timeout=timedelta(seconds=self.pg_timeout))
             return True
-        store = dist.PrefixStore(f"ftrun/attempt{self.attempt}/gen{generation}/", self.store())
+        store = dist.PrefixStore(contract.generation_prefix(self.attempt, generation), self.store())
         if not self._join_barrier(store, generation, abandon):
             return False
         self.remove_placeholder()
@@ -162,8 +164,8 @@ class TrainingGroup:
         fourth, which sat in the barrier: a soak run, all four held for the 300 s store timeout).
         After :data:`BARRIER_NOTE_S` it names the missing ranks in its log.
         """
-        store.set(f"joined/{self.rank}", str(self.incarnation))
-        keys = [f"joined/{r}" for r in range(self.world_size)]
+        store.set(contract.JOINED_KEY.format(rank=self.rank), str(self.incarnation))
+        keys = [contract.JOINED_KEY.format(rank=r) for r in range(self.world_size)]
         started = time.monotonic()
         noted = False
         while not store.check(keys):

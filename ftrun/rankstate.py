@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import codec
+from .contract import RANK_STATE_PREFIX
 
-PREFIX = "ftrun/rank_state"
+PREFIX = RANK_STATE_PREFIX
 
 
 @dataclass

@@ -300,3 +300,74 @@ class GradientReducer:
             yield
         finally:
             self.sync = previous
+
+
+# ---------------------------------------------------------------------------- without hooks
+def all_reduce_in_buckets(grads: Sequence[torch.Tensor], world_size: int, cap: int = BUCKET_CAP_BYTES) -> None:
+    """Average ``grads`` over the world in place (``Worker.all_reduce_gradients``: a model not given
+    to ``wrap_model``): flattened in order into buckets of up to ``cap`` bytes (one dtype each),
+    divided by ``world_size`` and summed, as DDP does; the layout depends only on the model, so
+    every generation reduces in the same order and results stay bitwise reproducible.
+
+    Raises:
+        RuntimeError: (gloo's or NCCL's) an all-reduce failed.
+    """
+    for bucket in _buckets(grads, cap):
+        flat = torch.cat([g.reshape(-1) for g in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
+        flat.div_(world_size)
+        dist.all_reduce(flat)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def _buckets(tensors: Sequence[torch.Tensor], cap: int) -> Iterator[list[torch.Tensor]]:
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and (size + nbytes > cap or t.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def broadcast_module(model: torch.nn.Module, src: int = 0) -> None:
+    """Broadcast ``src``'s parameters and buffers over the default group (the initial broadcast).
+
+    Raises:
+        RuntimeError: the broadcast failed (a peer died).
+    """
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(tensor.data, src=src)
+
+
+def one_rank_group(device: torch.device, timeout_s: float) -> Any:
+    """A process group of this rank alone, independent of ftrun's generations (DDP's group under
+    ``wrap_model(ddp=True)``)."""
+    from datetime import timedelta
+
+    store = dist.HashStore()
+    group = dist.ProcessGroup(store, 0, 1)
+    if device.type == "cuda":
+        kind = dist.ProcessGroup.BackendType.NCCL
+        backend = dist.ProcessGroupNCCL(store, 0, 1)
+    else:
+        kind = dist.ProcessGroup.BackendType.GLOO
+        backend = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=timeout_s))
+    group._set_default_backend(kind)
+    group._register_backend(device, kind, backend)
+    return group
+
+
+def local_gradients_hook(_state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+    """DDP comm hook that communicates nothing: its bucket views are the ``.grad`` tensors that
+    ftrun's reducer averages in place."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut

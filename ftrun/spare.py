@@ -1,7 +1,7 @@
 """A warm spare: a process that has already paid for ``import torch`` and waits to become a rank.
 
 Respawning a rank costs a new interpreter and its imports (about 1.2 s for torch alone on an idle
-machine, several seconds on a busy one; DESIGN.md), and that is most of an ARF recovery. The
+machine, several seconds on a busy one; docs/benchmarks.md), and that is most of an ARF recovery. The
 supervisor therefore keeps ``--warm_spares`` processes started with ``python -m ftrun.spare``: each
 imports torch, torch.distributed, numpy and the worker library, then blocks reading its standard
 input. To replace a failed rank, the supervisor writes one JSON object there and closes it::
@@ -16,17 +16,29 @@ arriving here is unpickled. An idea from hot-spare schemes in elastic training (
 standby processes), applied to the interpreter rather than the node.
 
 A *hot* spare (``--hot_spares``, ``python -m ftrun.spare --hot``) goes further: it runs the script
-at once, without a rank (``RANK`` and the other identity variables are absent), through its own
-set-up (imports, data, model, optimizer) up to the training loop, where the worker library waits
-for the same assignment and binds the rank late (docs/hot_spares.md).
+at once, without a rank, through its own set-up (imports, data, model, optimizer) up to the
+training loop, where the worker library waits for the same assignment and binds the rank late
+(docs/hot_spares.md).
+
+Neither kind of spare is started with a rank's identity (``RANK`` and the other
+:data:`ftrun.contract.IDENTITY_VARS` are absent), so a process listing never shows a spare as a
+rank. A process cannot move its initial environment block (what ``/proc/<pid>/environ`` and
+``ps e`` show; ``os.environ`` changes only the C library's copy), but it may rewrite the bytes in
+it: a spare's environment ends with :data:`ftrun.contract.IDENTITY_PAD`, room that its promotion
+overwrites with the rank's identity (:func:`show_identity`, the trick ``setproctitle`` plays on
+the argument block). So each rank's ``RANK`` shows on exactly one process, the one serving it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import runpy
 import sys
+from typing import Mapping
+
+from .contract import HOT_SPARE, IDENTITY_PAD, IDENTITY_VARS, SPARE_JOB
 
 
 def take_assignment(hot: bool) -> dict:
@@ -48,12 +60,59 @@ def take_assignment(hot: bool) -> dict:
     os.dup2(log, 2)
     os.close(log)
     if hot:
-        os.environ.pop("FTRUN_HOT_SPARE", None)
-        os.environ.pop("FTRUN_SPARE_JOB", None)
+        os.environ.pop(HOT_SPARE, None)
+        os.environ.pop(SPARE_JOB, None)
+        os.environ.pop(IDENTITY_PAD, None)
     else:
         os.environ.clear()
     os.environ.update(job["env"])
+    show_identity(job["env"])
     return job
+
+
+def show_identity(env: Mapping[str, str]) -> bool:
+    """Write the rank's identity variables (those of :data:`ftrun.contract.IDENTITY_VARS` in ``env``)
+    over the :data:`ftrun.contract.IDENTITY_PAD` room at the end of this process's initial
+    environment block, so ``/proc/<pid>/environ`` (``ps e``) names the rank it now serves.
+
+    The block's bounds are ``env_start``/``env_end`` of ``/proc/self/stat`` (fields 50 and 51,
+    proc(5)); nothing moves, only bytes inside the room change, and the C library's environment no
+    longer points there (the variable was unset before). What does not fit in the room is left
+    out (the short names come first). Returns False when there is no room (a process not started as
+    a spare) or the kernel does not say where the block is."""
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            stat = fh.read()
+        fields = stat[stat.rindex(b")") + 2:].split()
+        env_start, env_end = int(fields[50 - 3]), int(fields[51 - 3])
+        with open("/proc/self/environ", "rb") as fh:
+            block = fh.read()
+    except (OSError, ValueError, IndexError):
+        return False
+    marker = f"{IDENTITY_PAD}=".encode()
+    at = 0 if block.startswith(marker) else block.find(b"\0" + marker) + 1
+    if (at == 0 and not block.startswith(marker)) or len(block) != env_end - env_start:
+        return False
+    room = len(block) - at
+    text = b""
+    for name in IDENTITY_VARS:
+        item = f"{name}={env[name]}".encode() + b"\0" if name in env else b""
+        if len(text) + len(item) <= room:
+            text += item
+    rest = room - len(text)
+    filler = marker + b"-" * (rest - len(marker) - 1) + b"\0" if rest > len(marker) + 1 else b"\0" * rest
+    ctypes.memmove(env_start + at, text + filler, room)
+    return True
+
+
+def await_promotion(what: str, ready_file: str | None) -> dict:
+    """A hot spare at the point where its script needs its rank (``what``: "the training loop",
+    "ft.rank"...): say so in ``spares.log``, create ``ready_file`` (its agent may now give it a
+    rank) and block until the rank comes (:func:`take_assignment`). Returns the assignment."""
+    print(f"ftrun: hot spare (pid {os.getpid()}) waits for a rank at {what}", flush=True)  # into spares.log
+    if ready_file:
+        open(ready_file, "a").close()
+    return take_assignment(hot=True)
 
 
 def run_script(argv: list[str], module: bool) -> None:
@@ -79,7 +138,7 @@ def main() -> None:
         # A hot spare: the script runs now, without a rank; ftrun.init() gives it none until
         # take_assignment() returns (called by the worker library at the training loop, or when
         # the script first asks for its rank).
-        job = json.loads(os.environ["FTRUN_SPARE_JOB"])
+        job = json.loads(os.environ[SPARE_JOB])
         os.chdir(job["cwd"])
         run_script([str(a) for a in job["argv"]], bool(job["module"]))
         return

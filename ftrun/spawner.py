@@ -1,14 +1,15 @@
 """The processes of one node: ranks and warm spares, spawned, reaped, signalled (no torch here).
 
 This is the machinery of a node agent (MindCluster's ``reset_process`` role), used by node 0's
-in-process agent and by the agent process of every other node alike. It follows the two process
-rules of DESIGN.md: whoever spawns a process reaps it (exit codes and signals are exact), and no
-process outlives its parent (``PR_SET_PDEATHSIG``, see :mod:`ftrun.procs`). It decides nothing:
+in-process agent and by the agent process of every other node alike. It follows two process
+rules: whoever spawns a process reaps it (exit codes and signals are exact), and no process
+outlives its parent (``PR_SET_PDEATHSIG``, see :mod:`ftrun.procs`). It decides nothing:
 the coordinator tells it what to spawn and what to kill, and it reports each exit.
 
 Each rank's environment is this node's own environment plus the variables the coordinator sends
 (torchrun's, msrun's and ftrun's contract, :meth:`Coordinator.rank_vars`), so that what differs
-between hosts (paths, interfaces, virtual environments) stays each host's.
+between hosts (paths, interfaces, virtual environments) stays each host's. A spare's environment
+has no rank identity (:data:`ftrun.contract.IDENTITY_VARS`) until its promotion hands one over.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from . import errorfile, procs
+from . import contract, errorfile, procs
 
 log = logging.getLogger("ftrun.spawner")
 
@@ -36,17 +37,16 @@ INTERNAL_VARS = (
     "FTRUN_TOKEN_FOR_SUPERVISOR", "FTRUN_SUPERVISOR_SPEC", "FTRUN_EVENTS_ADDR", "FTRUN_STORE_PORT",
     "FTRUN_AGENT_SPEC", "FTRUN_CONTROL_FOR_AGENT",
 )
-TOKEN_VAR = "FTRUN_TOKEN"  # the job secret in a rank's environment (set by its node's agent, never sent)
-SPARE_MODE_VAR = "FTRUN_SPARE_MODE"  # in the variables the coordinator sends with keep_spares: "hot" or "warm"
-HOT_SPARE_VAR = "FTRUN_HOT_SPARE"  # "1" in a hot spare's environment until it is promoted
-SPARE_READY_VAR = "FTRUN_SPARE_READY"  # the file a hot spare creates once it waits for its rank
+TOKEN_VAR = contract.TOKEN  # the job secret in a rank's environment (set by its node's agent, never sent)
+SPARE_MODE_VAR = contract.SPARE_MODE  # in the variables the coordinator sends with keep_spares: "hot" or "warm"
+HOT_SPARE_VAR = contract.HOT_SPARE  # "1" in a hot spare's environment until it is promoted
+SPARE_READY_VAR = contract.SPARE_READY  # the file a hot spare creates once it waits for its rank
 #: Lines of a rank's log kept with its exit report when it exited with an error code, or was killed by
 #: a fatal signal (its faulthandler stacks), and wrote no error file.
 EXIT_TAIL_LINES = 20
 FATAL_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL})
-# What names a rank: absent from a hot spare's environment until its promotion gives them.
-RANK_IDENTITY_VARS = ("RANK", "LOCAL_RANK", "ROLE_RANK", "RANK_ID", "DEVICE_ID", "FTRUN_INCARNATION",
-                      "FTRUN_GENERATION", "TORCHELASTIC_ERROR_FILE")
+# What names a rank: absent from a spare's environment (hot or warm) until its promotion gives them.
+RANK_IDENTITY_VARS = contract.IDENTITY_VARS
 
 
 @dataclass(frozen=True)
@@ -176,9 +176,9 @@ class RankProcesses:
         """This node's environment, less ftrun's internal variables, plus ``rank_vars`` and the job
         secret."""
         env = {k: v for k, v in os.environ.items() if k not in INTERNAL_VARS}
-        if "FTRUN_RESUME_DIR" not in rank_vars:
-            env.pop("FTRUN_RESUME_DIR", None)
-            env.pop("FTRUN_RESUME_STEP", None)
+        if contract.RESUME_DIR not in rank_vars:
+            env.pop(contract.RESUME_DIR, None)
+            env.pop(contract.RESUME_STEP, None)
         env.update(self._extra_env)
         env.update(rank_vars)
         env[TOKEN_VAR] = self.token
@@ -248,17 +248,20 @@ class RankProcesses:
             _unlink(self._hot.pop(gone))
         hot = model_vars.get(SPARE_MODE_VAR) == "hot" and self.hot_broken is None
         while len(self.spares) < count:
-            env = self.environment({k: v for k, v in model_vars.items() if k != SPARE_MODE_VAR})
+            # No rank's identity (the coordinator's variables are some rank's): a process listing
+            # never shows a spare as a rank, and a hot spare's script that reads them before its
+            # loop fails, never guesses. The promotion hands the identity over (ftrun.spare).
+            env = contract.strip_identity(self.environment({k: v for k, v in model_vars.items() if k != SPARE_MODE_VAR}))
             argv = [sys.executable, "-u", "-m", "ftrun.spare"]
             if hot:
-                for name in RANK_IDENTITY_VARS:
-                    env.pop(name, None)  # a script that reads them before its loop fails, never guesses
                 env[HOT_SPARE_VAR] = "1"
-                env["FTRUN_SPARE_JOB"] = json.dumps({"argv": self.script_argv, "module": self.module, "cwd": os.getcwd()})
+                env[contract.SPARE_JOB] = json.dumps({"argv": self.script_argv, "module": self.module, "cwd": os.getcwd()})
                 self._spare_count += 1
                 ready = self.log_dir / f".hot_spare_{os.getpid()}_{self._spare_count}.ready"
                 env[SPARE_READY_VAR] = str(ready)
                 argv.append("--hot")
+            env.pop(contract.IDENTITY_PAD, None)
+            env[contract.IDENTITY_PAD] = "-" * contract.IDENTITY_PAD_BYTES  # last: see ftrun.spare.show_identity
             with open(self.log_dir / "spares.log", "ab") as fh:
                 spare = procs.spawn(argv, env=env, stdout=fh.fileno(), stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
             self.spares.append(spare)

@@ -14,7 +14,7 @@ position, user objects) of its replica group:
    shape and device (the model's parameters, existing optimizer buffers), so memory is not doubled.
 
 Bytes are moved as bytes (``uint8`` views), so every dtype gloo or NCCL can carry travels bitwise
-unchanged. Measured on gloo (DESIGN.md): 200 MB point-to-point in about 0.12 s on one machine.
+unchanged. Measured on gloo (docs/benchmarks.md has later measurements): 200 MB point-to-point in about 0.12 s on one machine.
 """
 
 from __future__ import annotations

@@ -1,0 +1,220 @@
+"""The exactly-once checks of one rank (issue 20), and the records of its own state it keeps in the
+job's store for a successor.
+
+A run with faults must end bitwise equal to the run without. Two fingerprints check that, as it
+happens (:mod:`ftrun.digest`):
+
+- *the local gradient*: at every synced backward the rank fingerprints its local gradient; a
+  step computed again (a retried step, or the step a respawned rank's predecessor computed) must
+  give the same. A difference means state outside what ftrun restores (an unregistered carried
+  tensor, a module-level variable, a random generator of the script's own).
+- *the replicas' parameters*: after a recovery's transfers every rank compares a fingerprint of
+  its parameters with the lowest rank's of its replica group.
+
+A difference is a ``divergence`` event; under ``--on_divergence fail`` the step is held back and
+the coordinator stops the job. The rank records (:mod:`ftrun.rankstate`) are this rank's own state
+(kind ``rank``: a data position, RNG streams) at each step start, at each all-reduce and at each
+epoch boundary, kept in the store next to the gradient's fingerprint.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .errors import describe
+from .policy import INITIAL
+from .protocol import MsgType
+from .recovery import RankProgress, Recovery
+from .registry import StateRegistry
+from .workerstate import WorkerState
+
+DIVERGENCE_HOLD_S = 60.0  # how long a rank holding back a divergent step waits for the abort that stops the job
+
+
+class ExactlyOnceChecks:
+    """This rank's fingerprints, divergence reports and rank records.
+
+    Args:
+        progress: the step loop's progress (current step, committed step).
+        registry: the registered state.
+        recovery: the rank's recovery (its predecessor's gradient fingerprint and rank record).
+        group: the training group (:class:`ftrun.group.TrainingGroup`; its store keeps the records).
+        state: the rank's :class:`ftrun.workerstate.WorkerState` (whether it runs under ftrun).
+        send: sends a message to the coordinator (``send(MsgType, **fields)``).
+        poll_abort: ``poll_abort(timeout_s)``: True once an abort for a newer generation arrived.
+        world_size: ranks in the job. seed: ``ftrun.init(seed=...)``.
+        on_divergence: ``"warn"`` or ``"fail"``.
+    """
+
+    def __init__(self, progress: RankProgress, registry: StateRegistry, recovery: Recovery, group: Any,
+                 state: WorkerState, send: Callable[..., None], poll_abort: Callable[[float], bool],
+                 world_size: int, seed: int | None, on_divergence: str) -> None:
+        self.progress = progress
+        self.registry = registry
+        self.recovery = recovery
+        self.group = group
+        self.state = state
+        self.send = send
+        self.poll_abort = poll_abort
+        self.world_size = world_size
+        self.seed = seed
+        self.on_divergence = on_divergence
+        self.divergences: list[tuple[int, str, str]] = []  # (step, check, reason)
+        self.local_gradient: tuple[int, str] | None = None  # (step, fingerprint) of the step last computed
+        self.rank_states: Any = None  # ftrun.rankstate.RankStateStore, once records are kept
+        self.rank = -1
+        self.attempt = 0
+        self.device = torch.device("cpu")
+        self.replica_group: list[int] = []
+
+    def bind(self, rank: int, attempt: int, device: torch.device, replica_group: Sequence[int]) -> None:
+        """Take the rank's identity (at start, or at a hot spare's promotion)."""
+        self.rank, self.attempt, self.device, self.replica_group = rank, attempt, device, list(replica_group)
+
+    # ------------------------------------------------------------------ rank records
+    def keeps_rank_records(self, gradient: bool = False) -> bool:
+        """Whether this rank's own state is worth a copy in the store: it runs under ftrun with
+        peers, and holds rank state that per-step reseeding does not make up (a data position,
+        or RNG streams when no ``seed`` was given). ``gradient``: for its gradient fingerprint,
+        which is always kept."""
+        if not (self.state.managed and self.world_size > 1 and self.progress.committed >= INITIAL):
+            return False
+        if not gradient and self.seed is not None and not self.registry.has_own_rank_state():
+            return False
+        if self.rank_states is None:
+            from .rankstate import RankStateStore
+
+            self.rank_states = RankStateStore(self.group.store(), self.attempt, self.rank)
+        return True
+
+    def snapshot_step_start(self) -> None:
+        """Copy the state that work after the update changes (kinds ``replica`` and ``rank``) at the
+        start of a step, labelled with the committed step it belongs to."""
+        own = self.registry.snapshot_step_start(self.progress.committed)
+        if self.keeps_rank_records():
+            self.rank_states.put(self.progress.committed, own)
+
+    def record_provisional(self) -> None:
+        """At the step's all-reduce: the rank state after its batch and backward, labelled with the
+        step (what a respawned rank needs if its peers commit the step and this rank dies)."""
+        step = self.progress.current_step
+        if step is None or self.progress.committed != step - 1 or not self.keeps_rank_records():
+            return
+        from .checkpoint import snapshot
+
+        self.rank_states.put(step, snapshot(self.registry.state_dict(only=("rank",))), provisional=True)
+
+    def record_epoch_boundary(self) -> None:
+        """After an epoch's end, before the next epoch's prologue: this rank's own state, labelled
+        with its committed step, for a successor that would start the next epoch (its predecessor's
+        epoch end is then in it; :class:`ftrun.rankstate.RankRecord`)."""
+        if not self.keeps_rank_records():
+            return
+        from .checkpoint import snapshot
+
+        self.rank_states.put(self.progress.committed, snapshot(self.registry.state_dict(only=("rank",))),
+                             epoch_boundary=True)
+
+    def apply_rank_record(self) -> None:
+        """Load the predecessor's record of this rank's own state, if a recovery fetched one and it
+        is not applied yet (a respawned rank; :class:`ftrun.rankstate.RankRecord`)."""
+        record = self.recovery.take_rank_record()
+        if record is not None:
+            self.registry.load(record.state, kinds=("rank",))
+
+    # ------------------------------------------------------------------ fingerprints
+    def expected_gradient(self) -> tuple[str, str] | None:
+        """What the current step's local gradient must be, if this rank computed it before:
+        (fingerprint, who computed it: "its previous try" or "its predecessor")."""
+        step = self.progress.current_step
+        if step is None:
+            return None
+        if self.local_gradient is not None and self.local_gradient[0] == step:
+            return self.local_gradient[1], "its previous try"
+        before = self.recovery.predecessor_gradient
+        if before is not None and before[0] == step:
+            return before[1], "its predecessor (the process this one replaced)"
+        return None
+
+    def holds_for_check(self) -> bool:
+        """Whether the reducer must hold the step's all-reduce until the local gradient is checked."""
+        return self.on_divergence == "fail" and self.expected_gradient() is not None
+
+    def check_local_gradient(self, digest: str) -> bool:
+        """At each synced backward (:class:`ftrun.reducer.GradientReducer`): keep the fingerprint of
+        the local gradient of the step (in memory, and in the job's store next to the rank state,
+        for a respawned successor) and, if the step was computed before, compare. A difference
+        means state outside what ftrun restores; it is reported (a ``divergence`` event). Returns
+        False only under ``--on_divergence fail``: the step is then held back (never
+        communicated) until the coordinator's abort for the dying gasp arrives."""
+        step = self.progress.current_step
+        if step is None:
+            return True
+        expected = self.expected_gradient()
+        self.local_gradient = (step, digest)
+        if self.recovery.predecessor_gradient is not None and self.recovery.predecessor_gradient[0] <= step:
+            self.recovery.predecessor_gradient = None
+        if self.keeps_rank_records(gradient=True):
+            try:
+                self.rank_states.put_gradient_digest(step, digest)
+            except Exception as err:  # the store is the launcher's; a failed write costs a check only
+                print(f"ftrun: rank {self.rank}: could not record its gradient fingerprint: {describe(err)}",
+                      file=sys.stderr, flush=True)
+        if expected is None or expected[0] == digest:
+            return True
+        reason = (f"step {step} computed again gave another local gradient than {expected[1]} "
+                  f"(fingerprint {digest[:12]} != {expected[0][:12]}): the script carries state ftrun does not restore "
+                  "(an unregistered carried tensor, a module-level variable, a random generator "
+                  "of its own); register it (README: Porting a script)")
+        return self.report_divergence(step, "gradient", reason)
+
+    def report_divergence(self, step: int, check: str, reason: str, hold: bool = True) -> bool:
+        """Tell the coordinator and the rank's log; under ``--on_divergence fail`` and with
+        ``hold``, wait (up to :data:`DIVERGENCE_HOLD_S` s) for the abort that stops the job
+        (returns False then). Without ``hold`` (inside a recovery) the coordinator's dying gasp
+        aborts the rank at its next safe point."""
+        self.divergences.append((step, check, reason))
+        print(f"ftrun: rank {self.rank}: DIVERGENCE at step {step}: {reason}", file=sys.stderr, flush=True)
+        self.send(MsgType.DIVERGENCE, step=int(step), check=check, reason=reason)
+        if self.on_divergence != "fail" or not self.state.managed or not hold:
+            return True
+        deadline = time.monotonic() + DIVERGENCE_HOLD_S
+        while not self.poll_abort(0.05) and time.monotonic() < deadline:
+            pass
+        return False
+
+    def compare_replicas(self, step: int) -> bool:
+        """After a recovery's transfers (:class:`ftrun.recovery.Recovery`), on every rank of the new
+        generation: all-gather a fingerprint of the parameters and compare it with the lowest
+        rank's of this rank's replica group; a difference (a transfer that went wrong, a replica
+        that diverged) is reported as a ``divergence``. False if the collective failed (the
+        recovery then goes on as after a failed transfer)."""
+        if self.world_size == 1:
+            return True
+        from .digest import fingerprint
+
+        params = [p for name, obj in self.registry.items()
+                  if self.registry.kinds[name] == "committed" and isinstance(obj, torch.nn.Module) for p in obj.parameters()]
+        raw = bytes.fromhex(fingerprint(params))
+        mine = torch.tensor([int.from_bytes(raw[:8], "little", signed=True), int.from_bytes(raw[8:16], "little", signed=True)],
+                            dtype=torch.int64, device=self.device)
+        gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        failure = None
+        try:
+            dist.all_gather(gathered, mine)
+        except Exception as err:
+            failure = describe(err)
+        if failure is not None:
+            print(f"ftrun: rank {self.rank}: comparing parameters with its replicas failed: {failure}", file=sys.stderr, flush=True)
+            return False
+        reference = min(self.replica_group)
+        if reference != self.rank and not torch.equal(gathered[reference], mine):
+            self.report_divergence(step, "replica_parameters",
+                                   f"after the recovery to step {step} its parameters differ from rank {reference}'s, "
+                                   "a replica's (a transfer that went wrong, or replicas that diverged before)", hold=False)
+        return True

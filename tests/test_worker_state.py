@@ -1,0 +1,87 @@
+"""The worker's phases (issue 23): one named phase with a transition table, not flags; an illegal
+transition raises."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftrun.workerstate import ERROR_PHASES, TRANSITIONS, IllegalTransition, Phase, WorkerState
+
+
+def test_every_phase_has_its_row() -> None:
+    assert set(TRANSITIONS) == set(Phase)
+    assert TRANSITIONS[Phase.ORPHANED] == frozenset()  # the dying gasp ends the process
+
+
+@pytest.mark.parametrize("path, bad", [
+    ([], Phase.FAILED),                                      # no error before the rank is bound
+    ([Phase.HEALTHY], Phase.JOINING),                        # a rank that trains never joins again
+    ([Phase.HEALTHY], Phase.SPARE),
+    ([Phase.SPARE], Phase.RECOVERING),                       # a spare has no rank to recover
+    ([Phase.HEALTHY, Phase.ORPHANED], Phase.HEALTHY),        # nothing after the gasp
+    ([Phase.HEALTHY, Phase.FAILED, Phase.RECOVERING], Phase.FAILED),
+    ([Phase.HEALTHY, Phase.PENDING_REPAIR], Phase.FAILED),   # a pending repair supersedes it
+])
+def test_an_illegal_transition_raises(path: list[Phase], bad: Phase) -> None:
+    state = WorkerState()
+    for phase in path:
+        state.to(phase)
+    before = state.phase
+    with pytest.raises(IllegalTransition, match=f"from {before.name} to {bad.name}"):
+        state.to(bad, "why")
+    assert state.phase is before  # unchanged
+
+
+def test_a_failed_step_recovers_and_trains_again() -> None:
+    state = WorkerState(managed=True)
+    state.to(Phase.HEALTHY)
+    assert not state.failed and state.error is None
+    state.to(Phase.FAILED, "gradient all-reduce failed: Connection closed by peer")
+    assert state.failed and state.error.startswith("gradient all-reduce")
+    assert state.recover() == "comm" and state.phase is Phase.RECOVERING and state.error is None
+    state.recovered()
+    assert state.phase is Phase.HEALTHY
+
+
+def test_a_recoverable_error_is_reported_as_such() -> None:
+    state = WorkerState(managed=True)
+    state.to(Phase.HEALTHY)
+    state.to(Phase.PENDING_REPAIR, "RecoverableError: bit flip")
+    assert state.failed and state.error is None  # pending: repaired outside autograd first
+    state.to(Phase.REPAIRING, "recoverable error at step 3: RecoverableError: bit flip")
+    assert state.error is not None and state.fault_kind == "recoverable"
+    assert state.recover() == "recoverable"
+
+
+def test_a_rank_at_the_finish_barrier_returns_there_after_a_recovery() -> None:
+    state = WorkerState(managed=True)
+    state.to(Phase.HEALTHY)
+    state.to(Phase.FINISHED)
+    state.recover()
+    state.recovered()
+    assert state.phase is Phase.FINISHED
+
+
+def test_a_respawned_rank_joins_through_a_recovery() -> None:
+    state = WorkerState(managed=True)
+    state.to(Phase.SPARE)
+    state.to(Phase.JOINING)
+    with pytest.raises(IllegalTransition):
+        state.to(Phase.FAILED)
+    state.recover()
+    state.recovered()
+    assert state.phase is Phase.HEALTHY
+
+
+def test_error_phases_are_what_skips_a_steps_collectives() -> None:
+    assert ERROR_PHASES == {Phase.FAILED, Phase.REPAIRING, Phase.PENDING_REPAIR}
+
+
+def test_a_hot_spare_worker_is_in_the_spare_phase(monkeypatch) -> None:
+    from ftrun.worker import Worker
+
+    monkeypatch.setenv("FTRUN_HOT_SPARE", "1")  # a worker without a process group or a channel
+    worker = Worker("gloo", None, None)
+    assert worker.state.phase is Phase.SPARE and worker.managed and worker.joining
+    with pytest.raises(IllegalTransition):
+        worker.state.to(Phase.RECOVERING)
