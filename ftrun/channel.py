@@ -21,7 +21,9 @@ from typing import Any, Callable
 
 import zmq
 
-from .protocol import CONTROL, MAX_FRAME_BYTES, Message, MsgType, ProtocolError, Receiver, Sender, decode, pack, to_peer
+from .protocol import CONTROL, MAX_FRAME_BYTES, Message, MsgType, Receiver, Sender, pack, receive, to_peer
+
+RECEIVE_BUDGET = 1000  # frames read per wake-up of the I/O thread (then it beats and sends again)
 
 
 class Channel:
@@ -158,15 +160,8 @@ class Channel:
                     break
                 self._sock.send(seal(frame, CONTROL))
             if self._sock in events:
-                while True:
-                    try:
-                        frame = self._sock.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    try:
-                        msg = decode(frame, self._receiver)
-                    except ProtocolError:
-                        continue  # only the supervisor knows our secret; anything else is dropped
+                # only the supervisor knows our secret: a frame that does not verify is dropped
+                for msg in receive(self._sock, self._receiver, RECEIVE_BUDGET, lambda _err: None):
                     if self.on_receive is not None:
                         try:
                             self.on_receive(msg)

@@ -102,6 +102,7 @@ class RankEnv:
     The job (every rank alike):
         world_size, local_world_size, node, nnodes: ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
             ``GROUP_RANK``, ``GROUP_WORLD_SIZE``.
+        role: torchrun's ``ROLE_NAME`` (``--role``).
         master_addr, master_port: the c10d store of the current attempt.
         attempt, max_restarts, run_id: torchelastic's restart count, its limit, the run's id.
         store_port: the store's port as msrun's ``MS_SCHED_PORT``.
@@ -121,6 +122,7 @@ class RankEnv:
     generation: int | None = None
     world_size: int = 1
     local_world_size: int = 1
+    role: str = "default"
     node: int = 0
     nnodes: int = 1
     master_addr: str = "127.0.0.1"
@@ -175,7 +177,7 @@ class RankEnv:
             "GROUP_RANK": str(self.node),
             "GROUP_WORLD_SIZE": str(self.nnodes),
             "ROLE_WORLD_SIZE": str(self.world_size),
-            "ROLE_NAME": "default",
+            "ROLE_NAME": self.role,
             MASTER_ADDR: self.master_addr,
             RESTART_COUNT: str(self.attempt),
             "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
@@ -227,6 +229,7 @@ class RankEnv:
             generation=_int(environ, GENERATION, None),
             world_size=_int(environ, WORLD_SIZE, d.world_size),  # type: ignore[arg-type]
             local_world_size=_int(environ, "LOCAL_WORLD_SIZE", d.local_world_size),  # type: ignore[arg-type]
+            role=environ.get("ROLE_NAME") or d.role,
             node=_int(environ, "GROUP_RANK", d.node),  # type: ignore[arg-type]
             nnodes=_int(environ, "GROUP_WORLD_SIZE", d.nnodes),  # type: ignore[arg-type]
             master_addr=environ.get(MASTER_ADDR) or d.master_addr,

@@ -164,8 +164,6 @@ class ControlClient:
             self.plan = msg
         elif msg.type == MsgType.SAVE:
             self.save_request = msg
-        elif msg.type == MsgType.STOP:
-            sys.exit(0)
         elif msg.type == MsgType.FINISHED:
             self.finished = True
 

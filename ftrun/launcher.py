@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from . import procs
+from . import contract, procs
 from .config import ConfigError, JobSpec
 from .console import JobConsole, make_console
 from .protocol import MsgType, ProtocolError, Receiver, decode, events_for, new_token
@@ -56,7 +56,7 @@ def wait_for_control_addr(store: Any, spec: JobSpec) -> str:
         ConfigError: node 0 did not publish it within ``--cluster_time_out`` seconds.
     """
     try:
-        return store.get("ftrun/control_addr").decode()
+        return store.get(contract.CONTROL_ADDR_KEY).decode()
     except Exception as err:  # torch raises DistStoreError/RuntimeError on a timeout or a lost store
         raise ConfigError(
             f"node 0's coordinator did not come up within {spec.cluster_time_out:g} s ({str(err).splitlines()[0]}); "
@@ -152,9 +152,9 @@ def claim_node_rank(
     import threading
 
     def vacant(on: Any) -> list[int]:
-        if not on.check(["ftrun/vacant"]):
+        if not on.check([contract.VACANT_KEY]):
             return []
-        text = on.get("ftrun/vacant").decode(errors="replace")
+        text = on.get(contract.VACANT_KEY).decode(errors="replace")
         return [int(p) for p in text.split(",") if p.strip().isdigit() and 0 < int(p) < spec.nnodes]
 
     def keep_claim(node: int, epoch: int, key: str) -> None:
@@ -171,7 +171,7 @@ def claim_node_rank(
                         return  # the node was never joined: let another launcher take the claim over
                     watch.add(key + "/beats", 1)
                     time.sleep(poll_interval)
-                watch.compare_set(f"ftrun/claim_epoch/{node}", str(epoch), str(epoch + 1))
+                watch.compare_set(contract.claim_epoch_key(node), str(epoch), str(epoch + 1))
             except Exception:  # node 0's store is gone: the job is over
                 pass
 
@@ -179,17 +179,17 @@ def claim_node_rank(
 
     def claim() -> int:
         me = claimant or f"{socket.gethostname()}/{os.getpid()}/{os.urandom(4).hex()}"
-        taken = int(store.add("ftrun/next_node", 1))
+        taken = int(store.add(contract.NEXT_NODE_KEY, 1))
         while taken < spec.nnodes:
-            if store.compare_set(f"ftrun/node/{taken}", "", me).decode(errors="replace") == me:
+            if store.compare_set(contract.node_key(taken), "", me).decode(errors="replace") == me:
                 return taken
-            taken = int(store.add("ftrun/next_node", 1))  # a launcher given this index holds it: the next
+            taken = int(store.add(contract.NEXT_NODE_KEY, 1))  # a launcher given this index holds it: the next
         deadline = clock() + spec.cluster_time_out
         beats_seen: dict[str, tuple[int, float]] = {}  # claim key -> (its beats, when they last changed)
         while True:
             for node in vacant(store):
-                epoch = int(store.add(f"ftrun/claim_epoch/{node}", 0))
-                key = f"ftrun/claim/{node}/{epoch}"
+                epoch = int(store.add(contract.claim_epoch_key(node), 0))
+                key = contract.claim_key(node, epoch)
                 holder = store.compare_set(key, "", me).decode(errors="replace")
                 if holder != me:
                     beats, now = int(store.add(key + "/beats", 0)), clock()
@@ -274,7 +274,7 @@ def host_store(spec: JobSpec) -> tuple[Any, int, JobSpec]:
         spec = dataclasses.replace(spec, node_rank=claim_node_rank(spec, store), node_rank_auto=False)
     else:
         try:  # a given index: launchers without one skip it (claim_node_rank)
-            store.set(f"ftrun/node/{spec.node_rank}", "given")
+            store.set(contract.node_key(spec.node_rank), "given")
         except (RuntimeError, OSError):
             pass  # the store is gone: waiting for the coordinator's address says so
     return store, spec.master_port, spec

@@ -80,7 +80,6 @@ class MsgType(str, Enum):
     ABORT = "abort"
     SAVE = "save"  # write your shard of the given committed step (TTP dying gasp)
     SAVED = "saved"  # a shard file was written (periodic or dying gasp)
-    STOP = "stop"
     FINISHED = "finished"  # every rank has finished: leave the finish barrier
     EVENT = "event"
     STATUS = "status"
@@ -129,7 +128,6 @@ SCHEMA: dict[MsgType, dict[str, tuple[type, ...]]] = {
         "rank": _INT, "incarnation": _INT, "step": _INT, "shard": _INT, "info": (dict,), "seconds": _NUM,
         "torch_version": _STR, "reason": _STR,
     },
-    MsgType.STOP: {"reason": _STR},
     MsgType.FINISHED: {},
     MsgType.EVENT: {"event": (dict,)},
     MsgType.STATUS: {"ranks": (list,)},

@@ -7,7 +7,7 @@ outlives its parent (``PR_SET_PDEATHSIG``, see :mod:`ftrun.procs`). It decides n
 the coordinator tells it what to spawn and what to kill, and it reports each exit.
 
 Each rank's environment is this node's own environment plus the variables the coordinator sends
-(torchrun's, msrun's and ftrun's contract, :meth:`Coordinator.rank_vars`), so that what differs
+(torchrun's, msrun's and ftrun's contract, :func:`ftrun.coordinator.environment.rank_environment`), so that what differs
 between hosts (paths, interfaces, virtual environments) stays each host's. A spare's environment
 has no rank identity (:data:`ftrun.contract.IDENTITY_VARS`) until its promotion hands one over.
 """

@@ -54,7 +54,6 @@ def test_protocol_round_trip_every_type():
         MsgType.RECONFIGURE: dict(generation=1, world_size=4, step=9, transfers=[[0, 1]]),
         MsgType.EVENT: dict(event={"kind": "job_started"}),
         MsgType.STATUS: dict(ranks=[]),
-        MsgType.STOP: dict(reason="bye"),
     }
     for msg_type, fields in samples.items():
         msg = dec(enc(msg_type, **fields))

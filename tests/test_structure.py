@@ -84,11 +84,9 @@ def test_no_class_in_ftrun_is_over_600_lines() -> None:
              for path in sorted(root.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
              if isinstance(node, ast.ClassDef)}
     assert sizes, "no class found: the scan is broken"
-    big = {name: lines for name, lines in sizes.items() if lines > 600 and name not in SPLIT_PENDING}
+    big = {name: lines for name, lines in sizes.items() if lines > 600}
     assert not big, big
 
-
-SPLIT_PENDING = {"worker.py:Worker"}  # being split by role (issue 23); emptied when that lands
 
 
 # The modules of ftrun/config and the siblings each may import (imports flow one way).

@@ -1,7 +1,7 @@
 """The ranks' environment and their spawning, on whichever node each runs.
 
 :func:`rank_environment` is torchrun's and msrun's contract plus ftrun's own variables (pure: the
-job, the rank and where the job stands in, a mapping out). :class:`Spawning` has each node's agent
+job, the rank and where the job stands in, a :class:`ftrun.contract.RankEnv` out). :class:`Spawning` has each node's agent
 start a rank's next incarnation, keeps warm or hot spares on every node, and gives every whole-job
 attempt its own c10d store (so a restarted job never meets a previous attempt's keys).
 """
@@ -16,7 +16,8 @@ from .. import checkpoint as ckpt
 from ..config import JobSpec
 from ..events import EventKind
 from ..policy import RankState
-from ..spawner import SPARE_MODE_VAR, shared_dir_marker
+from ..contract import CONTROL_ADDR_KEY, SPARE_MODE, RankEnv
+from ..spawner import shared_dir_marker
 from .ranks import Rank
 
 if TYPE_CHECKING:
@@ -25,9 +26,10 @@ if TYPE_CHECKING:
 
 def rank_environment(spec: JobSpec, r: Rank, *, attempt: int, generation: int, attempt_port: int, store_port: int,
                      control_addr: str, run_id: str, checkpoint_root: Path,
-                     resume_from: ckpt.Manifest | None) -> dict[str, str]:
-    """The variables of one rank's environment (the agent of its node adds them to that node's
-    environment, with the job secret). No secret is in them: they travel in the spawn order.
+                     resume_from: ckpt.Manifest | None) -> RankEnv:
+    """One rank's environment (:class:`ftrun.contract.RankEnv`; its ``to_environ()`` gives the
+    variables the agent of its node adds to that node's environment, with the job secret). No
+    secret is in it: it travels in the spawn order.
 
     Args:
         spec: the job.
@@ -41,54 +43,17 @@ def rank_environment(spec: JobSpec, r: Rank, *, attempt: int, generation: int, a
         checkpoint_root: ``--checkpoint_dir``, resolved.
         resume_from: the checkpoint this attempt starts from, if any.
     """
-    out = {
-        # torchrun
-        "RANK": str(r.rank),
-        "LOCAL_RANK": str(r.local_rank),
-        "WORLD_SIZE": str(spec.worker_num),
-        "LOCAL_WORLD_SIZE": str(spec.local_worker_num),
-        "GROUP_RANK": str(r.node),
-        "GROUP_WORLD_SIZE": str(spec.nnodes),
-        "ROLE_RANK": str(r.rank),
-        "ROLE_WORLD_SIZE": str(spec.worker_num),
-        "ROLE_NAME": spec.role,
-        "MASTER_ADDR": spec.master_addr,
-        "MASTER_PORT": str(attempt_port),
-        "TORCHELASTIC_RESTART_COUNT": str(attempt),
-        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
-        "TORCHELASTIC_RUN_ID": run_id,
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-        # msrun
-        "RANK_ID": str(r.rank),
-        "RANK_SIZE": str(spec.worker_num),
-        "MS_WORKER_NUM": str(spec.worker_num),
-        "MS_LOCAL_WORKER": str(spec.local_worker_num),
-        "MS_NODE_RANK": str(r.node),
-        "MS_ROLE": "MS_WORKER",
-        "MS_SCHED_HOST": spec.master_addr,
-        "MS_SCHED_PORT": str(store_port),
-        "DEVICE_ID": str(r.local_rank),
-        # ftrun worker library
-        "FTRUN_CONTROL_ADDR": control_addr,
-        "FTRUN_INCARNATION": str(r.incarnation),
-        "FTRUN_GENERATION": str(generation),
-        "FTRUN_ATTEMPT": str(attempt),
-        "FTRUN_HEARTBEAT_INTERVAL": str(spec.heartbeat_interval),
-        "FTRUN_PG_TIMEOUT": str(spec.pg_timeout),
-        "FTRUN_CLUSTER_TIME_OUT": str(spec.cluster_time_out),
-        "FTRUN_ARF": "1" if spec.tft.arf else "0",
-        "FTRUN_UCE": "1" if spec.tft.uce else "0",
-        "FTRUN_TTP": "1" if spec.tft.ttp else "0",
-        "FTRUN_RECOVERABLE_ERRORS": ",".join(spec.recoverable_errors),
-        "FTRUN_ON_DIVERGENCE": spec.on_divergence,
-        "FTRUN_CHECKPOINT_DIR": str(checkpoint_root),
-        "FTRUN_SAVE_STEPS": str(spec.save_steps),
-        "PYTHONUNBUFFERED": "1",
-    }
-    if resume_from is not None:
-        out["FTRUN_RESUME_DIR"] = str(resume_from.directory)
-        out["FTRUN_RESUME_STEP"] = str(resume_from.step)
-    return out
+    return RankEnv(
+        rank=r.rank, local_rank=r.local_rank, incarnation=r.incarnation, generation=generation,
+        world_size=spec.worker_num, local_world_size=spec.local_worker_num, role=spec.role, node=r.node,
+        nnodes=spec.nnodes, master_addr=spec.master_addr, master_port=attempt_port, attempt=attempt,
+        max_restarts=spec.max_restarts, run_id=run_id, store_port=store_port, control_addr=control_addr,
+        heartbeat_interval=spec.heartbeat_interval, pg_timeout=spec.pg_timeout, cluster_time_out=spec.cluster_time_out,
+        arf=spec.tft.arf, uce=spec.tft.uce, ttp=spec.tft.ttp, recoverable_errors=tuple(spec.recoverable_errors),
+        on_divergence=spec.on_divergence, checkpoint_dir=str(checkpoint_root), save_steps=spec.save_steps,
+        resume_dir=str(resume_from.directory) if resume_from is not None else None,
+        resume_step=resume_from.step if resume_from is not None else None,
+    )
 
 
 class Spawning:
@@ -107,7 +72,7 @@ class Spawning:
         self.run_id = ""
         self._spares_sent = -1.0
 
-    def rank_vars(self, r: Rank) -> dict[str, str]:
+    def rank_env(self, r: Rank) -> RankEnv:
         """:func:`rank_environment` for ``r`` where the job stands now."""
         job = self.job
         return rank_environment(job.spec, r, attempt=job.attempt, generation=job.generation, attempt_port=self.attempt_port,
@@ -123,7 +88,7 @@ class Spawning:
             f"===== ftrun: rank {r.rank} incarnation {r.incarnation} attempt {job.attempt} "
             f"generation {job.generation} started {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n"
         )
-        job.members.spawn(r.node, (r.rank, r.incarnation, self.rank_vars(r), header, use_spare))
+        job.members.spawn(r.node, (r.rank, r.incarnation, self.rank_env(r).to_environ(), header, use_spare))
 
     def on_spawned(self, r: Rank, pid: int, spare: str) -> None:
         job = self.job
@@ -164,8 +129,8 @@ class Spawning:
         for node, agent in job.members.agents.items():
             model = next((r for r in ranks if r.node == node), None)
             if model is not None and agent.connected():
-                model_vars = self.rank_vars(model)
-                model_vars[SPARE_MODE_VAR] = "hot" if hot else "warm"
+                model_vars = self.rank_env(model).without_identity().to_environ()  # a spare is no rank yet
+                model_vars[SPARE_MODE] = "hot" if hot else "warm"
                 agent.keep_spares(spec.hot_spares if hot else spec.warm_spares, model_vars)
 
     def _attempt_store_port(self) -> int:
@@ -205,4 +170,4 @@ class Spawning:
 
         job.members.main_store = TCPStore(spec.master_addr, self.store_port, is_master=False,
                                           timeout=timedelta(seconds=spec.cluster_time_out))
-        job.members.main_store.set("ftrun/control_addr", job.control_addr)
+        job.members.main_store.set(CONTROL_ADDR_KEY, job.control_addr)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ..agent import AgentHandle, RemoteAgent
+from ..contract import VACANT_KEY
 from ..events import EventKind
 from ..protocol import Message, MsgType
 
@@ -133,7 +134,7 @@ class Membership:
         if self.main_store is None:
             return
         try:
-            self.main_store.set("ftrun/vacant", ",".join(str(n) for n in sorted(self.waiting_for)))
+            self.main_store.set(VACANT_KEY, ",".join(str(n) for n in sorted(self.waiting_for)))
         except Exception as err:  # the store is node 0's launcher's: gone only if the job is ending
             log.warning("cannot publish vacant node indices: %s", err)
 
