@@ -178,6 +178,7 @@ def spare_job(tmp_path_factory: pytest.TempPathFactory) -> SpareJob:
     return SpareJob(digest, events, in_setup, killed, ready_in_setup)
 
 
+@pytest.mark.slow  # the module's shared job (six faults, one job): its slowest
 def test_spare_job_ends_bitwise_equal_after_its_faults(spare_job: SpareJob, long_reference: str) -> None:
     """Six faults (two in the set-up story, four in a row) and a killed spare: the run ends bitwise
     equal to the fault-free one, by rank respawns alone, each rank restarted once per fault."""
@@ -189,6 +190,7 @@ def test_spare_job_ends_bitwise_equal_after_its_faults(spare_job: SpareJob, long
     assert not [e for e in events if e["detail"].get("fault") == "hot_spare_contract"], dj.story(events)
 
 
+@pytest.mark.slow  # the module's shared job (six faults, one job): its slowest
 def test_hot_spares_take_four_faults_in_a_row(spare_job: SpareJob) -> None:
     """A hot spare killed while it waits is replaced unnoticed; then a kill at each injection point,
     on rank 0 and on the last rank, each once a hot spare waits at the loop: four faults, four
@@ -201,6 +203,7 @@ def test_hot_spares_take_four_faults_in_a_row(spare_job: SpareJob) -> None:
     assert spare_job.killed not in [e["pid"] for e in events if e["kind"] == "rank_started"]
 
 
+@pytest.mark.slow  # the module's shared job (six faults, one job): its slowest
 def test_a_fault_while_the_hot_spare_is_in_its_set_up_is_served_by_it(spare_job: SpareJob) -> None:
     """Issue 24 item 4: a fault that comes while the node's hot spare is still in the script's
     set-up is given to that spare (it finishes its set-up as the rank), never to a new process; the
