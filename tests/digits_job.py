@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_digits.py"
 STEPS = "24"
 LONG_STEPS = "150"  # long enough that a test acts while the job still trains
-SOAK_STEPS = "600"  # with SOAK_PAUSE, long enough for a stream of faults (about two minutes of training)
-SOAK_PAUSE = "0.12"  # seconds of sleep after each step: the soak trains long without a long reference run
+SOAK_STEPS = "300"  # with SOAK_PAUSE, long enough for a stream of faults (about 95 s of training while they are sent)
+SOAK_PAUSE = "0.28"  # seconds of sleep after each step while faults are sent: the soak trains long without a long reference run
 FINAL = re.compile(r"final step=(\d+) loss=\S+ test_accuracy=(\S+) params_sha256=([0-9a-f]{64})")
 
 

@@ -196,11 +196,25 @@ def test_scancel_saves_a_dying_gasp_and_the_job_resumes(cluster, long_reference:
 
 def test_time_limit_warning_saves_a_dying_gasp_and_the_job_resumes(cluster, long_reference: str,
                                                                    tmp_path: Path) -> None:
-    """A 3-minute job that would train for over 150 s: Slurm sends the script's USR1 60 to 120 s
-    before the limit (``--signal=B:USR1@60`` on the command line, the script's own is 120 s; Slurm
-    may send it up to 60 s early), node 0's ftrun saves a dying gasp before the kill (the job ends
-    FAILED with ftrun's 143, not TIMEOUT), and the job submitted again resumes, bitwise."""
-    job = stop_and_resume(cluster, tmp_path, long_reference, lambda job: None, dj.LONG_STEPS,
-                          sbatch_args=("--time=3", "--signal=B:USR1@60"), script_args=("--step_pause", "1.0"))
+    """A job that would train for over 90 s, submitted with a 3-minute limit and
+    ``--signal=B:USR1@90`` (the script's own is 120 s): once it trains, its limit is cut
+    (``scontrol update TimeLimit``) to the next whole minute at least 60 s away, so the warning is
+    due at once. Slurm's time-limit check (every 30 s) sends the script's USR1 -- never less than
+    60 s before the limit -- node 0's ftrun saves a dying gasp before the kill (the job ends FAILED
+    with ftrun's 143, not TIMEOUT), and the job submitted again resumes, bitwise. Cutting the limit
+    once training runs, rather than submitting a shorter one, makes the warning come after training
+    started however slowly the job starts, without waiting out a 3-minute limit (it took 117 s)."""
+    def cut_the_limit(job: Job) -> None:
+        out = cluster.cmd(["scontrol", "-o", "show", "job", job.id], timeout=30).stdout
+        run_time = re.search(r"\bRunTime=(?:(\d+)-)?(\d+):(\d+):(\d+)", out)
+        assert run_time, out
+        days, hours, minutes, seconds = (int(g or 0) for g in run_time.groups())
+        elapsed = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+        limit = elapsed // 60 + 2  # minutes from the start: 60 to 120 s from now, the warning due
+        proc = cluster.cmd(["scontrol", "update", f"JobId={job.id}", f"TimeLimit={limit}"], timeout=30)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    job = stop_and_resume(cluster, tmp_path, long_reference, cut_the_limit, dj.LONG_STEPS,
+                          sbatch_args=("--time=3", "--signal=B:USR1@90"), script_args=("--step_pause", "0.6"))
     stopped = [e for e in job.events() if e["kind"] == "stop_requested"]
     assert len(stopped) == 1 and "SIGTERM" in stopped[0]["message"], job.why()

@@ -1,6 +1,6 @@
 """Soak: a long digits job under a stream of outside faults ends bitwise equal to the fault-free run.
 
-600 steps on 4 ranks, each followed by a 120 ms pause while faults are sent (same result; the
+300 steps on 4 ranks, each followed by a 280 ms pause while faults are sent (same result; the
 fault-free reference and the job's steps after the last fault run without it); every few seconds, once the previous recovery has
 finished, a random rank gets SIGKILL or SIGSTOP from outside (a seeded sequence, so a failure names a reproducible order of
 faults; the timing is the machine's). At least 10 faults; no process may be left behind. The run's
