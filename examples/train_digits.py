@@ -41,9 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pause_while", default=None, metavar="FILE",
                         help="sleep --step_pause only while FILE exists (a test stretches the job while it "
                              "injects faults, then removes FILE and lets the job finish at full speed)")
+    parser.add_argument("--hand_update", action="store_true",
+                        help="update the parameters by hand (p -= lr * grad, plain SGD: needs --momentum 0) under "
+                             "ft.apply_update, as a script without a torch optimizer does (same result as SGD)")
     parser.add_argument("--replica_groups", default=None,
                         help="declare replica groups, e.g. '0,2;1,3' (a DP x TP layout's shape; default: all ranks)")
     args = parser.parse_args(argv)
+    if args.hand_update and args.momentum:
+        parser.error("--hand_update is plain SGD: give --momentum 0")
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
     groups = [[int(r) for r in g.split(",")] for g in args.replica_groups.split(";")] if args.replica_groups else None
@@ -51,16 +56,24 @@ def main(argv: list[str] | None = None) -> int:
     ds = dc.load_dataset(args.data, args.seed)
     torch.manual_seed(args.seed)
     model = ft.wrap_model(dc.build_model(ds.in_features), ddp=args.ddp)
-    opt = ft.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum))
+    opt = None if args.hand_update else ft.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum))
     n_train = len(ds.train_y)
+
+    def sgd() -> None:  # the update a script without a torch optimizer writes
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad, alpha=-args.lr)
 
     for step in ft.steps(args.steps):
         with step:  # a RecoverableError raised in here is repaired in place (UCE)
             idx = dc.batch_indices(args.seed, step, ft.rank, ft.world_size, args.batch_size, n_train)
-            opt.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(ds.train_x[idx]), ds.train_y[idx])
-            loss.backward()
-            if not opt.step():  # averages gradients over the ranks; updates only if that succeeded
+            loss.backward()  # averages gradients over the ranks (a failure is recorded, not raised)
+            # The update runs only if the step's collectives succeeded: opt.step() for a wrapped
+            # optimizer, ft.apply_update(fn) for hand-written code; both commit the step.
+            applied = ft.apply_update(sgd)[0] if opt is None else opt.step()
+            if not applied:
                 continue  # the step failed (a peer died): ft.steps() recovers and retries it
             ft.report(step, loss=loss.item())
             if args.log_every and ft.rank == 0 and step % args.log_every == 0:

@@ -51,6 +51,20 @@ def test_rank_killed_after_its_last_step_recovers_from_ranks_that_finished(refer
     assert [d["resume_step"] for d in finished] == [int(dj.STEPS)] and finished[0]["bytes"] > 0, dj.story(events)
 
 
+def test_a_hand_written_update_under_apply_update_is_exactly_once(tmp_path: Path) -> None:
+    """Issue 27 item 2: a script without a torch optimizer (``p.add_(p.grad, alpha=-lr)``) guards
+    its update with ``ft.apply_update``: a kill in the all-reduce and one inside the update leave
+    it bitwise equal to the same training with ``torch.optim.SGD`` and no fault."""
+    (tmp_path / "sgd").mkdir()
+    (tmp_path / "hand").mkdir()
+    ref, _, _ = dj.run(tmp_path / "sgd", extra=("--momentum", "0"))
+    digest, events, _ = dj.run(tmp_path / "hand", "rank=1,step=6,point=allreduce,kind=kill; rank=2,step=14,point=optimizer,kind=kill",
+                               extra=("--momentum", "0", "--hand_update"))
+    assert digest == ref, dj.story(events)
+    dj.assert_survivors_kept_pids(events, {1, 2})
+    assert len([e for e in events if e["kind"] == "recovery_finished"]) == 2, dj.story(events)
+
+
 def test_two_faults_on_different_ranks(reference: str, tmp_path: Path) -> None:
     digest, events, _ = dj.run(tmp_path, "rank=1,step=6,point=allreduce,kind=kill; rank=2,step=15,point=optimizer,kind=exit,code=3")
     assert digest == reference
