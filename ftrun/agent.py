@@ -93,7 +93,8 @@ class AgentHandle:
         """SIGTERM every rank of the node, SIGKILL after ``grace_period`` seconds; exits are reported."""
         raise NotImplementedError
 
-    def keep_spares(self, count: int, model_vars: Mapping[str, str]) -> None:
+    def keep_spares(self, warm: int, hot: int, model_vars: Mapping[str, str]) -> None:
+        """Keep ``warm`` warm and ``hot`` hot spares on the node (:meth:`RankProcesses.keep_spares`)."""
         raise NotImplementedError
 
     def shutdown(self, code: int, message: str) -> None:
@@ -141,8 +142,8 @@ class LocalAgent(AgentHandle):
     def stop_ranks(self, grace_period: float) -> None:
         self._reports.extend(self.processes.stop(grace_period))
 
-    def keep_spares(self, count: int, model_vars: Mapping[str, str]) -> None:
-        note = self.processes.keep_spares(count, model_vars)
+    def keep_spares(self, warm: int, hot: int, model_vars: Mapping[str, str]) -> None:
+        note = self.processes.keep_spares(warm, hot, model_vars)
         if note is not None:
             self._reports.append(SpareNote(note))
 
@@ -199,8 +200,8 @@ class RemoteAgent(AgentHandle):
     def stop_ranks(self, grace_period: float) -> None:
         self._send(MsgType.STOP_RANKS, grace=grace_period)
 
-    def keep_spares(self, count: int, model_vars: Mapping[str, str]) -> None:
-        self._send(MsgType.SPARES, count=count, vars=dict(model_vars))
+    def keep_spares(self, warm: int, hot: int, model_vars: Mapping[str, str]) -> None:
+        self._send(MsgType.SPARES, warm=warm, hot=hot, vars=dict(model_vars))
 
     def shutdown(self, code: int, message: str) -> None:
         self._send(MsgType.SHUTDOWN, code=code, message=message)
@@ -401,7 +402,7 @@ class NodeAgent:
                 self._send_exit(report)
 
     def _on_spares(self, msg: Message) -> None:
-        note = self.processes.keep_spares(msg["count"], {str(k): str(v) for k, v in msg["vars"].items()})
+        note = self.processes.keep_spares(msg["warm"], msg["hot"], {str(k): str(v) for k, v in msg["vars"].items()})
         if note is not None:
             self.send(MsgType.SPARE_NOTE, node=self.node, message=note)
 

@@ -41,7 +41,6 @@ CHECK_TRACE = "FTRUN_CHECK_TRACE"  # ftrun check: where the rank writes its trac
 RESUME_DIR = "FTRUN_RESUME_DIR"
 RESUME_STEP = "FTRUN_RESUME_STEP"
 ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # torchrun's contract: where @record writes an uncaught exception
-SPARE_MODE = "FTRUN_SPARE_MODE"  # in the variables the coordinator sends with keep_spares: "hot" or "warm"
 HOT_SPARE = "FTRUN_HOT_SPARE"  # "1" in a hot spare's environment until it is promoted
 SPARE_READY = "FTRUN_SPARE_READY"  # the file a hot spare creates once it waits for its rank
 SPARE_JOB = "FTRUN_SPARE_JOB"  # a hot spare's script (JSON: argv, module, cwd)

@@ -141,7 +141,7 @@ SCHEMA: dict[MsgType, dict[str, tuple[type, ...]]] = {
     MsgType.KILL_HUNG: {"rank": _INT, "incarnation": _INT, "line": _STR, "dump": (bool,)},
     MsgType.STACKS: {"node": _INT, "rank": _INT, "incarnation": _INT, "lines": (list,), "note": _STR},
     MsgType.STOP_RANKS: {"grace": _NUM},
-    MsgType.SPARES: {"count": _INT, "vars": (dict,)},
+    MsgType.SPARES: {"warm": _INT, "hot": _INT, "vars": (dict,)},
     MsgType.SPARE_NOTE: {"node": _INT, "message": _STR},
     MsgType.SHUTDOWN: {"code": _INT, "message": _STR},
 }

@@ -38,7 +38,6 @@ INTERNAL_VARS = (
     "FTRUN_AGENT_SPEC", "FTRUN_CONTROL_FOR_AGENT",
 )
 TOKEN_VAR = contract.TOKEN  # the job secret in a rank's environment (set by its node's agent, never sent)
-SPARE_MODE_VAR = contract.SPARE_MODE  # in the variables the coordinator sends with keep_spares: "hot" or "warm"
 HOT_SPARE_VAR = contract.HOT_SPARE  # "1" in a hot spare's environment until it is promoted
 SPARE_READY_VAR = contract.SPARE_READY  # the file a hot spare creates once it waits for its rank
 #: Lines of a rank's log kept with its exit report when it exited with an error code, or was killed by
@@ -220,15 +219,16 @@ class RankProcesses:
         self.procs[rank] = _Proc(rank, incarnation, proc, path, error_file, setup_ready=setup_ready)
         return proc.pid, spare
 
-    def keep_spares(self, count: int, model_vars: Mapping[str, str]) -> str | None:
-        """Keep ``count`` spares running: warm ones (torch imported, waiting on their stdin), or hot
-        ones when ``model_vars`` asks for them (``FTRUN_SPARE_MODE=hot``): the script itself runs
-        in them up to its training loop, without a rank (:mod:`ftrun.spare`).
+    def keep_spares(self, warm: int, hot: int, model_vars: Mapping[str, str]) -> str | None:
+        """Keep ``warm`` warm spares (torch imported, waiting on their stdin) and ``hot`` hot ones
+        (the script itself runs in them up to its training loop, without a rank: :mod:`ftrun.spare`)
+        running, side by side: a fault that comes before a hot spare is ready, or right after one was
+        promoted, finds a warm one (issue 24). Spares above the counts are left running.
 
         A hot spare that exits with an error code before it is promoted shows that the script
         breaks the hot-spare contract (it needs its rank in its set-up); the node then keeps warm
-        spares. Returns that finding, once, as a sentence; else None. A spare killed by a signal
-        is simply replaced.
+        spares in place of its hot ones. Returns that finding, once, as a sentence; else None. A
+        spare killed by a signal is simply replaced.
         """
         note, self._pending_note = self._pending_note, None
         alive = []
@@ -246,29 +246,37 @@ class RankProcesses:
         self.spares = alive
         for gone in [p for p in self._hot if p not in alive]:
             _unlink(self._hot.pop(gone))
-        hot = model_vars.get(SPARE_MODE_VAR) == "hot" and self.hot_broken is None
-        while len(self.spares) < count:
-            # No rank's identity (the coordinator's variables are some rank's): a process listing
-            # never shows a spare as a rank, and a hot spare's script that reads them before its
-            # loop fails, never guesses. The promotion hands the identity over (ftrun.spare).
-            env = contract.strip_identity(self.environment({k: v for k, v in model_vars.items() if k != SPARE_MODE_VAR}))
-            argv = [sys.executable, "-u", "-m", "ftrun.spare"]
-            if hot:
-                env[HOT_SPARE_VAR] = "1"
-                env[contract.SPARE_JOB] = json.dumps({"argv": self.script_argv, "module": self.module, "cwd": os.getcwd()})
-                self._spare_count += 1
-                ready = self.log_dir / f".hot_spare_{os.getpid()}_{self._spare_count}.ready"
-                env[SPARE_READY_VAR] = str(ready)
-                argv.append("--hot")
-            env.pop(contract.IDENTITY_PAD, None)
-            env[contract.IDENTITY_PAD] = "-" * contract.IDENTITY_PAD_BYTES  # last: see ftrun.spare.show_identity
-            with open(self.log_dir / "spares.log", "ab") as fh:
-                spare = procs.spawn(argv, env=env, stdout=fh.fileno(), stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
-            self.spares.append(spare)
-            if hot:
-                self._hot[spare] = ready
-            log.info("%s spare started (pid %d)", "hot" if hot else "warm", spare.pid)
+        if self.hot_broken is not None:
+            warm, hot = warm + hot, 0
+        # hot ones first: they take a rank first (_take_spare), and a warm one imports meanwhile
+        while len(self._hot) < hot:
+            self._start_spare(True, model_vars)
+        while len(self.spares) - len(self._hot) < warm:
+            self._start_spare(False, model_vars)
         return note
+
+    def _start_spare(self, hot: bool, model_vars: Mapping[str, str]) -> None:
+        # No rank's identity (the coordinator's variables are some rank's): a process listing
+        # never shows a spare as a rank, and a hot spare's script that reads them before its
+        # loop fails, never guesses. The promotion hands the identity over (ftrun.spare).
+        env = contract.strip_identity(self.environment(model_vars))
+        argv = [sys.executable, "-u", "-m", "ftrun.spare"]
+        ready = None
+        if hot:
+            env[HOT_SPARE_VAR] = "1"
+            env[contract.SPARE_JOB] = json.dumps({"argv": self.script_argv, "module": self.module, "cwd": os.getcwd()})
+            self._spare_count += 1
+            ready = self.log_dir / f".hot_spare_{os.getpid()}_{self._spare_count}.ready"
+            env[SPARE_READY_VAR] = str(ready)
+            argv.append("--hot")
+        env.pop(contract.IDENTITY_PAD, None)
+        env[contract.IDENTITY_PAD] = "-" * contract.IDENTITY_PAD_BYTES  # last: see ftrun.spare.show_identity
+        with open(self.log_dir / "spares.log", "ab") as fh:
+            spare = procs.spawn(argv, env=env, stdout=fh.fileno(), stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
+        self.spares.append(spare)
+        if ready is not None:
+            self._hot[spare] = ready
+        log.info("%s spare started (pid %d)", "hot" if hot else "warm", spare.pid)
 
     def _take_spare(self, env: dict[str, str], log_path: Path) -> tuple[subprocess.Popen | None, str, Path | None]:
         """Hand the rank to an idle spare: (it, "hot" or "warm", for a hot spare still in the

@@ -63,8 +63,8 @@ class FakeAgent(AgentHandle):
         for rank in list(self.running):
             self.exit(rank, -signal.SIGTERM)
 
-    def keep_spares(self, count: int, model_vars: Mapping[str, str]) -> None:
-        pass
+    def keep_spares(self, warm: int, hot: int, model_vars: Mapping[str, str]) -> None:
+        self.spares = (warm, hot)
 
     def shutdown(self, code: int, message: str) -> None:
         pass

@@ -130,3 +130,27 @@ def test_an_unrepaired_fault_waits_its_grace_unless_a_death_explains_it() -> Non
     assert dog.inspect([], None, False, set(), 1.5) == Unrepaired("rank 1 reported X and HCCE is off")
     dog.note_unrepaired(2.0, "again")
     assert dog.inspect([], None, True, set(), 9.0) is None and dog.unrepaired is None  # a death explained it
+
+
+def test_warm_and_hot_spares_are_kept_together(tmp_path: Path) -> None:
+    """Issue 24 item 4: warm spares from the ranks' hello, hot ones beside them once the ranks are
+    past their set-up (a fault before the hot spare is ready, or right after its promotion, still
+    finds a spare); none ordered during a recovery."""
+    coord, agent, clock = make(tmp_path, warm_spares=1, hot_spares=1)
+    coord.spawning.keep_spares()
+    assert not hasattr(agent, "spares")  # no rank has said hello through the worker library yet
+    hello_all(coord)
+    coord.spawning.keep_spares()
+    assert agent.spares == (1, 0)  # the ranks are still in their set-up: warm ones only
+    step(coord, 0)
+    coord.spawning.keep_spares()
+    assert agent.spares == (1, 0)  # at most once a second
+    clock.now += 1.0
+    coord.spawning.keep_spares()
+    assert agent.spares == (1, 1)
+    agent.spares = None
+    agent.exit(2, -signal.SIGKILL, at=0.0)
+    coord.check_processes()
+    clock.now += 2.0
+    coord.spawning.keep_spares()
+    assert agent.spares is None  # not while a recovery runs

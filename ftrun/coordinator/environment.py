@@ -16,7 +16,7 @@ from .. import checkpoint as ckpt
 from ..config import JobSpec
 from ..events import EventKind
 from ..policy import RankState
-from ..contract import CONTROL_ADDR_KEY, SPARE_MODE, RankEnv
+from ..contract import CONTROL_ADDR_KEY, RankEnv
 from ..spawner import shared_dir_marker
 from .ranks import Rank
 
@@ -111,17 +111,18 @@ class Spawning:
             self.spawn(r)
 
     def keep_spares(self) -> None:
-        """Keep spares on every node once a rank has said hello through the worker library
-        (only such jobs use ARF; a spare imports while the ranks set up), never while a recovery
-        runs (it would compete with the recovery for the CPU). Hot spares run the script's
-        set-up: only once the ranks are past theirs."""
+        """Keep spares on every node once a rank has said hello through the worker library (only
+        such jobs use ARF), never while a recovery runs (it would compete with the recovery for the
+        CPU): ``--warm_spares`` warm ones from then on (a warm spare imports while the ranks set
+        up), and ``--hot_spares`` hot ones beside them once the ranks are past their set-up (a hot
+        spare runs the script's set-up). Both kinds together: a fault before a hot spare is ready,
+        or right after one was promoted, still finds a spare."""
         job, spec = self.job, self.job.spec
         ranks = job.ranks.values()
         if not spec.tft.arf or spec.no_python or job.rounds.current is not None or not any(r.library for r in ranks):
             return
-        hot = spec.hot_spares > 0
-        if hot and not all(r.proc.step is not None or r.proc.state == RankState.SUCCEEDED for r in ranks):
-            return
+        past_setup = all(r.proc.step is not None or r.proc.state == RankState.SUCCEEDED for r in ranks)
+        hot = spec.hot_spares if past_setup else 0
         now = job.clock()
         if self._spares_sent >= 0 and now - self._spares_sent < 1.0:
             return  # at most once a second: an agent refills what a promotion used
@@ -129,9 +130,7 @@ class Spawning:
         for node, agent in job.members.agents.items():
             model = next((r for r in ranks if r.node == node), None)
             if model is not None and agent.connected():
-                model_vars = self.rank_env(model).without_identity().to_environ()  # a spare is no rank yet
-                model_vars[SPARE_MODE] = "hot" if hot else "warm"
-                agent.keep_spares(spec.hot_spares if hot else spec.warm_spares, model_vars)
+                agent.keep_spares(spec.warm_spares, hot, self.rank_env(model).without_identity().to_environ())
 
     def _attempt_store_port(self) -> int:
         """The port of the store this attempt's ranks rendezvous on (their MASTER_PORT).
