@@ -132,10 +132,21 @@ def test_shard_without_live_replica_writes_nothing_partial(reference: str, tmp_p
     flags = ("--max_restarts", "1", "--save_steps", "1")
     script = ("--replica_groups", "0,2;1,3")
     proc = _job(tmp_path, *flags, fault="rank=0,step=13,kind=kill; rank=2,step=13,kind=kill", script_args=script)
-    assert proc.returncode == 137, proc.stdout[-3000:]
     warnings = [e["message"] for e in _kinds(proc, "warning")]
-    assert any("TTP: no dying-gasp checkpoint" in w and "0,2" in w for w in warnings), warnings
+    assert any("TTP: no dying-gasp checkpoint" in w and "0,2" in w for w in warnings), (warnings, proc.stdout[-3000:])
     assert not [e for e in _kinds(proc, "checkpoint_saved") if "dying gasp" in e["detail"]["reason"]]
+    if proc.returncode == 0:
+        # The two deaths were seen in one pass (CI saw it): respawning both needs two restarts and
+        # the budget has one, so the whole job restarted, with no dying gasp possible, from the
+        # newest periodic checkpoint completed before it, and ended as without the fault.
+        restarts = _kinds(proc, "job_restarting")
+        assert len(restarts) == 1, proc.stdout[-3000:]
+        before = [e["detail"]["step"] for e in _kinds(proc, "checkpoint_saved") if e["time"] <= restarts[0]["time"]]
+        assert before and _kinds(proc, "resumed")[0]["detail"]["step"] == max(before)
+        assert dj.digest(proc.stdout) == reference
+        return
+    # One death first (its rank respawned, the budget spent), then the other: the job fails.
+    assert proc.returncode == 137, proc.stdout[-3000:]
     periodic = [e["detail"]["step"] for e in _kinds(proc, "checkpoint_saved")]
     assert periodic and max(periodic) >= 10
     rerun = _job(tmp_path, *flags, script_args=script)
