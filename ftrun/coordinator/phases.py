@@ -65,11 +65,5 @@ class JobPhases:
         if self._on_change is not None:
             self._on_change(old, to)
 
-    def __eq__(self, other: object) -> bool:
-        return self.current == other if isinstance(other, JobPhase) else NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(self.current)
-
     def __repr__(self) -> str:
         return f"JobPhases({self.current.value})"

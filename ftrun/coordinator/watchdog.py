@@ -130,8 +130,9 @@ class Watchdog:
             found = find(ranks, now)
             if found:
                 return found[:1]
-        for found in (self.stalls(ranks, now), self.setup(ranks, recovery, nodes_joined, now),
-                      self.round_deadline(ranks, recovery, now)):
+        for look in (lambda: self.stalls(ranks, now), lambda: self.setup(ranks, recovery, nodes_joined, now),
+                     lambda: self.round_deadline(ranks, recovery, now)):
+            found = look()  # in order, and no further than the first kind found
             if found:
                 return found
         if recovery is not None or any(r.alive() and r.proc.kill_reason is not None for r in ranks):
