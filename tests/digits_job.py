@@ -55,6 +55,22 @@ def run(tmp_path: Path, fault: str | None = None, steps: str = STEPS, extra: tup
     return digest(proc.stdout, steps), events(log_dir), proc.stdout
 
 
+def finish(proc: subprocess.Popen, timeout: float = 400) -> str:
+    """Wait for a job started with ``Popen`` (in its own session, output piped) to end and return
+    its output; asserts exit code 0. A job still running when the wait fails is killed, its whole
+    process group."""
+    import signal
+
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
 def started(evs: list[dict]) -> dict[int, list[int]]:
     """rank -> PIDs of its processes, in order."""
     pids: dict[int, list[int]] = {}

@@ -47,14 +47,7 @@ def _wait_recoveries(proc: subprocess.Popen, log_dir: Path, n: int) -> None:
 
 
 def _finish(proc: subprocess.Popen, log_dir: Path) -> tuple[str, list[dict]]:
-    try:
-        out, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, out[-4000:]
-    return dj.digest(out, dj.LONG_STEPS), dj.events(log_dir)
+    return dj.digest(dj.finish(proc), dj.LONG_STEPS), dj.events(log_dir)
 
 
 @pytest.mark.parametrize("mode", ["ft.rank", "env"])
