@@ -142,9 +142,15 @@ def test_warm_and_hot_spares_are_kept_together(tmp_path: Path) -> None:
     hello_all(coord)
     coord.spawning.keep_spares()
     assert agent.spares == (1, 0)  # the ranks are still in their set-up: warm ones only
+    agent.spares = None
+    coord.spawning.keep_spares()
+    assert agent.spares is None  # the same order at most once a second
     step(coord, 0)
     coord.spawning.keep_spares()
-    assert agent.spares == (1, 0)  # at most once a second
+    assert agent.spares == (1, 1)  # a new order (the ranks are past their set-up) at once
+    agent.spares = None
+    coord.spawning.keep_spares()
+    assert agent.spares is None
     clock.now += 1.0
     coord.spawning.keep_spares()
     assert agent.spares == (1, 1)

@@ -70,7 +70,8 @@ class Spawning:
         self.attempt_port = store_port
         self.attempt_store: Any = None
         self.run_id = ""
-        self._spares_sent = -1.0
+        self._spares_sent = 0.0
+        self._spares_order: tuple[int, int] | None = None  # (warm, hot) last sent to the agents
 
     def rank_env(self, r: Rank) -> RankEnv:
         """:func:`rank_environment` for ``r`` where the job stands now."""
@@ -124,9 +125,9 @@ class Spawning:
         past_setup = all(r.proc.step is not None or r.proc.state == RankState.SUCCEEDED for r in ranks)
         hot = spec.hot_spares if past_setup else 0
         now = job.clock()
-        if self._spares_sent >= 0 and now - self._spares_sent < 1.0:
-            return  # at most once a second: an agent refills what a promotion used
-        self._spares_sent = now
+        if (spec.warm_spares, hot) == self._spares_order and now - self._spares_sent < 1.0:
+            return  # the same order at most once a second (an agent refills what a promotion used); a new one at once
+        self._spares_sent, self._spares_order = now, (spec.warm_spares, hot)
         for node, agent in job.members.agents.items():
             model = next((r for r in ranks if r.node == node), None)
             if model is not None and agent.connected():
