@@ -24,8 +24,8 @@ from .faults import FaultInjector
 from .group import TrainingGroup
 from .protocol import MsgType
 from .recovery import RankProgress
-from .reducer import (BUCKET_CAP_BYTES, GradientReducer, all_reduce_in_buckets, broadcast_module,
-                      local_gradients_hook, one_rank_group)
+from .reducer import (BUCKET_CAP_BYTES, BucketLayout, GradientReducer, all_reduce_in_buckets, broadcast_buffers,
+                      broadcast_module, local_gradients_hook, one_rank_group)
 from .workerstate import Phase, WorkerState
 
 
@@ -78,9 +78,16 @@ class GradientSync:
         group whose comm hook communicates nothing (see :mod:`ftrun.reducer`).
         ``check_gradients``: fingerprint each local gradient (exactly-once checks).
 
+        DDP's keywords are honoured bit for bit or refused: ``find_unused_parameters``,
+        ``bucket_cap_mb`` and ``bucket_cap_mb_list`` shape the buckets (:class:`ftrun.reducer.BucketLayout`);
+        ``broadcast_buffers``/``forward_sync_buffers`` (on by default, as in DDP) broadcast rank 0's
+        buffers over ftrun's group before a forward exactly when DDP would.
+
         Raises:
-            ValueError: ``ddp`` with ``gradient_as_bucket_view=False``.
+            ValueError: ``ddp`` with ``gradient_as_bucket_view=False``, or a keyword ftrun cannot
+                honour (:meth:`ftrun.reducer.BucketLayout.from_ddp_kwargs`).
         """
+        layout = BucketLayout.from_ddp_kwargs(ddp_kwargs)
         reducer = GradientReducer(
             list(model.parameters()),
             self.world_size,
@@ -93,6 +100,7 @@ class GradientSync:
             abandon=self.control.abandon,
             on_local_gradient=self.checks.check_local_gradient if check_gradients else None,
             hold_for_check=self.checks.holds_for_check,
+            layout=layout,
         )
         self.reducers.append(reducer)
         reducer.attach()
@@ -108,12 +116,33 @@ class GradientSync:
         wrapped = DistributedDataParallel(model, process_group=self._private_group, **ddp_kwargs)
         wrapped.register_comm_hook(None, local_gradients_hook)
 
-        def follow_no_sync(module: Any, _args: Any) -> None:
+        def before_forward(module: Any, _args: Any) -> None:
             # DDP's no_sync() (not only ft.no_sync()) keeps the next backward local, as under DDP.
             reducer.forward_sync = bool(module.require_backward_grad_sync)
+            # DDP syncs its buffers over its own (one-rank) group here: do it over ftrun's, when
+            # DDP would (its predicate reads the previous forward's state, as DDP's own check does).
+            if self.world_size > 1 and module.will_sync_module_buffers():
+                self.sync_buffers(module.module)
 
-        wrapped.register_forward_pre_hook(follow_no_sync)
+        wrapped.register_forward_pre_hook(before_forward)
         return wrapped
+
+    def sync_buffers(self, module: torch.nn.Module) -> None:
+        """Broadcast rank 0's buffers of ``module`` before a forward (DDP's ``broadcast_buffers``);
+        a failed broadcast is recorded (the step fails and is recovered), never raised."""
+        if self.state.failed:
+            return
+        failure: str | None = None
+        self.in_collective = True
+        self.release_if_aborted()
+        try:
+            broadcast_buffers(module, src=0)
+        except Exception as err:  # a dead or hung peer
+            failure = f"buffer broadcast failed: {describe(err)}"
+        finally:
+            self.in_collective = False
+        if failure is not None:
+            self.record_error(failure)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -17,13 +17,17 @@ place. So the two paths run the same all-reduces on the same layout: the same bi
 doing the all-reduce itself would inherit DDP's per-process bucket history: a respawned rank's DDP
 starts with one bucket while its peers' have been rebuilt, and gloo fails on the size mismatch.)
 
-Bucket layout is DDP's (torch 2.13, default ``bucket_cap_mb``): the first backward reduces one
-bucket holding every parameter in registration order; from the second on, parameters are bucketed
-in the order their gradients became ready in the first backward, the first bucket capped at
-``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB) and the others at 25 MiB
-(``dist._compute_bucket_assignment_by_size``, as DDP's reducer rebuilds its buckets). Ring
-all-reduce sums each element in an order that depends on where it sits in the buffer, so the same
-layout is what makes the plain path, the DDP path and a plain DDP run under torchrun bitwise equal.
+Bucket layout is DDP's (torch 2.13, :class:`BucketLayout`). By default the first backward reduces
+one bucket holding every parameter in registration order; from the second on, parameters are
+bucketed in the order their gradients became ready in the first backward, the first bucket capped
+at ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB) and the others at 25 MiB
+(``dist._compute_bucket_assignment_by_size``, as DDP's reducer rebuilds its buckets). With
+``find_unused_parameters=True`` DDP never rebuilds: its buckets are the registration order's,
+capped from the start, the last parameters' bucket first; a parameter no rank used keeps its
+``.grad`` untouched, and one this rank did not use but another did gets the average (a used-map
+all-reduce per synced backward, as DDP's ``local_used_map``). Ring all-reduce sums each element in
+an order that depends on where it sits in the buffer, so the same layout is what makes the plain
+path, the DDP path and a plain DDP run under torchrun bitwise equal.
 
 Errors: an all-reduce that raises (a dead peer, a connection cut by an abort) is recorded with
 :attr:`GradientReducer.error`; the remaining buckets of that backward are not communicated and keep
@@ -35,6 +39,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -43,6 +48,87 @@ import torch.distributed as dist
 from .errors import describe
 
 BUCKET_CAP_BYTES = 25 << 20  # DDP's default bucket_cap_mb (25 MiB)
+_MIB = 1024 * 1024
+
+# DDP keywords that cannot give DDP's bits over ftrun's rebuildable group, and why.
+_REFUSED_DDP_KEYWORDS = {
+    "process_group": "ftrun owns the process group (it is rebuilt after each fault)",
+    "device_mesh": "ftrun owns the process group (it is rebuilt after each fault)",
+    "static_graph": "its first iteration's delayed all-reduce and bucket rebuild are not reproduced; leave it out "
+                    "(it only saves time)",
+    "mixed_precision": "its reduced-precision copies are not reproduced; use torch.autocast",
+    "delay_all_reduce_named_params": "delayed all-reduces are not reproduced",
+    "param_to_hook_all_reduce": "delayed all-reduces are not reproduced",
+    "skip_all_reduce_unused_params": "DDP's reduction of unused parameters is what ftrun reproduces",
+}
+# A keyword's value that is the default DDP would use anyway is accepted.
+_HARMLESS_VALUES = {"static_graph": False, "mixed_precision": None, "delay_all_reduce_named_params": None,
+                    "param_to_hook_all_reduce": None, "skip_all_reduce_unused_params": False,
+                    "process_group": None, "device_mesh": None}
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """Which buckets DDP's reducer (torch 2.13) forms, for the keywords it was given.
+
+    Attributes:
+        find_unused_parameters: DDP's keyword: buckets are fixed at construction (capped, the last
+            parameters' bucket first) and never rebuilt; a used-map all-reduce decides which
+            ``.grad`` receive the average.
+        first_cap: bytes of the first bucket (1 MiB with the default ``bucket_cap_mb``; the cap
+            itself when ``bucket_cap_mb`` is given).
+        cap: bytes of every other bucket (``bucket_cap_mb`` in MiB; 25 by default).
+        caps: one cap per bucket (``bucket_cap_mb_list``), or empty.
+    """
+
+    find_unused_parameters: bool = False
+    first_cap: int = dist._DEFAULT_FIRST_BUCKET_BYTES
+    cap: int = BUCKET_CAP_BYTES
+    caps: tuple[int, ...] = ()
+
+    @classmethod
+    def from_ddp_kwargs(cls, kwargs: dict[str, Any]) -> "BucketLayout":
+        """The layout DDP builds from ``kwargs`` (the keywords given to ``wrap_model(ddp=True)``).
+
+        Raises:
+            ValueError: a keyword ftrun cannot honour bit for bit (one line naming it and why), or
+                ``init_sync=False`` (every replica starts from rank 0's weights under ftrun).
+        """
+        for key, why in _REFUSED_DDP_KEYWORDS.items():
+            if key in kwargs and kwargs[key] is not _HARMLESS_VALUES[key] and kwargs[key] != _HARMLESS_VALUES[key]:
+                raise ValueError(f"ft.wrap_model(ddp=True) does not take {key}={kwargs[key]!r}: {why}")
+        if kwargs.get("init_sync", True) is False:
+            raise ValueError("ft.wrap_model(ddp=True) does not take init_sync=False: every replica starts from rank 0's "
+                             "weights under ftrun (a respawned rank takes them from a replica)")
+        cap_mb = kwargs.get("bucket_cap_mb")
+        caps = tuple(int(c * _MIB) for c in kwargs.get("bucket_cap_mb_list") or ())
+        cap = int(cap_mb * _MIB) if cap_mb is not None else BUCKET_CAP_BYTES
+        if caps:
+            cap = max(caps)
+        first = dist._DEFAULT_FIRST_BUCKET_BYTES if cap_mb is None and not caps else cap
+        return cls(bool(kwargs.get("find_unused_parameters", False)), first, cap, caps)
+
+    @property
+    def rebuilds(self) -> bool:
+        """Whether DDP rebuilds its buckets after the first backward (not with unused parameters)."""
+        return not self.find_unused_parameters
+
+    def initial(self, params: Sequence[torch.Tensor]) -> list[list[int]]:
+        """The buckets of the first backward (of every backward when it never rebuilds)."""
+        if not self.find_unused_parameters:
+            return [list(range(len(params)))]
+        limits = list(self.caps) or ([self.first_cap, self.cap] if self.first_cap < self.cap else [self.cap])
+        buckets, _ = dist._compute_bucket_assignment_by_size(list(params), limits, [False] * len(params))
+        return [list(b) for b in reversed(buckets)]
+
+    def rebuilt(self, params: Sequence[torch.Tensor], order: list[int]) -> list[list[int]]:
+        """The buckets after the first backward, from the order its gradients became ready."""
+        seen = set(order)
+        order = list(order) + [i for i in reversed(range(len(params))) if i not in seen]
+        limits = list(self.caps) or [self.first_cap, self.cap]
+        buckets, _ = dist._compute_bucket_assignment_by_size([params[i] for i in order], limits, [False] * len(params), order)
+        return [list(b) for b in buckets]
+
 
 
 # After an abort, how long a pending all-reduce gets to fail by itself (the abort's connection cut
@@ -79,6 +165,7 @@ class GradientReducer:
             a wait in progress gives up (the step fails and is recovered) instead of trusting the
             backend to fail an all-reduce whose peer is gone (seen in CI: a future that never
             completed after the connections were cut).
+        layout: DDP's bucket layout for the keywords the model was wrapped with.
     """
 
     def __init__(
@@ -94,8 +181,12 @@ class GradientReducer:
         abandon: threading.Event | None = None,
         on_local_gradient: Callable[[str], bool] | None = None,
         hold_for_check: Callable[[], bool] = lambda: False,
+        layout: BucketLayout = BucketLayout(),
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
+        self.layout = layout
+        self._fixed = layout.initial(self.params)  # the first backward's buckets (every one's if never rebuilt)
+        self._used: set[int] = set()  # parameters with a gradient since the last synced backward
         self.world_size = world_size
         self._before_first_bucket = before_first_bucket
         self._is_failed = is_failed
@@ -129,6 +220,7 @@ class GradientReducer:
         # down under it) may fail long after, and must not mark a later, healthy pass failed.
         self._pass = getattr(self, "_pass", 0) + 1
         self._pending: list[tuple[list[int], torch.Tensor, torch.futures.Future]] = []
+        self._side: list[torch.futures.Future] = []  # other all-reduces of the pass (the used map)
         self._ready: set[int] = set()
         self._next_bucket = 0
         self._started = False
@@ -143,21 +235,22 @@ class GradientReducer:
         this pass, when it knows the ready order (same layout as its peers, no overlap once)."""
         if self._on_local_gradient is not None and self._hold_for_check():
             self._buckets, self._deferred, self._held = [], True, True
-        elif self._is_first_step():
-            self._buckets = [list(range(len(self.params)))]
+        elif self._is_first_step() or not self.layout.rebuilds:
+            self._buckets = self._fixed
         elif self._rebuilt is not None:
             self._buckets = self._rebuilt
         else:
             self._buckets, self._deferred = [], True
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        i = self._index[id(param)]
+        self._used.add(i)  # no_sync passes count too, as in DDP's local_used_map
         if not (self.sync and self.forward_sync) or self.world_size == 1:
             return
-        i = self._index[id(param)]
         self._begin_pass()
         if self._buckets is None:
             self._choose_layout()
-        if self._rebuilt is None:
+        if self._rebuilt is None and self.layout.rebuilds:
             self._ready_order.append(i)
         self._ready.add(i)
         assert self._buckets is not None
@@ -175,22 +268,29 @@ class GradientReducer:
 
     def _finish_pass(self) -> None:
         """End of backward: launch what is left, wait for every bucket, copy averages into .grad."""
-        if self._rebuilt is None and self._ready_order:
-            self._rebuild(self._ready_order)
+        if self.layout.rebuilds and self._rebuilt is None and self._ready_order:
+            self._rebuilt = self.layout.rebuilt(self.params, self._ready_order)
         if self._deferred or self._buckets is None:
-            if self._is_first_step():
-                self._buckets = [list(range(len(self.params)))]
+            if self._is_first_step() or not self.layout.rebuilds:
+                self._buckets = self._fixed
             else:
-                self._buckets = self._rebuilt or [list(range(len(self.params)))]
+                self._buckets = self._rebuilt or self._fixed
         if self._held and self._on_local_gradient is not None:
             if not self._on_local_gradient(self.local_fingerprint()) and self.error is None:
                 self.error = "held back: this rank's recomputed step diverged (--on_divergence fail)"
         while self._next_bucket < len(self._buckets):  # parameters that got no gradient this pass
             self._launch_bucket(self._buckets[self._next_bucket])
             self._next_bucket += 1
+        used_everywhere = None
+        if self.layout.find_unused_parameters:  # DDP's local_used_map, summed over the world
+            local_used = torch.zeros(len(self.params), dtype=torch.int32, device=self.params[0].device)
+            local_used[sorted(self._used)] = 1
+            used_everywhere = self.launch(local_used, average=False)
+            self._side.append(used_everywhere)
         if not self._held and self._on_local_gradient is not None:
             self._on_local_gradient(self.local_fingerprint())  # while the all-reduces run
         self.wait()
+        used = used_everywhere.value().tolist() if used_everywhere is not None and self.error is None else None
         for bucket, flat, _ in self._pending:
             if self.error is not None:
                 break
@@ -198,9 +298,14 @@ class GradientReducer:
             for j in bucket:
                 p = self.params[j]
                 n = p.numel()
-                if p.grad is not None:
+                if used is not None and not used[j]:
+                    pass  # no rank used it: its .grad is left as it is (DDP)
+                elif p.grad is not None:
                     p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                elif used is not None:  # another rank used it: the average, as DDP gives
+                    p.grad = flat[offset : offset + n].view_as(p).clone()
                 offset += n
+        self._used.clear()
         self._reset_pass()
 
     def local_fingerprint(self) -> str:
@@ -209,15 +314,6 @@ class GradientReducer:
         from .digest import fingerprint
 
         return fingerprint(p.grad for p in self.params)
-
-    def _rebuild(self, order: list[int]) -> None:
-        """Bucket by the first backward's ready order, as DDP's reducer rebuilds its buckets."""
-        seen = set(order)
-        order = list(order) + [i for i in reversed(range(len(self.params))) if i not in seen]
-        params = [self.params[i] for i in order]
-        buckets, _ = dist._compute_bucket_assignment_by_size(
-            params, [dist._DEFAULT_FIRST_BUCKET_BYTES, BUCKET_CAP_BYTES], [False] * len(params), order)
-        self._rebuilt = [list(b) for b in buckets]
 
     # ---------------------------------------------------------------- the engine
     def _begin_pass(self) -> None:
@@ -233,9 +329,10 @@ class GradientReducer:
             error, self.error = self.error, None
             self._on_failure(f"gradient all-reduce failed: {error}")
 
-    def launch(self, flat: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-        """Divide ``flat`` by the world size and all-reduce it asynchronously; the future resolves to
-        ``flat`` (averaged, or local if the all-reduce failed: then :attr:`error` is set)."""
+    def launch(self, flat: torch.Tensor, average: bool = True) -> torch.futures.Future[torch.Tensor]:
+        """Divide ``flat`` by the world size (unless not ``average``) and all-reduce it
+        asynchronously; the future resolves to ``flat`` (reduced, or local if the all-reduce failed:
+        then :attr:`error` is set)."""
         if not self._started:
             self._started = True
             try:
@@ -248,7 +345,8 @@ class GradientReducer:
             done = torch.futures.Future()
             done.set_result(flat)
             return done
-        flat.div_(self.world_size)
+        if average:
+            flat.div_(self.world_size)
         failure: str | None = None
         try:
             work = dist.all_reduce(flat, async_op=True)
@@ -274,7 +372,7 @@ class GradientReducer:
         """Wait for every bucket launched in this backward (the heartbeat probe sees the wait)."""
         self._waiting.set()
         try:
-            for _, _, fut in self._pending:
+            for fut in [f for _, _, f in self._pending] + self._side:
                 if self._abandon is None:
                     fut.wait()
                     continue
@@ -345,6 +443,22 @@ def broadcast_module(model: torch.nn.Module, src: int = 0) -> None:
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(tensor.data, src=src)
+
+
+BROADCAST_BUCKET_BYTES = 250 * _MIB  # DDP's broadcast_bucket_size
+
+
+def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
+    """Broadcast ``src``'s buffers of ``module`` over the default group, coalesced as DDP does
+    before a forward (``_sync_buffers``).
+
+    Raises:
+        RuntimeError: the broadcast failed (a peer died).
+    """
+    buffers = list(module.buffers())
+    if buffers:
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+            dist._broadcast_coalesced(dist.group.WORLD, buffers, BROADCAST_BUCKET_BYTES, src)
 
 
 def one_rank_group(device: torch.device, timeout_s: float) -> Any:
