@@ -39,6 +39,8 @@ parser.add_argument("--dropout", type=float, default=0.2)
 parser.add_argument("--seed", type=int, default=1111)
 parser.add_argument("--log-interval", type=int, default=4, metavar="N")
 parser.add_argument("--eval-pause", type=float, default=0.0, help="extra seconds each evaluation takes")
+parser.add_argument("--train-lines", type=int, default=200, help="sentences of generated training text")
+parser.add_argument("--step-times", action="store_true", help="rank 0 prints 'step N loss L time T' after every step (scripts/bench.py)")
 args = parser.parse_args()
 
 if "OMP_NUM_THREADS" not in os.environ:
@@ -48,7 +50,7 @@ rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(args.seed)
 device = torch.device("cpu")
 
-corpus = wl.Corpus(args.seed)
+corpus = wl.Corpus(args.seed, train_lines=args.train_lines)
 eval_batch_size = 10
 train_data = wl.batchify(wl.shard(corpus.train, rank, world), args.batch_size)
 val_data = wl.batchify(corpus.valid, eval_batch_size)
@@ -84,6 +86,8 @@ def train(epoch):
             group["lr"] = lr
         optimizer.step()
         total_loss += loss.item()
+        if rank == 0 and args.step_times:
+            print(f"step {step} loss {loss.item():.4f} time {time.time():.6f}", flush=True)
         if rank == 0 and batch % args.log_interval == 0 and batch > 0:
             cur_loss = total_loss / args.log_interval
             elapsed = time.time() - start_time

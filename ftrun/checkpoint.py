@@ -846,6 +846,8 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
                 out[_check_key(k, path)] = copy(v, prior.get(k), _key_path(path, k))
             return out
         if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+            if type(obj) in (list, tuple) and all(type(v) in _SCALARS for v in obj):
+                return list(obj) if type(obj) is list else obj  # a long list of numbers: one pass
             if isinstance(obj, tuple) and type(obj) is not tuple:
                 _encode(obj, path)  # raises: named tuples and other tuple subclasses
             prior = old if isinstance(old, (list, tuple)) and len(old) == len(obj) else [None] * len(obj)
@@ -854,6 +856,9 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
         return _encode(obj, path)  # primitives, dtypes, devices, sizes; raises on anything else
 
     return copy(state, reuse, "state")
+
+
+_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})  # immutable: shared by a copy
 
 
 def _copy_into(dst: Any, src: Any) -> None:

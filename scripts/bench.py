@@ -85,8 +85,9 @@ STEP = re.compile(r"step (\d+) loss \S+ time (\d+\.\d+)")
 FINAL = re.compile(r"final step=(\d+) loss=\S+ test_accuracy=(\S+) params_sha256=([0-9a-f]{64})")
 STATE_MB = re.compile(r"state_mb=(\S+)")
 LAUNCHERS = ("ftrun", "torchrun")
-PARTS = ("recovery", "scaling-world", "scaling-state", "overhead", "memory", "transfer", "multinode", "nodeloss")
-DEFAULT_REPEATS = {"recovery": 2, "overhead": 2, "multinode": 3, "nodeloss": 2}
+PARTS = ("recovery", "scaling-world", "scaling-state", "overhead", "overhead-real", "memory", "transfer", "multinode",
+         "nodeloss")
+DEFAULT_REPEATS = {"recovery": 2, "overhead": 2, "overhead-real": 3, "multinode": 3, "nodeloss": 2}
 """Runs of each case per launcher when --repeats is not given (other parts: --scaling_repeats)."""
 RDZV_PORT = 29400  # torchrun's c10d rendezvous on host 0 (a fresh namespace: every port is free)
 FTRUN_PORT = 29500  # ftrun's store on host 0
@@ -96,7 +97,11 @@ SCRIPTS = {
     ("digits", "torchrun"): "train_digits_torchrun.py",
     ("charlm", "ftrun"): "train_charlm.py",
     ("charlm", "torchrun"): "train_charlm_torchrun.py",
+    ("wordlm", "ftrun"): "word_lm.py",
+    ("wordlm", "torchrun"): "word_lm_torchrun.py",
 }
+# word_lm's sizes: its defaults (small steps), and a larger LSTM on longer sequences.
+WORDLM_SIZES = {"small": (), "large": ("--emsize", "128", "--nhid", "128", "--bptt", "35", "--batch_size", "8")}
 
 
 @dataclass(frozen=True)
@@ -145,7 +150,11 @@ class Run:
 def command(launcher: str, case: Case, workdir: Path) -> tuple[list[str], dict[str, str], str]:
     """(argv, environment, script file name) of ``case`` under ``launcher``."""
     script = SCRIPTS[(case.workload, launcher)]
-    common = [str(ROOT / "examples" / script), "--steps", str(case.steps), "--log_every", "1", *case.args]
+    if case.workload == "wordlm":  # steps: its epochs; no fault, so torchrun needs no checkpoints
+        common = [str(ROOT / "examples" / script), "--epochs", str(case.steps), "--step-times", *WORDLM_SIZES[case.size],
+                  *case.args]
+    else:
+        common = [str(ROOT / "examples" / script), "--steps", str(case.steps), "--log_every", "1", *case.args]
     if case.workload == "charlm":
         common += ["--size", case.size]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FTRUN_", "TORCHELASTIC_", "MS_ENABLE_TFT"))}
@@ -158,8 +167,9 @@ def command(launcher: str, case: Case, workdir: Path) -> tuple[list[str], dict[s
     else:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(case.ranks),
-               "--max-restarts", "1", "--standalone", "--monitor-interval", "0.1",
-               *common, "--ckpt_dir", str(workdir / "ckpt"), "--ckpt_every", str(case.ckpt_every)]
+               "--max-restarts", "1", "--standalone", "--monitor-interval", "0.1", *common]
+        if case.workload != "wordlm":
+            cmd += ["--ckpt_dir", str(workdir / "ckpt"), "--ckpt_every", str(case.ckpt_every)]
     return cmd, env, script
 
 
@@ -754,6 +764,11 @@ def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
             Case("digits", "-", 4, 60 if q else 150, None),
             Case("charlm", "small", 2, 30 if q else 80, None, args=charlm_small),
         ]
+    if "overhead-real" in args.parts:
+        # pytorch/examples' word language model as ported (issue 20): its own small steps, and larger.
+        lines = ("--train-lines", "600" if q else "3000")
+        parts["overhead-real"] = [Case("wordlm", "small", 4, 1 if q else 2, None, args=lines),
+                                  Case("wordlm", "large", 4, 1, None, args=lines)]
     if "memory" in args.parts:
         worlds = [2, 4] if q else [int(w) for w in args.worlds.split(",")]
         parts["memory"] = [Case("charlm", "tiny", w, 30, 15, victim=1, ckpt_every=10, args=charlm_small) for w in worlds]
@@ -887,7 +902,7 @@ def _label(key: tuple[str, str, int, int, bool]) -> str:
     """``digits x4`` on one node, ``digits 2x2`` (nodes x ranks per node) on several; ``hot``: ftrun
     ran with a hot spare."""
     workload, size, ranks, nodes, hot = key
-    name = workload if workload == "digits" else f"charlm-{size}"
+    name = workload if workload == "digits" else f"{workload}-{size}"
     return (f"{name} x{ranks}" if nodes <= 1 else f"{name} {nodes}x{ranks // nodes}") + (" hot" if hot else "")
 
 
@@ -1040,6 +1055,10 @@ def report(results: dict[str, Any]) -> str:
     if "overhead" in parts:
         lines += ["", "== overhead: fault-free step time, ftrun against plain torchrun DDP (pairwise median)"]
         lines += overhead_table(parts["overhead"])
+    if "overhead-real" in parts:
+        lines += ["", "== overhead-real: fault-free step time of examples/word_lm.py (4 ranks) against its plain-DDP "
+                      "twin under torchrun (pairwise median)"]
+        lines += overhead_table(parts["overhead-real"])
     if results.get("transfer"):
         lines += ["", "== transfer: ftrun.transfer between two otherwise idle processes over gloo, no training "
                       "(into: into tensors the recipient has; fresh: into new ones)"]
