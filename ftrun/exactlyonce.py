@@ -67,6 +67,7 @@ class ExactlyOnceChecks:
         self.divergences: list[tuple[int, str, str]] = []  # (step, check, reason)
         self.local_gradient: tuple[int, str] | None = None  # (step, fingerprint) of the step last computed
         self.rank_states: Any = None  # ftrun.rankstate.RankStateStore, once records are kept
+        self._provisional: tuple[int, int | None] | None = None  # (step, write ticket) started at backward
         self.rank = -1
         self.attempt = 0
         self.device = torch.device("cpu")
@@ -87,9 +88,10 @@ class ExactlyOnceChecks:
         if not gradient and self.seed is not None and not self.registry.has_own_rank_state():
             return False
         if self.rank_states is None:
-            from .rankstate import RankStateStore
+            from .rankstate import RankStateStore, RecordWriter
 
-            self.rank_states = RankStateStore(self.group.store(), self.attempt, self.rank)
+            self.rank_states = RankStateStore(self.group.store(), self.attempt, self.rank,
+                                              writer=RecordWriter(self.group.connect_store))
         return True
 
     def snapshot_step_start(self) -> None:
@@ -99,15 +101,35 @@ class ExactlyOnceChecks:
         if self.keeps_rank_records():
             self.rank_states.put(self.progress.committed, own)
 
-    def record_provisional(self) -> None:
-        """At the step's all-reduce: the rank state after its batch and backward, labelled with the
-        step (what a respawned rank needs if its peers commit the step and this rank dies)."""
+    def start_provisional(self) -> None:
+        """At the start of the step's synced backward: take the rank state after its batch and
+        forward (backward changes none of it) and start writing it, so the write overlaps the
+        backward (:meth:`record_provisional` waits for it)."""
+        self._provisional = None
         step = self.progress.current_step
         if step is None or self.progress.committed != step - 1 or not self.keeps_rank_records():
             return
         from .checkpoint import snapshot
 
-        self.rank_states.put(step, snapshot(self.registry.state_dict(only=("rank",))), provisional=True)
+        try:
+            self._provisional = (step, self.rank_states.put(step, snapshot(self.registry.state_dict(only=("rank",))),
+                                                            provisional=True))
+        except Exception:  # a state the codec refuses: record_provisional raises it on the training path
+            self._provisional = None
+
+    def record_provisional(self) -> None:
+        """At the step's all-reduce, before its first bucket leaves: the rank state after its batch
+        and backward, labelled with the step, is in the store (what a respawned rank needs if its
+        peers commit the step and this rank dies)."""
+        step = self.progress.current_step
+        if step is None or self.progress.committed != step - 1 or not self.keeps_rank_records():
+            return
+        started, self._provisional = self._provisional, None
+        if started is None or started[0] != step:
+            from .checkpoint import snapshot
+
+            started = (step, self.rank_states.put(step, snapshot(self.registry.state_dict(only=("rank",))), provisional=True))
+        self.rank_states.wait(started[1])
 
     def record_epoch_boundary(self) -> None:
         """After an epoch's end, before the next epoch's prologue: this rank's own state, labelled
@@ -117,8 +139,8 @@ class ExactlyOnceChecks:
             return
         from .checkpoint import snapshot
 
-        self.rank_states.put(self.progress.committed, snapshot(self.registry.state_dict(only=("rank",))),
-                             epoch_boundary=True)
+        self.rank_states.wait(self.rank_states.put(self.progress.committed, snapshot(self.registry.state_dict(only=("rank",))),
+                                                   epoch_boundary=True))
 
     def apply_rank_record(self) -> None:
         """Load the predecessor's record of this rank's own state, if a recovery fetched one and it

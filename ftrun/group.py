@@ -122,13 +122,18 @@ class TrainingGroup:
     def store(self) -> Any:
         """The job's store (a ``TCPStore`` client on ``MASTER_ADDR:MASTER_PORT``), connected once."""
         if self._store is None:
-            self._store = dist.TCPStore(
-                os.environ.get(contract.MASTER_ADDR) or RankEnv.master_addr,
-                int(os.environ[contract.MASTER_PORT]),
-                is_master=False,
-                timeout=timedelta(seconds=self.cluster_timeout),
-            )
+            self._store = self.connect_store()
         return self._store
+
+    def connect_store(self) -> Any:
+        """A new ``TCPStore`` client on the job's store (for another thread: a client is one
+        connection, not to be shared between threads)."""
+        return dist.TCPStore(
+            os.environ.get(contract.MASTER_ADDR) or RankEnv.master_addr,
+            int(os.environ[contract.MASTER_PORT]),
+            is_master=False,
+            timeout=timedelta(seconds=self.cluster_timeout),
+        )
 
     def build(self, generation: int, abandon: Callable[[], bool]) -> bool:
         """Build the default process group of ``generation``. False if ``abandon()`` said a newer

@@ -13,12 +13,24 @@ every rank), labelled with the committed step they belong to:
 
 Two slots per rank (label parity), so the record of the recovery step S and the one of S + 1
 never overwrite each other. A respawned rank reads the slot of S and checks its label.
+
+The writes leave the training thread (:class:`RecordWriter`: one thread, its own store connection,
+in order), since a synchronous round trip to the launcher's store at every step start and
+all-reduce waits for that process to be scheduled (measured: several ms a step on a loaded 2-core
+machine). The provisional record is the one peers may commit against: the rank waits for it before
+its first gradient bucket leaves (it is taken at the start of backward, so the write overlaps it).
+A step-start record is not waited for: until it lands, the slot holds the same label's provisional
+record, which is what the rank's state is taken to be between its all-reduce and its next step
+start anyway (above); the two differ only if the script changes its own state after the update.
 """
 
 from __future__ import annotations
 
+import queue
+import sys
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from . import codec
 from .contract import RANK_STATE_PREFIX
@@ -51,6 +63,68 @@ class RankRecord:
     epoch_boundary: bool = False  # written after an epoch's end, before the next epoch's prologue
 
 
+class RecordWriter:
+    """Writes key/value pairs to the job's store from one background thread, in the order given.
+
+    Args:
+        connect: returns a store client of its own (called once, on the writer's thread: the
+            training thread's client is not shared between threads).
+
+    A failed write (the launcher's store gone) is reported once on stderr and counts as done:
+    the record is then missing, which costs a respawned successor its exact state (its
+    exactly-once checks report the difference) rather than stopping a rank whose launcher is
+    gone anyway.
+    """
+
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        self._connect = connect
+        self._queue: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._queued = 0
+        self._written = 0
+        self._thread: threading.Thread | None = None
+
+    def put(self, key: str, value: bytes) -> int:
+        """Queue a write; returns its ticket (for :meth:`wait`)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ftrun-rank-records", daemon=True)
+            self._thread.start()
+        with self._cond:
+            self._queued += 1
+            ticket = self._queued
+        self._queue.put((key, value))
+        return ticket
+
+    def wait(self, ticket: int, timeout: float | None = None) -> bool:
+        """Block until the write of ``ticket`` and every earlier one are done (or failed). False
+        on timeout (seconds; None: no limit, the store's own timeout ends a hung write)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._written >= ticket, timeout)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for every write queued so far."""
+        with self._cond:
+            ticket = self._queued
+        return self.wait(ticket, timeout)
+
+    def _run(self) -> None:
+        store, failed = None, False
+        while True:
+            key, value = self._queue.get()
+            try:
+                if store is None:
+                    store = self._connect()
+                store.set(key, value)
+            except Exception as err:  # the store is the launcher's: it is gone
+                if not failed:
+                    failed = True
+                    print(f"ftrun: could not write this rank's records to the job's store: {type(err).__name__}: {err}",
+                          file=sys.stderr, flush=True)
+            with self._cond:
+                self._written += 1
+                self._cond.notify_all()
+
+
 class RankStateStore:
     """Reads and writes one rank's records.
 
@@ -58,19 +132,33 @@ class RankStateStore:
         store: a ``torch.distributed.Store`` (the job's TCPStore).
         attempt: the whole-job attempt (a restart starts with no records).
         rank: the global rank.
+        writer: writes in the background (:class:`RecordWriter`); None: synchronously on ``store``.
     """
 
-    def __init__(self, store: Any, attempt: int, rank: int) -> None:
+    def __init__(self, store: Any, attempt: int, rank: int, writer: RecordWriter | None = None) -> None:
         self.store = store
+        self.writer = writer
         self.prefix = f"{PREFIX}/attempt{attempt}/rank{rank}"
 
-    def put(self, label: int, state: dict[str, Any], provisional: bool = False, epoch_boundary: bool = False) -> None:
+    def _set(self, key: str, value: bytes) -> int | None:
+        if self.writer is None:
+            self.store.set(key, value)
+            return None
+        return self.writer.put(key, value)
+
+    def put(self, label: int, state: dict[str, Any], provisional: bool = False, epoch_boundary: bool = False) -> int | None:
         """Record ``state`` (``{name: state_dict}``) as the rank's state at committed step ``label``
         (``provisional``: taken at that step's all-reduce; ``epoch_boundary``: after an epoch's end;
-        see :class:`RankRecord`)."""
-        self.store.set(f"{self.prefix}/{label % 2}",
-                       codec.to_bytes({"label": int(label), "state": state, "provisional": bool(provisional),
-                                       "epoch_boundary": bool(epoch_boundary)}))
+        see :class:`RankRecord`). The state is encoded now (it may be a buffer reused later); with a
+        writer, returns the write's ticket (:meth:`RecordWriter.wait`)."""
+        return self._set(f"{self.prefix}/{label % 2}",
+                         codec.to_bytes({"label": int(label), "state": state, "provisional": bool(provisional),
+                                         "epoch_boundary": bool(epoch_boundary)}))
+
+    def wait(self, ticket: int | None) -> None:
+        """Block until the write of ``ticket`` (from :meth:`put`) is done; None: nothing to wait for."""
+        if ticket is not None and self.writer is not None:
+            self.writer.wait(ticket)
 
     def get(self, label: int) -> RankRecord | None:
         """The record of committed step ``label``, or None if there is none."""
@@ -84,7 +172,7 @@ class RankStateStore:
 
     def put_gradient_digest(self, step: int, digest: str) -> None:
         """Record the digest of this rank's local gradient (before averaging) of ``step``."""
-        self.store.set(f"{self.prefix}/grad/{step % 2}", codec.to_bytes({"step": int(step), "digest": str(digest)}))
+        self._set(f"{self.prefix}/grad/{step % 2}", codec.to_bytes({"step": int(step), "digest": str(digest)}))
 
     def get_gradient_digest(self, step: int) -> str | None:
         """The recorded local-gradient digest of ``step``, or None (never computed, or overwritten)."""

@@ -84,7 +84,7 @@ def ftrun_sync() -> GradientSync:
     failures: list[str] = []
     control = SimpleNamespace(abandon=threading.Event(), io_aborted_beyond=lambda generation: False)
     checks = SimpleNamespace(check_local_gradient=lambda fp: True, holds_for_check=lambda: False,
-                             record_provisional=lambda: None)
+                             record_provisional=lambda: None, start_provisional=lambda: None)
     progress = SimpleNamespace(current_step=0, generation=0, stage="step")
     sync = GradientSync(world, 30.0, WorkerState(managed=True), progress, SimpleNamespace(cut=lambda: None), control,
                         checks, send=lambda *a, **k: None, record_error=failures.append,
