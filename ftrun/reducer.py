@@ -136,6 +136,7 @@ class BucketLayout:
 # (ftrun.group.TrainingGroup.drop) and a late failure cannot touch a later pass (see launch). It must stay
 # well inside the coordinator's deadline for answering the abort (REPORT_DEADLINE_S, 10 s).
 ABANDON_GRACE_S = 1.0
+ABANDON_POLL_S = 0.02  # how often a wait for an all-reduce looks at the abandon flag
 
 class GradientReducer:
     """Averages the gradients of ``params`` over ftrun's group while backward runs.
@@ -381,8 +382,12 @@ class GradientReducer:
                 if self._abandon is None:
                     fut.wait()
                     continue
-                pause, abandoned_at = 0.0, None
-                while not fut.done():
+                # Blocked, not spinning (a spin takes the CPU the peers' backward needs when ranks
+                # outnumber cores), woken by the future's completion; the abort is looked at between.
+                done = threading.Event()
+                fut.add_done_callback(lambda _fut, done=done: done.set())
+                abandoned_at = None
+                while not done.wait(ABANDON_POLL_S):
                     if self._abandon.is_set():
                         # The abort's connection cut normally fails the all-reduce at once; give it
                         # that chance, then stop waiting (see ABANDON_GRACE_S).
@@ -390,8 +395,6 @@ class GradientReducer:
                         if time.monotonic() - abandoned_at > ABANDON_GRACE_S:
                             self.error = self.error or "abandoned: the job's coordinator aborted this generation"
                             return
-                    time.sleep(pause)
-                    pause = min(0.002, pause + 0.0001)  # spin first: a healthy all-reduce ends soon
         finally:
             self._waiting.clear()
 
