@@ -227,10 +227,19 @@ def soak_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     return digits_job.run(tmp_path_factory.mktemp("soak_reference"), steps=digits_job.SOAK_STEPS)[0]
 
 
+#: Test files whose tests share one machine-wide resource and run on one pytest-xdist worker, one
+#: after the other (``--dist loadgroup``): the Slurm cluster (its daemons, its module fixture).
+SERIAL_GROUPS = {"test_slurm.py": "slurm"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Multi-process tests get one rerun (see :data:`RERUNS`): they run real ranks on a busy 2-core
     machine, where a rare interleaving the suite has not met before must not sink the whole run
-    unseen; a test that fails twice fails."""
+    unseen; a test that fails twice fails. Tests of :data:`SERIAL_GROUPS` share an xdist group."""
+    for item in items:
+        group = SERIAL_GROUPS.get(item.path.name)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
     if RERUNS <= 0 or not config.pluginmanager.hasplugin("rerunfailures"):
         return
     for item in items:
