@@ -179,17 +179,33 @@ def test_dying_gasps_then_requeue_and_resubmission_resume(cluster, long_referenc
        ``--signal=B:USR1@90`` -- never less than 60 s before the limit -- and node 0's ftrun saves
        a second dying gasp before the kill (FAILED, not TIMEOUT). Cutting the limit once training
        runs, rather than submitting a shorter one, makes the warning come after training started
-       however slowly the job starts (``--step_pause 0.6``: it trains for over 90 s).
+       however slowly the job starts (``--step_pause 0.5``: it still trains for over 60 s after
+       its first logged step, more than the 30 s between Slurm's checks).
     4. A new job submitted with that FTRUN_CHECKPOINT_DIR resumes and runs to the end.
     """
+    clock = time.monotonic()
+    phases: list[str] = []  # how long each phase took, printed at the end (seconds)
+
+    def phase(name: str) -> None:
+        nonlocal clock
+        phases.append(f"{name} {time.monotonic() - clock:.0f}")
+        clock = time.monotonic()
+
     job = submit(cluster, tmp_path, dj.LONG_STEPS, ("--time=10", "--signal=B:USR1@90"),
-                 script_args=("--step_pause", "0.6"))
+                 script_args=("--step_pause", "0.5"))
     ckpt = job.cwd / "ftrun_checkpoints" / job.id  # the script's default, from the job id
-    dj.wait_for(lambda: job.state() in FINISHED or dj.training(job.log_dir), timeout=240)
-    assert dj.training(job.log_dir), job.why()
+
+    def trains() -> bool:  # every rank connected, rank 0 logged step 10 (so steps are committed)
+        return len({e["rank"] for e in job.events() if e["kind"] == "rank_joined"}) == 4 and \
+            bool(re.search(r"\[rank0\] step [1-9]\d* loss", job.output()))
+
+    dj.wait_for(lambda: job.state() in FINISHED or trains(), timeout=240)
+    assert trains(), job.why()
+    phase("trains")
     proc = cluster.cmd(["scancel", "--batch", "--signal=USR1", job.id], timeout=30)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_stopped_with_a_gasp(job, job.wait(timeout=240))
+    phase("scancel->FAILED")
     stopped = [e for e in job.events() if e["kind"] == "stop_requested"]
     assert len(stopped) == 1, job.why()
 
@@ -205,6 +221,7 @@ def test_dying_gasps_then_requeue_and_resubmission_resume(cluster, long_referenc
 
     dj.wait_for(lambda: job.state() in FINISHED or trains_again(), timeout=240)
     assert trains_again(), job.why()
+    phase("requeue->trains")
     shown = cluster.cmd(["scontrol", "-o", "show", "job", job.id], timeout=30).stdout
     times = " ".join(re.findall(r"\b(?:SubmitTime|EligibleTime|StartTime)=\S+", shown))
     kept = "appended to" if job.output().startswith(first_output) else "overwrote"
@@ -212,6 +229,7 @@ def test_dying_gasps_then_requeue_and_resubmission_resume(cluster, long_referenc
           f"requeue; its output {kept} the first run's; {times}")
     cut_the_limit(cluster, job)
     assert_stopped_with_a_gasp(job, job.wait(timeout=240), since=requeued_at)
+    phase("limit cut->FAILED")
     stopped = [e for e in job.events() if e["kind"] == "stop_requested" and e["time"] > requeued_at]
     assert len(stopped) == 1 and "SIGTERM" in stopped[0]["message"], job.why()
 
@@ -219,3 +237,5 @@ def test_dying_gasps_then_requeue_and_resubmission_resume(cluster, long_referenc
     assert again.wait(timeout=240) == "COMPLETED", again.why()
     assert f"starting from checkpoint {ckpt}" in again.output(), again.why()
     assert dj.digest(again.output(), dj.LONG_STEPS) == long_reference, again.why()
+    phase("re-submitted->COMPLETED")
+    print(f"slurm: phases (s): {', '.join(phases)}")
