@@ -8,7 +8,8 @@ systemd or a writable cgroup hierarchy: ``ProctrackType=proctrack/linuxproc`` (a
 are the descendants of its slurmstepd), ``TaskPlugin=task/none``, no accounting, and
 ``SlurmdParameters=config_overrides`` (every node claims :data:`NODE_CPUS` CPUs whatever the machine
 has). ``ReturnToService=2`` and a short ``SlurmdTimeout`` let a test lose a node and see it DOWN
-within seconds.
+within seconds; a short ``cred_expire`` (:data:`CRED_EXPIRE`) lets a requeued job start again after
+10 s instead of Slurm's 120.
 
 Node names must resolve on every host (Slurm hands them to ftrun as ``SLURM_JOB_NODELIST``): each
 namespace gets ``/etc/netns/<namespace>/hosts``, which ``ip netns exec`` binds over ``/etc/hosts``
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -39,6 +41,7 @@ CTLD_PORT = 16817
 SLURMD_PORT0 = 17001  # node i listens on SLURMD_PORT0 + i - 1
 SLURMD_TIMEOUT = 5  # seconds without an answer before slurmctld sets a node DOWN
 KILL_WAIT = 30  # seconds between a job's SIGTERM and its SIGKILL (Slurm's default is 30)
+CRED_EXPIRE = 10  # AuthInfo cred_expire: also how long a requeued job waits before it may start (default 120 s)
 ETC_NETNS = Path("/etc/netns")
 
 
@@ -148,7 +151,7 @@ class SlurmCluster:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={r / 'munge' / 'munge.socket'}",
+            f"AuthInfo=socket={r / 'munge' / 'munge.socket'},cred_expire={CRED_EXPIRE}",
             f"StateSaveLocation={r / 'ctld'}",
             f"SlurmdSpoolDir={r}/spool-%n",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}",
@@ -164,6 +167,9 @@ class SlurmCluster:
             "JobCompType=jobcomp/none",
             "MpiDefault=none",
             "SchedulerType=sched/backfill",
+            # A requeued job becomes eligible with no event to wake the scheduler: it starts at the
+            # next pass, up to 30 s (backfill) or 60 s (main loop) later with Slurm's defaults.
+            "SchedulerParameters=bf_interval=2,sched_interval=2",
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU",
             "SlurmdParameters=config_overrides",
@@ -249,6 +255,44 @@ class SlurmCluster:
         """Wait until every node of ``names`` is in ``state`` (``idle``, ``down``: a trailing ``*`` ignored)."""
         self._wait(lambda: all(self.node_states().get(n, "").rstrip("*~#!%$@^-") == state for n in names), timeout,
                    f"nodes {list(names)} not {state}")
+
+    def restore(self, timeout: float = 60) -> None:
+        """Every host's link up, a slurmd on every node host without processes (one a test or a
+        benchmark killed with :meth:`kill_node`), then wait until every node is idle."""
+        for host in self.hosts:
+            subprocess.run(["ip", "link", "set", host.veth, "up"], check=True)
+        for name, host in self.nodes.items():
+            if not host.pids():
+                self.start_slurmd(name)
+        self.wait_nodes("idle", list(self.nodes), timeout=timeout)
+
+    def kill_node(self, name: str) -> float:
+        """SIGKILL every process of node ``name`` (its slurmd, slurmstepd, launcher and ranks): a
+        dead machine. Its link goes down first, so that nothing it sends while dying (a launcher's
+        goodbye, the kernel's FIN of a killed process's sockets) reaches anyone: the others learn
+        of the loss by silence, as from a machine that lost power; :meth:`restore` brings it up
+        again.
+
+        Returns:
+            The wall-clock time of the kill (``time.time()``, seconds), taken once the link is down.
+
+        Raises:
+            RuntimeError: a process of the host survived 30 s of SIGKILLs.
+        """
+        host = self.nodes[name]
+        subprocess.run(["ip", "link", "set", host.veth, "down"], check=True)
+        at = time.time()
+        deadline = time.monotonic() + 30
+        while pids := host.pids():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes of {name} survive SIGKILL: {pids}")
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
+        return at
 
     def job_state(self, job: str) -> str:
         """The job's state (``PENDING``, ``RUNNING``, ``COMPLETED``, ``CANCELLED``...), from the controller."""

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -43,12 +41,7 @@ def slurm():
 @pytest.fixture
 def cluster(slurm):
     """The module's cluster with every node up and idle before the test (a test may kill a node)."""
-    for host in slurm.hosts:
-        subprocess.run(["ip", "link", "set", host.veth, "up"], check=True)
-    for name, host in slurm.nodes.items():
-        if not host.pids():
-            slurm.start_slurmd(name)
-    slurm.wait_nodes("idle", list(slurm.nodes), timeout=60)
+    slurm.restore()
     yield slurm
     out = slurm.cmd(["squeue", "-h", "-o", "%i"], timeout=30).stdout.split()
     for job in out:
@@ -83,6 +76,13 @@ class Job:
             time.sleep(0.5)
         return state
 
+    def restarts(self) -> int:
+        """How many times the job was requeued (``Restarts=`` of ``scontrol show job``)."""
+        out = self.cluster.cmd(["scontrol", "-o", "show", "job", self.id], timeout=30).stdout
+        match = re.search(r"\bRestarts=(\d+)", out)
+        assert match, out
+        return int(match.group(1))
+
     def why(self) -> str:
         return f"{self.output()[-5000:]}\n--- events\n{dj.story(self.events())}\n--- slurm\n{self.cluster.logs()}"
 
@@ -111,27 +111,6 @@ def test_sbatch_trains_to_the_fault_free_digest(cluster, reference: str, tmp_pat
     assert not [e for e in events if e["kind"] in ("rank_failed", "recovery_started", "job_restarting")], job.why()
 
 
-def kill_node(cluster: slurmcluster.SlurmCluster, name: str) -> float:
-    """SIGKILL every process of node ``name`` (its slurmd, slurmstepd, ftrun and ranks): a dead
-    machine. Its link goes down first, so that nothing it sends while dying (a launcher's goodbye,
-    the kernel's FIN of a killed process's sockets) reaches anyone: the others learn of the loss by
-    silence, as from a machine that lost power; the ``cluster`` fixture brings it up again. Returns the
-    wall-clock time of the kill."""
-    host = cluster.nodes[name]
-    subprocess.run(["ip", "link", "set", host.veth, "down"], check=True)
-    at = time.time()
-    deadline = time.monotonic() + 30
-    while pids := host.pids():
-        assert time.monotonic() < deadline, f"processes of {name} survive SIGKILL: {pids}"
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.05)
-    return at
-
-
 def test_lost_node_is_replaced_by_the_spare(cluster, long_reference: str, tmp_path: Path) -> None:
     """Every process of training node 1's host is killed, slurmd included; the script's spare
     takes node 1's index; the job ends with the fault-free digest, node 0's ranks keep their PIDs."""
@@ -142,7 +121,7 @@ def test_lost_node_is_replaced_by_the_spare(cluster, long_reference: str, tmp_pa
     rank2 = dj.started(job.events())[2][0]
     victim = next(name for name, host in cluster.nodes.items() if rank2 in host.pids())
     assert victim != "sn1", "node 1's rank runs on node 0's host"
-    lost_at = kill_node(cluster, victim)
+    lost_at = cluster.kill_node(victim)
     state = job.wait(timeout=200)
     events = job.events()
     assert dj.digest(job.output(), dj.LONG_STEPS) == long_reference, job.why()
@@ -161,60 +140,102 @@ def test_lost_node_is_replaced_by_the_spare(cluster, long_reference: str, tmp_pa
     assert state == "COMPLETED", job.why()
 
 
-def stop_and_resume(cluster: slurmcluster.SlurmCluster, tmp_path: Path, reference: str, stop, steps: str,
-                    sbatch_args: tuple[str, ...] = (), script_args: tuple[str, ...] = ()) -> Job:
-    """Submit the job, let ``stop(job)`` stop it once it trains, check its dying-gasp checkpoint,
-    and submit it again with the same FTRUN_CHECKPOINT_DIR: it resumes and ends with ``reference``."""
-    ckpt = tmp_path / "ckpt"
-    job = submit(cluster, tmp_path / "first", steps, sbatch_args, env={"FTRUN_CHECKPOINT_DIR": str(ckpt)},
-                 script_args=script_args)
-    dj.wait_for(lambda: job.state() in FINISHED or dj.training(job.log_dir), timeout=240)
-    assert dj.training(job.log_dir), job.why()
-    stop(job)
-    state = job.wait(timeout=240)
-    events = job.events()
-    gasp = [e for e in events if e["kind"] == "checkpoint_saved" and "dying gasp" in e["message"]]
-    assert gasp, f"{state}: no dying-gasp checkpoint\n{job.why()}"
-    assert not [e for e in events if e["kind"] == "rank_failed"], job.why()  # no rank died before the save
+def dying_gasps(job: Job, since: float = 0.0) -> list[dict]:
+    """The job's dying-gasp ``checkpoint_saved`` events after ``since`` (wall clock)."""
+    return [e for e in job.events() if e["kind"] == "checkpoint_saved" and "dying gasp" in e["message"]
+            and e["time"] > since]
+
+
+def assert_stopped_with_a_gasp(job: Job, state: str, since: float = 0.0) -> None:
+    """The run of ``job`` that ended in ``state`` wrote a dying gasp from live ranks and exited 143."""
+    assert dying_gasps(job, since), f"{state}: no dying-gasp checkpoint\n{job.why()}"
+    failed = [e for e in job.events() if e["kind"] == "rank_failed" and e["time"] > since]
+    assert not failed, job.why()  # no rank died before the save
     assert state == "FAILED", job.why()  # ftrun's exit code 143 (stopped by SIGTERM)
-    again = submit(cluster, tmp_path / "again", steps, env={"FTRUN_CHECKPOINT_DIR": str(ckpt)})
-    assert again.wait(timeout=240) == "COMPLETED", again.why()
-    assert "starting from checkpoint" in again.output(), again.why()
-    assert dj.digest(again.output(), steps) == reference, again.why()
-    return job
 
 
-def test_scancel_saves_a_dying_gasp_and_the_job_resumes(cluster, long_reference: str, tmp_path: Path) -> None:
-    """``scancel --batch --signal=USR1`` (the script's stop signal): node 0's ftrun writes a
-    dying-gasp checkpoint from live ranks; the re-submitted job resumes from it, bitwise."""
-    def stop(job: Job) -> None:
-        proc = cluster.cmd(["scancel", "--batch", "--signal=USR1", job.id], timeout=30)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+def cut_the_limit(cluster: slurmcluster.SlurmCluster, job: Job) -> None:
+    """Cut the running job's time limit to the next whole minute at least 60 s away (its RunTime
+    counts from this run's start): with ``--signal=B:USR1@90`` the warning is due at once."""
+    out = cluster.cmd(["scontrol", "-o", "show", "job", job.id], timeout=30).stdout
+    run_time = re.search(r"\bRunTime=(?:(\d+)-)?(\d+):(\d+):(\d+)", out)
+    assert run_time, out
+    days, hours, minutes, seconds = (int(g or 0) for g in run_time.groups())
+    elapsed = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    limit = elapsed // 60 + 2  # minutes from the start: 60 to 120 s from now, the warning due
+    proc = cluster.cmd(["scontrol", "update", f"JobId={job.id}", f"TimeLimit={limit}"], timeout=30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
-    stop_and_resume(cluster, tmp_path, long_reference, stop, dj.LONG_STEPS)
 
+def test_dying_gasps_then_requeue_and_resubmission_resume(cluster, long_reference: str, tmp_path: Path) -> None:
+    """Both ways Slurm stops a job, each answered with a dying gasp, and both ways to run it again,
+    ending bitwise equal to the fault-free run:
 
-def test_time_limit_warning_saves_a_dying_gasp_and_the_job_resumes(cluster, long_reference: str,
-                                                                   tmp_path: Path) -> None:
-    """A job that would train for over 90 s, submitted with a 3-minute limit and
-    ``--signal=B:USR1@90`` (the script's own is 120 s): once it trains, its limit is cut
-    (``scontrol update TimeLimit``) to the next whole minute at least 60 s away, so the warning is
-    due at once. Slurm's time-limit check (every 30 s) sends the script's USR1 -- never less than
-    60 s before the limit -- node 0's ftrun saves a dying gasp before the kill (the job ends FAILED
-    with ftrun's 143, not TIMEOUT), and the job submitted again resumes, bitwise. Cutting the limit
-    once training runs, rather than submitting a shorter one, makes the warning come after training
-    started however slowly the job starts, without waiting out a 3-minute limit (it took 117 s)."""
-    def cut_the_limit(job: Job) -> None:
-        out = cluster.cmd(["scontrol", "-o", "show", "job", job.id], timeout=30).stdout
-        run_time = re.search(r"\bRunTime=(?:(\d+)-)?(\d+):(\d+):(\d+)", out)
-        assert run_time, out
-        days, hours, minutes, seconds = (int(g or 0) for g in run_time.groups())
-        elapsed = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
-        limit = elapsed // 60 + 2  # minutes from the start: 60 to 120 s from now, the warning due
-        proc = cluster.cmd(["scontrol", "update", f"JobId={job.id}", f"TimeLimit={limit}"], timeout=30)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+    1. ``scancel --batch --signal=USR1`` (the script's stop signal) once the job trains: node 0's
+       ftrun writes a dying-gasp checkpoint from live ranks; the job ends FAILED (ftrun's 143).
+    2. ``scontrol requeue``: the same job id runs the batch script again (``Restarts=1``, after
+       ``cred_expire``), so the script's default FTRUN_CHECKPOINT_DIR is the same and it resumes.
+    3. That run's time limit is cut once it trains: Slurm's time-limit check (every 30 s) sends
+       ``--signal=B:USR1@90`` -- never less than 60 s before the limit -- and node 0's ftrun saves
+       a second dying gasp before the kill (FAILED, not TIMEOUT). Cutting the limit once training
+       runs, rather than submitting a shorter one, makes the warning come after training started
+       however slowly the job starts (``--step_pause 0.5``: it still trains for over 60 s after
+       its first logged step, more than the 30 s between Slurm's checks).
+    4. A new job submitted with that FTRUN_CHECKPOINT_DIR resumes and runs to the end.
+    """
+    clock = time.monotonic()
+    phases: list[str] = []  # how long each phase took, printed at the end (seconds)
 
-    job = stop_and_resume(cluster, tmp_path, long_reference, cut_the_limit, dj.LONG_STEPS,
-                          sbatch_args=("--time=3", "--signal=B:USR1@90"), script_args=("--step_pause", "0.6"))
+    def phase(name: str) -> None:
+        nonlocal clock
+        phases.append(f"{name} {time.monotonic() - clock:.0f}")
+        clock = time.monotonic()
+
+    job = submit(cluster, tmp_path, dj.LONG_STEPS, ("--time=10", "--signal=B:USR1@90"),
+                 script_args=("--step_pause", "0.5"))
+    ckpt = job.cwd / "ftrun_checkpoints" / job.id  # the script's default, from the job id
+
+    def trains() -> bool:  # every rank connected, rank 0 logged step 10 (so steps are committed)
+        return len({e["rank"] for e in job.events() if e["kind"] == "rank_joined"}) == 4 and \
+            bool(re.search(r"\[rank0\] step [1-9]\d* loss", job.output()))
+
+    dj.wait_for(lambda: job.state() in FINISHED or trains(), timeout=240)
+    assert trains(), job.why()
+    phase("trains")
+    proc = cluster.cmd(["scancel", "--batch", "--signal=USR1", job.id], timeout=30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_stopped_with_a_gasp(job, job.wait(timeout=240))
+    phase("scancel->FAILED")
     stopped = [e for e in job.events() if e["kind"] == "stop_requested"]
+    assert len(stopped) == 1, job.why()
+
+    first_output = job.output()
+    proc = cluster.cmd(["scontrol", "requeue", job.id], timeout=30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    requeued_at, requeued_clock = time.time(), time.monotonic()
+    assert job.restarts() == 1, job.why()
+
+    def trains_again() -> bool:  # rank 0 logs a step after resuming from the checkpoint
+        after = job.output().partition(f"starting from checkpoint {ckpt}")[2]
+        return bool(re.search(r"\[rank0\] step \d+ loss", after))
+
+    dj.wait_for(lambda: job.state() in FINISHED or trains_again(), timeout=240)
+    assert trains_again(), job.why()
+    phase("requeue->trains")
+    shown = cluster.cmd(["scontrol", "-o", "show", "job", job.id], timeout=30).stdout
+    times = " ".join(re.findall(r"\b(?:SubmitTime|EligibleTime|StartTime)=\S+", shown))
+    kept = "appended to" if job.output().startswith(first_output) else "overwrote"
+    print(f"slurm: requeued job {job.id}: trains again {time.monotonic() - requeued_clock:.1f} s after the "
+          f"requeue; its output {kept} the first run's; {times}")
+    cut_the_limit(cluster, job)
+    assert_stopped_with_a_gasp(job, job.wait(timeout=240), since=requeued_at)
+    phase("limit cut->FAILED")
+    stopped = [e for e in job.events() if e["kind"] == "stop_requested" and e["time"] > requeued_at]
     assert len(stopped) == 1 and "SIGTERM" in stopped[0]["message"], job.why()
+
+    again = submit(cluster, tmp_path / "again", dj.LONG_STEPS, env={"FTRUN_CHECKPOINT_DIR": str(ckpt)})
+    assert again.wait(timeout=240) == "COMPLETED", again.why()
+    assert f"starting from checkpoint {ckpt}" in again.output(), again.why()
+    assert dj.digest(again.output(), dj.LONG_STEPS) == long_reference, again.why()
+    phase("re-submitted->COMPLETED")
+    print(f"slurm: phases (s): {', '.join(phases)}")
