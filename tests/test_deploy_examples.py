@@ -19,7 +19,7 @@ MANIFEST = DEPLOY / "pytorchjob.yaml"
 
 # sbatch options the script may use, long form (Slurm stops reading #SBATCH at the first command).
 SBATCH_OPTIONS = {"job-name", "nodes", "ntasks-per-node", "cpus-per-task", "time", "no-kill", "output", "error",
-                  "partition", "account", "gres", "gpus-per-node", "exclusive", "mem", "requeue", "signal"}
+                  "partition", "account", "gres", "gpus-per-node", "exclusive", "mem", "requeue", "signal", "open-mode"}
 
 
 def test_sbatch_is_bash():
