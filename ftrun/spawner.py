@@ -440,7 +440,23 @@ def tail_lines(path: Path, n: int) -> list[str]:
         return []
     lines = data.splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith("===== ftrun:")]
-    return lines[(starts[-1] + 1) if starts else 0 :][-n:]
+    lines = lines[(starts[-1] + 1) if starts else 0 :]
+    crashes = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error:")]
+    if crashes:  # faulthandler's dump of a fatal signal: its header and the crashed thread first
+        return crash_first(lines[crashes[-1]:])[:n]
+    return lines[-n:]
+
+
+def crash_first(dump: list[str]) -> list[str]:
+    """faulthandler's dump (from its ``Fatal Python error:`` line) with the crashed thread's stack
+    (``Current thread ...``) right after the header, then the other threads': one stack per
+    thread of the rank (its I/O and record threads included) would push the header and the
+    crashing frame out of a short tail."""
+    current = next((i for i, line in enumerate(dump) if line.startswith("Current thread")), None)
+    if current is None:
+        return dump
+    end = next((i for i in range(current + 1, len(dump)) if not dump[i].startswith("  ")), len(dump))
+    return dump[:1] + dump[current:end] + [line for line in dump[1:current] + dump[end:] if line.strip()]
 
 
 def rank_argv(no_python: bool, module: bool, script: str, script_args: list[str]) -> list[str]:
