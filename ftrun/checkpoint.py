@@ -327,6 +327,7 @@ def _sha256_file(path: Path) -> tuple[int, str]:
 # ---------------------------------------------------------------------- state encoding (save)
 # One codec for checkpoints and transfers (ftrun.codec); the names this module has always used.
 from .codec import NDARRAY as _NDARRAY  # noqa: E402
+from .codec import SCALARS as _SCALARS  # noqa: E402
 from .codec import check_key as _check_key  # noqa: E402
 from .codec import decode as _decode  # noqa: E402
 from .codec import encode as _encode  # noqa: E402
@@ -856,9 +857,6 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
         return _encode(obj, path)  # primitives, dtypes, devices, sizes; raises on anything else
 
     return copy(state, reuse, "state")
-
-
-_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})  # immutable: shared by a copy
 
 
 def _copy_into(dst: Any, src: Any) -> None:

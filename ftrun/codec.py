@@ -33,7 +33,7 @@ def key_path(path: str, key: Any) -> str:
     return f"{path}[{key!r}]"
 
 
-_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})  # primitives msgpack takes as they are
+SCALARS = frozenset({int, float, bool, str, bytes, type(None)})  # immutable primitives msgpack takes as they are
 
 
 def _is_primitive(obj: Any) -> bool:
@@ -106,7 +106,7 @@ def encode(obj: Any, path: str = "state") -> Any:
             out[check_key(k, path)] = encode(v, key_path(path, k))
         return out
     if isinstance(obj, list):
-        if all(type(v) in _SCALARS for v in obj):
+        if all(type(v) in SCALARS for v in obj):
             return list(obj)
         return [encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]
     if isinstance(obj, torch.Size):
@@ -176,7 +176,7 @@ def flatten(state: Any) -> tuple[Any, list[Any]]:
         if isinstance(obj, torch.Size):
             return {"__size": list(obj)}
         if isinstance(obj, list):
-            if all(type(v) in _SCALARS for v in obj):  # what encode left: numbers, strings, None
+            if all(type(v) in SCALARS for v in obj):  # what encode left: numbers, strings, None
                 return {"__l": obj}
             return {"__l": [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
         if isinstance(obj, tuple):

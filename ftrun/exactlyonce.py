@@ -109,11 +109,8 @@ class ExactlyOnceChecks:
         step = self.progress.current_step
         if step is None or self.progress.committed != step - 1 or not self.keeps_rank_records():
             return
-        from .checkpoint import snapshot
-
         try:
-            self._provisional = (step, self.rank_states.put(step, snapshot(self.registry.state_dict(only=("rank",))),
-                                                            provisional=True))
+            self._provisional = self._put_provisional(step)
         except Exception:  # a state the codec refuses: record_provisional raises it on the training path
             self._provisional = None
 
@@ -126,10 +123,14 @@ class ExactlyOnceChecks:
             return
         started, self._provisional = self._provisional, None
         if started is None or started[0] != step:
-            from .checkpoint import snapshot
-
-            started = (step, self.rank_states.put(step, snapshot(self.registry.state_dict(only=("rank",))), provisional=True))
+            started = self._put_provisional(step)
         self.rank_states.wait(started[1])
+
+    def _put_provisional(self, step: int) -> tuple[int, int | None]:
+        """Start writing the provisional record of ``step``: (step, the write's ticket)."""
+        from .checkpoint import snapshot
+
+        return step, self.rank_states.put(step, snapshot(self.registry.state_dict(only=("rank",))), provisional=True)
 
     def record_epoch_boundary(self) -> None:
         """After an epoch's end, before the next epoch's prologue: this rank's own state, labelled

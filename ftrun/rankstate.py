@@ -101,12 +101,6 @@ class RecordWriter:
         with self._cond:
             return self._cond.wait_for(lambda: self._written >= ticket, timeout)
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait for every write queued so far."""
-        with self._cond:
-            ticket = self._queued
-        return self.wait(ticket, timeout)
-
     def _run(self) -> None:
         store, failed = None, False
         while True:

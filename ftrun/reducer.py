@@ -50,21 +50,18 @@ from .errors import describe
 BUCKET_CAP_BYTES = 25 << 20  # DDP's default bucket_cap_mb (25 MiB)
 _MIB = 1024 * 1024
 
-# DDP keywords that cannot give DDP's bits over ftrun's rebuildable group, and why.
-_REFUSED_DDP_KEYWORDS = {
-    "process_group": "ftrun owns the process group (it is rebuilt after each fault)",
-    "device_mesh": "ftrun owns the process group (it is rebuilt after each fault)",
-    "static_graph": "its first iteration's delayed all-reduce and bucket rebuild are not reproduced; leave it out "
-                    "(it only saves time)",
-    "mixed_precision": "its reduced-precision copies are not reproduced; use torch.autocast",
-    "delay_all_reduce_named_params": "delayed all-reduces are not reproduced",
-    "param_to_hook_all_reduce": "delayed all-reduces are not reproduced",
-    "skip_all_reduce_unused_params": "DDP's reduction of unused parameters is what ftrun reproduces",
+# DDP keywords that cannot give DDP's bits over ftrun's rebuildable group: the value DDP takes by
+# default (accepted) and why any other is refused.
+_REFUSED_DDP_KEYWORDS: dict[str, tuple[Any, str]] = {
+    "process_group": (None, "ftrun owns the process group (it is rebuilt after each fault)"),
+    "device_mesh": (None, "ftrun owns the process group (it is rebuilt after each fault)"),
+    "static_graph": (False, "its first iteration's delayed all-reduce and bucket rebuild are not reproduced; leave it out "
+                            "(it only saves time)"),
+    "mixed_precision": (None, "its reduced-precision copies are not reproduced; use torch.autocast"),
+    "delay_all_reduce_named_params": (None, "delayed all-reduces are not reproduced"),
+    "param_to_hook_all_reduce": (None, "delayed all-reduces are not reproduced"),
+    "skip_all_reduce_unused_params": (False, "DDP's reduction of unused parameters is what ftrun reproduces"),
 }
-# A keyword's value that is the default DDP would use anyway is accepted.
-_HARMLESS_VALUES = {"static_graph": False, "mixed_precision": None, "delay_all_reduce_named_params": None,
-                    "param_to_hook_all_reduce": None, "skip_all_reduce_unused_params": False,
-                    "process_group": None, "device_mesh": None}
 
 
 @dataclass(frozen=True)
@@ -94,8 +91,8 @@ class BucketLayout:
             ValueError: a keyword ftrun cannot honour bit for bit (one line naming it and why), or
                 ``init_sync=False`` (every replica starts from rank 0's weights under ftrun).
         """
-        for key, why in _REFUSED_DDP_KEYWORDS.items():
-            if key in kwargs and kwargs[key] is not _HARMLESS_VALUES[key] and kwargs[key] != _HARMLESS_VALUES[key]:
+        for key, (default, why) in _REFUSED_DDP_KEYWORDS.items():
+            if key in kwargs and kwargs[key] is not default and kwargs[key] != default:
                 raise ValueError(f"ft.wrap_model(ddp=True) does not take {key}={kwargs[key]!r}: {why}")
         if kwargs.get("init_sync", True) is False:
             raise ValueError("ft.wrap_model(ddp=True) does not take init_sync=False: every replica starts from rank 0's "
@@ -249,7 +246,8 @@ class GradientReducer:
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         i = self._index[id(param)]
-        self._used.add(i)  # no_sync passes count too, as in DDP's local_used_map
+        if self.layout.find_unused_parameters:
+            self._used.add(i)  # no_sync passes count too, as in DDP's local_used_map
         if not (self.sync and self.forward_sync) or self.world_size == 1:
             return
         self._begin_pass()
