@@ -50,6 +50,7 @@ class EventKind(str, Enum):
     JOB_FINISHED = "job_finished"
     NODE_JOINED = "node_joined"
     NODE_LOST = "node_lost"
+    COORDINATOR_TAKEOVER = "coordinator_takeover"  # the standby coordinator took the job over
     DIVERGENCE = "divergence"  # exactly-once broken: a recomputed step or a replica's parameters differ
 
 

@@ -97,6 +97,9 @@ class MsgType(str, Enum):
     SPARES = "spares"  # keep this many spares (warm or hot, as the variables say)
     SPARE_NOTE = "spare_note"  # what the node's spares showed (a script that breaks the hot-spare contract)
     SHUTDOWN = "shutdown"  # the job is over: exit with this code
+    # coordinator failover (docs/coordinator_failover.md)
+    STANDBY = "standby"  # to ranks and agents: the standby coordinator's endpoint and store, to move to if this one dies
+    STATE = "state"  # to the standby: the coordinator's hard state (generation, attempt, budget, ranks...)
 
 
 _INT = (int,)
@@ -144,6 +147,8 @@ SCHEMA: dict[MsgType, dict[str, tuple[type, ...]]] = {
     MsgType.SPARES: {"warm": _INT, "hot": _INT, "vars": (dict,)},
     MsgType.SPARE_NOTE: {"node": _INT, "message": _STR},
     MsgType.SHUTDOWN: {"code": _INT, "message": _STR},
+    MsgType.STANDBY: {"control": _STR, "store": _STR, "epoch": _INT},
+    MsgType.STATE: {"state": (dict,)},
 }
 
 

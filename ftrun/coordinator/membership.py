@@ -166,7 +166,9 @@ class Membership:
     def on_hello(self, identity: bytes, msg: Message, fd: int | None, now: float) -> NodeLoss | None:
         job, spec = self.job, self.job.spec
         node = msg.get("node")
-        if not isinstance(node, int) or not 0 < node < spec.nnodes:
+        # Node 0 is the coordinator's own until a standby took over from it: then a launcher
+        # replaces it like any lost node.
+        if not isinstance(node, int) or not 0 <= node < spec.nnodes or (node == 0 and 0 not in self.waiting_for):
             job.control.reject(identity, f"agent hello for node {node!r}: not a node of this job")
             return None
         current = self.agents.get(node)
@@ -196,6 +198,10 @@ class Membership:
                      f"--checkpoint_dir {job.ttp.root} is not shared with node {node} (host {msg['host']}): "
                      "checkpoints need one directory every node sees (a shared file system); shards written "
                      "there would be missing here")
+        if isinstance(msg.get("standby_control"), str) and isinstance(msg.get("standby_store"), str):
+            job.failover.on_standby(node, msg["standby_control"], msg["standby_store"])
+        elif job.failover.node is not None:
+            agent.announce_standby(job.failover.control, job.failover.store, job.epoch)
         for order in self.pending_spawns.pop(node, []):
             job.ranks[order[0]].proc.started_at = job.clock()  # its set-up time counts from now
             agent.spawn(*order)
