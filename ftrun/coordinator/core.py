@@ -189,6 +189,7 @@ class Coordinator:
             "world_size": self.spec.worker_num,
             "nnodes": self.spec.nnodes,
             "lost_nodes": {str(k): v for k, v in self.members.lost_nodes.items()},
+            "standbys": self.members.standby_rows(),
             **status_header(),
         }
 
@@ -231,14 +232,14 @@ class Coordinator:
                 self.finish_with(self.check_agents())
             if self.exit_code is None:
                 self.check_hangs()
-            if self.exit_code is None and (spec.warm_spares or spec.hot_spares):
+            if self.exit_code is None:
                 self.spawning.keep_spares()
             self.publish_status()
         code = self.exit_code
         assert code is not None
         self.publish_status(final={"exit_code": code, "message": self._final_message or ""})
         message = self._final_message or f"job finished with exit code {code}"
-        for agent in self.agents.values():
+        for agent in [*self.agents.values(), *self.members.standbys.values()]:
             agent.shutdown(code, message)
         self.close()
         return code
@@ -303,7 +304,8 @@ class Coordinator:
         if self.phase.current not in ACTIVE:
             return None
         waits = loss.replaceable and self.spec.tft.arf and bool(lost) and not self.spec.join
-        self.emit(EventKind.NODE_LOST, reason + (f"; waiting up to {self.spec.node_wait_timeout:g} s for a replacement "
+        self.emit(EventKind.NODE_LOST, reason + ("; a standby node takes it" if waits and self.members.standbys else
+                                                 f"; waiting up to {self.spec.node_wait_timeout:g} s for a replacement "
                                                  f"launcher with --node_rank {node}" if waits else ""),
                   node_lost=node, ranks=[r.rank for r in lost], waiting=waits, cause=loss.cause,
                   detection_seconds=round(loss.evidence_age, 4))
