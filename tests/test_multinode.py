@@ -10,6 +10,7 @@ fault-free run, and ranks that did not fault keep their PID.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -49,18 +50,20 @@ def start_job(hosts: list[NetHost], tmp_path: Path, script: Path = dj.SCRIPT, st
             for i, host in enumerate(hosts)]
 
 
-def start_node(host: NetHost, node: int, master: str, nnodes: int, tmp_path: Path, script: Path = dj.SCRIPT,
+def start_node(host: NetHost, node: int | None, master: str, nnodes: int, tmp_path: Path, script: Path = dj.SCRIPT,
                steps: str = dj.STEPS, local: int = 2, fault: str | None = None, extra: tuple[str, ...] = (),
                script_args: tuple[str, ...] = ("--log_every", "10"), extra_env: dict[str, str] | None = None,
                tag: str = "") -> NodeRun:
-    """Start one node's launcher on ``host`` (a replacement too: the same command, another host)."""
+    """Start one node's launcher on ``host`` (a replacement too: the same command, another host);
+    ``node`` None: no ``--node_rank`` (the index is taken in node 0's store, or the launcher waits
+    as a standby), and every local rank 0's log on the console."""
     env = dj.env({"FTRUN_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", **({"FTRUN_FAULT": fault} if fault else {}),
                   **(extra_env or {})})
     log_dir = tmp_path / f"logs{tag}"
     cmd = [sys.executable, "-m", "ftrun", "--worker_num", str(local * nnodes), "--local_worker_num", str(local),
-           "--node_rank", str(node), "--master_addr", master, "--master_port", "29500", "--plain",
-           "--log_dir", str(log_dir), "--checkpoint_dir", str(tmp_path / "ckpt"), "--max_restarts", "4",
-           "--tail_worker_log", "0" if node == 0 else "", *extra, str(script), "--steps", steps, *script_args]
+           *(("--node_rank", str(node)) if node is not None else ()), "--master_addr", master, "--master_port", "29500",
+           "--plain", "--log_dir", str(log_dir), "--checkpoint_dir", str(tmp_path / "ckpt"), "--max_restarts", "4",
+           "--tail_worker_log", "0" if node in (0, None) else "", *extra, str(script), "--steps", steps, *script_args]
     out_path = tmp_path / f"out{tag}.txt"
     with open(out_path, "wb") as out:
         proc = host.popen(cmd, env=env, cwd=str(tmp_path), stdout=out, stderr=subprocess.STDOUT)
@@ -332,3 +335,56 @@ def test_hangs_inside_recoveries_across_hosts(net_hosts, reference: str, tmp_pat
     found = [(e["rank"], e["detail"]["fault"]) for e in events if e["kind"] == "rank_hung"]
     assert found == [(3, "stalled"), (0, "stalled")], dj.story(events)
     assert not [e for e in events if e["kind"] == "job_restarting"], dj.story(events)
+
+
+def test_standby_nodes_hot_spares_take_a_lost_nodes_ranks(net_hosts, long_reference: str, tmp_path: Path) -> None:  # noqa: F811
+    """Issue 24 item 2: every host runs the same command, no node index; the third host, started
+    once the job trains, waits as a standby node with one hot spare per local rank. Every process
+    of host 1 is SIGKILLed: the standby takes node 1, its ready hot spares take ranks 2 and 3 (no
+    new process), and the job ends with the fault-free digest on hosts 0 and 2, node 0's ranks
+    keeping their PIDs, nothing left behind."""
+    hosts = net_hosts(3)
+    slow = tmp_path / "slow"  # steps pause while it exists: the job outlasts the standby's set-up
+    slow.write_text("")
+    args = ("--log_every", "10", "--step_pause", "0.3", "--pause_while", str(slow))
+    runs = [start_node(host, None, hosts[0].addr, 2, tmp_path, steps=dj.LONG_STEPS, script_args=args, tag=str(i))
+            for i, host in enumerate(hosts[:2])]
+    standby = None
+    try:
+        dj.wait_for(lambda: dj.training(runs[0].log_dir), timeout=180)
+        standby = start_node(hosts[2], None, hosts[0].addr, 2, tmp_path, steps=dj.LONG_STEPS, script_args=args, tag="2")
+        ready = re.compile(r"ftrun: hot spare \(pid \d+\) waits for a rank at the training loop")
+        spares_log = standby.log_dir / "spares.log"
+        dj.wait_for(lambda: spares_log.exists() and len(ready.findall(spares_log.read_text())) >= 2, timeout=180)
+        joined = [e for e in dj.events(runs[0].log_dir) if e["kind"] == "standby_joined"]
+        assert len(joined) == 1 and joined[0]["detail"]["host"], dj.story(dj.events(runs[0].log_dir))
+        for pid in hosts[1].pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        dj.wait_for(lambda: any(e["kind"] == "recovery_finished" for e in dj.events(runs[0].log_dir)), timeout=120)
+        slow.unlink()
+        codes = wait_all([runs[0], standby])
+        deadline = time.monotonic() + 30
+        while any(h.pids() for h in hosts) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = {i: h.pids() for i, h in enumerate(hosts) if h.pids()}
+    finally:
+        for run in [*runs, *([standby] if standby else [])]:
+            if run.proc.poll() is None:
+                os.killpg(run.proc.pid, signal.SIGKILL)
+    everything = "\n---\n".join(r.output()[-3000:] for r in [runs[0], standby])
+    assert codes == [0, 0], everything
+    assert left == {}, f"processes left behind: {left}\n{everything}"
+    assert dj.digest(runs[0].output(), dj.LONG_STEPS) == long_reference
+    events = dj.events(runs[0].log_dir)
+    pids = dj.started(events)
+    assert len(pids[0]) == 1 and len(pids[1]) == 1, "a rank of the surviving node was restarted"
+    assert len(pids[2]) == 2 and len(pids[3]) == 2, dj.story(events)
+    assert not [e for e in events if e["kind"] == "job_restarting"]
+    took = [e for e in events if e["kind"] == "node_joined" and e["detail"].get("standby")]
+    assert [e["detail"]["node_joined"] for e in took] == [1], dj.story(events)
+    respawned = [e for e in events if e["kind"] == "rank_started" and e["rank"] in (2, 3) and e["pid"] == pids[e["rank"]][1]]
+    assert len(respawned) == 2 and all(e["detail"]["hot_spare"] for e in respawned), dj.story(events)
+    assert "connection closed" in [e for e in events if e["kind"] == "node_lost"][0]["message"]
