@@ -56,11 +56,11 @@ events.jsonl into detection (kill to node_lost), join (to the replacement's node
 (to recovery_finished) and the retried step; which ranks kept their pid is recorded.
 
 With ``--standby`` the third host runs, for ftrun, a launcher started before the loss (the same
-command without ``--node_rank``, as soon as the job trains: a standby node, which runs one hot
-spare per local rank), and the kill comes at the first step from ``kill_step`` on at which both
-of its spares wait at the training loop; nothing is started at the kill. torchrun has no standby:
-its replacement agent starts at the kill, as without the flag. The job is longer (800 steps, the
-kill from step 200 on) so that the spares are ready before it ends.
+command without ``--node_rank``, as soon as every node has joined: a standby node, which runs one
+hot spare per local rank), and the kill comes at the first step from ``kill_step`` on at which
+both of its spares wait at the training loop; nothing is started at the kill. torchrun has no
+standby: its replacement agent starts at the kill, as without the flag. The job is longer (1200
+steps, the kill from step 300 on) so that the spares are ready before it ends on a loaded machine.
 
 Ratios (torchrun/ftrun recovery, ftrun/torchrun step time) are taken pair by pair: each repeat runs
 both launchers back to back, so load on the machine hits both alike. ``--json`` keeps every raw run.
@@ -192,14 +192,16 @@ def hot_ready(workdir: Path) -> bool:
 
 
 def find_rank_pid(launcher_pid: int, rank: int, script: str) -> int | None:
-    """PID of the process serving ``rank`` below the launcher (read from its environment)."""
+    """PID of the process serving ``rank`` below the launcher (read from its environment; a promoted
+    ftrun spare, ``python -m ftrun.spare``, shows its rank's there too)."""
     try:
         children = psutil.Process(launcher_pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return None
     for child in children:
         try:
-            if script in " ".join(child.cmdline()) and child.environ().get("RANK") == str(rank):
+            line = " ".join(child.cmdline())
+            if (script in line or "ftrun.spare" in line) and child.environ().get("RANK") == str(rank):
                 return child.pid
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -589,9 +591,6 @@ def _run_nodeloss_in(launcher: str, case: Case, hosts: list[Any], workdir: Path,
                 lines.append((step, stamp))
                 if case.kill_step is None:
                     continue
-                if standby and "standby_started" not in kill:
-                    start(lost, [*hosts[:lost], hosts[spare]], "-standby")  # the job trains: every node has its index
-                    kill["standby_started"] = time.time()
                 if (step == case.kill_step or (standby and step > case.kill_step)) and "time" not in kill and (
                         not standby or standby_ready()):
                     pids["before"] = rank_pids()
@@ -613,6 +612,13 @@ def _run_nodeloss_in(launcher: str, case: Case, hosts: list[Any], workdir: Path,
                 elif "time" in kill and "after" not in pids and step >= kill["step"] + 20:
                     pids["after"] = rank_pids()
 
+    def every_node_joined() -> bool:
+        try:
+            text = (workdir / "logs0" / "events.jsonl").read_text()
+        except OSError:
+            return False
+        return text.count('"kind": "node_joined"') >= case.nodes - 1
+
     started = time.time()
     with lock:
         for node in range(case.nodes):
@@ -621,6 +627,9 @@ def _run_nodeloss_in(launcher: str, case: Case, hosts: list[Any], workdir: Path,
     timed_out = True
     while time.time() < deadline:
         with lock:
+            if standby and "standby_started" not in kill and every_node_joined():
+                start(lost, [*hosts[:lost], hosts[spare]], "-standby")  # every node has its index: a standby
+                kill["standby_started"] = time.time()
             current = list(procs)
         if all(proc.poll() is not None for proc in current):
             timed_out = False
@@ -810,8 +819,8 @@ def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
         # 2 hosts x 2 ranks and a spare host; all of host 1 (ranks 2 and 3, its launcher) is killed.
         # --standby: ftrun's spare host runs a standby node from the start; longer, so its spares are ready.
         standby = getattr(args, "standby", False)
-        parts["nodeloss"] = [Case("digits", "-", 4, 800 if standby else 100 if q else 200,
-                                  200 if standby else 40 if q else 60, victim=3, ckpt_every=25, nodes=2, hot=standby)]
+        parts["nodeloss"] = [Case("digits", "-", 4, 1200 if standby else 100 if q else 200,
+                                  300 if standby else 40 if q else 60, victim=3, ckpt_every=25, nodes=2, hot=standby)]
     return parts
 
 
