@@ -9,6 +9,7 @@ the ranks, tied the same way to the supervisor, die with it: no process outlives
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -465,8 +466,6 @@ class Launcher:
             took = (event.get("detail") or {}).get("node_joined")
             if (event.get("kind") == "node_joined" and self.spec.node_rank == contract.STANDBY_NODE
                     and isinstance(took, int) and 0 < took < self.spec.nnodes):
-                import dataclasses
-
                 self.spec = dataclasses.replace(self.spec, node_rank=took)  # this standby took a lost node's place
                 self.tailers = self._tailers(self.spec)
             if event.get("kind") == "job_finished":
