@@ -588,8 +588,9 @@ def test_early_replacement_of_a_silent_node_is_taken(tmp_path: Path) -> None:
 def test_standby_nodes_take_lost_nodes_first_joined_first(tmp_path: Path) -> None:
     """Standby nodes (issue 24 item 2): each keeps one hot spare per local rank; a lost node goes to
     the standby that joined first, never to two; its ranks are respawned there in spares; a standby
-    that dies is dropped with no fault; ``ftrun status`` lists them."""
-    coord, agent, clock = make(tmp_path, world=4, local=2, node_wait_timeout=60.0)
+    that dies is dropped with no fault; ``ftrun status`` lists them; a launcher that comes later is
+    the next standby, and takes the same node when it is lost again."""
+    coord, agent, clock = make(tmp_path, world=4, local=2, node_wait_timeout=60.0, max_restarts=8)
     sent: list[tuple[bytes, MsgType, dict]] = []
     coord.control.send = lambda identity, kind, fields: sent.append((identity, kind, fields))  # type: ignore[method-assign]
     join_node1(coord)
@@ -624,6 +625,13 @@ def test_standby_nodes_take_lost_nodes_first_joined_first(tmp_path: Path) -> Non
     assert coord.check_agents() is None and coord.exit_code is None
     assert "connection closed" in events(tmp_path, "standby_left")[0]["message"]
     assert coord.status_snapshot()["standbys"] == []
+    coord.on_agent_message(b"standby-c", msg(MsgType.AGENT_HELLO, node=-1, pid=9, host="standby-c"))
+    sent.clear()
+    coord.control.closed_agent_connections = lambda: {b"standby-a"}  # type: ignore[method-assign]
+    assert coord.check_agents() is None  # node 1 (the first standby) lost in its turn
+    assert [(i, f["node"]) for i, kind, f in sent if kind == MsgType.TAKE_NODE] == [(b"standby-c", 1)]
+    assert [(i, f["rank"]) for i, kind, f in sent if kind == MsgType.SPAWN] == [(b"standby-c", 2), (b"standby-c", 3)]
+    assert coord.restarts_used == 4 and coord.exit_code is None
 
 
 # ----------------------------------------------------------------- replayed frames (issue 21 item 2)
