@@ -346,7 +346,7 @@ def test_standby_nodes_hot_spares_take_a_lost_nodes_ranks(net_hosts, long_refere
     hosts = net_hosts(3)
     slow = tmp_path / "slow"  # steps pause while it exists: the job outlasts the standby's set-up
     slow.write_text("")
-    args = ("--log_every", "10", "--step_pause", "0.3", "--pause_while", str(slow))
+    args = ("--log_every", "10", "--step_pause", "0.6", "--pause_while", str(slow))
     runs = [start_node(host, None, hosts[0].addr, 2, tmp_path, steps=dj.LONG_STEPS, script_args=args, tag=str(i))
             for i, host in enumerate(hosts[:2])]
     standby = None
@@ -387,4 +387,5 @@ def test_standby_nodes_hot_spares_take_a_lost_nodes_ranks(net_hosts, long_refere
     assert [e["detail"]["node_joined"] for e in took] == [1], dj.story(events)
     respawned = [e for e in events if e["kind"] == "rank_started" and e["rank"] in (2, 3) and e["pid"] == pids[e["rank"]][1]]
     assert len(respawned) == 2 and all(e["detail"]["hot_spare"] for e in respawned), dj.story(events)
-    assert "connection closed" in [e for e in events if e["kind"] == "node_lost"][0]["message"]
+    # The kills go one process at a time: the agent may see its launcher die first and say it leaves.
+    assert [e for e in events if e["kind"] == "node_lost"][0]["detail"]["cause"] in ("connection_closed", "left")
