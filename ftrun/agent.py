@@ -317,6 +317,9 @@ class NodeAgent:
                   **({} if self.checkpoint_marker is None else {"sees_checkpoint_dir": self.checkpoint_marker.exists()}))
         if self.processes.interface_note:
             self.event(EventKind.WARNING, self.processes.interface_note)
+        if self.node == STANDBY_NODE:
+            self.event(EventKind.STANDBY_JOINED, "every node of the job has its index: this launcher waits as a standby "
+                                                 "node and takes the next lost node's place")
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._wakeup.fd, zmq.POLLIN)
@@ -392,7 +395,8 @@ class NodeAgent:
             return
         self.send(MsgType.SPAWNED, node=self.node, rank=msg["rank"], incarnation=msg["incarnation"], pid=pid,
                   spare=bool(spare), spare_kind=spare)
-        self.event(EventKind.RANK_STARTED, f"rank {msg['rank']} started (pid {pid}, incarnation {msg['incarnation']})", rank=msg["rank"])
+        self.event(EventKind.RANK_STARTED, f"rank {msg['rank']} started (pid {pid}, incarnation {msg['incarnation']}"
+                                           f"{f', in a {spare} spare' if spare else ''})", rank=msg["rank"])
 
     def _on_signal(self, msg: Message) -> None:
         self.processes.signal(msg["rank"], msg["incarnation"], msg["signal"])
