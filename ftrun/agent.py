@@ -17,7 +17,7 @@ since the last call (spawned, exited, stacks). An agent that loses its coordinat
 the job's decision-maker. A coordinator that loses an agent treats the node as lost.
 
 A standby node's agent (its launcher came after every node had its index) starts with the node
-index :data:`~ftrun.contract.STANDBY_NODE`, keeps the spares the coordinator orders, and becomes
+index :data:`~ftrun.contract.STANDBY_NODE_INDEX`, keeps the spares the coordinator orders, and becomes
 a lost node's agent when told ``take_node``; its spares then take that node's ranks.
 """
 
@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping
 import zmq
 
 from . import procs
-from .contract import STANDBY_NODE
+from .contract import STANDBY_NODE_INDEX
 from .events import Event, EventKind
 from .protocol import CONTROL, MAX_FRAME_BYTES, Message, MsgType, Receiver, Sender, encode, events_for, receive, to_peer
 from .spawner import EXIT_TAIL_LINES, ExitReport, RankProcesses, StopReport, rank_argv, shared_dir_marker
@@ -261,7 +261,7 @@ class NodeAgent:
     """The agent process of a node other than node 0 (``python -m ftrun.agent``).
 
     Args:
-        node: this node's index (:data:`~ftrun.contract.STANDBY_NODE` for a standby, until ``take_node``).
+        node: this node's index (:data:`~ftrun.contract.STANDBY_NODE_INDEX` for a standby, until ``take_node``).
         control_addr: the coordinator's ROUTER endpoint.
         token: the job secret.
         processes: this node's :class:`RankProcesses`.
@@ -317,8 +317,8 @@ class NodeAgent:
                   **({} if self.checkpoint_marker is None else {"sees_checkpoint_dir": self.checkpoint_marker.exists()}))
         if self.processes.interface_note:
             self.event(EventKind.WARNING, self.processes.interface_note)
-        if self.node == STANDBY_NODE:
-            self.event(EventKind.STANDBY_JOINED, "every node of the job has its index: this launcher waits as a standby "
+        if self.node == STANDBY_NODE_INDEX:
+            self.event(EventKind.STANDBY_NODE_JOINED, "every node of the job has its index: this launcher waits as a standby "
                                                  "node and takes the next lost node's place")
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
@@ -418,7 +418,7 @@ class NodeAgent:
 
     def _on_take_node(self, msg: Message) -> None:
         """A standby node becomes the agent of lost node ``node`` (its launcher learns it from the event)."""
-        if self.node != STANDBY_NODE or not 0 < msg["node"]:
+        if self.node != STANDBY_NODE_INDEX or msg["node"] < 0:
             log.warning("take_node %r ignored: this agent is node %d", msg["node"], self.node)
             return
         self.node = msg["node"]
@@ -445,7 +445,7 @@ class NodeAgent:
 
 def agent_log_name(node: int) -> str:
     """The log file of node ``node``'s agent in ``--log_dir`` (a standby's until it takes a node, too)."""
-    return "agent_standby.log" if node == STANDBY_NODE else f"agent_{node}.log"
+    return "agent_standby.log" if node == STANDBY_NODE_INDEX else f"agent_{node}.log"
 
 
 def main() -> None:

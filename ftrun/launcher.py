@@ -137,7 +137,7 @@ def claim_node_rank(
     later loss of the same node is a new claim key. A claim whose beats stop for ``stale_after``
     seconds while the node is still vacant (its launcher died before joining) is taken over. With
     nothing vacant it polls until ``--cluster_time_out``, or, with ``standby``, returns
-    :data:`ftrun.contract.STANDBY_NODE` at once: the launcher waits as a standby node, which the
+    :data:`ftrun.contract.STANDBY_NODE_INDEX` at once: the launcher waits as a standby node, which the
     coordinator hands the next lost node (``take_node``, :mod:`ftrun.coordinator.membership`).
 
     Args:
@@ -150,7 +150,7 @@ def claim_node_rank(
         standby: become a standby node rather than wait for a vacancy.
 
     Returns:
-        The node index, 1 .. nnodes-1, or ``STANDBY_NODE`` (-1).
+        The node index, 1 .. nnodes-1, or ``STANDBY_NODE_INDEX`` (-1).
 
     Raises:
         ConfigError: no index was free or vacant within ``--cluster_time_out`` seconds.
@@ -209,7 +209,7 @@ def claim_node_rank(
                 keep_claim(node, epoch, key)
                 return node
             if standby:
-                return contract.STANDBY_NODE
+                return contract.STANDBY_NODE_INDEX
             if clock() >= deadline:
                 raise ConfigError(
                     f"no node index is free for this launcher: all {spec.nnodes} nodes of the job have launchers and "
@@ -233,7 +233,7 @@ def host_store(spec: JobSpec) -> tuple[Any, int, JobSpec]:
     With an automatic node index (``spec.node_rank_auto``), the launcher that can host the store
     (:func:`can_host_store`) is node 0 (or, when another launcher on this host binds the port
     first, a client); any other joins as a client and takes an index (:func:`claim_node_rank`), or
-    becomes a standby node (index :data:`ftrun.contract.STANDBY_NODE`) when every node has one and
+    becomes a standby node (index :data:`ftrun.contract.STANDBY_NODE_INDEX`) when every node has one and
     none is vacant. The returned spec has the index decided.
 
     Raises:
@@ -432,7 +432,7 @@ class Launcher:
 
     def _tailers(self, spec: JobSpec) -> list[LogTailer]:
         """The console's rank logs of this node (none while it is a standby)."""
-        if spec.node_rank == contract.STANDBY_NODE:
+        if spec.node_rank == contract.STANDBY_NODE_INDEX:
             return []
         tail_ranks = range(spec.local_worker_num) if spec.tail_worker_log is None else spec.tail_worker_log
         log_dir = Path(spec.log_dir)
@@ -464,8 +464,8 @@ class Launcher:
                     and event.get("node", 0) == self.spec.node_rank and (event.get("detail") or {}).get("library") is True):
                 self._library_pids.add(event["pid"])
             took = (event.get("detail") or {}).get("node_joined")
-            if (event.get("kind") == "node_joined" and self.spec.node_rank == contract.STANDBY_NODE
-                    and isinstance(took, int) and 0 < took < self.spec.nnodes):
+            if (event.get("kind") == "node_joined" and self.spec.node_rank == contract.STANDBY_NODE_INDEX
+                    and isinstance(took, int) and 0 <= took < self.spec.nnodes):
                 self.spec = dataclasses.replace(self.spec, node_rank=took)  # this standby took a lost node's place
                 self.tailers = self._tailers(self.spec)
             if event.get("kind") == "job_finished":

@@ -35,7 +35,7 @@ Supervisor -> launcher (PUSH -> PULL): ``event``, ``status``.
 Node agent -> coordinator: ``agent_hello``, ``agent_beat``, ``spawned``, ``exited``, ``stopped``, ``stacks``.
 Coordinator -> node agent: ``agent_beat``, ``spawn``, ``signal``, ``kill_hung``, ``stop_ranks``,
 ``spares``, ``shutdown``, and to a standby node's agent (its hello's node is
-:data:`ftrun.contract.STANDBY_NODE`) ``take_node``.
+:data:`ftrun.contract.STANDBY_NODE_INDEX`) ``take_node``.
 """
 
 from __future__ import annotations

@@ -596,8 +596,8 @@ def test_standby_nodes_take_lost_nodes_first_joined_first(tmp_path: Path) -> Non
     join_node1(coord)
     for name in (b"standby-a", b"standby-b"):
         coord.on_agent_message(name, msg(MsgType.AGENT_HELLO, node=-1, pid=len(name), host=name.decode()))
-    assert [e["detail"]["standbys"] for e in events(tmp_path, "standby_joined")] == [1, 2]
-    assert [row["host"] for row in coord.status_snapshot()["standbys"]] == ["standby-a", "standby-b"]
+    assert [e["detail"]["standby_nodes"] for e in events(tmp_path, "standby_node_joined")] == [1, 2]
+    assert [row["host"] for row in coord.status_snapshot()["standby_nodes"]] == ["standby-a", "standby-b"]
     hello_all(coord)
     step(coord, 0)
     coord.spawning.keep_spares()
@@ -620,11 +620,11 @@ def test_standby_nodes_take_lost_nodes_first_joined_first(tmp_path: Path) -> Non
     assert "a standby node takes it" in events(tmp_path, "node_lost")[0]["message"]
     coord.on_agent_message(b"standby-a", msg(MsgType.AGENT_BEAT, node=-1))  # sent before it read take_node
     assert not events(tmp_path, "message_rejected")
-    assert [row["host"] for row in coord.status_snapshot()["standbys"]] == ["standby-b"]
+    assert [row["host"] for row in coord.status_snapshot()["standby_nodes"]] == ["standby-b"]
     coord.control.closed_agent_connections = lambda: {b"standby-b"}  # type: ignore[method-assign]
     assert coord.check_agents() is None and coord.exit_code is None
-    assert "connection closed" in events(tmp_path, "standby_left")[0]["message"]
-    assert coord.status_snapshot()["standbys"] == []
+    assert "connection closed" in events(tmp_path, "standby_node_left")[0]["message"]
+    assert coord.status_snapshot()["standby_nodes"] == []
     coord.on_agent_message(b"standby-c", msg(MsgType.AGENT_HELLO, node=-1, pid=9, host="standby-c"))
     sent.clear()
     coord.control.closed_agent_connections = lambda: {b"standby-a"}  # type: ignore[method-assign]

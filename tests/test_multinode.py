@@ -356,7 +356,7 @@ def test_standby_nodes_hot_spares_take_a_lost_nodes_ranks(net_hosts, long_refere
         ready = re.compile(r"ftrun: hot spare \(pid \d+\) waits for a rank at the training loop")
         spares_log = standby.log_dir / "spares.log"
         dj.wait_for(lambda: spares_log.exists() and len(ready.findall(spares_log.read_text())) >= 2, timeout=180)
-        joined = [e for e in dj.events(runs[0].log_dir) if e["kind"] == "standby_joined"]
+        joined = [e for e in dj.events(runs[0].log_dir) if e["kind"] == "standby_node_joined"]
         assert len(joined) == 1 and joined[0]["detail"]["host"], dj.story(dj.events(runs[0].log_dir))
         for pid in hosts[1].pids():
             try:

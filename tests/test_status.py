@@ -240,7 +240,7 @@ def test_the_header_lists_the_standby_nodes(tmp_path):
     rows, _, _ = rows_and_timeline()
     (log_dir / "status.json").write_text(json.dumps({"state": "running", "pid": os.getpid(), "ranks": rows, "attempt": 0,
                                                      "nnodes": 2, "updated": T0 + 12.0,
-                                                     "standbys": [{"host": "spare-a", "pid": 41}, {"host": "spare-b", "pid": 42}]}))
+                                                     "standby_nodes": [{"host": "spare-a", "pid": 41}, {"host": "spare-b", "pid": 42}]}))
     (log_dir / "events.jsonl").write_text(json.dumps({"time": T0, "kind": "job_started", "message": "m", "detail": {}}) + "\n")
     parts = _header(read_snapshot(log_dir, alive=lambda pid: True, now=T0 + 12.0)).split("; ")
     assert "2 standby node(s) (spare-a/41, spare-b/42)" in parts

@@ -189,7 +189,7 @@ class Coordinator:
             "world_size": self.spec.worker_num,
             "nnodes": self.spec.nnodes,
             "lost_nodes": {str(k): v for k, v in self.members.lost_nodes.items()},
-            "standbys": self.members.standby_rows(),
+            "standby_nodes": self.members.standby_node_rows(),
             **status_header(),
         }
 
@@ -239,7 +239,7 @@ class Coordinator:
         assert code is not None
         self.publish_status(final={"exit_code": code, "message": self._final_message or ""})
         message = self._final_message or f"job finished with exit code {code}"
-        for agent in [*self.agents.values(), *self.members.standbys.values()]:
+        for agent in [*self.agents.values(), *self.members.standby_nodes.values()]:
             agent.shutdown(code, message)
         self.close()
         return code
@@ -304,7 +304,7 @@ class Coordinator:
         if self.phase.current not in ACTIVE:
             return None
         waits = loss.replaceable and self.spec.tft.arf and bool(lost) and not self.spec.join
-        self.emit(EventKind.NODE_LOST, reason + ("; a standby node takes it" if waits and self.members.standbys else
+        self.emit(EventKind.NODE_LOST, reason + ("; a standby node takes it" if waits and self.members.standby_nodes else
                                                  f"; waiting up to {self.spec.node_wait_timeout:g} s for a replacement "
                                                  f"launcher with --node_rank {node}" if waits else ""),
                   node_lost=node, ranks=[r.rank for r in lost], waiting=waits, cause=loss.cause,

@@ -71,7 +71,7 @@ class Spawning:
         self.attempt_store: Any = None
         self.run_id = ""
         self._spares_sent = 0.0
-        self._spares_order: tuple[int, int, int] | None = None  # (warm, hot, standbys) last sent to the agents
+        self._spares_order: tuple[int, int, int] | None = None  # (warm, hot, standby_nodes) last sent to the agents
 
     def rank_env(self, r: Rank) -> RankEnv:
         """:func:`rank_environment` for ``r`` where the job stands now."""
@@ -130,11 +130,11 @@ class Spawning:
         past_setup = all(r.proc.step is not None or r.proc.state == RankState.SUCCEEDED for r in ranks)
         hot = spec.hot_spares if past_setup else 0
         now = job.clock()
-        standbys = list(job.members.standbys.values())
-        if ((spec.warm_spares, hot, len(standbys)) == self._spares_order and now - self._spares_sent < 1.0) or not (
-                spec.warm_spares or spec.hot_spares or standbys):
+        standby_nodes = list(job.members.standby_nodes.values())
+        if ((spec.warm_spares, hot, len(standby_nodes)) == self._spares_order and now - self._spares_sent < 1.0) or not (
+                spec.warm_spares or spec.hot_spares or standby_nodes):
             return  # the same order at most once a second (an agent refills what a promotion used); a new one at once
-        self._spares_sent, self._spares_order = now, (spec.warm_spares, hot, len(standbys))
+        self._spares_sent, self._spares_order = now, (spec.warm_spares, hot, len(standby_nodes))
         for node, agent in job.members.agents.items():
             model = next((r for r in ranks if r.node == node), None)
             if model is not None and agent.connected() and (spec.warm_spares or spec.hot_spares):
@@ -143,7 +143,7 @@ class Spawning:
         if kind != "none" and model is not None:
             count = spec.local_worker_num
             model_vars = self.rank_env(model).without_identity().to_environ()
-            for standby in standbys:
+            for standby in standby_nodes:
                 standby.keep_spares(count if kind == "warm" else 0, count if kind == "hot" else 0, model_vars)
 
     def _attempt_store_port(self) -> int:

@@ -10,7 +10,7 @@ term). A lost node's old connection is fenced (anything it sends later is answer
 (recovery, restart, failure) is the coordinator's decision: this module reports it.
 
 Standby nodes: a launcher started without ``--node_rank`` after every node has its index connects
-its agent with the node index :data:`~ftrun.contract.STANDBY_NODE` and waits, running spares for
+its agent with the node index :data:`~ftrun.contract.STANDBY_NODE_INDEX` and waits, running spares for
 the ranks it may take over (``--standby_spares``, :meth:`ftrun.coordinator.environment.Spawning.keep_spares`).
 A lost node is handed at once to the standby that joined first (``take_node``: its agent becomes
 the node's agent, its spares take the node's ranks), never to two; with none, the node is awaited
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ..agent import AgentHandle, RemoteAgent
-from ..contract import STANDBY_NODE, VACANT_KEY
+from ..contract import STANDBY_NODE_INDEX, VACANT_KEY
 from ..events import EventKind
 from ..protocol import Message, MsgType
 
@@ -78,7 +78,7 @@ class Membership:
         self.fenced: dict[bytes, int] = {}  # connection of a lost node's agent -> that node
         self.pending_spawns: dict[int, list[SpawnOrder]] = {}  # node -> orders for when its agent joins
         self.lost_nodes: dict[int, str] = {}
-        self.standbys: dict[bytes, RemoteAgent] = {}  # standby nodes' agents by connection, the first joined first
+        self.standby_nodes: dict[bytes, RemoteAgent] = {}  # standby nodes' agents by connection, the first joined first
         self._took: dict[bytes, int] = {}  # connection of a standby that took a node -> that node
         self.main_store: Any = None  # the launcher's store (vacancies), once the control address is published
         self._next_beat = 0.0
@@ -99,16 +99,16 @@ class Membership:
         timeout = max(spec.heartbeat_timeout, 3 * spec.heartbeat_interval)
         if now >= self._next_beat:
             self._next_beat = now + spec.heartbeat_interval
-            for agent in [*self.agents.values(), *self.standbys.values()]:
+            for agent in [*self.agents.values(), *self.standby_nodes.values()]:
                 if isinstance(agent, RemoteAgent):
                     agent.beat()
-        for identity, standby in list(self.standbys.items()):
+        for identity, standby in list(self.standby_nodes.items()):
             gone = ("its agent's connection closed" if identity in closed
                     else f"its launcher left: {standby.leaving}" if standby.leaving
                     else f"nothing heard from its agent for {now - standby.last_seen:.1f} s"
                     if now - standby.last_seen > timeout else None)
             if gone is not None:
-                self.drop_standby(identity, gone)
+                self.drop_standby_node(identity, gone)
         for node in range(spec.nnodes):
             agent = self.agents.get(node)
             remote = agent if isinstance(agent, RemoteAgent) and not agent.lost else None
@@ -139,23 +139,23 @@ class Membership:
         self.lost_nodes[node] = reason
 
     def await_replacement(self, node: int, reason: str, now: float) -> None:
-        """Hand ``node`` to a standby node (:meth:`take_standby`), or wait up to
+        """Hand ``node`` to a standby node (:meth:`take_standby_node`), or wait up to
         ``--node_wait_timeout`` for a launcher with its index."""
         self.waiting_for[node] = reason
         self.node_deadline[node] = now + self.job.spec.node_wait_timeout
-        if not self.take_standby(node, publish=False):
+        if not self.take_standby_node(node, publish=False):
             self.publish_vacancies()
 
-    def take_standby(self, node: int, publish: bool = True) -> bool:
+    def take_standby_node(self, node: int, publish: bool = True) -> bool:
         """Make the standby that joined first the agent of awaited ``node``: it is told
         (``take_node``), orders kept for the node go to it, and its spares take the node's ranks
         (the coordinator respawns them with ``use_spare``). One standby per node, at most: the
         standby leaves the list before it is handed the node. Returns whether one took it
         (``publish``: also update ``ftrun/vacant``)."""
-        if node not in self.waiting_for or not self.standbys:
+        if node not in self.waiting_for or not self.standby_nodes:
             return False
-        identity, agent = next(iter(self.standbys.items()))
-        del self.standbys[identity]
+        identity, agent = next(iter(self.standby_nodes.items()))
+        del self.standby_nodes[identity]
         self.waiting_for.pop(node)
         if publish:
             self.publish_vacancies()
@@ -166,17 +166,17 @@ class Membership:
                     replacement=True, standby=True)
         return True
 
-    def drop_standby(self, identity: bytes, why: str) -> None:
+    def drop_standby_node(self, identity: bytes, why: str) -> None:
         """Forget a standby node that is gone (no rank was its: no fault)."""
-        agent = self.standbys.pop(identity)
+        agent = self.standby_nodes.pop(identity)
         agent.lost = True
-        self.job.emit(EventKind.STANDBY_LEFT, f"a standby node left (host {agent.host or '?'}, agent pid {agent.pid}): "
-                      f"{why}; {len(self.standbys)} standby node(s) left", host=agent.host, pid=agent.pid,
-                      standbys=len(self.standbys))
+        self.job.emit(EventKind.STANDBY_NODE_LEFT, f"a standby node left (host {agent.host or '?'}, agent pid {agent.pid}): "
+                      f"{why}; {len(self.standby_nodes)} standby node(s) left", host=agent.host, pid=agent.pid,
+                      standby_nodes=len(self.standby_nodes))
 
-    def standby_rows(self) -> list[dict[str, Any]]:
+    def standby_node_rows(self) -> list[dict[str, Any]]:
         """The standby nodes, first joined first, as ``ftrun status`` lists them (host, agent pid)."""
-        return [{"host": a.host, "pid": a.pid} for a in self.standbys.values()]
+        return [{"host": a.host, "pid": a.pid} for a in self.standby_nodes.values()]
 
     def publish_vacancies(self) -> None:
         """Keep ``ftrun/vacant`` in the job's store: the node indices awaiting a replacement,
@@ -207,11 +207,11 @@ class Membership:
             return None
         if msg.type == MsgType.AGENT_HELLO:
             return self.on_hello(identity, msg, fd, now)
-        standby = self.standbys.get(identity)
-        if standby is not None and node == STANDBY_NODE:
+        standby = self.standby_nodes.get(identity)
+        if standby is not None and node == STANDBY_NODE_INDEX:
             standby.on_message(msg, now)
             return None
-        if node == STANDBY_NODE and identity in self._took:
+        if node == STANDBY_NODE_INDEX and identity in self._took:
             node = self._took[identity]  # sent before it read its take_node
         agent = self.agents.get(node) if isinstance(node, int) else None
         if not isinstance(agent, RemoteAgent) or agent.identity != identity or agent.lost:
@@ -223,8 +223,8 @@ class Membership:
     def on_hello(self, identity: bytes, msg: Message, fd: int | None, now: float) -> NodeLoss | None:
         job, spec = self.job, self.job.spec
         node = msg.get("node")
-        if node == STANDBY_NODE and identity not in self.standbys and identity not in self._took:
-            return self.on_standby_hello(identity, msg, fd, now)
+        if node == STANDBY_NODE_INDEX and identity not in self.standby_nodes and identity not in self._took:
+            return self.on_standby_node_hello(identity, msg, fd, now)
         if not isinstance(node, int) or not 0 < node < spec.nnodes:
             job.control.reject(identity, f"agent hello for node {node!r}: not a node of this job")
             return None
@@ -250,19 +250,19 @@ class Membership:
                                  f"agent pid {msg['pid']})", replacement=replacing is not None)
         return None
 
-    def on_standby_hello(self, identity: bytes, msg: Message, fd: int | None, now: float) -> None:
-        """A standby node's agent says hello: it waits in :attr:`standbys` (or takes an awaited node at once)."""
+    def on_standby_node_hello(self, identity: bytes, msg: Message, fd: int | None, now: float) -> None:
+        """A standby node's agent says hello: it waits in :attr:`standby_nodes` (or takes an awaited node at once)."""
         job = self.job
-        agent = RemoteAgent(node=STANDBY_NODE, identity=identity, send_frame=job.control.send, last_seen=now,
+        agent = RemoteAgent(node=STANDBY_NODE_INDEX, identity=identity, send_frame=job.control.send, last_seen=now,
                             host=msg["host"], pid=msg["pid"])
-        self.standbys[identity] = agent
+        self.standby_nodes[identity] = agent
         job.control.watch_agent_connection(fd, identity)
         self.check_shared_dir(msg, "a standby node")
-        job.emit(EventKind.STANDBY_JOINED,
+        job.emit(EventKind.STANDBY_NODE_JOINED,
                  f"a standby node joined (host {msg['host']}, agent pid {msg['pid']}): it takes the next lost node; "
-                 f"{len(self.standbys)} standby node(s)", host=msg["host"], pid=msg["pid"], standbys=len(self.standbys))
+                 f"{len(self.standby_nodes)} standby node(s)", host=msg["host"], pid=msg["pid"], standby_nodes=len(self.standby_nodes))
         for node in sorted(self.waiting_for):
-            if self.take_standby(node):
+            if self.take_standby_node(node):
                 break
 
     def joined(self, node: int, agent: RemoteAgent, message: str, **detail: Any) -> None:
