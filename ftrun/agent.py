@@ -105,6 +105,12 @@ class AgentHandle:
     def shutdown(self, code: int, message: str) -> None:
         raise NotImplementedError
 
+    def announce_standby(self, control: str, store: str, epoch: int) -> None:
+        """Tell the agent where the standby coordinator is (it moves there if this one dies)."""
+
+    def replicate(self, state: dict[str, Any]) -> None:
+        """Send the coordinator's hard state to this node's agent, the standby coordinator."""
+
     def take_reports(self) -> list[Report]:
         raise NotImplementedError
 
@@ -214,6 +220,12 @@ class RemoteAgent(AgentHandle):
     def beat(self) -> None:
         self._send(MsgType.AGENT_BEAT, node=0)
 
+    def announce_standby(self, control: str, store: str, epoch: int) -> None:
+        self._send(MsgType.STANDBY, control=control, store=store, epoch=epoch)
+
+    def replicate(self, state: dict[str, Any]) -> None:
+        self._send(MsgType.STATE, state=state)
+
     def connected(self) -> bool:
         return not self.lost
 
@@ -271,7 +283,7 @@ class NodeAgent:
     """
 
     def __init__(self, node: int, control_addr: str, token: str, processes: RankProcesses, heartbeat_interval: float,
-                 coordinator_timeout: float, events_addr: str | None) -> None:
+                 coordinator_timeout: float, events_addr: str | None, standby: Any = None) -> None:
         self.node = node
         self._events_audience = events_for(node)  # this node's launcher (a standby's keeps its audience)
         self._sender = Sender(token)  # frames to the coordinator
@@ -279,14 +291,11 @@ class NodeAgent:
         self.processes = processes
         self.heartbeat_interval = heartbeat_interval
         self.coordinator_timeout = coordinator_timeout
+        self.events_addr = events_addr
+        self.standby = standby  # this node's ftrun.coordinator.failover.StandbySeat, if it stands by
+        self.moved_to: str | None = None  # the standby coordinator's endpoint, once announced
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        identity = b"a" + os.urandom(15)
-        self.sock.setsockopt(zmq.IDENTITY, identity)
-        self._receiver = Receiver(self._sender.auth, to_peer(identity))
-        self.sock.setsockopt(zmq.LINGER, 2000)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        self.sock.connect(control_addr)
+        self._connect(control_addr)
         self.push: zmq.Socket | None = None
         if events_addr:
             self.push = self.ctx.socket(zmq.PUSH)
@@ -296,6 +305,29 @@ class NodeAgent:
         self.stop_signal: int | None = None
         self.checkpoint_marker: Path | None = None  # node 0's marker in the checkpoint dir, if TTP is on
         self._wakeup = procs.WakeupPipe()
+
+    def _connect(self, control_addr: str) -> None:
+        """A DEALER to the coordinator's endpoint, with a monitor that sees it close."""
+        self.sock = self.ctx.socket(zmq.DEALER)
+        identity = b"a" + os.urandom(15)
+        self.sock.setsockopt(zmq.IDENTITY, identity)
+        self._receiver = Receiver(self._sender.auth, to_peer(identity))
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self.closed = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.sock.connect(control_addr)
+
+    def close_connection(self) -> None:
+        """Close the connection to the coordinator (and its monitor)."""
+        self.sock.disable_monitor()
+        self.closed.close(0)
+        self.sock.close(0)
+
+    def _hello(self) -> None:
+        standby = {} if self.standby is None else {"standby_control": self.standby.control.address,
+                                                    "standby_store": self.standby.store_addr}
+        self.send(MsgType.AGENT_HELLO, node=self.node, pid=os.getpid(), host=socket.gethostname(), **standby,
+                  **({} if self.checkpoint_marker is None else {"sees_checkpoint_dir": self.checkpoint_marker.exists()}))
 
     def send(self, msg_type: MsgType, **fields: Any) -> None:
         self.sock.send(encode(msg_type, self._sender, CONTROL, **fields))
@@ -313,8 +345,7 @@ class NodeAgent:
         signal.signal(signal.SIGCHLD, lambda *_: setattr(self.processes, "sigchld_at", self.processes.sigchld_at or time.time()))
         signal.signal(signal.SIGTERM, lambda s, _f: setattr(self, "stop_signal", s))
         signal.signal(signal.SIGINT, lambda s, _f: setattr(self, "stop_signal", s))
-        self.send(MsgType.AGENT_HELLO, node=self.node, pid=os.getpid(), host=socket.gethostname(),
-                  **({} if self.checkpoint_marker is None else {"sees_checkpoint_dir": self.checkpoint_marker.exists()}))
+        self._hello()
         if self.processes.interface_note:
             self.event(EventKind.WARNING, self.processes.interface_note)
         if self.node == STANDBY_NODE_INDEX:
@@ -322,6 +353,7 @@ class NodeAgent:
                                                  "node and takes the next lost node's place")
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.closed, zmq.POLLIN)
         poller.register(self._wakeup.fd, zmq.POLLIN)
         last_heard = time.monotonic()
         next_beat = 0.0
@@ -338,6 +370,23 @@ class NodeAgent:
                 for msg in receive(self.sock, self._receiver, 1000, lambda err: log.warning("dropped a frame: %s", err)):
                     last_heard = time.monotonic()
                     self.handle(msg)
+            if self.closed in events and self.exit_code is None and self.stop_signal is None:
+                self.closed.recv_multipart()
+                if self.standby is not None and self.standby.state is not None:
+                    return self.take_over()
+                if self.moved_to is not None:
+                    # The coordinator's connection closed: its process is gone. Its standby takes
+                    # the job over; say hello there (its endpoint queues it until then).
+                    log.warning("the coordinator's connection closed; moving to the standby at %s", self.moved_to)
+                    for sock in (self.closed, self.sock):
+                        poller.unregister(sock)
+                    self.close_connection()
+                    self._connect(self.moved_to)
+                    self.moved_to = None
+                    poller.register(self.sock, zmq.POLLIN)
+                    poller.register(self.closed, zmq.POLLIN)
+                    self._hello()
+                    last_heard = time.monotonic()
             if self.stop_signal is not None and self.exit_code is None:
                 # This node's launcher was stopped (or died: its death signal is SIGTERM). Tell the
                 # coordinator first, so that it takes the node as gone rather than respawning its
@@ -354,11 +403,25 @@ class NodeAgent:
                 self.event(EventKind.JOB_FINISHED, f"job failed: {message}", exit_code=1)
                 self.exit_code = 1
         self.processes.stop_spares()
+        self.sock.disable_monitor()
+        self.closed.close(0)
         self.sock.close(2000)
         if self.push is not None:
             self.push.close(2000)
         self.ctx.term()
         return self.exit_code
+
+    def take_over(self) -> int:
+        """This node stands by and the coordinator's connection closed (node 0's processes are
+        gone): run the job's coordinator here (:class:`ftrun.coordinator.failover.StandbySeat`)
+        and return the job's exit code."""
+        log.warning("the job coordinator's connection closed: taking the job over (standby)")
+        self.close_connection()
+        if self.push is not None:
+            self.push.close(0)
+            self.push = None
+        self.ctx.term()
+        return self.standby.take_over(self.processes, self.events_addr)
 
     def stop_all(self, reason: str) -> None:
         log.warning("%s", reason)
@@ -425,6 +488,13 @@ class NodeAgent:
         self.event(EventKind.NODE_JOINED, f"this standby node took node {self.node}'s place", node_joined=self.node,
                    standby=True)
 
+    def _on_standby(self, msg: Message) -> None:
+        self.moved_to = msg["control"]
+
+    def _on_state(self, msg: Message) -> None:
+        if self.standby is not None:
+            self.standby.state = msg["state"]
+
     def _on_shutdown(self, msg: Message) -> None:
         for report in self.processes.stop(2.0):
             if isinstance(report, ExitReport):
@@ -440,12 +510,29 @@ class NodeAgent:
         MsgType.SPARES: _on_spares,
         MsgType.SHUTDOWN: _on_shutdown,
         MsgType.TAKE_NODE: _on_take_node,
+        MsgType.STANDBY: _on_standby,
+        MsgType.STATE: _on_state,
     }
 
 
 def agent_log_name(node: int) -> str:
-    """The log file of node ``node``'s agent in ``--log_dir`` (a standby's until it takes a node, too)."""
+    """The log file of node ``node``'s agent in ``--log_dir`` (a standby node's until it takes a node, too)."""
     return "agent_standby.log" if node == STANDBY_NODE_INDEX else f"agent_{node}.log"
+
+
+def _standby_seat(spec: Any) -> Any:
+    """Node 1's agent stands by as the job coordinator (:mod:`ftrun.coordinator.failover`) when
+    ARF can use it; None elsewhere, or when its endpoint or store cannot be set up (logged: the
+    job runs, without a standby)."""
+    from .coordinator.failover import STANDBY_NODE, StandbySeat
+
+    if spec.node_rank != STANDBY_NODE or not spec.tft.arf or spec.join or spec.nnodes < 2:
+        return None
+    try:
+        return StandbySeat(spec, os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"])
+    except Exception as err:  # noqa: BLE001  no standby is today's behaviour, not a failure
+        log.warning("cannot stand by as the job coordinator: %s", err)
+        return None
 
 
 def main() -> None:
@@ -463,7 +550,7 @@ def main() -> None:
     )
     agent = NodeAgent(spec.node_rank, os.environ["FTRUN_CONTROL_FOR_AGENT"], os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"],
                       processes, spec.heartbeat_interval, max(spec.heartbeat_timeout, 3 * spec.heartbeat_interval),
-                      os.environ.get("FTRUN_EVENTS_ADDR"))
+                      os.environ.get("FTRUN_EVENTS_ADDR"), standby=_standby_seat(spec))
     if spec.tft.ttp:
         agent.checkpoint_marker = Path(spec.checkpoint_dir).resolve() / shared_dir_marker(
             os.environ["FTRUN_CONTROL_FOR_AGENT"], os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"])

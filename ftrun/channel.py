@@ -50,16 +50,11 @@ class Channel:
         self._wake_lock = threading.Lock()
         self._wake_pending = False
         self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        # An unguessable routing identity: the supervisor binds this rank's messages to the
-        # connection whose hello verified, and its ROUTER never hands an identity over to another
-        # connection, so no local process can take this rank's place on the control plane.
-        identity = b"r" + secrets.token_bytes(15)
-        self._sock.setsockopt(zmq.IDENTITY, identity)
-        self._receiver = Receiver(self._sender.auth, to_peer(identity))
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        self._sock.setsockopt(zmq.LINGER, 1000)
-        self._sock.connect(addr)
+        self._connect(addr)
+        # The standby coordinator's endpoint (a ``standby`` message): when this connection closes
+        # (the coordinator's process died), the channel moves there and says hello again.
+        self.fallback: str | None = None
+        self._hello: dict[str, Any] | None = None
         self._closed = False
         # Called on the I/O thread with each message from the supervisor, before it is queued: the
         # one way to act while the training thread is blocked (e.g. inside a collective).
@@ -71,13 +66,55 @@ class Channel:
         # Called on the I/O thread at each heartbeat: the fields of a ``progress`` message to send
         # with it, or None (an open ft.section() says so at every beat).
         self.beat_extra: Callable[[], dict[str, Any] | None] | None = None
+        # Called on the I/O thread when it says hello again to a standby coordinator: extra fields
+        # (the newest generation this rank has seen, which the new coordinator must go beyond).
+        self.rejoin_fields: Callable[[], dict[str, Any]] = dict
         self._thread = threading.Thread(target=self._run, name="ftrun-channel", daemon=True)
         self._thread.start()
+
+    def _connect(self, addr: str) -> None:
+        """A DEALER to ``addr``, with a monitor that sees the connection close (I/O thread, or
+        before it starts)."""
+        self._sock = self._ctx.socket(zmq.DEALER)
+        # An unguessable routing identity: the supervisor binds this rank's messages to the
+        # connection whose hello verified, and its ROUTER never hands an identity over to another
+        # connection, so no local process can take this rank's place on the control plane.
+        identity = b"r" + secrets.token_bytes(15)
+        self._sock.setsockopt(zmq.IDENTITY, identity)
+        self._receiver = Receiver(self._sender.auth, to_peer(identity))
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._sock.setsockopt(zmq.LINGER, 1000)
+        self._closes = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sock.connect(addr)
+
+    def _move(self, poller: zmq.Poller) -> None:
+        """The coordinator's connection closed and a standby is known: connect there and say
+        hello again (same process, same incarnation; ``rejoin``), before anything else is sent."""
+        assert self.fallback is not None
+        for sock in (self._sock, self._closes):
+            poller.unregister(sock)
+        self._sock.disable_monitor()
+        self._closes.close(0)
+        self._sock.close(0)
+        self._connect(self.fallback)
+        self.fallback = None
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._closes, zmq.POLLIN)
+        if self._hello is not None:
+            hello = {k: v for k, v in self._hello.items() if k != "hot"}
+            try:
+                hello.update(self.rejoin_fields())
+            except Exception:  # noqa: BLE001  the hello must go out
+                _log_io_error("describing this rank for its new coordinator")
+            self._sock.send(self._sender.seal(pack(MsgType.HELLO, rank=self.rank, incarnation=self.incarnation,
+                                                   rejoin=True, **hello), CONTROL))
 
     def send(self, msg_type: MsgType, **fields: Any) -> None:
         """Queue a message (rank and incarnation are added). Never blocks on the network."""
         if self._closed:
             return
+        if msg_type == MsgType.HELLO:
+            self._hello = dict(fields)  # said again to a standby coordinator after a takeover
         frame = pack(msg_type, rank=self.rank, incarnation=self.incarnation, **fields)
         # Wake the I/O thread once per burst: until it has taken the wake-up, it will drain
         # everything queued meanwhile (a step sends several messages; a system call each was
@@ -115,6 +152,7 @@ class Channel:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._closes, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         seal = self._sender.seal
         heartbeat = pack(MsgType.HEARTBEAT, rank=self.rank, incarnation=self.incarnation)
@@ -159,15 +197,25 @@ class Channel:
                     running = False
                     break
                 self._sock.send(seal(frame, CONTROL))
+            if self._closes in events:
+                self._closes.recv_multipart()
+                if self.fallback is not None and running:
+                    self._move(poller)
+                    continue
             if self._sock in events:
                 # only the supervisor knows our secret: a frame that does not verify is dropped
                 for msg in receive(self._sock, self._receiver, RECEIVE_BUDGET, lambda _err: None):
+                    if msg.type == MsgType.STANDBY:
+                        self.fallback = msg["control"]
+                        continue
                     if self.on_receive is not None:
                         try:
                             self.on_receive(msg)
                         except Exception:  # noqa: BLE001  the message must still reach the training thread
                             _log_io_error(f"acting on {msg.type.value} on the I/O thread")
                     self._inbox.put(msg)
+        self._sock.disable_monitor()
+        self._closes.close(0)
         self._sock.close(linger=1000)
         os.close(self._wake_r)
         os.close(self._wake_w)

@@ -92,6 +92,14 @@ class ControlClient:
                 channel.probe = probe
             if beat_extra is not None:
                 channel.beat_extra = beat_extra
+            channel.rejoin_fields = self.rejoin_fields
+
+    def rejoin_fields(self) -> dict[str, Any]:
+        """On the I/O thread, for a hello to a coordinator that took over: the newest generation
+        this rank has seen (an abort the old coordinator sent before it died, which the standby may
+        not have been told of)."""
+        generation = self.progress.generation if self.progress is not None else 0
+        return {"seen": max(self.io_abort_generation, generation)}
 
     def send(self, msg_type: MsgType, **fields: Any) -> None:
         """Queue a message to the supervisor (never blocks; nothing without a channel)."""

@@ -67,6 +67,7 @@ class ExactlyOnceChecks:
         self.divergences: list[tuple[int, str, str]] = []  # (step, check, reason)
         self.local_gradient: tuple[int, str] | None = None  # (step, fingerprint) of the step last computed
         self.rank_states: Any = None  # ftrun.rankstate.RankStateStore, once records are kept
+        self._store_moves = 0  # the group's store_moves when rank_states was made
         self._provisional: tuple[int, int | None] | None = None  # (step, write ticket) started at backward
         self.rank = -1
         self.attempt = 0
@@ -87,8 +88,12 @@ class ExactlyOnceChecks:
             return False
         if not gradient and self.seed is not None and not self.registry.has_own_rank_state():
             return False
+        if self.rank_states is not None and self._store_moves != getattr(self.group, "store_moves", 0):
+            self.rank_states = None  # the job's store moved (a coordinator takeover): write to the new one
         if self.rank_states is None:
             from .rankstate import RankStateStore, RecordWriter
+
+            self._store_moves = getattr(self.group, "store_moves", 0)
 
             self.rank_states = RankStateStore(self.group.store(), self.attempt, self.rank,
                                               writer=RecordWriter(self.group.connect_store))

@@ -112,12 +112,27 @@ class TrainingGroup:
         self.placeholder = False  # the default process group is a DownGroup (see install_placeholder)
         self.conns = GroupConnections()
         self._store: Any = None
+        self.store_moves = 0  # times the job's store moved (a coordinator takeover): clients made before are stale
 
     def bind(self, rank: int, incarnation: int, attempt: int, managed: bool) -> None:
         """Set this rank's identity (at start, or at a hot spare's promotion, which also brings
         the rank's environment: the store's and the control channel's ports are read here)."""
         self.rank, self.incarnation, self.attempt, self.managed = rank, incarnation, attempt, managed
         self.conns.keep_ports = {p for p in (int(os.environ.get(contract.MASTER_PORT) or 0), control_port()) if p}
+
+    def move_store(self, addr: str) -> bool:
+        """Use the store at ``addr`` (``host:port``) from now on: a standby coordinator that took
+        the job over hosts it (:mod:`ftrun.coordinator.failover`). ``MASTER_ADDR``/``MASTER_PORT``
+        follow, so every later client (the rank's records, an ``env://`` group) connects there.
+        False if it is the store in use already."""
+        host, _, port = addr.rpartition(":")
+        if (os.environ.get(contract.MASTER_ADDR), os.environ.get(contract.MASTER_PORT)) == (host, port):
+            return False
+        os.environ[contract.MASTER_ADDR], os.environ[contract.MASTER_PORT] = host, port
+        self._store = None
+        self.store_moves += 1
+        self.conns.keep_ports = {p for p in (int(port), control_port()) if p}
+        return True
 
     def store(self) -> Any:
         """The job's store (a ``TCPStore`` client on ``MASTER_ADDR:MASTER_PORT``), connected once."""

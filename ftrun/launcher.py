@@ -121,7 +121,8 @@ def claim_node_rank(
     stale_after: float = 10.0,
     claimant: str | None = None,
     clock: Any = time.monotonic,
-    standby: bool = False,
+    moved: list[Any] | None = None,
+    standby_node: bool = False,
 ) -> int:
     """This launcher's node index when none was given (torchrun's dynamic rendezvous), taken in
     node 0's store; node 0 itself is the launcher that hosts the store (:func:`can_host_store`).
@@ -136,7 +137,7 @@ def claim_node_rank(
     ``<claim>/beats``; once it is not, the thread moves ``ftrun/claim_epoch/<node>`` on, so a
     later loss of the same node is a new claim key. A claim whose beats stop for ``stale_after``
     seconds while the node is still vacant (its launcher died before joining) is taken over. With
-    nothing vacant it polls until ``--cluster_time_out``, or, with ``standby``, returns
+    nothing vacant it polls until ``--cluster_time_out``, or, with ``standby_node``, returns
     :data:`ftrun.contract.STANDBY_NODE_INDEX` at once: the launcher waits as a standby node, which the
     coordinator hands the next lost node (``take_node``, :mod:`ftrun.coordinator.membership`).
 
@@ -147,7 +148,11 @@ def claim_node_rank(
         stale_after: seconds without beats after which another launcher's claim is taken over.
         claimant: this launcher's name in the claim (default: host, pid and a random word).
         clock: monotonic seconds (tests).
-        standby: become a standby node rather than wait for a vacancy.
+        moved: when node 0's store is lost while waiting and a standby coordinator's store was
+            published (``ftrun/standby``), waiting goes on there, node 0's own index included
+            (the standby took the job over, :mod:`ftrun.coordinator.failover`): that store is
+            appended here.
+        standby_node: become a standby node rather than wait for a vacancy.
 
     Returns:
         The node index, 1 .. nnodes-1, or ``STANDBY_NODE_INDEX`` (-1).
@@ -161,7 +166,7 @@ def claim_node_rank(
         if not on.check([contract.VACANT_KEY]):
             return []
         text = on.get(contract.VACANT_KEY).decode(errors="replace")
-        return [int(p) for p in text.split(",") if p.strip().isdigit() and 0 < int(p) < spec.nnodes]
+        return [int(p) for p in text.split(",") if p.strip().isdigit() and 0 <= int(p) < spec.nnodes]
 
     def keep_claim(node: int, epoch: int, key: str) -> None:
         try:
@@ -183,7 +188,21 @@ def claim_node_rank(
 
         threading.Thread(target=beat, name=f"ftrun-claim-node-{node}", daemon=True).start()
 
+    standby = ""  # host:port of the standby coordinator's store, once published
+
+    def move_to_standby(addr: str) -> Any:
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        host, _, port = addr.rpartition(":")
+        new = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=spec.cluster_time_out))
+        assert moved is not None
+        moved.append(new)
+        return new
+
     def claim() -> int:
+        nonlocal store, standby
         me = claimant or f"{socket.gethostname()}/{os.getpid()}/{os.urandom(4).hex()}"
         taken = int(store.add(contract.NEXT_NODE_KEY, 1))
         while taken < spec.nnodes:
@@ -193,7 +212,16 @@ def claim_node_rank(
         deadline = clock() + spec.cluster_time_out
         beats_seen: dict[str, tuple[int, float]] = {}  # claim key -> (its beats, when they last changed)
         while True:
-            for node in vacant(store):
+            try:
+                waiting = vacant(store)
+            except (RuntimeError, OSError):
+                if not standby or moved is None:
+                    raise
+                store = move_to_standby(standby)
+                continue
+            if moved is None or not moved:  # the standby's store, while node 0's is the one waited on
+                standby = store.get(contract.STANDBY_KEY).decode() if store.check([contract.STANDBY_KEY]) else standby
+            for node in waiting:
                 epoch = int(store.add(contract.claim_epoch_key(node), 0))
                 key = contract.claim_key(node, epoch)
                 holder = store.compare_set(key, "", me).decode(errors="replace")
@@ -208,7 +236,7 @@ def claim_node_rank(
                         continue  # another launcher took it over first
                 keep_claim(node, epoch, key)
                 return node
-            if standby:
+            if standby_node:
                 return contract.STANDBY_NODE_INDEX
             if clock() >= deadline:
                 raise ConfigError(
@@ -227,8 +255,10 @@ def claim_node_rank(
         ) from None
 
 
-def host_store(spec: JobSpec) -> tuple[Any, int, JobSpec]:
-    """Host (node 0) or join (other nodes) the job's TCPStore; return (store, port, spec).
+def host_store(spec: JobSpec) -> tuple[Any, int, JobSpec, bool]:
+    """Host (node 0) or join (other nodes) the job's TCPStore; return (store, port, spec, whether
+    it is hosted here). A launcher that took node 0's index after a standby coordinator took the
+    job over (:mod:`ftrun.coordinator.failover`) has node index 0 and does not host the store.
 
     With an automatic node index (``spec.node_rank_auto``), the launcher that can host the store
     (:func:`can_host_store`) is node 0 (or, when another launcher on this host binds the port
@@ -264,7 +294,7 @@ def host_store(spec: JobSpec) -> tuple[Any, int, JobSpec]:
 
         try:
             store, port = serve_store(bind_host(spec.master_addr, spec.nnodes), spec.master_port, spec.cluster_time_out)
-            return store, port, dataclasses.replace(spec, node_rank=0, node_rank_auto=False)
+            return store, port, dataclasses.replace(spec, node_rank=0, node_rank_auto=False), True
         except StoreBindError as err:
             if not (spec.node_rank_auto and err.errno == errno.EADDRINUSE):
                 raise ConfigError(
@@ -280,13 +310,16 @@ def host_store(spec: JobSpec) -> tuple[Any, int, JobSpec]:
             f"{spec.cluster_time_out:g} s ({str(err).splitlines()[0]}); start node 0 first or check the address"
         ) from None
     if spec.node_rank_auto:
-        spec = dataclasses.replace(spec, node_rank=claim_node_rank(spec, store, standby=True), node_rank_auto=False)
+        moved: list[Any] = []
+        spec = dataclasses.replace(spec, node_rank=claim_node_rank(spec, store, moved=moved, standby_node=True),
+                                   node_rank_auto=False)
+        store = moved[-1] if moved else store
     else:
         try:  # a given index: launchers without one skip it (claim_node_rank)
             store.set(contract.node_key(spec.node_rank), "given")
         except (RuntimeError, OSError):
             pass  # the store is gone: waiting for the coordinator's address says so
-    return store, spec.master_port, spec
+    return store, spec.master_port, spec, False
 
 
 class LogTailer:
@@ -334,13 +367,13 @@ class Launcher:
             (log_dir / ".ftrun-write-test").unlink()
         except OSError as err:
             raise ConfigError(f"cannot write to --log_dir {spec.log_dir}: {err.strerror}; choose a writable directory") from None
-        store, port, spec = host_store(spec)  # checks the port first, before importing torch
+        store, port, spec, hosting = host_store(spec)  # checks the port first, before importing torch
         self.spec = spec  # with its node index decided, when it was automatic
         # A multi-node job shares its secret through every launcher's environment (FTRUN_TOKEN or
         # --token_file; checked by the configuration); a single-node job makes its own.
         token = job_token(spec)
         control_addr = None
-        if spec.node_rank != 0:
+        if not hosting:
             control_addr = wait_for_control_addr(store, spec)
         ctx = zmq.Context()
         pull = ctx.socket(zmq.PULL)
@@ -366,10 +399,10 @@ class Launcher:
         procs.become_subreaper()
         console = self.console or make_console(f"ftrun: {spec.script} on {spec.worker_num} rank(s)")
         self._install_signals()
-        own_log = log_dir / ("supervisor.log" if spec.node_rank == 0 else agent_log_name(spec.node_rank))
+        own_log = log_dir / ("supervisor.log" if hosting else agent_log_name(spec.node_rank))
         with open(own_log, "ab") as sup_err:
             # Node 0 runs the job coordinator with its own agent; every other node runs an agent.
-            role = "ftrun.supervisor" if spec.node_rank == 0 else "ftrun.agent"
+            role = "ftrun.supervisor" if hosting else "ftrun.agent"
             supervisor = procs.spawn(
                 [sys.executable, "-m", role],
                 env=env,
@@ -421,10 +454,10 @@ class Launcher:
         code = supervisor.returncode
         if code < 0:
             code, desc = procs.describe_exit(code)
-            last_finish = {"message": f"the ftrun {'supervisor' if spec.node_rank == 0 else 'agent'} was {desc}; see {own_log}"
+            last_finish = {"message": f"the ftrun {'supervisor' if hosting else 'agent'} was {desc}; see {own_log}"
                            + (self._orphans_gasp(spec) if orphans else ""), "detail": {}}
         elif last_finish is None:
-            last_finish = {"message": f"the ftrun {'supervisor' if spec.node_rank == 0 else 'agent'} exited with code {code}; see {own_log}", "detail": {}}
+            last_finish = {"message": f"the ftrun {'supervisor' if hosting else 'agent'} exited with code {code}; see {own_log}", "detail": {}}
         if self.stop_signals and (code == 0 or handled > 1):
             code = FIRST_STOP_EXIT.get(self.stop_signals[0], 128 + self.stop_signals[0])
         console.finish(code, last_finish)

@@ -114,6 +114,8 @@ class JobMetrics:
         self.restarts = Counter("ftrun_job_restarts", "Whole-job restarts.", registry=r)
         self.node_losses = Counter("ftrun_node_losses", "Nodes lost (every process of a node, or its host), by how "
                                    "the loss was seen.", ["cause"], registry=r)
+        self.takeovers = Counter("ftrun_coordinator_takeovers", "Times a standby coordinator took the job over "
+                                 "(the coordinator's node was lost).", registry=r)
         self.recovery_seconds = Histogram("ftrun_recovery_seconds", "A recovery's time from the fault to training "
                                           "again, seconds.", buckets=RECOVERY_BUCKETS, registry=r)
         self.phase_seconds = Histogram("ftrun_recovery_phase_seconds", "A recovery's time split by phase, seconds.",
@@ -128,7 +130,7 @@ class JobMetrics:
                                      registry=r)
         for fault in ("death", "node_loss", "hang", "comm_error", "recoverable_error"):
             self.recoveries.labels(fault=fault)  # every kind shows, at 0, before it first happens
-        for cause in ("connection_closed", "silent", "left", "not_joined", "replaced"):
+        for cause in ("connection_closed", "silent", "left", "not_joined", "replaced", "coordinator_lost"):
             self.node_losses.labels(cause=cause)
         for phase in ("detection", "node_wait", "respawn", "rebuild", "transfer"):
             self.phase_seconds.labels(phase=phase)
@@ -152,6 +154,8 @@ class JobMetrics:
             self.restarts.inc()
         elif kind == "node_lost":
             self.node_losses.labels(cause=str(detail.get("cause") or "silent")).inc()
+        elif kind == "coordinator_takeover":
+            self.takeovers.inc()
         elif kind == "recovery_finished":
             if _number(detail.get("total_seconds")):
                 self.recovery_seconds.observe(float(detail["total_seconds"]))

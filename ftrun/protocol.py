@@ -99,6 +99,9 @@ class MsgType(str, Enum):
     SPARE_NOTE = "spare_note"  # what the node's spares showed (a script that breaks the hot-spare contract)
     SHUTDOWN = "shutdown"  # the job is over: exit with this code
     TAKE_NODE = "take_node"  # a standby agent becomes this lost node's agent (its spares take the node's ranks)
+    # coordinator failover (docs/coordinator_failover.md)
+    STANDBY = "standby"  # to ranks and agents: the standby coordinator's endpoint and store, to move to if this one dies
+    STATE = "state"  # to the standby: the coordinator's hard state (generation, attempt, budget, ranks...)
 
 
 _INT = (int,)
@@ -147,6 +150,8 @@ SCHEMA: dict[MsgType, dict[str, tuple[type, ...]]] = {
     MsgType.SPARE_NOTE: {"node": _INT, "message": _STR},
     MsgType.SHUTDOWN: {"code": _INT, "message": _STR},
     MsgType.TAKE_NODE: {"node": _INT},
+    MsgType.STANDBY: {"control": _STR, "store": _STR, "epoch": _INT},
+    MsgType.STATE: {"state": (dict,)},
 }
 
 

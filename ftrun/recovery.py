@@ -116,6 +116,8 @@ class Recovery:
             if plan is None:
                 continue
             generation = plan["generation"]
+            if isinstance(plan.get("store"), str):
+                self.group.move_store(plan["store"])  # a standby coordinator took the job over
             started = time.monotonic()
             progress.stage = "build"
             if not self.build_group(generation):

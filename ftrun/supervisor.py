@@ -43,7 +43,7 @@ def main() -> None:
         [spec.script, *spec.script_args], spec.module, log_dir, spec.local_worker_num, spec.master_addr,
         multi_node=spec.nnodes > 1, token=os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"],
     )
-    metrics, spec = _start_metrics(spec)
+    metrics, spec = start_job_metrics(spec)
     coordinator = Coordinator(
         spec,
         token=os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"],
@@ -67,7 +67,7 @@ def main() -> None:
     sys.exit(code)
 
 
-def _start_metrics(spec: JobSpec) -> tuple[Any, JobSpec]:
+def start_job_metrics(spec: JobSpec) -> tuple[Any, JobSpec]:
     """Serve Prometheus metrics when ``--metrics_port`` asks for them (prometheus_client is imported
     only then). A port taken since the CLI checked it costs the metrics, not the job: the spec comes
     back with a warning that the job's first events show. Returns (the metrics or None, the spec)."""

@@ -1149,7 +1149,7 @@ def test_the_default_port_of_a_single_node_job_falls_back_to_a_free_one(tmp_path
         taken.listen()
         port = taken.getsockname()[1]
         spec = dataclasses.replace(res(tmp_path, script), master_port=port)
-        store, used, _ = host_store(spec)
+        store, used, _, _ = host_store(spec)
         assert used != port and used > 0
         del store
         with pytest.raises(ConfigError, match=f"--master_port {port} is already in use"):

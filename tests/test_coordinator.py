@@ -753,7 +753,7 @@ def test_every_kind_of_captured_agent_frame_replayed_is_rejected(tmp_path: Path)
         assert coord.agents[1].identity == bound and coord.agents[1].take_reports() == []
         assert len(events(tmp_path, "node_joined")) == 1
     finally:
-        node_agent.sock.close(0)
+        node_agent.close_connection()
         node_agent.ctx.term()
         tap.close()
 
@@ -771,7 +771,7 @@ def test_an_agent_connection_that_closes_is_its_nodes_loss_at_once(tmp_path: Pat
     node_agent.send(MsgType.AGENT_HELLO, node=1, pid=4242, host="host1")
     pump(coord, lambda: isinstance(coord.agents.get(1), RemoteAgent))
     assert coord.check_agents() is None and not coord.lost_nodes
-    node_agent.sock.close(0)
+    node_agent.close_connection()
     node_agent.ctx.term()
     deadline = time.monotonic() + 30
     while not coord.lost_nodes:

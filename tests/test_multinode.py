@@ -54,15 +54,14 @@ def start_node(host: NetHost, node: int | None, master: str, nnodes: int, tmp_pa
                steps: str = dj.STEPS, local: int = 2, fault: str | None = None, extra: tuple[str, ...] = (),
                script_args: tuple[str, ...] = ("--log_every", "10"), extra_env: dict[str, str] | None = None,
                tag: str = "") -> NodeRun:
-    """Start one node's launcher on ``host`` (a replacement too: the same command, another host);
-    ``node`` None: no ``--node_rank`` (the index is taken in node 0's store, or the launcher waits
-    as a standby), and every local rank 0's log on the console."""
+    """Start one node's launcher on ``host`` (a replacement too: the same command, another host;
+    ``node`` None: no index, it takes one)."""
     env = dj.env({"FTRUN_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", **({"FTRUN_FAULT": fault} if fault else {}),
                   **(extra_env or {})})
     log_dir = tmp_path / f"logs{tag}"
     cmd = [sys.executable, "-m", "ftrun", "--worker_num", str(local * nnodes), "--local_worker_num", str(local),
-           *(("--node_rank", str(node)) if node is not None else ()), "--master_addr", master, "--master_port", "29500",
-           "--plain", "--log_dir", str(log_dir), "--checkpoint_dir", str(tmp_path / "ckpt"), "--max_restarts", "4",
+           *(() if node is None else ("--node_rank", str(node))), "--master_addr", master, "--master_port", "29500", "--plain",
+           "--log_dir", str(log_dir), "--checkpoint_dir", str(tmp_path / "ckpt"), "--max_restarts", "4",
            "--tail_worker_log", "0" if node in (0, None) else "", *extra, str(script), "--steps", steps, *script_args]
     out_path = tmp_path / f"out{tag}.txt"
     with open(out_path, "wb") as out:
@@ -335,6 +334,49 @@ def test_hangs_inside_recoveries_across_hosts(net_hosts, reference: str, tmp_pat
     found = [(e["rank"], e["detail"]["fault"]) for e in events if e["kind"] == "rank_hung"]
     assert found == [(3, "stalled"), (0, "stalled")], dj.story(events)
     assert not [e for e in events if e["kind"] == "job_restarting"], dj.story(events)
+
+
+def test_node0_lost_the_standby_coordinator_takes_over(net_hosts, long_reference: str, tmp_path: Path) -> None:  # noqa: F811
+    """Issue 24 item 1: every process of host 0 (the coordinator, node 0's store and ranks) is
+    SIGKILLed mid-run. Node 1's agent, the standby, takes the job over at once (host 0's kernel
+    closed its connections); the launcher waiting on host 2 (started last, no index) finds the
+    standby's store, takes node 0's index, and node 0's ranks come back there from replicas on node
+    1. The job ends with the fault-free digest; node 1's ranks keep their processes; nothing is
+    left on host 0."""
+    hosts = net_hosts(3)
+    runs = start_job(hosts[:2], tmp_path, steps=dj.LONG_STEPS, extra=("--node_wait_timeout", "120"))
+    spare = start_node(hosts[2], None, hosts[0].addr, 2, tmp_path, steps=dj.LONG_STEPS, tag="2",
+                       extra=("--node_wait_timeout", "120", "--cluster_time_out", "200"))
+    try:
+        dj.wait_for(lambda: dj.training(runs[0].log_dir), timeout=180)
+        time.sleep(1.0)  # a beat: the standby has the state of a training job
+        for pid in hosts[0].pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        codes = wait_all([runs[1], spare])
+        deadline = time.monotonic() + 30
+        while hosts[0].pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = hosts[0].pids()
+    finally:
+        for run in [*runs, spare]:
+            if run.proc.poll() is None:
+                os.killpg(run.proc.pid, signal.SIGKILL)
+    everything = "\n---\n".join(r.output()[-3000:] for r in [runs[1], spare, runs[0]])
+    assert codes == [0, 0], everything
+    assert left == [], f"processes left on host 0: {left}"
+    before, after = dj.events(runs[0].log_dir), dj.events(runs[1].log_dir)
+    takeover = [e for e in after if e["kind"] == "coordinator_takeover"]
+    assert takeover and takeover[0]["detail"]["epoch"] == 1, dj.story(after)
+    assert dj.digest(spare.output(), dj.LONG_STEPS) == long_reference, everything
+    pids = dj.started(before + after)
+    assert len(pids[2]) == 1 and len(pids[3]) == 1, f"a rank of node 1 was restarted: {pids}\n{dj.story(after)}"
+    assert len(pids[0]) == 2 and len(pids[1]) == 2, pids
+    assert not [e for e in after if e["kind"] == "job_restarting"], dj.story(after)
+    lost = [e for e in after if e["kind"] == "node_lost"]
+    assert lost and lost[0]["detail"]["node_lost"] == 0 and lost[0]["detail"]["cause"] == "coordinator_lost"
 
 
 def test_standby_nodes_hot_spares_take_a_lost_nodes_ranks(net_hosts, long_reference: str, tmp_path: Path) -> None:  # noqa: F811

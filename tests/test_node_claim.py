@@ -55,10 +55,10 @@ def test_sequential_claims_then_nothing_free(master):
 
 def test_a_later_launcher_becomes_a_standby_unless_a_node_is_vacant(master):
     spec = spec_for(nnodes=3, cluster_time_out=60.0)
-    assert [claim_node_rank(spec, client(master), standby=True, **FAST) for _ in range(2)] == [1, 2]
-    assert claim_node_rank(spec, client(master), standby=True, **FAST) == -1  # at once, not after 60 s
+    assert [claim_node_rank(spec, client(master), standby_node=True, **FAST) for _ in range(2)] == [1, 2]
+    assert claim_node_rank(spec, client(master), standby_node=True, **FAST) == -1  # at once, not after 60 s
     master.set("ftrun/vacant", "1")
-    assert claim_node_rank(spec, client(master), standby=True, **FAST) == 1
+    assert claim_node_rank(spec, client(master), standby_node=True, **FAST) == 1
 
 
 def test_replacement_claims_the_vacant_index(master):
@@ -150,9 +150,11 @@ def test_a_live_claim_is_not_taken_over(master):
 def test_vacant_lists_only_this_jobs_nodes(master):
     spec = spec_for(nnodes=2, cluster_time_out=0.3)
     claim_node_rank(spec, client(master), **FAST)
-    master.set("ftrun/vacant", "0,5,x,")  # node 0 is never replaced; 5 is not a node of this job
+    master.set("ftrun/vacant", "5,x,")  # 5 is not a node of this job
     with pytest.raises(ConfigError):
         claim_node_rank(spec, client(master), **FAST)
+    master.set("ftrun/vacant", "0")  # node 0, after a standby coordinator took the job over from it
+    assert claim_node_rank(spec, client(master), **FAST) == 0
 
 
 def _free_port() -> int:
@@ -175,10 +177,10 @@ def test_can_host_store():
 
 def test_host_store_decides_the_index():
     spec = spec_for(nnodes=2, port=_free_port())
-    store0, port0, spec0 = host_store(spec)
+    store0, port0, spec0, hosting0 = host_store(spec)
     assert (spec0.node_rank, spec0.node_rank_auto, port0) == (0, False, spec.master_port)
-    store1, port1, spec1 = host_store(spec)  # the port is taken now: a client, which takes index 1
-    assert (spec1.node_rank, spec1.node_rank_auto, port1) == (1, False, spec.master_port)
+    store1, port1, spec1, hosting1 = host_store(spec)  # the port is taken now: a client, which takes index 1
+    assert (spec1.node_rank, spec1.node_rank_auto, port1, hosting0, hosting1) == (1, False, spec.master_port, True, False)
     explicit = JobSpec(script="t.py", worker_num=4, local_worker_num=2, master_addr="127.0.0.1",
                        master_port=spec.master_port, node_rank=1)
     assert host_store(explicit)[2] == explicit  # a given index is kept, and takes no number

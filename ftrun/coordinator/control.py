@@ -35,16 +35,11 @@ class ControlPlane:
         token: the job secret (keys the frames' HMAC; never sent).
         bind: the address to bind on (a random port is taken).
         advertised: the host the others connect to (``control_addr``).
-        on_agent: called with (identity, message, connection descriptor or None) for an agent's message.
-        on_rank: called with (identity, message) for a rank's message.
-        on_reject: called with the reason of every rejected frame that is reported (the first
-            :data:`MAX_REJECT_EVENTS`), and the total so far.
-        protected: returns the identities that are never taken for offenders (live ranks').
+
+    :meth:`serve` names the coordinator's handlers.
     """
 
-    def __init__(self, ctx: zmq.Context, token: str, bind: str, advertised: str,
-                 on_agent: Callable[[bytes, Message, int | None], None], on_rank: Callable[[bytes, Message], None],
-                 on_reject: Callable[[str, int], None], protected: Callable[[], set[bytes]]) -> None:
+    def __init__(self, ctx: zmq.Context, token: str, bind: str, advertised: str) -> None:
         self.sender = Sender(token)  # frames to ranks and agents
         self.receiver = Receiver(self.sender.auth, CONTROL)  # their frames: authentic and fresh
         self.router = ctx.socket(zmq.ROUTER)
@@ -59,10 +54,22 @@ class ControlPlane:
         self._agent_fds: dict[int, bytes] = {}  # descriptor of an agent's connection -> its routing identity
         port = self.router.bind_to_random_port(f"tcp://{bind}")
         self.address = f"tcp://{advertised}:{port}"
-        self.on_agent, self.on_rank, self.on_reject, self.protected = on_agent, on_rank, on_reject, protected
+        self.on_agent: Callable[[bytes, Message, int | None], None] = lambda _i, _m, _fd: None
+        self.on_rank: Callable[[bytes, Message], None] = lambda _i, _m: None
+        self.on_reject: Callable[[str, int], None] = lambda _why, _total: None
+        self.protected: Callable[[], set[bytes]] = set
         self.rejected = 0
         self._reject_counts: dict[bytes, int] = {}
         self._offenders: set[bytes] = set()
+
+    def serve(self, on_agent: Callable[[bytes, Message, int | None], None], on_rank: Callable[[bytes, Message], None],
+              on_reject: Callable[[str, int], None], protected: Callable[[], set[bytes]]) -> None:
+        """Hand what arrives to a coordinator: ``on_agent`` (identity, message, connection
+        descriptor or None) for an agent's message, ``on_rank`` (identity, message) for a rank's,
+        ``on_reject`` (reason, total so far) for the first rejected frames; ``protected`` returns
+        the identities never taken for offenders (live ranks'). Until then nothing is read (a
+        standby's endpoint queues what arrives)."""
+        self.on_agent, self.on_rank, self.on_reject, self.protected = on_agent, on_rank, on_reject, protected
 
     def send(self, identity: bytes, msg_type: MsgType, fields: dict[str, Any]) -> None:
         """Send one message to the connection ``identity`` (a rank's or an agent's)."""

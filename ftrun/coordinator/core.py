@@ -42,6 +42,7 @@ from ..protocol import Message, MsgType, Sender
 from ..spawner import ExitReport, StopReport, tail_lines
 from .control import ControlPlane
 from .environment import Spawning
+from .failover import Replication, restore
 from .messages import RankMessages
 from .membership import Membership, NodeLoss, NoReplacement
 from .phases import JobPhase, JobPhases
@@ -78,16 +79,18 @@ class Coordinator:
 
     def __init__(self, spec: JobSpec, token: str, events_addr: str | None, store_port: int,
                  local_agent: AgentHandle | None = None, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, control: ControlPlane | None = None) -> None:
         from ..stores import bind_host
 
         self.spec, self.token, self.clock, self.wall = spec, token, clock, wall
         self.log_dir = Path(spec.log_dir)
         self.ctx = zmq.Context()
-        bind = bind_host(spec.master_addr, spec.nnodes)
-        self.control = ControlPlane(self.ctx, token, bind, "127.0.0.1" if bind == "127.0.0.1" else spec.master_addr,
-                                    on_agent=self.on_agent_message, on_rank=self.handle, on_reject=self._on_reject,
-                                    protected=lambda: {r.proc.identity for r in self.ranks.values() if r.proc.identity})
+        if control is None:
+            bind = bind_host(spec.master_addr, spec.nnodes)
+            control = ControlPlane(self.ctx, token, bind, "127.0.0.1" if bind == "127.0.0.1" else spec.master_addr)
+        self.control = control  # a standby's was bound before the takeover (ftrun.coordinator.failover)
+        control.serve(on_agent=self.on_agent_message, on_rank=self.handle, on_reject=self._on_reject,
+                      protected=lambda: {r.proc.identity for r in self.ranks.values() if r.proc.identity})
         push = None
         if events_addr:
             push = self.ctx.socket(zmq.PUSH)
@@ -98,6 +101,7 @@ class Coordinator:
         local = spec.local_worker_num
         self.ranks = {rank: Rank(rank=rank, local_rank=rank % local, node=rank // local) for rank in range(spec.worker_num)}
         self.phase = JobPhases(on_change=lambda old, new: log.info("job phase %s -> %s", old.value, new.value))
+        self.epoch = 0  # the coordinator epoch: moved on by every takeover (ftrun.coordinator.failover)
         self.attempt = 0
         self.generation = 0
         self.restarts_used = 0
@@ -108,6 +112,7 @@ class Coordinator:
         self.rounds = RecoveryRounds(self)
         self.messages = RankMessages(self)
         self.ttp = Checkpoints(self)
+        self.failover = Replication(self)
         self.watchdog = Watchdog(WatchdogBounds(spec.heartbeat_timeout, spec.heartbeat_interval, spec.setup_timeout,
                                                 spec.step_timeout, spec.step_timeout_min, spec.step_timeout_factor,
                                                 spec.warmup_steps))
@@ -197,24 +202,29 @@ class Coordinator:
         self.publisher.status(self.status_snapshot, force=force, final=final)
 
     # ----------------------------------------------------------------- main loop
-    def run(self) -> int:
-        """Run the job to its end and return the exit code."""
-        self.spawning.run_id = os.environ.get("TORCHELASTIC_RUN_ID") or f"ftrun-{os.getppid()}-{int(self.wall())}"
+    def run(self, takeover: dict[str, Any] | None = None, lost: int = 0) -> int:
+        """Run the job to its end and return the exit code. With ``takeover`` (the hard state a
+        standby was sent, :func:`ftrun.coordinator.failover.hard_state`), go on with a job whose
+        coordinator on node ``lost`` died, instead of starting one."""
         self._install_signals()
         spec = self.spec
-        self.emit(EventKind.JOB_STARTED,
-                  f"job started: {spec.worker_num} rank(s), {spec.local_worker_num} on node {spec.node_rank}, "
-                  f"max_restarts={spec.max_restarts}, TFT={spec.tft}",
-                  script=spec.script, args=list(spec.script_args), control=self.control_addr)
-        for warning in spec.warnings:
-            self.emit(EventKind.WARNING, warning)
-        for name in spec.tft.not_implemented() if spec.tft_explicit else ():
-            self.emit(EventKind.WARNING, f"TFT switch {name} is on but not implemented in this version of ftrun; it has no effect")
-        note = self.agents[0].start_note() if 0 in self.agents else None
-        if note:
-            self.emit(EventKind.WARNING, note)
-        self.spawning.publish_control_addr()
-        self.start_attempt()
+        if takeover is None:
+            self.spawning.run_id = os.environ.get("TORCHELASTIC_RUN_ID") or f"ftrun-{os.getppid()}-{int(self.wall())}"
+            self.emit(EventKind.JOB_STARTED,
+                      f"job started: {spec.worker_num} rank(s), {spec.local_worker_num} on node {spec.node_rank}, "
+                      f"max_restarts={spec.max_restarts}, TFT={spec.tft}",
+                      script=spec.script, args=list(spec.script_args), control=self.control_addr)
+            for warning in spec.warnings:
+                self.emit(EventKind.WARNING, warning)
+            for name in spec.tft.not_implemented() if spec.tft_explicit else ():
+                self.emit(EventKind.WARNING, f"TFT switch {name} is on but not implemented in this version of ftrun; it has no effect")
+            note = self.agents[0].start_note() if 0 in self.agents else None
+            if note:
+                self.emit(EventKind.WARNING, note)
+            self.spawning.publish_control_addr()
+            self.start_attempt()
+        else:
+            self.take_over(takeover, lost)
         poller = zmq.Poller()
         poller.register(self.control.router, zmq.POLLIN)
         poller.register(self.control.disconnects, zmq.POLLIN)
@@ -234,6 +244,8 @@ class Coordinator:
                 self.check_hangs()
             if self.exit_code is None:
                 self.spawning.keep_spares()
+            if self.exit_code is None:
+                self.failover.replicate(self.clock())
             self.publish_status()
         code = self.exit_code
         assert code is not None
@@ -313,6 +325,23 @@ class Coordinator:
             return self.finish_failed(reason)
         self.members.await_replacement(node, reason, now)
         return self.on_failure([r.rank for r in lost], kind="node_loss")
+
+    def take_over(self, state: dict[str, Any], lost: int) -> None:
+        """Go on with the job after its coordinator on node ``lost`` died (this is the standby's
+        process): its hard state restored with the epoch moved on, the store and endpoint
+        published, then node ``lost`` handled as any lost node (its ranks recovered from replicas
+        once a launcher takes its index)."""
+        restore(self, state)
+        self.spawning.attempt_port = self.spawning.store_port
+        self.emit(EventKind.COORDINATOR_TAKEOVER,
+                  f"node {self.spec.node_rank} took over as the job coordinator (epoch {self.epoch}): node {lost}'s "
+                  "coordinator closed its connection (its processes or its host died)",
+                  node=self.spec.node_rank, lost=lost, epoch=self.epoch, control=self.control_addr,
+                  store=f"{self.spec.master_addr}:{self.spawning.store_port}")
+        self.spawning.publish_control_addr()
+        self.finish_with(self.node_lost(NodeLoss(
+            lost, f"node {lost} lost with the job coordinator: its connection to node {self.spec.node_rank}'s standby "
+                  "closed", "coordinator_lost")))
 
     def on_agent_message(self, identity: bytes, msg: Message, fd: int | None = None) -> None:
         """An agent's message (:meth:`Membership.on_agent_message`); a replacement's hello while

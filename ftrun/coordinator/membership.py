@@ -225,7 +225,9 @@ class Membership:
         node = msg.get("node")
         if node == STANDBY_NODE_INDEX and identity not in self.standby_nodes and identity not in self._took:
             return self.on_standby_node_hello(identity, msg, fd, now)
-        if not isinstance(node, int) or not 0 < node < spec.nnodes:
+        # Node 0 is the coordinator's own until a standby took over from it: then a launcher
+        # replaces it like any lost node.
+        if not isinstance(node, int) or not 0 <= node < spec.nnodes or (node == 0 and 0 not in self.waiting_for):
             job.control.reject(identity, f"agent hello for node {node!r}: not a node of this job")
             return None
         current = self.agents.get(node)
@@ -245,9 +247,9 @@ class Membership:
         agent = RemoteAgent(node=node, identity=identity, send_frame=job.control.send, last_seen=now,
                             host=msg["host"], pid=msg["pid"])
         job.control.watch_agent_connection(fd, identity)
-        self.check_shared_dir(msg, f"node {node}")
         self.joined(node, agent, f"{'a replacement for ' if replacing else ''}node {node} joined (host {msg['host']}, "
-                                 f"agent pid {msg['pid']})", replacement=replacing is not None)
+                                 f"agent pid {msg['pid']})", hello=msg, replacement=replacing is not None)
+        self.check_shared_dir(msg, f"node {node}")
         return None
 
     def on_standby_node_hello(self, identity: bytes, msg: Message, fd: int | None, now: float) -> None:
@@ -257,19 +259,26 @@ class Membership:
                             host=msg["host"], pid=msg["pid"])
         self.standby_nodes[identity] = agent
         job.control.watch_agent_connection(fd, identity)
-        self.check_shared_dir(msg, "a standby node")
         job.emit(EventKind.STANDBY_NODE_JOINED,
                  f"a standby node joined (host {msg['host']}, agent pid {msg['pid']}): it takes the next lost node; "
                  f"{len(self.standby_nodes)} standby node(s)", host=msg["host"], pid=msg["pid"], standby_nodes=len(self.standby_nodes))
+        self.check_shared_dir(msg, "a standby node")
+        if job.failover.node is not None:  # where to go if this coordinator dies
+            agent.announce_standby(job.failover.control, job.failover.store, job.epoch)
         for node in sorted(self.waiting_for):
             if self.take_standby_node(node):
                 break
 
-    def joined(self, node: int, agent: RemoteAgent, message: str, **detail: Any) -> None:
-        """``agent`` is ``node``'s agent from now on: the orders kept for the node go to it."""
+    def joined(self, node: int, agent: RemoteAgent, message: str, hello: Message | None = None, **detail: Any) -> None:
+        """``agent`` is ``node``'s agent from now on: it learns where the standby coordinator is (or,
+        its ``hello`` offering to stand by, becomes it), and the orders kept for the node go to it."""
         job = self.job
         self.agents[node] = agent
         job.emit(EventKind.NODE_JOINED, message, node_joined=node, **detail)
+        if hello is not None and isinstance(hello.get("standby_control"), str) and isinstance(hello.get("standby_store"), str):
+            job.failover.on_standby(node, hello["standby_control"], hello["standby_store"])
+        elif job.failover.node is not None:
+            agent.announce_standby(job.failover.control, job.failover.store, job.epoch)
         for order in self.pending_spawns.pop(node, []):
             job.ranks[order[0]].proc.started_at = job.clock()  # its set-up time counts from now
             agent.spawn(*order)

@@ -62,9 +62,11 @@ class RankMessages:
         r.replica_group = tuple(int(x) for x in msg["replica_group"])
         p.last_heartbeat = self.job.clock()
         p.state = RankState.HEALTHY if self.job.rounds.current is None else RankState.RECOVERING
-        self.job.emit(EventKind.RANK_JOINED, f"rank {r.rank} connected (pid {p.pid})", rank=r.rank, library=r.library)
+        self.job.emit(EventKind.RANK_JOINED, f"rank {r.rank} connected (pid {p.pid})", rank=r.rank, library=r.library,
+                      **({"rejoined": True} if msg.get("rejoin") else {}))
+        self.job.failover.announce(r)
         hot = msg.get("hot")
-        if isinstance(hot, str) and hot != "the training loop":
+        if isinstance(hot, str) and not msg.get("rejoin") and hot != "the training loop":
             # A hot spare promoted while its script waited for its rank in its set-up: correct, but
             # only as fast as a warm spare (docs/hot_spares.md).
             self.job.emit(EventKind.WARNING,
@@ -72,7 +74,8 @@ class RankMessages:
                       "script reads its rank before its training loop); it finished the set-up after its promotion, "
                       "as a warm spare does (docs/hot_spares.md)", rank=r.rank, fault="hot_spare_contract")
         if self.job.rounds.current is not None:
-            self.job.rounds.on_hello(r, msg["generation"])
+            seen = msg.get("seen") if msg.get("rejoin") else None
+            self.job.rounds.on_hello(r, msg["generation"], seen if isinstance(seen, int) else None)
 
     def on_heartbeat(self, r: Rank, msg: Message) -> None:
         r.on_heartbeat(msg.get("in_dist"), msg.get("stage"), msg.get("stage_bytes"), self.job.clock())

@@ -45,6 +45,7 @@ class RecoveryRounds:
         now = job.clock()
         job.phase.move(JobPhase.RECOVERING)
         job.generation += 1
+        job.failover.replicate(now, force=True)  # the standby knows the generation before any rank does
         for x in job.ranks.values():
             x.proc.last_begin = None  # a step time measured across a recovery says nothing about steps
         rec = self.current
@@ -92,12 +93,18 @@ class RecoveryRounds:
         if rec.plan is None and set(live) <= set(rec.reports):
             self.make_plan(live)
 
-    def on_hello(self, r: Rank, generation: int) -> None:
+    def on_hello(self, r: Rank, generation: int, seen: int | None = None) -> None:
         """A rank's process connected during a recovery: its hello is its report (it holds no
-        state), or it is told the round's generation."""
+        state), or it is told the round's generation. ``seen``: a rank that moved here from a
+        coordinator that died names the newest generation it heard of; a round at or below it
+        would be ignored by that rank, so the next round goes beyond it."""
         rec = self.current
         assert rec is not None
         rec.joined_at.setdefault(r.rank, self.job.clock())
+        if seen is not None and seen >= rec.generation:
+            self.job.generation = max(self.job.generation, seen)
+            self.start(set(), f"rank {r.rank} had heard of generation {seen} from the coordinator before", kind="takeover")
+            return
         if generation != rec.generation:
             self.job.send(r, MsgType.ABORT, generation=rec.generation, reason="recovery in progress")
         else:
@@ -120,10 +127,12 @@ class RecoveryRounds:
                  f"generation {rec.generation}: resume at step {plan.step + 1}; transfers "
                  + (", ".join(f"{d}->{r}" for d, r in transfers) or "none"),
                  step=plan.step, transfers=transfers, committed=dict(sorted((str(k), v) for k, v in rec.reports.items())))
+        # After a takeover the ranks' store is the new coordinator's (ftrun.coordinator.failover).
+        store = {"store": f"{job.spec.master_addr}:{job.spawning.attempt_port}"} if job.epoch else {}
         for x in job.ranks.values():
             if x.alive():
                 job.send(x, MsgType.RECONFIGURE, generation=rec.generation, world_size=job.spec.worker_num, step=plan.step,
-                         transfers=transfers)
+                         transfers=transfers, **store)
 
     def replica_groups(self) -> list[list[int]]:
         """The job's replica groups, as the ranks declared them in their hello.

@@ -1,0 +1,215 @@
+"""Coordinator failover: a standby coordinator on node 1 takes the job over when node 0 dies.
+
+Node 0 runs the coordinator and hosts the job's stores; without a standby its loss ends the job
+(torchrun's c10d store and TorchFT's lighthouse have the same single point of failure). Node 1's
+agent is the **standby** (docs/coordinator_failover.md): before anything fails it binds a control
+endpoint and hosts a c10d store of its own, and says so in its hello. Then:
+
+- the coordinator announces the standby (``standby``: its endpoint and store) to every rank and
+  agent, and writes its store's address into the job's store (``ftrun/standby``) for launchers that
+  wait for a vacancy;
+- it replicates its **hard state** to the standby (``state``): the coordinator epoch, attempt,
+  generation, restart budget used, lost nodes and each rank's incarnation, pid, replica group,
+  state and committed step. It changes on faults, not per step; it is sent when it changed and at
+  every beat to node 1's agent (a few hundred bytes; committed steps ride along).
+- **Takeover only on a closed connection.** The standby's agent takes the job over when its
+  connection to the coordinator closes without a ``shutdown``: node 0's processes are dead (a
+  killed process's or host's kernel resets its connections), so no second coordinator can act and
+  there is no split brain. Silence (a partition, a hung host) is not taken over: a cut link cannot
+  be told from a dead host by one node, and the job ends as before (resumable from its dying-gasp
+  checkpoint). A majority vote among three or more agents would lift that; not built.
+- The new coordinator runs in node 1's agent process (node 1's ranks are its children already),
+  with the epoch and the generation moved on: node 0 is lost like any node, its ranks are recovered
+  from replicas once a launcher takes index 0 (a standby launcher waiting for a vacancy finds the
+  new store through ``ftrun/standby``), and every survivor keeps its process. Ranks move their
+  control channel to the standby's endpoint when theirs closes, say hello again (same pid, same
+  incarnation) and are told the new generation; the recovery plan names the new store, on which
+  the next generation's process group is built.
+
+What is lost with node 0: the records of node 0's ranks' own state (RNG, data position) that
+lived in its store; a script seeded per step (``init(seed=...)``) needs none, another one reports
+the difference with its exactly-once checks. A decision the old coordinator made in the last
+beat before it died may not have reached the standby (no acknowledgement is waited for).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import TYPE_CHECKING, Any
+
+from ..contract import STANDBY_KEY
+from ..policy import RankState
+from ..protocol import MsgType
+from .ranks import Incarnation
+
+if TYPE_CHECKING:
+    from ..agent import AgentHandle
+    from .core import Coordinator
+
+log = logging.getLogger("ftrun.coordinator")
+
+STANDBY_NODE = 1  # the node whose agent is the standby coordinator
+
+
+def address_towards(peer: str) -> str:
+    """This host's address on the route to ``peer`` (a host name or address): the one other
+    nodes reach it at. No packet is sent (a UDP socket's ``connect`` only picks the route).
+
+    Raises:
+        OSError: ``peer`` does not resolve or no route leads to it.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((socket.gethostbyname(peer), 9))
+        return sock.getsockname()[0]
+
+
+def hard_state(job: "Coordinator") -> dict[str, Any]:
+    """What a standby needs to go on with the job: the coordinator's hard state (see the module
+    docstring), a msgpack-able dict."""
+    return {
+        "epoch": job.epoch,
+        "attempt": job.attempt,
+        "generation": job.generation,
+        "restarts_used": job.restarts_used,
+        "run_id": job.spawning.run_id,
+        "lost_nodes": {str(k): v for k, v in job.members.lost_nodes.items()},
+        # rank, incarnation, pid, library, replica group, restarts, state, committed, running
+        "ranks": [[r.rank, r.incarnation, r.proc.pid or 0, r.library, list(r.replica_group), r.restarts,
+                   r.proc.state.value, r.proc.committed, r.proc.running] for r in job.ranks.values()],
+    }
+
+
+def restore(job: "Coordinator", state: dict[str, Any]) -> None:
+    """Load a replicated :func:`hard_state` into a new coordinator (the epoch moves on). Every
+    live rank is taken as having just been heard from: it says hello again on this coordinator's
+    endpoint, and the watchdog counts from now."""
+    now = job.clock()
+    job.epoch = int(state["epoch"]) + 1
+    job.attempt = int(state["attempt"])
+    job.generation = int(state["generation"])
+    job.restarts_used = int(state["restarts_used"])
+    job.spawning.run_id = str(state["run_id"])
+    for node, reason in state["lost_nodes"].items():
+        job.members.lost_nodes[int(node)] = str(reason)
+    for rank, incarnation, pid, library, group, restarts, rank_state, committed, running in state["ranks"]:
+        r = job.ranks[int(rank)]
+        r.proc = Incarnation(number=int(incarnation), started_at=now, pid=int(pid) or None, running=bool(running),
+                             state=RankState(rank_state), committed=int(committed), last_heartbeat=now,
+                             last_progress=now)
+        r.library, r.replica_group, r.restarts = bool(library), tuple(int(x) for x in group), int(restarts)
+
+
+class Replication:
+    """The coordinator's side of failover: the standby it announces and the state it replicates.
+
+    Args:
+        job: the coordinator.
+    """
+
+    def __init__(self, job: "Coordinator") -> None:
+        self.job = job
+        self.node: int | None = None  # the standby's node
+        self.control = ""  # its control endpoint
+        self.store = ""  # its store, host:port
+        self._sent: dict[str, Any] | None = None
+        self._sent_at = 0.0
+
+    def on_standby(self, node: int, control: str, store: str) -> None:
+        """Node ``node``'s agent offers to stand by (its hello): announce it to every rank and
+        agent, and to waiting launchers through the job's store."""
+        job = self.job
+        self.node, self.control, self.store = node, control, store
+        self._sent = None
+        if job.members.main_store is not None:
+            try:
+                job.members.main_store.set(STANDBY_KEY, store)
+            except Exception as err:  # the store is this node's launcher's: gone only if the job ends
+                log.warning("cannot publish the standby's store: %s", err)
+        for r in job.ranks.values():
+            self.announce(r)
+        for agent in [*job.members.agents.values(), *job.members.standby_nodes.values()]:  # standby nodes too
+            if agent.node != node:
+                agent.announce_standby(control, store, job.epoch)
+        log.info("node %d stands by as the job coordinator (control %s, store %s)", node, control, store)
+
+    def announce(self, r: Any) -> None:
+        """Tell a rank that said hello where to go if this coordinator dies."""
+        if self.node is not None and r.connected():
+            self.job.send(r, MsgType.STANDBY, control=self.control, store=self.store, epoch=self.job.epoch)
+
+    def replicate(self, now: float, force: bool = False) -> None:
+        """Send the hard state to the standby when it changed (``force``: now, before what it
+        decided is sent to anyone), and at every beat."""
+        job = self.job
+        agent: AgentHandle | None = job.members.agents.get(self.node) if self.node is not None else None
+        if agent is None or not agent.connected():
+            return
+        state = hard_state(job)
+        if not force and _decisions(state) == _decisions(self._sent) and now - self._sent_at < job.spec.heartbeat_interval:
+            return  # only committed steps moved: they ride along with the next beat
+        agent.replicate(state)
+        self._sent, self._sent_at = state, now
+
+
+def _decisions(state: dict[str, Any] | None) -> Any:
+    """A hard state without the committed steps (which move every step)."""
+    if state is None:
+        return None
+    return {**state, "ranks": [row[:7] + row[8:] for row in state["ranks"]]}
+
+
+class StandbySeat:
+    """What node 1's agent holds ready before anything fails: a bound control endpoint (nothing
+    on it is read until a takeover; what ranks send there meanwhile waits in its queue) and a c10d
+    store, both on this host's address towards ``--master_addr``; and the hard state last
+    replicated to it.
+
+    Args:
+        spec: the job, as this node's launcher resolved it (its ``node_rank`` is this node's).
+        token: the job secret.
+
+    Raises:
+        OSError: no address towards the master address, or nothing can be bound on it.
+        ftrun.stores.StoreBindError: the store cannot be hosted.
+    """
+
+    def __init__(self, spec: Any, token: str) -> None:
+        import zmq
+
+        from ..stores import serve_store
+        from .control import ControlPlane
+
+        self.spec, self.token = spec, token
+        self.host = address_towards(spec.master_addr)
+        self.ctx = zmq.Context()
+        self.control = ControlPlane(self.ctx, token, self.host, self.host)
+        self.store, self.port = serve_store(self.host, 0, spec.cluster_time_out)
+        self.state: dict[str, Any] | None = None
+
+    @property
+    def store_addr(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def take_over(self, processes: Any, events_addr: str | None, lost: int = 0) -> int:
+        """Run the job's coordinator here, from the last replicated state, with this node's ranks
+        (``processes``, a :class:`ftrun.spawner.RankProcesses`) as its local agent's; returns the
+        job's exit code."""
+        import dataclasses
+
+        from ..agent import LocalAgent
+        from .core import Coordinator
+
+        from ..supervisor import start_job_metrics
+
+        assert self.state is not None
+        spec = dataclasses.replace(self.spec, master_addr=self.host, master_port=self.port)
+        metrics, spec = start_job_metrics(spec)  # the job's metrics are served from here now
+        coordinator = Coordinator(spec, self.token, events_addr, self.port, LocalAgent(spec.node_rank, processes),
+                                  control=self.control)
+        if metrics is not None:
+            coordinator.observers.append(metrics.observe)
+        try:
+            return coordinator.run(takeover=self.state, lost=lost)
+        finally:
+            self.ctx.term()
