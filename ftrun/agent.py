@@ -372,6 +372,11 @@ class NodeAgent:
                     self.handle(msg)
             if self.closed in events and self.exit_code is None and self.stop_signal is None:
                 self.closed.recv_multipart()
+                # What the coordinator sent before it closed comes first (a shutdown at the job's end).
+                for msg in receive(self.sock, self._receiver, 1000, lambda err: log.warning("dropped a frame: %s", err)):
+                    self.handle(msg)
+                if self.exit_code is not None:
+                    continue
                 if self.standby is not None and self.standby.state is not None:
                     return self.take_over()
                 if self.moved_to is not None:

@@ -36,11 +36,38 @@ from typing import Any, Callable
 
 @dataclass
 class Scenario:
-    """One faulted run: what it is, and its ``FTRUN_FAULT``."""
+    """One faulted run: what it is, and its ``FTRUN_FAULT``; ``kind`` is its name for
+    ``--scenarios`` (one of :data:`SCENARIO_KINDS`)."""
 
     name: str
     fault: str
     step: int
+    kind: str = ""
+
+
+#: The faulted runs ``ftrun check`` can make, by the name ``--scenarios`` takes.
+SCENARIO_KINDS = {
+    "allreduce": "a kill in a step's all-reduce, mid-epoch (the survivors compute the step again)",
+    "epoch_end": "a kill right after an epoch's last step",
+    "epoch_start": "a kill before the forward pass of an epoch's first step",
+    "section": "a kill inside an ft.section()",
+}
+
+
+def parse_scenarios(text: str | None) -> set[str] | None:
+    """``--scenarios`` (comma-separated kinds) as a set; None (or empty): every scenario.
+
+    Raises:
+        ValueError: an unknown kind (the message names it and the known ones).
+    """
+    if not text:
+        return None
+    kinds = {k.strip() for k in text.split(",") if k.strip()}
+    unknown = sorted(kinds - set(SCENARIO_KINDS))
+    if unknown:
+        raise ValueError(f"--scenarios {text}: unknown scenario {', '.join(unknown)}; choose from "
+                         f"{', '.join(SCENARIO_KINDS)}")
+    return kinds
 
 
 @dataclass
@@ -110,24 +137,27 @@ def choose_scenarios(reference: Trace, world: int) -> list[Scenario]:
         first_a, first_b = bounds[0]
         mid = max(first_a + 1, (first_a + first_b) // 2)
         out.append(Scenario(f"a kill in the all-reduce of step {mid}, mid-epoch (the survivors compute it again)",
-                            f"rank={victim},step={mid},point=allreduce,kind=kill", mid))
+                            f"rank={victim},step={mid},point=allreduce,kind=kill", mid, "allreduce"))
         end = bounds[-2][1]
         out.append(Scenario(f"a kill right after step {end}, an epoch's last (the survivors run the epoch's end and "
                             "the next epoch's start before the new rank joins)",
-                            f"rank={victim},step={end},point=between_steps,kind=kill", end))
+                            f"rank={victim},step={end},point=between_steps,kind=kill", end, "epoch_end"))
         start = bounds[-1][0]
         out.append(Scenario(f"a kill before the forward pass of step {start}, the last epoch's first",
-                            f"rank={victim},step={start},point=before_forward,kind=kill", start))
+                            f"rank={victim},step={start},point=before_forward,kind=kill", start, "epoch_start"))
     else:
-        for step, point, what in ((max(1, last_step // 3), "allreduce", "in the all-reduce of"),
-                                  (max(1, last_step // 2), "between_steps", "right after"),
-                                  (max(1, 2 * last_step // 3), "before_forward", "before the forward pass of")):
-            out.append(Scenario(f"a kill {what} step {step}", f"rank={victim},step={step},point={point},kind=kill", step))
+        for step, point, what, kind in ((max(1, last_step // 3), "allreduce", "in the all-reduce of", "allreduce"),
+                                        (max(1, last_step // 2), "between_steps", "right after", "epoch_end"),
+                                        (max(1, 2 * last_step // 3), "before_forward", "before the forward pass of",
+                                         "epoch_start")):
+            out.append(Scenario(f"a kill {what} step {step}", f"rank={victim},step={step},point={point},kind=kill", step,
+                                kind))
     sections = [s for s in doc.get("sections", []) if 0 <= int(s["committed"]) < last_step]
     if sections:
         pick = sections[len(sections) // 2]
         out.append(Scenario(f"a kill inside ft.section({pick['name']!r}) after step {pick['committed']}",
-                            f"rank={victim},step={pick['committed']},point=section,kind=kill", int(pick["committed"])))
+                            f"rank={victim},step={pick['committed']},point=section,kind=kill", int(pick["committed"]),
+                            "section"))
     return out
 
 
@@ -189,7 +219,7 @@ def _run(script: str, args: list[str], world: int, workdir: Path, fault: str | N
 
 
 def check(script: str, args: list[str], world: int = 2, timeout: float = 600.0, keep: str | None = None,
-          say: Callable[[str], None] = print) -> int:
+          say: Callable[[str], None] = print, only: set[str] | None = None) -> int:
     """Run the check (module docstring); returns the exit code (0 exactly-once, 1 not, 2 could not run).
 
     Args:
@@ -198,6 +228,7 @@ def check(script: str, args: list[str], world: int = 2, timeout: float = 600.0, 
         timeout: seconds per run.
         keep: a directory to keep every run's logs and traces in (default: a temporary one, removed).
         say: where the report's lines go.
+        only: the scenario kinds to run (:data:`SCENARIO_KINDS`; None: every one that applies).
     """
     root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="ftrun_check_"))
     root.mkdir(parents=True, exist_ok=True)
@@ -213,7 +244,7 @@ def check(script: str, args: list[str], world: int = 2, timeout: float = 600.0, 
         if not reference.ranks[0]["names"] or not reference.ranks[0]["steps"]:
             say("ftrun check: the script registers no model (ft.wrap_model) or commits no step: nothing to compare")
             return 2
-        scenarios = choose_scenarios(reference, world)
+        scenarios = [s for s in choose_scenarios(reference, world) if only is None or s.kind in only]
         failures = 0
         for i, scenario in enumerate(scenarios):
             code, out, trace_dir = _run(script, args, world, root / f"fault{i}", scenario.fault, timeout)

@@ -275,18 +275,25 @@ def check(
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds each run may take."),
     keep: Optional[str] = typer.Option(None, "--keep", help="Keep every run's logs and traces in this directory.",
                                        show_default=False),
+    scenarios: Optional[str] = typer.Option(None, "--scenarios", help="Only these faulted runs, comma-separated: "
+                                            "allreduce, epoch_end, epoch_start, section (default: all).",
+                                            show_default=False),
 ) -> None:
     """Tell whether SCRIPT is exactly-once under ftrun: a fault-free run, then runs with a rank killed
     mid-epoch in the all-reduce, after an epoch's last step, before an epoch's first step and inside a
     section; each must end with the same parameters. If one does not: the step and parameter tensor
     where it first differs, and the likely cause. Exit code 0: exactly-once; 1: not; 2: it did not run."""
-    from .check import check as run_check
+    from .check import check as run_check, parse_scenarios
 
+    try:
+        only = parse_scenarios(scenarios)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if worker_num < 2:
         raise ConfigError(f"--worker_num {worker_num}: a check needs at least 2 ranks (a replacement takes its state from a replica)")
     if not Path(script).is_file():
         raise ConfigError(f"{script}: no such script")
-    raise SystemExit(run_check(script, list(script_args or ()), world=worker_num, timeout=timeout, keep=keep))
+    raise SystemExit(run_check(script, list(script_args or ()), world=worker_num, timeout=timeout, keep=keep, only=only))
 
 
 SUBCOMMANDS = {"status": status_app, "report": report_app, "check": check_app}

@@ -129,6 +129,7 @@ CASES = {
                              setup=_write("big.toml", "# filler\n" * 150_000)),
     "pyproject-binary": Case(["{script}"], "is not UTF-8 text", setup=_write_bytes("pyproject.toml", b"\xff\xfe\x00")),
     "pyproject-tool-not-a-table": Case(["{script}"], "tool in", setup=_write("pyproject.toml", "tool = 3\n")),
+    "check-unknown-scenario": Case(["check", "--scenarios", "allreduce,midway", "{script}"], "unknown scenario midway"),
     # FTRUN_FAULT is checked before any rank starts (each rank would fail to import it)
     "fault-rank-not-integer": Case(["{script}"], "rank='x' is not an integer", env={"FTRUN_FAULT": "rank=x"}),
     "fault-unknown-kind": Case(["{script}"], "unknown kind 'boom'", env={"FTRUN_FAULT": "rank=0,kind=boom"}),

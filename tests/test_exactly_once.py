@@ -102,6 +102,17 @@ def test_check_picks_the_steps_where_scripts_go_wrong() -> None:
     ]
     plain = Trace({0: _trace({s: ["x"] for s in range(30)})})  # ft.steps(): no epochs, no sections
     assert [s.step for s in choose_scenarios(plain, world=4)] == [9, 14, 19]
+    assert [s.kind for s in choose_scenarios(reference, world=2)] == ["allreduce", "epoch_end", "epoch_start", "section"]
+    assert [s.kind for s in choose_scenarios(plain, world=4)] == ["allreduce", "epoch_end", "epoch_start"]
+
+
+def test_check_scenarios_option_names_a_subset() -> None:
+    from ftrun.check import parse_scenarios
+
+    assert parse_scenarios(None) is None and parse_scenarios("") is None
+    assert parse_scenarios("allreduce, section") == {"allreduce", "section"}
+    with pytest.raises(ValueError, match="unknown scenario midway; choose from allreduce, epoch_end"):
+        parse_scenarios("allreduce,midway")
 
 
 def test_check_names_the_first_step_and_tensor_and_the_likely_cause() -> None:

@@ -311,6 +311,8 @@ def _replace_node1(hosts: list[NetHost], tmp_path: Path, long_reference: str, pa
     # A killed host's connections close: its loss is seen at once (issue 24 item 3); a cut link
     # closes nothing, and the agent's silence (the heartbeat timeout) tells.
     assert ("nothing heard" if partition else "connection closed") in lost["message"], dj.story(events)
+    # Node 1 was the coordinator's standby; the launcher that replaced it stands by in its turn.
+    assert (runs[0].log_dir / "supervisor.log").read_text().count("node 1 stands by as the job coordinator") == 2
 
 
 def test_lost_node_is_replaced_by_a_new_launcher(net_hosts, long_reference: str, tmp_path: Path) -> None:  # noqa: F811

@@ -38,7 +38,7 @@ def _job_processes(root: int) -> list[psutil.Process]:
 
 
 @pytest.mark.parametrize("spares", ["--warm_spares", "--hot_spares"])
-def test_each_rank_shows_on_exactly_one_process(tmp_path: Path, spares: str, long_reference: str) -> None:
+def test_each_rank_shows_on_exactly_one_process(tmp_path: Path, spares: str) -> None:
     log_dir = tmp_path / "logs"
     cmd = dj.cmd(log_dir, dj.LONG_STEPS)
     at = cmd.index(str(dj.SCRIPT))
@@ -69,9 +69,12 @@ def test_each_rank_shows_on_exactly_one_process(tmp_path: Path, spares: str, lon
         assert shown["2"] == [promoted["pid"]], (shown, promoted)
         assert _environ(promoted["pid"]).get("LOCAL_RANK") == "2"
         assert spare_pids, "no waiting spare was found"
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise
-    # the promoted spare took the rank's state: the run ends as without the fault
-    assert dj.digest(dj.finish(proc), dj.LONG_STEPS) == long_reference
+    finally:
+        # What the promoted spare computes is checked bitwise elsewhere (test_hot_spares, test_arf:
+        # the same promotion): here the job need not run to its end. Stopped as a user would.
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
