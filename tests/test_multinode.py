@@ -343,9 +343,9 @@ def test_hangs_inside_recoveries_across_hosts(net_hosts, reference: str, tmp_pat
 def test_node0_lost_the_standby_coordinator_takes_over(net_hosts, long_reference: str, tmp_path: Path) -> None:  # noqa: F811
     """Issue 24 item 1: every process of host 0 (the coordinator, node 0's store and ranks) is
     SIGKILLed mid-run. Node 1's agent, the standby, takes the job over at once (host 0's kernel
-    closed its connections); the launcher waiting on host 2 (started last, no index) finds the
-    standby's store, takes node 0's index, and node 0's ranks come back there from replicas on node
-    1. The job ends with the fault-free digest; node 1's ranks keep their processes; nothing is
+    closed its connections); the launcher on host 2 (started last, no index: a standby node, issue
+    24 item 2) moves to the standby coordinator with the other agents, takes node 0's index, and
+    node 0's ranks come back there, in its hot spares, from replicas on node 1. The job ends with the fault-free digest; node 1's ranks keep their processes; nothing is
     left on host 0."""
     hosts = net_hosts(3)
     runs = start_job(hosts[:2], tmp_path, steps=dj.LONG_STEPS, extra=("--node_wait_timeout", "120"))
