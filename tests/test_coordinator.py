@@ -780,3 +780,17 @@ def test_an_agent_connection_that_closes_is_its_nodes_loss_at_once(tmp_path: Pat
         coord.check_agents()
     assert "connection closed" in coord.lost_nodes[1]
     assert clock.now == 1000.0  # no time passed: not the heartbeat timeout
+
+
+@pytest.mark.parametrize("kind, expected", [("warm", (2, 0)), ("none", None)])
+def test_standby_spares_option_chooses_a_standby_nodes_spares(tmp_path: Path, kind: str, expected: Any) -> None:
+    """``--standby_spares warm``: one warm spare per local rank on a standby node; ``none``: none."""
+    coord, agent, clock = make(tmp_path, world=4, local=2, standby_spares=kind)
+    sent: list[tuple[bytes, MsgType, dict]] = []
+    coord.control.send = lambda identity, kind, fields: sent.append((identity, kind, fields))  # type: ignore[method-assign]
+    join_node1(coord)
+    coord.on_agent_message(b"standby-a", msg(MsgType.AGENT_HELLO, node=-1, pid=5, host="standby-a"))
+    hello_all(coord)
+    coord.spawning.keep_spares()
+    orders = [(f["warm"], f["hot"]) for i, k, f in sent if k == MsgType.SPARES and i == b"standby-a"]
+    assert orders == ([expected] if expected else [])
