@@ -15,6 +15,10 @@ Results come back the same way from both: :meth:`AgentHandle.take_reports` retur
 since the last call (spawned, exited, stacks). An agent that loses its coordinator (no
 ``agent_beat`` for ``--heartbeat_timeout`` seconds) stops its ranks and exits: no rank outlives
 the job's decision-maker. A coordinator that loses an agent treats the node as lost.
+
+A standby node's agent (its launcher came after every node had its index) starts with the node
+index :data:`~ftrun.contract.STANDBY_NODE_INDEX`, keeps the spares the coordinator orders, and becomes
+a lost node's agent when told ``take_node``; its spares then take that node's ranks.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any, Callable, Mapping
 import zmq
 
 from . import procs
+from .contract import STANDBY_NODE_INDEX
 from .events import Event, EventKind
 from .protocol import CONTROL, MAX_FRAME_BYTES, Message, MsgType, Receiver, Sender, encode, events_for, receive, to_peer
 from .spawner import EXIT_TAIL_LINES, ExitReport, RankProcesses, StopReport, rank_argv, shared_dir_marker
@@ -268,7 +273,7 @@ class NodeAgent:
     """The agent process of a node other than node 0 (``python -m ftrun.agent``).
 
     Args:
-        node: this node's index.
+        node: this node's index (:data:`~ftrun.contract.STANDBY_NODE_INDEX` for a standby, until ``take_node``).
         control_addr: the coordinator's ROUTER endpoint.
         token: the job secret.
         processes: this node's :class:`RankProcesses`.
@@ -280,6 +285,7 @@ class NodeAgent:
     def __init__(self, node: int, control_addr: str, token: str, processes: RankProcesses, heartbeat_interval: float,
                  coordinator_timeout: float, events_addr: str | None, standby: Any = None) -> None:
         self.node = node
+        self._events_audience = events_for(node)  # this node's launcher (a standby's keeps its audience)
         self._sender = Sender(token)  # frames to the coordinator
         self._event_sender = Sender(self._sender.auth)  # frames to this node's launcher
         self.processes = processes
@@ -331,7 +337,7 @@ class NodeAgent:
         log.info("%s %s", kind.value, message)
         if self.push is not None:
             event = Event(kind=kind, message=message, rank=detail.pop("rank", None), node=self.node, detail=detail)
-            self.push.send(encode(MsgType.EVENT, self._event_sender, events_for(self.node), event=event.to_json()))
+            self.push.send(encode(MsgType.EVENT, self._event_sender, self._events_audience, event=event.to_json()))
 
     def run(self) -> int:
         """Serve the coordinator until it shuts the job down or is lost; returns the exit code."""
@@ -342,6 +348,9 @@ class NodeAgent:
         self._hello()
         if self.processes.interface_note:
             self.event(EventKind.WARNING, self.processes.interface_note)
+        if self.node == STANDBY_NODE_INDEX:
+            self.event(EventKind.STANDBY_NODE_JOINED, "every node of the job has its index: this launcher waits as a standby "
+                                                 "node and takes the next lost node's place")
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.closed, zmq.POLLIN)
@@ -454,7 +463,8 @@ class NodeAgent:
             return
         self.send(MsgType.SPAWNED, node=self.node, rank=msg["rank"], incarnation=msg["incarnation"], pid=pid,
                   spare=bool(spare), spare_kind=spare)
-        self.event(EventKind.RANK_STARTED, f"rank {msg['rank']} started (pid {pid}, incarnation {msg['incarnation']})", rank=msg["rank"])
+        self.event(EventKind.RANK_STARTED, f"rank {msg['rank']} started (pid {pid}, incarnation {msg['incarnation']}"
+                                           f"{f', in a {spare} spare' if spare else ''})", rank=msg["rank"])
 
     def _on_signal(self, msg: Message) -> None:
         self.processes.signal(msg["rank"], msg["incarnation"], msg["signal"])
@@ -473,6 +483,15 @@ class NodeAgent:
         note = self.processes.keep_spares(msg["warm"], msg["hot"], {str(k): str(v) for k, v in msg["vars"].items()})
         if note is not None:
             self.send(MsgType.SPARE_NOTE, node=self.node, message=note)
+
+    def _on_take_node(self, msg: Message) -> None:
+        """A standby node becomes the agent of lost node ``node`` (its launcher learns it from the event)."""
+        if self.node != STANDBY_NODE_INDEX or msg["node"] < 0:
+            log.warning("take_node %r ignored: this agent is node %d", msg["node"], self.node)
+            return
+        self.node = msg["node"]
+        self.event(EventKind.NODE_JOINED, f"this standby node took node {self.node}'s place", node_joined=self.node,
+                   standby=True)
 
     def _on_standby(self, msg: Message) -> None:
         self.moved_to = msg["control"]
@@ -495,9 +514,15 @@ class NodeAgent:
         MsgType.STOP_RANKS: _on_stop_ranks,
         MsgType.SPARES: _on_spares,
         MsgType.SHUTDOWN: _on_shutdown,
+        MsgType.TAKE_NODE: _on_take_node,
         MsgType.STANDBY: _on_standby,
         MsgType.STATE: _on_state,
     }
+
+
+def agent_log_name(node: int) -> str:
+    """The log file of node ``node``'s agent in ``--log_dir`` (a standby node's until it takes a node, too)."""
+    return "agent_standby.log" if node == STANDBY_NODE_INDEX else f"agent_{node}.log"
 
 
 def _standby_seat(spec: Any) -> Any:
@@ -521,7 +546,7 @@ def main() -> None:
 
     spec = JobSpec.from_json(json.loads(os.environ["FTRUN_AGENT_SPEC"]))
     log_dir = Path(spec.log_dir)
-    logging.basicConfig(filename=log_dir / f"agent_{spec.node_rank}.log", level=logging.INFO,
+    logging.basicConfig(filename=log_dir / agent_log_name(spec.node_rank), level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     processes = RankProcesses(
         rank_argv(spec.no_python, spec.module, spec.script, list(spec.script_args)),

@@ -53,6 +53,10 @@ IDENTITY_VARS = ("RANK", "LOCAL_RANK", "ROLE_RANK", "RANK_ID", "DEVICE_ID", INCA
 IDENTITY_PAD = "FTRUN_IDENTITY_PAD"
 IDENTITY_PAD_BYTES = 1024
 
+#: The node index a standby launcher's agent says hello with (a launcher that came after every node had
+#: its index): it has no node until the coordinator hands it a lost one (``take_node``).
+STANDBY_NODE_INDEX = -1
+
 # ----------------------------------------------------------------------------- c10d store keys
 CONTROL_ADDR_KEY = "ftrun/control_addr"  # the coordinator's control address (coordinator -> launchers)
 STANDBY_KEY = "ftrun/standby"  # the standby coordinator's store, host:port (coordinator -> launchers)

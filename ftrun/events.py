@@ -50,6 +50,8 @@ class EventKind(str, Enum):
     JOB_FINISHED = "job_finished"
     NODE_JOINED = "node_joined"
     NODE_LOST = "node_lost"
+    STANDBY_NODE_JOINED = "standby_node_joined"  # a launcher that came after every node had its index waits as a standby
+    STANDBY_NODE_LEFT = "standby_node_left"  # a standby's agent is gone (its launcher died or stopped): dropped, no fault
     COORDINATOR_TAKEOVER = "coordinator_takeover"  # the standby coordinator took the job over
     DIVERGENCE = "divergence"  # exactly-once broken: a recomputed step or a replica's parameters differ
 

@@ -9,6 +9,7 @@ the ranks, tied the same way to the supervisor, die with it: no process outlives
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -22,6 +23,7 @@ from typing import Any
 import zmq
 
 from . import contract, procs
+from .agent import agent_log_name
 from .config import ConfigError, JobSpec
 from .console import JobConsole, make_console
 from .protocol import MsgType, ProtocolError, Receiver, decode, events_for, new_token
@@ -120,6 +122,7 @@ def claim_node_rank(
     claimant: str | None = None,
     clock: Any = time.monotonic,
     moved: list[Any] | None = None,
+    standby_node: bool = False,
 ) -> int:
     """This launcher's node index when none was given (torchrun's dynamic rendezvous), taken in
     node 0's store; node 0 itself is the launcher that hosts the store (:func:`can_host_store`).
@@ -134,7 +137,9 @@ def claim_node_rank(
     ``<claim>/beats``; once it is not, the thread moves ``ftrun/claim_epoch/<node>`` on, so a
     later loss of the same node is a new claim key. A claim whose beats stop for ``stale_after``
     seconds while the node is still vacant (its launcher died before joining) is taken over. With
-    nothing vacant it polls until ``--cluster_time_out``.
+    nothing vacant it polls until ``--cluster_time_out``, or, with ``standby_node``, returns
+    :data:`ftrun.contract.STANDBY_NODE_INDEX` at once: the launcher waits as a standby node, which the
+    coordinator hands the next lost node (``take_node``, :mod:`ftrun.coordinator.membership`).
 
     Args:
         spec: the job (``nnodes``, ``cluster_time_out``, ``master_addr``/``master_port`` for messages).
@@ -147,9 +152,10 @@ def claim_node_rank(
             published (``ftrun/standby``), waiting goes on there, node 0's own index included
             (the standby took the job over, :mod:`ftrun.coordinator.failover`): that store is
             appended here.
+        standby_node: become a standby node rather than wait for a vacancy.
 
     Returns:
-        The node index, 1 .. nnodes-1.
+        The node index, 1 .. nnodes-1, or ``STANDBY_NODE_INDEX`` (-1).
 
     Raises:
         ConfigError: no index was free or vacant within ``--cluster_time_out`` seconds.
@@ -230,6 +236,8 @@ def claim_node_rank(
                         continue  # another launcher took it over first
                 keep_claim(node, epoch, key)
                 return node
+            if standby_node:
+                return contract.STANDBY_NODE_INDEX
             if clock() >= deadline:
                 raise ConfigError(
                     f"no node index is free for this launcher: all {spec.nnodes} nodes of the job have launchers and "
@@ -254,8 +262,9 @@ def host_store(spec: JobSpec) -> tuple[Any, int, JobSpec, bool]:
 
     With an automatic node index (``spec.node_rank_auto``), the launcher that can host the store
     (:func:`can_host_store`) is node 0 (or, when another launcher on this host binds the port
-    first, a client); any other joins as a client and takes an index (:func:`claim_node_rank`).
-    The returned spec has the index decided.
+    first, a client); any other joins as a client and takes an index (:func:`claim_node_rank`), or
+    becomes a standby node (index :data:`ftrun.contract.STANDBY_NODE_INDEX`) when every node has one and
+    none is vacant. The returned spec has the index decided.
 
     Raises:
         ConfigError: the port is taken, node 0's store cannot be reached within cluster_time_out,
@@ -302,7 +311,8 @@ def host_store(spec: JobSpec) -> tuple[Any, int, JobSpec, bool]:
         ) from None
     if spec.node_rank_auto:
         moved: list[Any] = []
-        spec = dataclasses.replace(spec, node_rank=claim_node_rank(spec, store, moved=moved), node_rank_auto=False)
+        spec = dataclasses.replace(spec, node_rank=claim_node_rank(spec, store, moved=moved, standby_node=True),
+                                   node_rank_auto=False)
         store = moved[-1] if moved else store
     else:
         try:  # a given index: launchers without one skip it (claim_node_rank)
@@ -346,6 +356,7 @@ class Launcher:
         self.console = console
         self.stop_signals: list[int] = []
         self._library_pids: set[int] = set()  # this node's ranks that use the worker library (rank_joined)
+        self.tailers: list[LogTailer] = []
 
     def run(self) -> int:
         spec = self.spec
@@ -388,7 +399,7 @@ class Launcher:
         procs.become_subreaper()
         console = self.console or make_console(f"ftrun: {spec.script} on {spec.worker_num} rank(s)")
         self._install_signals()
-        own_log = log_dir / ("supervisor.log" if hosting else f"agent_{spec.node_rank}.log")
+        own_log = log_dir / ("supervisor.log" if hosting else agent_log_name(spec.node_rank))
         with open(own_log, "ab") as sup_err:
             # Node 0 runs the job coordinator with its own agent; every other node runs an agent.
             role = "ftrun.supervisor" if hosting else "ftrun.agent"
@@ -399,8 +410,7 @@ class Launcher:
                 stderr=sup_err.fileno(),
                 death_signal=signal.SIGTERM,
             )
-        tail_ranks = range(spec.local_worker_num) if spec.tail_worker_log is None else spec.tail_worker_log
-        tailers = [LogTailer(spec.global_rank(lr), log_dir / f"worker_{spec.global_rank(lr)}.log") for lr in tail_ranks]
+        self.tailers = self._tailers(spec)
         last_finish: dict[str, Any] | None = None
         handled = 0  # stop signals acted on: the first is forwarded, a second one kills without grace
         while True:
@@ -424,7 +434,7 @@ class Launcher:
                     except zmq.Again:
                         break
                     last_finish = self._dispatch(console, frame, receiver) or last_finish
-            for tailer in tailers:
+            for tailer in self.tailers:
                 for line in tailer.poll():
                     console.output(tailer.rank, line)
         # Ranks of the worker library outlive a killed supervisor long enough for a dying gasp (a
@@ -435,7 +445,7 @@ class Launcher:
         drain_until = time.monotonic() + EVENT_DRAIN_S
         while time.monotonic() < drain_until and pull.poll(200):
             last_finish = self._dispatch(console, pull.recv(), receiver) or last_finish
-        for tailer in tailers:
+        for tailer in self.tailers:
             for line in tailer.poll(final=True):
                 console.output(tailer.rank, line)
         pull.close(0)
@@ -452,6 +462,14 @@ class Launcher:
             code = FIRST_STOP_EXIT.get(self.stop_signals[0], 128 + self.stop_signals[0])
         console.finish(code, last_finish)
         return code
+
+    def _tailers(self, spec: JobSpec) -> list[LogTailer]:
+        """The console's rank logs of this node (none while it is a standby)."""
+        if spec.node_rank == contract.STANDBY_NODE_INDEX:
+            return []
+        tail_ranks = range(spec.local_worker_num) if spec.tail_worker_log is None else spec.tail_worker_log
+        log_dir = Path(spec.log_dir)
+        return [LogTailer(spec.global_rank(lr), log_dir / f"worker_{spec.global_rank(lr)}.log") for lr in tail_ranks]
 
     def _orphans_gasp(self, spec: JobSpec) -> str:
         """After the ranks outlived their supervisor: complete the checkpoint they wrote on their
@@ -478,6 +496,11 @@ class Launcher:
             if (event.get("kind") == "rank_joined" and isinstance(event.get("pid"), int)
                     and event.get("node", 0) == self.spec.node_rank and (event.get("detail") or {}).get("library") is True):
                 self._library_pids.add(event["pid"])
+            took = (event.get("detail") or {}).get("node_joined")
+            if (event.get("kind") == "node_joined" and self.spec.node_rank == contract.STANDBY_NODE_INDEX
+                    and isinstance(took, int) and 0 <= took < self.spec.nnodes):
+                self.spec = dataclasses.replace(self.spec, node_rank=took)  # this standby took a lost node's place
+                self.tailers = self._tailers(self.spec)
             if event.get("kind") == "job_finished":
                 return event
         elif msg.type == MsgType.STATUS:

@@ -34,7 +34,8 @@ Supervisor -> worker: ``abort`` (drop the group, report your committed step for 
 Supervisor -> launcher (PUSH -> PULL): ``event``, ``status``.
 Node agent -> coordinator: ``agent_hello``, ``agent_beat``, ``spawned``, ``exited``, ``stopped``, ``stacks``.
 Coordinator -> node agent: ``agent_beat``, ``spawn``, ``signal``, ``kill_hung``, ``stop_ranks``,
-``spares``, ``shutdown``.
+``spares``, ``shutdown``, and to a standby node's agent (its hello's node is
+:data:`ftrun.contract.STANDBY_NODE_INDEX`) ``take_node``.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class MsgType(str, Enum):
     SPARES = "spares"  # keep this many spares (warm or hot, as the variables say)
     SPARE_NOTE = "spare_note"  # what the node's spares showed (a script that breaks the hot-spare contract)
     SHUTDOWN = "shutdown"  # the job is over: exit with this code
+    TAKE_NODE = "take_node"  # a standby agent becomes this lost node's agent (its spares take the node's ranks)
     # coordinator failover (docs/coordinator_failover.md)
     STANDBY = "standby"  # to ranks and agents: the standby coordinator's endpoint and store, to move to if this one dies
     STATE = "state"  # to the standby: the coordinator's hard state (generation, attempt, budget, ranks...)
@@ -147,6 +149,7 @@ SCHEMA: dict[MsgType, dict[str, tuple[type, ...]]] = {
     MsgType.SPARES: {"warm": _INT, "hot": _INT, "vars": (dict,)},
     MsgType.SPARE_NOTE: {"node": _INT, "message": _STR},
     MsgType.SHUTDOWN: {"code": _INT, "message": _STR},
+    MsgType.TAKE_NODE: {"node": _INT},
     MsgType.STANDBY: {"control": _STR, "store": _STR, "epoch": _INT},
     MsgType.STATE: {"state": (dict,)},
 }

@@ -183,6 +183,10 @@ def _header(snap: JobSnapshot) -> str:
         parts.append("recovering")
     if s.get("lost_nodes"):
         parts.append("lost node(s) " + ", ".join(str(k) for k in s["lost_nodes"]))
+    standby_nodes = s.get("standby_nodes")
+    if isinstance(standby_nodes, list) and standby_nodes:
+        parts.append(f"{len(standby_nodes)} standby node(s) (" + ", ".join(
+            f"{row.get('host', '?')}/{row.get('pid', '?')}" for row in standby_nodes if isinstance(row, dict)) + ")")
     updated = s.get("updated")
     if isinstance(updated, (int, float)) and snap.verdict.state == "running":
         parts.append(f"updated {max(0.0, snap.now - updated):.1f} s ago")

@@ -5,6 +5,7 @@
     python scripts/bench.py --parts recovery --repeats 5
     python scripts/bench.py --parts multinode --repeats 3   # 2 hosts x 2 ranks (network namespaces, root)
     python scripts/bench.py --parts nodeloss --repeats 2    # a whole host lost, a replacement on a third
+    python scripts/bench.py --parts nodeloss --standby --repeats 2   # ... a standby node with hot spares on the third
     python scripts/bench.py --from_json results.json --plots docs   # tables and figures again
 
 Every case runs the same job under both launchers:
@@ -53,6 +54,13 @@ start-up is inside recover_s). ftrun adds ``--node_wait_timeout 120 --max_restar
 replacement agent uses host 2's ``--local-addr``. For ftrun recover_s is split from node 0's
 events.jsonl into detection (kill to node_lost), join (to the replacement's node_joined), recovery
 (to recovery_finished) and the retried step; which ranks kept their pid is recorded.
+
+With ``--standby`` the third host runs, for ftrun, a launcher started before the loss (the same
+command without ``--node_rank``, as soon as every node has joined: a standby node, which runs one
+hot spare per local rank), and the kill comes at the first step from ``kill_step`` on at which
+both of its spares wait at the training loop; nothing is started at the kill. torchrun has no
+standby: its replacement agent starts at the kill, as without the flag. The job is longer (1200
+steps, the kill from step 300 on) so that the spares are ready before it ends on a loaded machine.
 
 Ratios (torchrun/ftrun recovery, ftrun/torchrun step time) are taken pair by pair: each repeat runs
 both launchers back to back, so load on the machine hits both alike. ``--json`` keeps every raw run.
@@ -120,7 +128,9 @@ class Case:
     ckpt_every: int = 25
     args: tuple[str, ...] = ()
     nodes: int = 1  # > 1: one launcher per test host (network namespace), ranks // nodes ranks each
-    hot: bool = False  # ftrun with --hot_spares 1, the kill once the hot spare waits at the loop
+    # ftrun with --hot_spares 1, the kill once the hot spare waits at the loop; nodeloss: a standby
+    # node (its hot spares) on the third host before the loss, the kill once its spares wait at the loop
+    hot: bool = False
 
     def label(self) -> str:
         return _label((self.workload, self.size, self.ranks, self.nodes, self.hot))
@@ -182,14 +192,16 @@ def hot_ready(workdir: Path) -> bool:
 
 
 def find_rank_pid(launcher_pid: int, rank: int, script: str) -> int | None:
-    """PID of the process serving ``rank`` below the launcher (read from its environment)."""
+    """PID of the process serving ``rank`` below the launcher (read from its environment; a promoted
+    ftrun spare, ``python -m ftrun.spare``, shows its rank's there too)."""
     try:
         children = psutil.Process(launcher_pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return None
     for child in children:
         try:
-            if script in " ".join(child.cmdline()) and child.environ().get("RANK") == str(rank):
+            line = " ".join(child.cmdline())
+            if (script in line or "ftrun.spare" in line) and child.environ().get("RANK") == str(rank):
                 return child.pid
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -527,6 +539,8 @@ def _run_nodeloss_in(launcher: str, case: Case, hosts: list[Any], workdir: Path,
     token = secrets.token_hex(24)
     extra = NODELOSS_FTRUN if launcher == "ftrun" else ()
     lost, spare = case.nodes - 1, case.nodes  # the node lost and the host its replacement starts on
+    standby = launcher == "ftrun" and case.hot  # a standby launcher on the spare host before the loss
+    standby_spares = workdir / f"logs{lost}-standby" / "spares.log"
     script = SCRIPTS[(case.workload, launcher)]
     procs: list[subprocess.Popen[str]] = []
     tails: list[list[str]] = []
@@ -542,10 +556,19 @@ def _run_nodeloss_in(launcher: str, case: Case, hosts: list[Any], workdir: Path,
             found[rank] = next((pid for proc in procs if (pid := find_rank_pid(proc.pid, rank, script))), None)
         return found
 
+    def standby_ready() -> bool:
+        try:
+            return standby_spares.read_text().count("waits for a rank at the training loop") >= case.ranks // case.nodes
+        except OSError:
+            return False
+
     def start(node: int, host_list: list[Any], log_suffix: str = "") -> None:
         cmd, env, _ = multinode_command(launcher, case, node, host_list, workdir, token, extra)
         if launcher == "ftrun" and log_suffix:
             cmd[cmd.index("--log_dir") + 1] += log_suffix  # keep the lost node's logs apart
+        if log_suffix == "-standby":
+            at = cmd.index("--node_rank")
+            del cmd[at:at + 2]  # the same command without a node index: a standby once every node has one
         proc = host_list[node].popen(cmd, env=env, cwd=str(workdir), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         procs.append(proc)
@@ -568,8 +591,10 @@ def _run_nodeloss_in(launcher: str, case: Case, hosts: list[Any], workdir: Path,
                 lines.append((step, stamp))
                 if case.kill_step is None:
                     continue
-                if step == case.kill_step and "time" not in kill:
+                if (step == case.kill_step or (standby and step > case.kill_step)) and "time" not in kill and (
+                        not standby or standby_ready()):
                     pids["before"] = rank_pids()
+                    kill["step"] = step
                     victims = hosts[lost].pids()
                     kill["time"] = time.time()
                     for pid in victims:
@@ -578,11 +603,21 @@ def _run_nodeloss_in(launcher: str, case: Case, hosts: list[Any], workdir: Path,
                         except ProcessLookupError:
                             pass
                     kill["killed"] = len(victims)
-                    # The replacement: same command and node index, the spare host's address.
-                    start(lost, [*hosts[:lost], hosts[spare]], "-replacement")
-                    kill["replacement_started"] = time.time() - kill["time"]
-                elif "time" in kill and "after" not in pids and step >= case.kill_step + 20:
+                    if standby:  # started before the loss (negative: seconds before the kill)
+                        kill["replacement_started"] = kill["standby_started"] - kill["time"]
+                    else:
+                        # The replacement: same command and node index, the spare host's address.
+                        start(lost, [*hosts[:lost], hosts[spare]], "-replacement")
+                        kill["replacement_started"] = time.time() - kill["time"]
+                elif "time" in kill and "after" not in pids and step >= kill["step"] + 20:
                     pids["after"] = rank_pids()
+
+    def every_node_joined() -> bool:
+        try:
+            text = (workdir / "logs0" / "events.jsonl").read_text()
+        except OSError:
+            return False
+        return text.count('"kind": "node_joined"') >= case.nodes - 1
 
     started = time.time()
     with lock:
@@ -592,6 +627,9 @@ def _run_nodeloss_in(launcher: str, case: Case, hosts: list[Any], workdir: Path,
     timed_out = True
     while time.time() < deadline:
         with lock:
+            if standby and "standby_started" not in kill and every_node_joined():
+                start(lost, [*hosts[:lost], hosts[spare]], "-standby")  # every node has its index: a standby
+                kill["standby_started"] = time.time()
             current = list(procs)
         if all(proc.poll() is not None for proc in current):
             timed_out = False
@@ -613,7 +651,7 @@ def _run_nodeloss_in(launcher: str, case: Case, hosts: list[Any], workdir: Path,
     # The killed launcher's own exit code does not count (index ``lost``, SIGKILLed).
     bad = [c for i, c in enumerate(codes) if c and not (i == lost and "time" in kill)]
     if timed_out or bad or final is None or (case.kill_step is not None and "time" not in kill):
-        names = [f"node {n}" for n in range(case.nodes)] + [f"node {lost} replacement (host {spare})"]
+        names = [f"node {n}" for n in range(case.nodes)] + [f"node {lost} {'standby' if standby else 'replacement'} (host {spare})"]
         raise RuntimeError(
             f"{launcher} nodeloss {case.label()}: exit codes {codes}{' (timed out)' if timed_out else ''}, final line "
             f"{'found' if final else 'missing'}, kill {'done' if kill else 'not done'}:\n"
@@ -779,8 +817,10 @@ def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
                                    nodes=2)]
     if "nodeloss" in args.parts:
         # 2 hosts x 2 ranks and a spare host; all of host 1 (ranks 2 and 3, its launcher) is killed.
-        parts["nodeloss"] = [Case("digits", "-", 4, 100 if q else 200, 40 if q else 60, victim=3, ckpt_every=25,
-                                  nodes=2)]
+        # --standby: ftrun's spare host runs a standby node from the start; longer, so its spares are ready.
+        standby = getattr(args, "standby", False)
+        parts["nodeloss"] = [Case("digits", "-", 4, 1200 if standby else 100 if q else 200,
+                                  300 if standby else 40 if q else 60, victim=3, ckpt_every=25, nodes=2, hot=standby)]
     return parts
 
 
@@ -959,7 +999,7 @@ def breakdown_table(runs: list[dict[str, Any]]) -> list[str]:
     return out + ["", "torchrun:"] + tr
 
 
-NODELOSS_PARTS = ("detection", "join", "recovery", "retried", "transfer", "rebuild")
+NODELOSS_PARTS = ("detection", "join", "recovery", "retried", "respawn", "rebuild", "transfer")
 
 
 def nodeloss_table(runs: list[dict[str, Any]]) -> list[str]:
@@ -1042,9 +1082,12 @@ def report(results: dict[str, Any]) -> str:
     elif results.get("skipped", {}).get("multinode"):
         lines += ["", f"== multinode: skipped: {results['skipped']['multinode']}"]
     if "nodeloss" in parts:
-        lines += ["", "== nodeloss: 2 hosts x 2 ranks; every process of host 1 SIGKILLed from outside, a replacement "
-                      "launcher (same command, --node_rank 1) started at once on host 2; recovery time (tr/ft: "
-                      "torchrun/ftrun, pairwise median)"]
+        standby = any(r["case"].get("hot") for r in parts["nodeloss"])
+        lines += ["", "== nodeloss: 2 hosts x 2 ranks; every process of host 1 SIGKILLed from outside, "
+                      + ("ftrun: a standby node (same command, no --node_rank) on host 2 since the job trains, its hot "
+                         "spares ready; torchrun: a replacement agent started at once on host 2" if standby else
+                         "a replacement launcher (same command, --node_rank 1) started at once on host 2")
+                      + "; recovery time (tr/ft: torchrun/ftrun, pairwise median)"]
         lines += fault_table(parts["nodeloss"])
         lines += ["", "== nodeloss: where the recovery time goes (medians, seconds)"]
         lines += nodeloss_table(parts["nodeloss"])
@@ -1243,6 +1286,8 @@ def main() -> None:
                         help="runs of each case of scaling-world, scaling-state and memory (default 1)")
     parser.add_argument("--quick", action="store_true", help="short jobs, small worlds and sizes: a smoke run")
     parser.add_argument("--hot", action="store_true", help="scaling-world with ftrun's hot spares (--hot_spares 1)")
+    parser.add_argument("--standby", action="store_true",
+                        help="nodeloss with a standby node (ftrun launcher started before the loss, its hot spares ready)")
     parser.add_argument("--worlds", default="2,4,8,16", help="world sizes of scaling-world (default 2,4,8,16)")
     parser.add_argument("--sizes", default="tiny,small,medium,large,xl", help="charlm sizes of scaling-state")
     parser.add_argument("--json", default="bench_results.json", help="raw results file ('' for none)")

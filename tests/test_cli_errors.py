@@ -192,6 +192,7 @@ CASES = {
     "role-with-space": Case(["--role", "my role", "{script}"], "--role 'my role' must be 1 to 256 printable"),
     "numa-binding": Case(["--numa-binding", "node", "{script}"], "does not support torchrun's --numa-binding"),
     "logs-specs": Case(["--logs-specs", "x", "{script}"], "does not support torchrun's --logs-specs"),
+    "standby-spares": Case(["--standby_spares", "cold", "{script}"], "--standby_spares 'cold' must be 'hot', 'warm' or 'none'"),
 }
 
 

@@ -585,6 +585,55 @@ def test_early_replacement_of_a_silent_node_is_taken(tmp_path: Path) -> None:
     assert events(tmp_path, "node_lost") and coord.recovery is not None and coord.recovery.failed == {2, 3}
 
 
+def test_standby_nodes_take_lost_nodes_first_joined_first(tmp_path: Path) -> None:
+    """Standby nodes (issue 24 item 2): each keeps one hot spare per local rank; a lost node goes to
+    the standby that joined first, never to two; its ranks are respawned there in spares; a standby
+    that dies is dropped with no fault; ``ftrun status`` lists them; a launcher that comes later is
+    the next standby, and takes the same node when it is lost again."""
+    coord, agent, clock = make(tmp_path, world=4, local=2, node_wait_timeout=60.0, max_restarts=8)
+    sent: list[tuple[bytes, MsgType, dict]] = []
+    coord.control.send = lambda identity, kind, fields: sent.append((identity, kind, fields))  # type: ignore[method-assign]
+    join_node1(coord)
+    for name in (b"standby-a", b"standby-b"):
+        coord.on_agent_message(name, msg(MsgType.AGENT_HELLO, node=-1, pid=len(name), host=name.decode()))
+    assert [e["detail"]["standby_nodes"] for e in events(tmp_path, "standby_node_joined")] == [1, 2]
+    assert [row["host"] for row in coord.status_snapshot()["standby_nodes"]] == ["standby-a", "standby-b"]
+    hello_all(coord)
+    step(coord, 0)
+    coord.spawning.keep_spares()
+    spares = {i: f for i, kind, f in sent if kind == MsgType.SPARES}
+    assert {i: (f["warm"], f["hot"]) for i, f in spares.items() if i.startswith(b"standby")} == {
+        b"standby-a": (0, 2), b"standby-b": (0, 2)}
+    assert "RANK" not in spares[b"standby-a"]["vars"] and spares[b"standby-a"]["vars"]["GROUP_RANK"] == "1"
+    coord.on_agent_message(b"standby-a", msg(MsgType.AGENT_BEAT, node=-1))
+    sent.clear()
+    clock.now += 30.0  # node 1's agent falls silent
+    beat_all(coord)
+    coord.on_agent_message(b"standby-a", msg(MsgType.AGENT_BEAT, node=-1))
+    coord.on_agent_message(b"standby-b", msg(MsgType.AGENT_BEAT, node=-1))
+    assert coord.check_agents() is None
+    assert [(i, f["node"]) for i, kind, f in sent if kind == MsgType.TAKE_NODE] == [(b"standby-a", 1)]
+    spawns = [(i, f["rank"], f["use_spare"]) for i, kind, f in sent if kind == MsgType.SPAWN]
+    assert spawns == [(b"standby-a", 2, True), (b"standby-a", 3, True)]
+    joined = events(tmp_path, "node_joined")[-1]["detail"]
+    assert joined["node_joined"] == 1 and joined["standby"] and joined["replacement"]
+    assert "a standby node takes it" in events(tmp_path, "node_lost")[0]["message"]
+    coord.on_agent_message(b"standby-a", msg(MsgType.AGENT_BEAT, node=-1))  # sent before it read take_node
+    assert not events(tmp_path, "message_rejected")
+    assert [row["host"] for row in coord.status_snapshot()["standby_nodes"]] == ["standby-b"]
+    coord.control.closed_agent_connections = lambda: {b"standby-b"}  # type: ignore[method-assign]
+    assert coord.check_agents() is None and coord.exit_code is None
+    assert "connection closed" in events(tmp_path, "standby_node_left")[0]["message"]
+    assert coord.status_snapshot()["standby_nodes"] == []
+    coord.on_agent_message(b"standby-c", msg(MsgType.AGENT_HELLO, node=-1, pid=9, host="standby-c"))
+    sent.clear()
+    coord.control.closed_agent_connections = lambda: {b"standby-a"}  # type: ignore[method-assign]
+    assert coord.check_agents() is None  # node 1 (the first standby) lost in its turn
+    assert [(i, f["node"]) for i, kind, f in sent if kind == MsgType.TAKE_NODE] == [(b"standby-c", 1)]
+    assert [(i, f["rank"]) for i, kind, f in sent if kind == MsgType.SPAWN] == [(b"standby-c", 2), (b"standby-c", 3)]
+    assert coord.restarts_used == 4 and coord.exit_code is None
+
+
 # ----------------------------------------------------------------- replayed frames (issue 21 item 2)
 class Tap:
     """A ROUTER standing in for the coordinator: what a capture of the link shows, frame by frame."""
@@ -731,3 +780,17 @@ def test_an_agent_connection_that_closes_is_its_nodes_loss_at_once(tmp_path: Pat
         coord.check_agents()
     assert "connection closed" in coord.lost_nodes[1]
     assert clock.now == 1000.0  # no time passed: not the heartbeat timeout
+
+
+@pytest.mark.parametrize("kind, expected", [("warm", (2, 0)), ("none", None)])
+def test_standby_spares_option_chooses_a_standby_nodes_spares(tmp_path: Path, kind: str, expected: Any) -> None:
+    """``--standby_spares warm``: one warm spare per local rank on a standby node; ``none``: none."""
+    coord, agent, clock = make(tmp_path, world=4, local=2, standby_spares=kind)
+    sent: list[tuple[bytes, MsgType, dict]] = []
+    coord.control.send = lambda identity, kind, fields: sent.append((identity, kind, fields))  # type: ignore[method-assign]
+    join_node1(coord)
+    coord.on_agent_message(b"standby-a", msg(MsgType.AGENT_HELLO, node=-1, pid=5, host="standby-a"))
+    hello_all(coord)
+    coord.spawning.keep_spares()
+    orders = [(f["warm"], f["hot"]) for i, k, f in sent if k == MsgType.SPARES and i == b"standby-a"]
+    assert orders == ([expected] if expected else [])

@@ -53,6 +53,14 @@ def test_sequential_claims_then_nothing_free(master):
     assert "no node index is free" in text and "--cluster_time_out 0.3 s" in text and "\n" not in text
 
 
+def test_a_later_launcher_becomes_a_standby_unless_a_node_is_vacant(master):
+    spec = spec_for(nnodes=3, cluster_time_out=60.0)
+    assert [claim_node_rank(spec, client(master), standby_node=True, **FAST) for _ in range(2)] == [1, 2]
+    assert claim_node_rank(spec, client(master), standby_node=True, **FAST) == -1  # at once, not after 60 s
+    master.set("ftrun/vacant", "1")
+    assert claim_node_rank(spec, client(master), standby_node=True, **FAST) == 1
+
+
 def test_replacement_claims_the_vacant_index(master):
     spec = spec_for(nnodes=3)
     for _ in range(2):

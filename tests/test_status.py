@@ -230,3 +230,17 @@ def test_the_header_names_the_jobs_phase(tmp_path, phase, shown):
     (log_dir / "events.jsonl").write_text(json.dumps({"time": T0, "kind": "job_started", "message": "m", "detail": {}}) + "\n")
     parts = _header(read_snapshot(log_dir, alive=lambda pid: True, now=T0 + 12.0)).split("; ")
     assert (shown in parts) if shown else not {"gasping", "recovering", "restarting", "stopping"} & set(parts)
+
+
+def test_the_header_lists_the_standby_nodes(tmp_path):
+    from ftrun.status import _header
+
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    rows, _, _ = rows_and_timeline()
+    (log_dir / "status.json").write_text(json.dumps({"state": "running", "pid": os.getpid(), "ranks": rows, "attempt": 0,
+                                                     "nnodes": 2, "updated": T0 + 12.0,
+                                                     "standby_nodes": [{"host": "spare-a", "pid": 41}, {"host": "spare-b", "pid": 42}]}))
+    (log_dir / "events.jsonl").write_text(json.dumps({"time": T0, "kind": "job_started", "message": "m", "detail": {}}) + "\n")
+    parts = _header(read_snapshot(log_dir, alive=lambda pid: True, now=T0 + 12.0)).split("; ")
+    assert "2 standby node(s) (spare-a/41, spare-b/42)" in parts

@@ -31,6 +31,8 @@ TFT_SWITCHES: dict[str, str] = {
     "HCCE": "communication error recovery without respawning",
 }
 TFT_IMPLEMENTED: frozenset[str] = frozenset({"ARF", "TTP", "UCE", "HCCE"})
+#: What a standby node runs while it waits (``--standby_spares``): see :class:`JobSpec`.
+STANDBY_SPARES = ("hot", "warm", "none")
 
 
 @dataclass(frozen=True)
@@ -323,6 +325,10 @@ class JobSpec:
         "wait at its training loop for a rank to replace (ARF; 0: warm spares only). The script must not read its "
         "rank before the loop; see docs/hot_spares.md.", low=0, high=64,
         why="each hot spare holds the script's data, model and optimizer in memory")
+    standby_spares: str = option(
+        "hot", "What a standby node (a launcher started after every node has its index; it takes the next lost "
+        "node's index) runs while it waits: 'hot' (one hot spare per local rank, warm ones for a script that breaks "
+        "the hot-spare contract), 'warm' (one warm spare per local rank) or 'none' (no process until it takes a node).")
     recoverable_errors: tuple[str, ...] = option(
         (), "More exception types repaired in place (UCE), e.g. 'torch.OutOfMemoryError,MyError'.", kind=str,
         given_nowhere="")

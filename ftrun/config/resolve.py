@@ -23,7 +23,7 @@ from .checks import (
     parse_tft,
     read_job_token,
 )
-from .options import MAX_WORLD_SIZE, OPTIONS, OPTIONS_BY_NAME, ConfigError, JobSpec, TftSwitches
+from .options import MAX_WORLD_SIZE, OPTIONS, OPTIONS_BY_NAME, STANDBY_SPARES, ConfigError, JobSpec, TftSwitches
 from .sources import ClusterEnv, read_cluster_env, read_env, read_toml
 from .torchrun import TorchrunFlags, apply_torchrun
 
@@ -150,6 +150,9 @@ def resolve(
     on_divergence = values["on_divergence"].strip().lower()
     if on_divergence not in ("warn", "fail"):
         raise ConfigError(f"{label('on_divergence')} {values['on_divergence']!r} must be 'warn' or 'fail'")
+    standby_spares = values["standby_spares"].strip().lower()
+    if standby_spares not in STANDBY_SPARES:
+        raise ConfigError(f"{label('standby_spares')} {values['standby_spares']!r} must be 'hot', 'warm' or 'none'")
     resume = values["resume"].strip()
     if not resume:
         raise ConfigError(f"{label('resume')} is empty; use 'auto', 'none' or the path of a checkpoint")
@@ -185,7 +188,7 @@ def resolve(
     chosen.update(
         worker_num=worker_num, local_worker_num=local, master_addr=master_addr, master_port=port, node_rank=node_rank,
         run_id=run_id, role=role, local_addr=local_addr, token_file=token_file, tail_worker_log=tail, tft=tft,
-        recoverable_errors=recoverable, on_divergence=on_divergence, resume=resume, metrics_addr=metrics_addr,
+        recoverable_errors=recoverable, on_divergence=on_divergence, standby_spares=standby_spares, resume=resume, metrics_addr=metrics_addr,
     )
     spec = JobSpec(
         script=script,

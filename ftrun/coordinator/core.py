@@ -194,6 +194,7 @@ class Coordinator:
             "world_size": self.spec.worker_num,
             "nnodes": self.spec.nnodes,
             "lost_nodes": {str(k): v for k, v in self.members.lost_nodes.items()},
+            "standby_nodes": self.members.standby_node_rows(),
             **status_header(),
         }
 
@@ -241,7 +242,7 @@ class Coordinator:
                 self.finish_with(self.check_agents())
             if self.exit_code is None:
                 self.check_hangs()
-            if self.exit_code is None and (spec.warm_spares or spec.hot_spares):
+            if self.exit_code is None:
                 self.spawning.keep_spares()
             if self.exit_code is None:
                 self.failover.replicate(self.clock())
@@ -250,7 +251,7 @@ class Coordinator:
         assert code is not None
         self.publish_status(final={"exit_code": code, "message": self._final_message or ""})
         message = self._final_message or f"job finished with exit code {code}"
-        for agent in self.agents.values():
+        for agent in [*self.agents.values(), *self.members.standby_nodes.values()]:
             agent.shutdown(code, message)
         self.close()
         return code
@@ -315,7 +316,8 @@ class Coordinator:
         if self.phase.current not in ACTIVE:
             return None
         waits = loss.replaceable and self.spec.tft.arf and bool(lost) and not self.spec.join
-        self.emit(EventKind.NODE_LOST, reason + (f"; waiting up to {self.spec.node_wait_timeout:g} s for a replacement "
+        self.emit(EventKind.NODE_LOST, reason + ("; a standby node takes it" if waits and self.members.standby_nodes else
+                                                 f"; waiting up to {self.spec.node_wait_timeout:g} s for a replacement "
                                                  f"launcher with --node_rank {node}" if waits else ""),
                   node_lost=node, ranks=[r.rank for r in lost], waiting=waits, cause=loss.cause,
                   detection_seconds=round(loss.evidence_age, 4))

@@ -71,7 +71,7 @@ class Spawning:
         self.attempt_store: Any = None
         self.run_id = ""
         self._spares_sent = 0.0
-        self._spares_order: tuple[int, int] | None = None  # (warm, hot) last sent to the agents
+        self._spares_order: tuple[int, int, int] | None = None  # (warm, hot, standby_nodes) last sent to the agents
 
     def rank_env(self, r: Rank) -> RankEnv:
         """:func:`rank_environment` for ``r`` where the job stands now."""
@@ -117,7 +117,12 @@ class Spawning:
         CPU): ``--warm_spares`` warm ones from then on (a warm spare imports while the ranks set
         up), and ``--hot_spares`` hot ones beside them once the ranks are past their set-up (a hot
         spare runs the script's set-up). Both kinds together: a fault before a hot spare is ready,
-        or right after one was promoted, still finds a spare."""
+        or right after one was promoted, still finds a spare.
+
+        Each standby node keeps one spare per local rank (``--standby_spares``: hot, warm or none)
+        from its hello on, past-set-up or not (it is another host: it competes with no rank for
+        the CPU), modelled on node 1's first rank (a spare has no identity; its promotion gives the
+        rank's, the node's included)."""
         job, spec = self.job, self.job.spec
         ranks = job.ranks.values()
         if not spec.tft.arf or spec.no_python or job.rounds.current is not None or not any(r.library for r in ranks):
@@ -125,13 +130,21 @@ class Spawning:
         past_setup = all(r.proc.step is not None or r.proc.state == RankState.SUCCEEDED for r in ranks)
         hot = spec.hot_spares if past_setup else 0
         now = job.clock()
-        if (spec.warm_spares, hot) == self._spares_order and now - self._spares_sent < 1.0:
+        standby_nodes = list(job.members.standby_nodes.values())
+        if ((spec.warm_spares, hot, len(standby_nodes)) == self._spares_order and now - self._spares_sent < 1.0) or not (
+                spec.warm_spares or spec.hot_spares or standby_nodes):
             return  # the same order at most once a second (an agent refills what a promotion used); a new one at once
-        self._spares_sent, self._spares_order = now, (spec.warm_spares, hot)
+        self._spares_sent, self._spares_order = now, (spec.warm_spares, hot, len(standby_nodes))
         for node, agent in job.members.agents.items():
             model = next((r for r in ranks if r.node == node), None)
-            if model is not None and agent.connected():
+            if model is not None and agent.connected() and (spec.warm_spares or spec.hot_spares):
                 agent.keep_spares(spec.warm_spares, hot, self.rank_env(model).without_identity().to_environ())
+        kind, model = spec.standby_spares, next((r for r in ranks if r.node == 1), None)
+        if kind != "none" and model is not None:
+            count = spec.local_worker_num
+            model_vars = self.rank_env(model).without_identity().to_environ()
+            for standby in standby_nodes:
+                standby.keep_spares(count if kind == "warm" else 0, count if kind == "hot" else 0, model_vars)
 
     def _attempt_store_port(self) -> int:
         """The port of the store this attempt's ranks rendezvous on (their MASTER_PORT).

@@ -128,7 +128,7 @@ class Replication:
                 log.warning("cannot publish the standby's store: %s", err)
         for r in job.ranks.values():
             self.announce(r)
-        for agent in job.members.agents.values():
+        for agent in [*job.members.agents.values(), *job.members.standby_nodes.values()]:  # standby nodes too
             if agent.node != node:
                 agent.announce_standby(control, store, job.epoch)
         log.info("node %d stands by as the job coordinator (control %s, store %s)", node, control, store)

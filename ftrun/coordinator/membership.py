@@ -8,6 +8,14 @@ term). A lost node's old connection is fenced (anything it sends later is answer
 (``--node_wait_timeout``), and the awaited indices are published in the job's store
 (``ftrun/vacant``) for a launcher started without ``--node_rank``. What a loss does to the ranks
 (recovery, restart, failure) is the coordinator's decision: this module reports it.
+
+Standby nodes: a launcher started without ``--node_rank`` after every node has its index connects
+its agent with the node index :data:`~ftrun.contract.STANDBY_NODE_INDEX` and waits, running spares for
+the ranks it may take over (``--standby_spares``, :meth:`ftrun.coordinator.environment.Spawning.keep_spares`).
+A lost node is handed at once to the standby that joined first (``take_node``: its agent becomes
+the node's agent, its spares take the node's ranks), never to two; with none, the node is awaited
+as before, and a standby that joins while a node is awaited takes it at once. A standby whose
+agent closes its connection, falls silent or leaves is dropped: it held no rank, so it is no fault.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ..agent import AgentHandle, RemoteAgent
-from ..contract import VACANT_KEY
+from ..contract import STANDBY_NODE_INDEX, VACANT_KEY
 from ..events import EventKind
 from ..protocol import Message, MsgType
 
@@ -70,6 +78,8 @@ class Membership:
         self.fenced: dict[bytes, int] = {}  # connection of a lost node's agent -> that node
         self.pending_spawns: dict[int, list[SpawnOrder]] = {}  # node -> orders for when its agent joins
         self.lost_nodes: dict[int, str] = {}
+        self.standby_nodes: dict[bytes, RemoteAgent] = {}  # standby nodes' agents by connection, the first joined first
+        self._took: dict[bytes, int] = {}  # connection of a standby that took a node -> that node
         self.main_store: Any = None  # the launcher's store (vacancies), once the control address is published
         self._next_beat = 0.0
         self._unshared_warned = False
@@ -89,9 +99,16 @@ class Membership:
         timeout = max(spec.heartbeat_timeout, 3 * spec.heartbeat_interval)
         if now >= self._next_beat:
             self._next_beat = now + spec.heartbeat_interval
-            for agent in self.agents.values():
+            for agent in [*self.agents.values(), *self.standby_nodes.values()]:
                 if isinstance(agent, RemoteAgent):
                     agent.beat()
+        for identity, standby in list(self.standby_nodes.items()):
+            gone = ("its agent's connection closed" if identity in closed
+                    else f"its launcher left: {standby.leaving}" if standby.leaving
+                    else f"nothing heard from its agent for {now - standby.last_seen:.1f} s"
+                    if now - standby.last_seen > timeout else None)
+            if gone is not None:
+                self.drop_standby_node(identity, gone)
         for node in range(spec.nnodes):
             agent = self.agents.get(node)
             remote = agent if isinstance(agent, RemoteAgent) and not agent.lost else None
@@ -122,10 +139,44 @@ class Membership:
         self.lost_nodes[node] = reason
 
     def await_replacement(self, node: int, reason: str, now: float) -> None:
-        """Wait up to ``--node_wait_timeout`` for a launcher with ``node``'s index."""
+        """Hand ``node`` to a standby node (:meth:`take_standby_node`), or wait up to
+        ``--node_wait_timeout`` for a launcher with its index."""
         self.waiting_for[node] = reason
         self.node_deadline[node] = now + self.job.spec.node_wait_timeout
-        self.publish_vacancies()
+        if not self.take_standby_node(node, publish=False):
+            self.publish_vacancies()
+
+    def take_standby_node(self, node: int, publish: bool = True) -> bool:
+        """Make the standby that joined first the agent of awaited ``node``: it is told
+        (``take_node``), orders kept for the node go to it, and its spares take the node's ranks
+        (the coordinator respawns them with ``use_spare``). One standby per node, at most: the
+        standby leaves the list before it is handed the node. Returns whether one took it
+        (``publish``: also update ``ftrun/vacant``)."""
+        if node not in self.waiting_for or not self.standby_nodes:
+            return False
+        identity, agent = next(iter(self.standby_nodes.items()))
+        del self.standby_nodes[identity]
+        self.waiting_for.pop(node)
+        if publish:
+            self.publish_vacancies()
+        agent.node = node
+        self._took[identity] = node
+        agent.send_frame(identity, MsgType.TAKE_NODE, {"node": node})
+        self.joined(node, agent, f"a standby took node {node} (host {agent.host or '?'}, agent pid {agent.pid})",
+                    replacement=True, standby=True)
+        return True
+
+    def drop_standby_node(self, identity: bytes, why: str) -> None:
+        """Forget a standby node that is gone (no rank was its: no fault)."""
+        agent = self.standby_nodes.pop(identity)
+        agent.lost = True
+        self.job.emit(EventKind.STANDBY_NODE_LEFT, f"a standby node left (host {agent.host or '?'}, agent pid {agent.pid}): "
+                      f"{why}; {len(self.standby_nodes)} standby node(s) left", host=agent.host, pid=agent.pid,
+                      standby_nodes=len(self.standby_nodes))
+
+    def standby_node_rows(self) -> list[dict[str, Any]]:
+        """The standby nodes, first joined first, as ``ftrun status`` lists them (host, agent pid)."""
+        return [{"host": a.host, "pid": a.pid} for a in self.standby_nodes.values()]
 
     def publish_vacancies(self) -> None:
         """Keep ``ftrun/vacant`` in the job's store: the node indices awaiting a replacement,
@@ -156,6 +207,12 @@ class Membership:
             return None
         if msg.type == MsgType.AGENT_HELLO:
             return self.on_hello(identity, msg, fd, now)
+        standby = self.standby_nodes.get(identity)
+        if standby is not None and node == STANDBY_NODE_INDEX:
+            standby.on_message(msg, now)
+            return None
+        if node == STANDBY_NODE_INDEX and identity in self._took:
+            node = self._took[identity]  # sent before it read its take_node
         agent = self.agents.get(node) if isinstance(node, int) else None
         if not isinstance(agent, RemoteAgent) or agent.identity != identity or agent.lost:
             job.control.reject(identity, f"{msg.type.value} from a connection that is not node {node!r}'s agent")
@@ -166,6 +223,8 @@ class Membership:
     def on_hello(self, identity: bytes, msg: Message, fd: int | None, now: float) -> NodeLoss | None:
         job, spec = self.job, self.job.spec
         node = msg.get("node")
+        if node == STANDBY_NODE_INDEX and identity not in self.standby_nodes and identity not in self._took:
+            return self.on_standby_node_hello(identity, msg, fd, now)
         # Node 0 is the coordinator's own until a standby took over from it: then a launcher
         # replaces it like any lost node.
         if not isinstance(node, int) or not 0 <= node < spec.nnodes or (node == 0 and 0 not in self.waiting_for):
@@ -187,22 +246,49 @@ class Membership:
             self.publish_vacancies()
         agent = RemoteAgent(node=node, identity=identity, send_frame=job.control.send, last_seen=now,
                             host=msg["host"], pid=msg["pid"])
-        self.agents[node] = agent
         job.control.watch_agent_connection(fd, identity)
-        job.emit(EventKind.NODE_JOINED,
-                 f"{'a replacement for ' if replacing else ''}node {node} joined (host {msg['host']}, agent pid {msg['pid']})",
-                 node_joined=node, replacement=replacing is not None)
-        if spec.tft.ttp and msg.get("sees_checkpoint_dir") is False and not self._unshared_warned:
-            self._unshared_warned = True
-            job.emit(EventKind.WARNING,
-                     f"--checkpoint_dir {job.ttp.root} is not shared with node {node} (host {msg['host']}): "
-                     "checkpoints need one directory every node sees (a shared file system); shards written "
-                     "there would be missing here")
-        if isinstance(msg.get("standby_control"), str) and isinstance(msg.get("standby_store"), str):
-            job.failover.on_standby(node, msg["standby_control"], msg["standby_store"])
+        self.joined(node, agent, f"{'a replacement for ' if replacing else ''}node {node} joined (host {msg['host']}, "
+                                 f"agent pid {msg['pid']})", hello=msg, replacement=replacing is not None)
+        self.check_shared_dir(msg, f"node {node}")
+        return None
+
+    def on_standby_node_hello(self, identity: bytes, msg: Message, fd: int | None, now: float) -> None:
+        """A standby node's agent says hello: it waits in :attr:`standby_nodes` (or takes an awaited node at once)."""
+        job = self.job
+        agent = RemoteAgent(node=STANDBY_NODE_INDEX, identity=identity, send_frame=job.control.send, last_seen=now,
+                            host=msg["host"], pid=msg["pid"])
+        self.standby_nodes[identity] = agent
+        job.control.watch_agent_connection(fd, identity)
+        job.emit(EventKind.STANDBY_NODE_JOINED,
+                 f"a standby node joined (host {msg['host']}, agent pid {msg['pid']}): it takes the next lost node; "
+                 f"{len(self.standby_nodes)} standby node(s)", host=msg["host"], pid=msg["pid"], standby_nodes=len(self.standby_nodes))
+        self.check_shared_dir(msg, "a standby node")
+        if job.failover.node is not None:  # where to go if this coordinator dies
+            agent.announce_standby(job.failover.control, job.failover.store, job.epoch)
+        for node in sorted(self.waiting_for):
+            if self.take_standby_node(node):
+                break
+
+    def joined(self, node: int, agent: RemoteAgent, message: str, hello: Message | None = None, **detail: Any) -> None:
+        """``agent`` is ``node``'s agent from now on: it learns where the standby coordinator is (or,
+        its ``hello`` offering to stand by, becomes it), and the orders kept for the node go to it."""
+        job = self.job
+        self.agents[node] = agent
+        job.emit(EventKind.NODE_JOINED, message, node_joined=node, **detail)
+        if hello is not None and isinstance(hello.get("standby_control"), str) and isinstance(hello.get("standby_store"), str):
+            job.failover.on_standby(node, hello["standby_control"], hello["standby_store"])
         elif job.failover.node is not None:
             agent.announce_standby(job.failover.control, job.failover.store, job.epoch)
         for order in self.pending_spawns.pop(node, []):
             job.ranks[order[0]].proc.started_at = job.clock()  # its set-up time counts from now
             agent.spawn(*order)
-        return None
+
+    def check_shared_dir(self, msg: Message, who: str) -> None:
+        """Warn once when an agent does not see node 0's checkpoint directory (TTP)."""
+        job = self.job
+        if job.spec.tft.ttp and msg.get("sees_checkpoint_dir") is False and not self._unshared_warned:
+            self._unshared_warned = True
+            job.emit(EventKind.WARNING,
+                     f"--checkpoint_dir {job.ttp.root} is not shared with {who} (host {msg['host']}): "
+                     "checkpoints need one directory every node sees (a shared file system); shards written "
+                     "there would be missing here")
