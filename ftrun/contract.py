@@ -59,7 +59,6 @@ STANDBY_NODE_INDEX = -1
 
 # ----------------------------------------------------------------------------- c10d store keys
 CONTROL_ADDR_KEY = "ftrun/control_addr"  # the coordinator's control address (coordinator -> launchers)
-STANDBY_KEY = "ftrun/standby"  # the standby coordinator's store, host:port (coordinator -> launchers)
 VACANT_KEY = "ftrun/vacant"  # nodes the coordinator waits for, comma-separated (coordinator -> launchers)
 NEXT_NODE_KEY = "ftrun/next_node"  # a counter handing node indices to launchers without --node_rank
 RANK_STATE_PREFIX = "ftrun/rank_state"  # each rank's own state for its successor (ftrun.rankstate)

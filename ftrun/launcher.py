@@ -121,7 +121,6 @@ def claim_node_rank(
     stale_after: float = 10.0,
     claimant: str | None = None,
     clock: Any = time.monotonic,
-    moved: list[Any] | None = None,
     standby_node: bool = False,
 ) -> int:
     """This launcher's node index when none was given (torchrun's dynamic rendezvous), taken in
@@ -148,10 +147,6 @@ def claim_node_rank(
         stale_after: seconds without beats after which another launcher's claim is taken over.
         claimant: this launcher's name in the claim (default: host, pid and a random word).
         clock: monotonic seconds (tests).
-        moved: when node 0's store is lost while waiting and a standby coordinator's store was
-            published (``ftrun/standby``), waiting goes on there, node 0's own index included
-            (the standby took the job over, :mod:`ftrun.coordinator.failover`): that store is
-            appended here.
         standby_node: become a standby node rather than wait for a vacancy.
 
     Returns:
@@ -188,21 +183,7 @@ def claim_node_rank(
 
         threading.Thread(target=beat, name=f"ftrun-claim-node-{node}", daemon=True).start()
 
-    standby = ""  # host:port of the standby coordinator's store, once published
-
-    def move_to_standby(addr: str) -> Any:
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore
-
-        host, _, port = addr.rpartition(":")
-        new = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=spec.cluster_time_out))
-        assert moved is not None
-        moved.append(new)
-        return new
-
     def claim() -> int:
-        nonlocal store, standby
         me = claimant or f"{socket.gethostname()}/{os.getpid()}/{os.urandom(4).hex()}"
         taken = int(store.add(contract.NEXT_NODE_KEY, 1))
         while taken < spec.nnodes:
@@ -212,16 +193,7 @@ def claim_node_rank(
         deadline = clock() + spec.cluster_time_out
         beats_seen: dict[str, tuple[int, float]] = {}  # claim key -> (its beats, when they last changed)
         while True:
-            try:
-                waiting = vacant(store)
-            except (RuntimeError, OSError):
-                if not standby or moved is None:
-                    raise
-                store = move_to_standby(standby)
-                continue
-            if moved is None or not moved:  # the standby's store, while node 0's is the one waited on
-                standby = store.get(contract.STANDBY_KEY).decode() if store.check([contract.STANDBY_KEY]) else standby
-            for node in waiting:
+            for node in vacant(store):
                 epoch = int(store.add(contract.claim_epoch_key(node), 0))
                 key = contract.claim_key(node, epoch)
                 holder = store.compare_set(key, "", me).decode(errors="replace")
@@ -310,10 +282,8 @@ def host_store(spec: JobSpec) -> tuple[Any, int, JobSpec, bool]:
             f"{spec.cluster_time_out:g} s ({str(err).splitlines()[0]}); start node 0 first or check the address"
         ) from None
     if spec.node_rank_auto:
-        moved: list[Any] = []
-        spec = dataclasses.replace(spec, node_rank=claim_node_rank(spec, store, moved=moved, standby_node=True),
+        spec = dataclasses.replace(spec, node_rank=claim_node_rank(spec, store, standby_node=True),
                                    node_rank_auto=False)
-        store = moved[-1] if moved else store
     else:
         try:  # a given index: launchers without one skip it (claim_node_rank)
             store.set(contract.node_key(spec.node_rank), "given")

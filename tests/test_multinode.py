@@ -349,10 +349,15 @@ def test_node0_lost_the_standby_coordinator_takes_over(net_hosts, long_reference
     left on host 0."""
     hosts = net_hosts(3)
     runs = start_job(hosts[:2], tmp_path, steps=dj.LONG_STEPS, extra=("--node_wait_timeout", "120"))
-    spare = start_node(hosts[2], None, hosts[0].addr, 2, tmp_path, steps=dj.LONG_STEPS, tag="2",
-                       extra=("--node_wait_timeout", "120", "--cluster_time_out", "200"))
+    spare = None
     try:
+        # host 2 last, once both nodes have their index (an index-less launcher could otherwise
+        # take index 1 before host 1's launcher marks it)
+        dj.wait_for(lambda: any(e["kind"] == "node_joined" for e in dj.events(runs[0].log_dir)), timeout=120)
+        spare = start_node(hosts[2], None, hosts[0].addr, 2, tmp_path, steps=dj.LONG_STEPS, tag="2",
+                           extra=("--node_wait_timeout", "120", "--cluster_time_out", "200"))
         dj.wait_for(lambda: dj.training(runs[0].log_dir), timeout=180)
+        dj.wait_for(lambda: any(e["kind"] == "standby_node_joined" for e in dj.events(runs[0].log_dir)), timeout=120)
         time.sleep(1.0)  # a beat: the standby has the state of a training job
         for pid in hosts[0].pids():
             try:
@@ -365,7 +370,7 @@ def test_node0_lost_the_standby_coordinator_takes_over(net_hosts, long_reference
             time.sleep(0.1)
         left = hosts[0].pids()
     finally:
-        for run in [*runs, spare]:
+        for run in [*runs, *([spare] if spare else [])]:
             if run.proc.poll() is None:
                 os.killpg(run.proc.pid, signal.SIGKILL)
     everything = "\n---\n".join(r.output()[-3000:] for r in [runs[1], spare, runs[0]])

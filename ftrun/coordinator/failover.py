@@ -6,8 +6,7 @@ agent is the **standby** (docs/coordinator_failover.md): before anything fails i
 endpoint and hosts a c10d store of its own, and says so in its hello. Then:
 
 - the coordinator announces the standby (``standby``: its endpoint and store) to every rank and
-  agent, and writes its store's address into the job's store (``ftrun/standby``) for launchers that
-  wait for a vacancy;
+  agent, standby nodes included;
 - it replicates its **hard state** to the standby (``state``): the coordinator epoch, attempt,
   generation, restart budget used, lost nodes and each rank's incarnation, pid, replica group,
   state and committed step. It changes on faults, not per step; it is sent when it changed and at
@@ -20,8 +19,8 @@ endpoint and hosts a c10d store of its own, and says so in its hello. Then:
   checkpoint). A majority vote among three or more agents would lift that; not built.
 - The new coordinator runs in node 1's agent process (node 1's ranks are its children already),
   with the epoch and the generation moved on: node 0 is lost like any node, its ranks are recovered
-  from replicas once a launcher takes index 0 (a standby launcher waiting for a vacancy finds the
-  new store through ``ftrun/standby``), and every survivor keeps its process. Ranks move their
+  from replicas once a launcher takes index 0 (a standby node, which moved to the new coordinator
+  with the other agents, takes it at once), and every survivor keeps its process. Ranks move their
   control channel to the standby's endpoint when theirs closes, say hello again (same pid, same
   incarnation) and are told the new generation; the recovery plan names the new store, on which
   the next generation's process group is built.
@@ -38,7 +37,6 @@ import logging
 import socket
 from typing import TYPE_CHECKING, Any
 
-from ..contract import STANDBY_KEY
 from ..policy import RankState
 from ..protocol import MsgType
 from .ranks import Incarnation
@@ -117,15 +115,10 @@ class Replication:
 
     def on_standby(self, node: int, control: str, store: str) -> None:
         """Node ``node``'s agent offers to stand by (its hello): announce it to every rank and
-        agent, and to waiting launchers through the job's store."""
+        agent (standby nodes included: they move there too)."""
         job = self.job
         self.node, self.control, self.store = node, control, store
         self._sent = None
-        if job.members.main_store is not None:
-            try:
-                job.members.main_store.set(STANDBY_KEY, store)
-            except Exception as err:  # the store is this node's launcher's: gone only if the job ends
-                log.warning("cannot publish the standby's store: %s", err)
         for r in job.ranks.values():
             self.announce(r)
         for agent in [*job.members.agents.values(), *job.members.standby_nodes.values()]:  # standby nodes too
