@@ -73,7 +73,16 @@ class SpareNote:
     message: str
 
 
-Report = Spawned | ExitReport | Stacks | StopReport | SpareNote
+@dataclass(frozen=True)
+class StandbyOffer:
+    """A node's agent stands by as the job coordinator (asked with ``stand_by``): its endpoint
+    and store (:mod:`ftrun.coordinator.failover`)."""
+
+    control: str
+    store: str
+
+
+Report = Spawned | ExitReport | Stacks | StopReport | SpareNote | StandbyOffer
 
 
 class AgentHandle:
@@ -110,6 +119,10 @@ class AgentHandle:
 
     def replicate(self, state: dict[str, Any]) -> None:
         """Send the coordinator's hard state to this node's agent, the standby coordinator."""
+
+    def ask_to_stand_by(self) -> None:
+        """Ask the agent to stand by as the job coordinator (it answers with a
+        :class:`StandbyOffer`); node 0's own agent cannot."""
 
     def take_reports(self) -> list[Report]:
         raise NotImplementedError
@@ -226,6 +239,9 @@ class RemoteAgent(AgentHandle):
     def replicate(self, state: dict[str, Any]) -> None:
         self._send(MsgType.STATE, state=state)
 
+    def ask_to_stand_by(self) -> None:
+        self._send(MsgType.STAND_BY)
+
     def connected(self) -> bool:
         return not self.lost
 
@@ -234,6 +250,9 @@ class RemoteAgent(AgentHandle):
         self.last_seen = now
         if msg.type == MsgType.AGENT_BEAT and isinstance(msg.get("leaving"), str):
             self.leaving = msg["leaving"][:500]
+        elif (msg.type == MsgType.AGENT_BEAT and isinstance(msg.get("standby_control"), str)
+              and isinstance(msg.get("standby_store"), str)):
+            self._reports.append(StandbyOffer(msg["standby_control"][:200], msg["standby_store"][:200]))
         elif msg.type == MsgType.SPAWNED:
             kind = msg.get("spare_kind")
             self._reports.append(Spawned(msg["rank"], msg["incarnation"], msg["pid"],
@@ -285,7 +304,10 @@ class NodeAgent:
     def __init__(self, node: int, control_addr: str, token: str, processes: RankProcesses, heartbeat_interval: float,
                  coordinator_timeout: float, events_addr: str | None, standby: Any = None) -> None:
         self.node = node
-        self._events_audience = events_for(node)  # this node's launcher (a standby's keeps its audience)
+        self._events_node = node  # this node's launcher knows it by this index (a standby's keeps it)
+        self._events_audience = events_for(node)
+        self._token = token
+        self.spec: Any = None  # the job (ftrun.config.JobSpec), to stand by when asked
         self._sender = Sender(token)  # frames to the coordinator
         self._event_sender = Sender(self._sender.auth)  # frames to this node's launcher
         self.processes = processes
@@ -426,7 +448,7 @@ class NodeAgent:
             self.push.close(0)
             self.push = None
         self.ctx.term()
-        return self.standby.take_over(self.processes, self.events_addr)
+        return self.standby.take_over(self.processes, self.events_addr, self.node, self._events_node)
 
     def stop_all(self, reason: str) -> None:
         log.warning("%s", reason)
@@ -496,6 +518,14 @@ class NodeAgent:
     def _on_standby(self, msg: Message) -> None:
         self.moved_to = msg["control"]
 
+    def _on_stand_by(self, _msg: Message) -> None:
+        """Stand by as the job coordinator (the coordinator lost the one it had)."""
+        if self.standby is None and self.spec is not None:
+            self.standby = _standby_seat(self.spec, self._token, asked=True)
+        if self.standby is not None:
+            self.send(MsgType.AGENT_BEAT, node=self.node, standby_control=self.standby.control.address,
+                      standby_store=self.standby.store_addr)
+
     def _on_state(self, msg: Message) -> None:
         if self.standby is not None:
             self.standby.state = msg["state"]
@@ -517,6 +547,7 @@ class NodeAgent:
         MsgType.TAKE_NODE: _on_take_node,
         MsgType.STANDBY: _on_standby,
         MsgType.STATE: _on_state,
+        MsgType.STAND_BY: _on_stand_by,
     }
 
 
@@ -525,16 +556,17 @@ def agent_log_name(node: int) -> str:
     return "agent_standby.log" if node == STANDBY_NODE_INDEX else f"agent_{node}.log"
 
 
-def _standby_seat(spec: Any) -> Any:
+def _standby_seat(spec: Any, token: str, asked: bool = False) -> Any:
     """Node 1's agent stands by as the job coordinator (:mod:`ftrun.coordinator.failover`) when
-    ARF can use it; None elsewhere, or when its endpoint or store cannot be set up (logged: the
-    job runs, without a standby)."""
+    ARF can use it, and any agent the coordinator ``asked`` (its standby was lost); None
+    elsewhere, or when its endpoint or store cannot be set up (logged: the job runs, without a
+    standby)."""
     from .coordinator.failover import STANDBY_NODE, StandbySeat
 
-    if spec.node_rank != STANDBY_NODE or not spec.tft.arf or spec.join or spec.nnodes < 2:
+    if (spec.node_rank != STANDBY_NODE and not asked) or not spec.tft.arf or spec.join or spec.nnodes < 2:
         return None
     try:
-        return StandbySeat(spec, os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"])
+        return StandbySeat(spec, token)
     except Exception as err:  # noqa: BLE001  no standby is today's behaviour, not a failure
         log.warning("cannot stand by as the job coordinator: %s", err)
         return None
@@ -555,7 +587,9 @@ def main() -> None:
     )
     agent = NodeAgent(spec.node_rank, os.environ["FTRUN_CONTROL_FOR_AGENT"], os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"],
                       processes, spec.heartbeat_interval, max(spec.heartbeat_timeout, 3 * spec.heartbeat_interval),
-                      os.environ.get("FTRUN_EVENTS_ADDR"), standby=_standby_seat(spec))
+                      os.environ.get("FTRUN_EVENTS_ADDR"),
+                      standby=_standby_seat(spec, os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"]))
+    agent.spec = spec
     if spec.tft.ttp:
         agent.checkpoint_marker = Path(spec.checkpoint_dir).resolve() / shared_dir_marker(
             os.environ["FTRUN_CONTROL_FOR_AGENT"], os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"])

@@ -102,6 +102,7 @@ class MsgType(str, Enum):
     # coordinator failover (docs/coordinator_failover.md)
     STANDBY = "standby"  # to ranks and agents: the standby coordinator's endpoint and store, to move to if this one dies
     STATE = "state"  # to the standby: the coordinator's hard state (generation, attempt, budget, ranks...)
+    STAND_BY = "stand_by"  # to an agent: stand by as the job coordinator (it answers with its endpoint and store)
 
 
 _INT = (int,)
@@ -152,6 +153,7 @@ SCHEMA: dict[MsgType, dict[str, tuple[type, ...]]] = {
     MsgType.TAKE_NODE: {"node": _INT},
     MsgType.STANDBY: {"control": _STR, "store": _STR, "epoch": _INT},
     MsgType.STATE: {"state": (dict,)},
+    MsgType.STAND_BY: {},
 }
 
 

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import zmq
 
 from .. import procs
-from ..agent import AgentHandle, SpareNote, Spawned, Stacks
+from ..agent import AgentHandle, SpareNote, Spawned, StandbyOffer, Stacks
 from ..config import JobSpec
 from ..events import Event, EventKind
 from ..policy import Action, RankState, decide_on_failure, restart_fits
@@ -79,7 +79,8 @@ class Coordinator:
 
     def __init__(self, spec: JobSpec, token: str, events_addr: str | None, store_port: int,
                  local_agent: AgentHandle | None = None, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, control: ControlPlane | None = None) -> None:
+                 wall: Callable[[], float] = time.time, control: ControlPlane | None = None,
+                 audience: int = 0) -> None:
         from ..stores import bind_host
 
         self.spec, self.token, self.clock, self.wall = spec, token, clock, wall
@@ -97,7 +98,7 @@ class Coordinator:
             push.setsockopt(zmq.LINGER, 2000)
             push.setsockopt(zmq.SNDHWM, 100_000)
             push.connect(events_addr)
-        self.publisher = Publisher(self.log_dir, spec.node_rank, Sender(self.control.sender.auth), push, clock)
+        self.publisher = Publisher(self.log_dir, spec.node_rank, Sender(self.control.sender.auth), push, clock, audience)
         local = spec.local_worker_num
         self.ranks = {rank: Rank(rank=rank, local_rank=rank % local, node=rank // local) for rank in range(spec.worker_num)}
         self.phase = JobPhases(on_change=lambda old, new: log.info("job phase %s -> %s", old.value, new.value))
@@ -366,6 +367,9 @@ class Coordinator:
             for report in agent.take_reports():
                 if isinstance(report, SpareNote):
                     self.emit(EventKind.WARNING, f"node {agent.node}: {report.message}", fault="hot_spare_contract")
+                    continue
+                if isinstance(report, StandbyOffer):
+                    self.failover.on_standby(agent.node, report.control, report.store)
                     continue
                 r = self.ranks.get(report.rank)
                 if r is None or report.incarnation != r.incarnation:

@@ -41,6 +41,8 @@ from ..policy import RankState
 from ..protocol import MsgType
 from .ranks import Incarnation
 
+from ..agent import RemoteAgent
+
 if TYPE_CHECKING:
     from ..agent import AgentHandle
     from .core import Coordinator
@@ -112,19 +114,39 @@ class Replication:
         self.store = ""  # its store, host:port
         self._sent: dict[str, Any] | None = None
         self._sent_at = 0.0
+        self._asked: tuple[int, float] | None = None  # (node, when) asked to stand by, no answer yet
 
     def on_standby(self, node: int, control: str, store: str) -> None:
         """Node ``node``'s agent offers to stand by (its hello): announce it to every rank and
         agent (standby nodes included: they move there too)."""
         job = self.job
         self.node, self.control, self.store = node, control, store
-        self._sent = None
+        self._sent, self._asked = None, None
         for r in job.ranks.values():
             self.announce(r)
         for agent in [*job.members.agents.values(), *job.members.standby_nodes.values()]:  # standby nodes too
             if agent.node != node:
                 agent.announce_standby(control, store, job.epoch)
         log.info("node %d stands by as the job coordinator (control %s, store %s)", node, control, store)
+
+    def choose(self, now: float) -> None:
+        """The standby's node was lost (or none stood by yet): ask another node's agent, the
+        lowest index first, to stand by; again after a heartbeat timeout without an answer."""
+        job = self.job
+        if self.node is not None and self.node not in job.members.agents:
+            log.info("the standby coordinator on node %d was lost; asking another node to stand by", self.node)
+            self.node = None
+        if self.node is not None or not job.spec.tft.arf or job.spec.join:
+            return
+        if self._asked is not None and now - self._asked[1] < job.spec.heartbeat_timeout:
+            return
+        local = {a.node for a in job.members.agents.values() if not isinstance(a, RemoteAgent)}
+        for node in sorted(job.members.agents):
+            agent = job.members.agents[node]
+            if node not in local and agent.connected():
+                agent.ask_to_stand_by()
+                self._asked = (node, now)
+                return
 
     def announce(self, r: Any) -> None:
         """Tell a rank that said hello where to go if this coordinator dies."""
@@ -137,6 +159,7 @@ class Replication:
         job = self.job
         agent: AgentHandle | None = job.members.agents.get(self.node) if self.node is not None else None
         if agent is None or not agent.connected():
+            self.choose(now)
             return
         state = hard_state(job)
         if not force and _decisions(state) == _decisions(self._sent) and now - self._sent_at < job.spec.heartbeat_interval:
@@ -184,10 +207,11 @@ class StandbySeat:
     def store_addr(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def take_over(self, processes: Any, events_addr: str | None, lost: int = 0) -> int:
-        """Run the job's coordinator here, from the last replicated state, with this node's ranks
-        (``processes``, a :class:`ftrun.spawner.RankProcesses`) as its local agent's; returns the
-        job's exit code."""
+    def take_over(self, processes: Any, events_addr: str | None, node: int, audience: int, lost: int = 0) -> int:
+        """Run the job's coordinator here, from the last replicated state, as node ``node``, with
+        this node's ranks (``processes``, a :class:`ftrun.spawner.RankProcesses`) as its local
+        agent's, its events for this node's launcher (which knows it as node ``audience``: a
+        standby node's keeps its first index); returns the job's exit code."""
         import dataclasses
 
         from ..agent import LocalAgent
@@ -196,10 +220,10 @@ class StandbySeat:
         from ..supervisor import start_job_metrics
 
         assert self.state is not None
-        spec = dataclasses.replace(self.spec, master_addr=self.host, master_port=self.port)
+        spec = dataclasses.replace(self.spec, master_addr=self.host, master_port=self.port, node_rank=node)
         metrics, spec = start_job_metrics(spec)  # the job's metrics are served from here now
-        coordinator = Coordinator(spec, self.token, events_addr, self.port, LocalAgent(spec.node_rank, processes),
-                                  control=self.control)
+        coordinator = Coordinator(spec, self.token, events_addr, self.port, LocalAgent(node, processes),
+                                  control=self.control, audience=audience)
         if metrics is not None:
             coordinator.observers.append(metrics.observe)
         try:

@@ -36,12 +36,15 @@ class Publisher:
         sender: the frame sender for node 0's launcher (:mod:`ftrun.protocol`).
         push: a connected ZeroMQ PUSH socket to the launcher, or None.
         clock: the coordinator's monotonic clock (paces the snapshots), seconds.
+        audience: the node whose launcher reads the frames (0; after a takeover, the new
+            coordinator's node as its launcher knows it).
     """
 
     def __init__(self, log_dir: Path, node: int, sender: Sender, push: zmq.Socket | None,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], audience: int = 0) -> None:
         self.log_dir = log_dir
         self.node = node
+        self.audience = events_for(audience)  # the launcher's (node 0's; a takeover's: its own node's)
         self.sender = sender
         self.push = push
         self.clock = clock
@@ -67,7 +70,7 @@ class Publisher:
         self.event_log.write(event)
         log.info("%s %s", kind.value, message)
         if self.push is not None:
-            self.push.send(encode(MsgType.EVENT, self.sender, events_for(0), event=event.to_json()))
+            self.push.send(encode(MsgType.EVENT, self.sender, self.audience, event=event.to_json()))
         for observer in self.observers:
             try:
                 observer(event)
@@ -88,7 +91,7 @@ class Publisher:
         if final is not None:
             data.update(final)
         if self.push is not None:
-            self.push.send(encode(MsgType.STATUS, self.sender, events_for(0), ranks=data["ranks"], attempt=data["attempt"],
+            self.push.send(encode(MsgType.STATUS, self.sender, self.audience, ranks=data["ranks"], attempt=data["attempt"],
                                   generation=data["generation"]))
         write_status_file(self.log_dir / "status.json", data)
         self.dirty = False
