@@ -131,9 +131,10 @@ class Case:
     # ftrun with --hot_spares 1, the kill once the hot spare waits at the loop; nodeloss: a standby
     # node (its hot spares) on the third host before the loss, the kill once its spares wait at the loop
     hot: bool = False
+    lost_node: int | None = None  # nodeloss: the node whose host is killed (None: the last one)
 
     def label(self) -> str:
-        return _label((self.workload, self.size, self.ranks, self.nodes, self.hot))
+        return _label((self.workload, self.size, self.ranks, self.nodes, self.hot, self.lost_node))
 
 
 @dataclass
@@ -538,7 +539,14 @@ def run_nodeloss_job(launcher: str, case: Case, timeout: float = 420) -> Run:
 def _run_nodeloss_in(launcher: str, case: Case, hosts: list[Any], workdir: Path, timeout: float) -> Run:
     token = secrets.token_hex(24)
     extra = NODELOSS_FTRUN if launcher == "ftrun" else ()
-    lost, spare = case.nodes - 1, case.nodes  # the node lost and the host its replacement starts on
+    # the node lost and the host its replacement starts on; losing node 0 takes the coordinator and
+    # the store with it (ftrun: node 1's standby coordinator takes over; torchrun cannot go on
+    # without its rendezvous host, so the whole job is started again on the others, from its
+    # checkpoint, at once: a scheduler's restart with no delay)
+    lost = case.nodes - 1 if case.lost_node is None else case.lost_node
+    spare = case.nodes
+    survivors = [n for n in range(case.nodes) if n != lost]
+    killed_procs: set[int] = set()  # indices in procs of launchers killed on purpose
     standby = launcher == "ftrun" and case.hot  # a standby launcher on the spare host before the loss
     standby_spares = workdir / f"logs{lost}-standby" / "spares.log"
     script = SCRIPTS[(case.workload, launcher)]
@@ -562,15 +570,15 @@ def _run_nodeloss_in(launcher: str, case: Case, hosts: list[Any], workdir: Path,
         except OSError:
             return False
 
-    def start(node: int, host_list: list[Any], log_suffix: str = "") -> None:
+    def start(node: int, host_list: list[Any], log_suffix: str = "", on: Any = None) -> None:
         cmd, env, _ = multinode_command(launcher, case, node, host_list, workdir, token, extra)
         if launcher == "ftrun" and log_suffix:
             cmd[cmd.index("--log_dir") + 1] += log_suffix  # keep the lost node's logs apart
         if log_suffix == "-standby":
             at = cmd.index("--node_rank")
             del cmd[at:at + 2]  # the same command without a node index: a standby once every node has one
-        proc = host_list[node].popen(cmd, env=env, cwd=str(workdir), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        proc = (on or host_list[node]).popen(cmd, env=env, cwd=str(workdir), stdout=subprocess.PIPE,
+                                             stderr=subprocess.STDOUT, text=True)
         procs.append(proc)
         tails.append([])
         thread = threading.Thread(target=reader, args=(len(procs) - 1,), daemon=True)
@@ -603,8 +611,22 @@ def _run_nodeloss_in(launcher: str, case: Case, hosts: list[Any], workdir: Path,
                         except ProcessLookupError:
                             pass
                     kill["killed"] = len(victims)
+                    killed_procs.add(lost)
                     if standby:  # started before the loss (negative: seconds before the kill)
                         kill["replacement_started"] = kill["standby_started"] - kill["time"]
+                    elif lost == 0 and launcher == "torchrun":
+                        # The whole job again, on the surviving hosts and the spare (its node 0).
+                        for index in survivors:
+                            killed_procs.add(index)
+                            for pid in hosts[index].pids():
+                                try:
+                                    os.kill(pid, signal.SIGKILL)
+                                except ProcessLookupError:
+                                    pass
+                        again = [hosts[spare], *(hosts[n] for n in survivors)]
+                        for node in range(case.nodes):
+                            start(node, again, "-replacement")
+                        kill["replacement_started"] = time.time() - kill["time"]
                     else:
                         # The replacement: same command and node index, the spare host's address.
                         start(lost, [*hosts[:lost], hosts[spare]], "-replacement")
@@ -628,7 +650,8 @@ def _run_nodeloss_in(launcher: str, case: Case, hosts: list[Any], workdir: Path,
     while time.time() < deadline:
         with lock:
             if standby and "standby_started" not in kill and every_node_joined():
-                start(lost, [*hosts[:lost], hosts[spare]], "-standby")  # every node has its index: a standby
+                # every node has its index: a standby (same command, on the spare host)
+                start(lost, hosts[:case.nodes], "-standby", on=hosts[spare])
                 kill["standby_started"] = time.time()
             current = list(procs)
         if all(proc.poll() is not None for proc in current):
@@ -649,7 +672,7 @@ def _run_nodeloss_in(launcher: str, case: Case, hosts: list[Any], workdir: Path,
     text = "\n".join(line for tail in tails for line in tail)
     final = FINAL.search(text)
     # The killed launcher's own exit code does not count (index ``lost``, SIGKILLed).
-    bad = [c for i, c in enumerate(codes) if c and not (i == lost and "time" in kill)]
+    bad = [c for i, c in enumerate(codes) if c and not (i in killed_procs and "time" in kill)]
     if timed_out or bad or final is None or (case.kill_step is not None and "time" not in kill):
         names = [f"node {n}" for n in range(case.nodes)] + [f"node {lost} {'standby' if standby else 'replacement'} (host {spare})"]
         raise RuntimeError(
@@ -671,7 +694,8 @@ def _run_nodeloss_in(launcher: str, case: Case, hosts: list[Any], workdir: Path,
     run.breakdown["replacement_started"] = round(kill["replacement_started"], 4)
     if launcher == "ftrun":
         passed = kill["time"] + (run.recover_s or 0.0)
-        run.breakdown.update(nodeloss_breakdown(workdir / "logs0" / "events.jsonl", kill["time"], passed))
+        coordinator = workdir / f"logs{0 if lost else 1}" / "events.jsonl"  # node 1's after a takeover
+        run.breakdown.update(nodeloss_breakdown(coordinator, kill["time"], passed))
     return run
 
 
@@ -820,7 +844,8 @@ def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
         # --standby: ftrun's spare host runs a standby node from the start; longer, so its spares are ready.
         standby = getattr(args, "standby", False)
         parts["nodeloss"] = [Case("digits", "-", 4, 1200 if standby else 100 if q else 200,
-                                  300 if standby else 40 if q else 60, victim=3, ckpt_every=25, nodes=2, hot=standby)]
+                                  300 if standby else 40 if q else 60, victim=3, ckpt_every=25, nodes=2, hot=standby,
+                                  lost_node=lost) for lost in getattr(args, "lost_nodes", [None])]
     return parts
 
 
@@ -871,9 +896,13 @@ def multinode_references(cases: list[Case], results: dict[str, Any], part: str =
     """One fault-free run of each multinode (or nodeloss) case under each launcher: the reference digests."""
     job = job or run_multinode_job
     refs = []
+    seen: set[str] = set()
     for case in cases:
         clean = Case(case.workload, case.size, case.ranks, case.steps, None, ckpt_every=case.ckpt_every,
                      args=case.args, nodes=case.nodes)
+        if clean.label() in seen:
+            continue  # the same job with another host killed: one reference
+        seen.add(clean.label())
         for launcher in LAUNCHERS:
             print(f"[{part}] {clean.label()} {launcher} fault-free reference ...", file=sys.stderr, flush=True)
             try:
@@ -928,22 +957,23 @@ def _spread(values: list[float]) -> float | None:
     return max(values) - min(values) if values else None
 
 
-def _groups(runs: list[dict[str, Any]]) -> dict[tuple[str, str, int, int, bool], dict[str, list[dict[str, Any]]]]:
-    """(workload, size, ranks, nodes, hot) -> launcher -> runs, in first-seen order; pairs share a repeat index."""
+def _groups(runs: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, list[dict[str, Any]]]]:
+    """(workload, size, ranks, nodes, hot, lost node) -> launcher -> runs, in first-seen order; pairs share a repeat index."""
     out: dict[Any, dict[str, list[dict[str, Any]]]] = {}
     for r in runs:
         c = r["case"]
-        key = (c["workload"], c["size"], c["ranks"], c.get("nodes", 1), c.get("hot", False))
+        key = (c["workload"], c["size"], c["ranks"], c.get("nodes", 1), c.get("hot", False), c.get("lost_node"))
         out.setdefault(key, {l: [] for l in LAUNCHERS})[r["launcher"]].append(r)
     return out
 
 
-def _label(key: tuple[str, str, int, int, bool]) -> str:
+def _label(key: tuple[Any, ...]) -> str:
     """``digits x4`` on one node, ``digits 2x2`` (nodes x ranks per node) on several; ``hot``: ftrun
     ran with a hot spare."""
-    workload, size, ranks, nodes, hot = key
+    workload, size, ranks, nodes, hot, *lost = key
     name = workload if workload == "digits" else f"{workload}-{size}"
-    return (f"{name} x{ranks}" if nodes <= 1 else f"{name} {nodes}x{ranks // nodes}") + (" hot" if hot else "")
+    return ((f"{name} x{ranks}" if nodes <= 1 else f"{name} {nodes}x{ranks // nodes}") + (" hot" if hot else "")
+            + (f" host{lost[0]}" if lost and lost[0] is not None else ""))
 
 
 def _pair_ratio(group: dict[str, list[dict[str, Any]]], metric: str, num: str, den: str) -> float | None:
@@ -1286,6 +1316,9 @@ def main() -> None:
                         help="runs of each case of scaling-world, scaling-state and memory (default 1)")
     parser.add_argument("--quick", action="store_true", help="short jobs, small worlds and sizes: a smoke run")
     parser.add_argument("--hot", action="store_true", help="scaling-world with ftrun's hot spares (--hot_spares 1)")
+    parser.add_argument("--lost-hosts", dest="lost_hosts", default="1",
+                        help="nodeloss: the host(s) killed, comma-separated: 1 (default), 0 (the coordinator's: ftrun's "
+                             "standby coordinator takes over; torchrun's whole job starts again on the others)")
     parser.add_argument("--standby", action="store_true",
                         help="nodeloss with a standby node (ftrun launcher started before the loss, its hot spares ready)")
     parser.add_argument("--worlds", default="2,4,8,16", help="world sizes of scaling-world (default 2,4,8,16)")
@@ -1300,6 +1333,12 @@ def main() -> None:
         transfer_worker(int(rank), int(port), [float(x) for x in sizes], int(repeats))
         return
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    try:
+        args.lost_nodes = [None if int(h) == 1 else int(h) for h in args.lost_hosts.split(",") if h.strip()]
+    except ValueError:
+        parser.error(f"--lost-hosts {args.lost_hosts}: comma-separated host numbers, 0 or 1")
+    if not args.lost_nodes or any(h not in (None, 0) for h in args.lost_nodes):
+        parser.error(f"--lost-hosts {args.lost_hosts}: choose 0, 1 or 0,1")
     unknown = sorted(set(args.parts) - set(PARTS))
     if unknown:
         parser.error(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")
