@@ -1,0 +1,445 @@
+"""Rank-level recovery for Hugging Face ``Trainer`` (transformers + accelerate): :class:`FTTrainer`.
+
+The port of a ``Trainer`` script is a few lines (README, "Hugging Face Trainer")::
+
+    import ftrun
+    from ftrun.integrations.hf import FTTrainer
+
+    ft = ftrun.init()                     # before TrainingArguments: ftrun builds the process group
+    args = TrainingArguments(...)
+    trainer = FTTrainer(model=model, args=args, ...)   # in place of Trainer
+    trainer.train()
+    ...
+    ft.finish()
+
+Under torchrun, or as one process, :class:`FTTrainer` is ``Trainer``: none of its overrides does
+anything. Under ftrun a rank that dies is respawned alone, and the Trainer's loop never sees the
+fault. The Trainer owns its loop, so the integration drives ftrun's step loop (``ft.steps``) from
+the doors the Trainer leaves, one ftrun step per optimizer step (``TrainerState.global_step``):
+
+- ``get_batch_samples`` begins the step (ftrun's step start: the replica and rank state are
+  snapshotted and this rank's own state is written to the job's store) and keeps the step's
+  micro-batches (all of a gradient accumulation) for a retry.
+- The model is ``ft.wrap_model(model, ddp=True, **accelerate's DDP keywords)``: a DDP whose buckets
+  are averaged over ftrun's group during the last micro-batch's backward, bitwise equal to the DDP
+  accelerate would build; accelerate then only adds its autocast (bf16).
+- The optimizer is wrapped (:class:`RetryingOptimizer`, MindSpore's ``OptTFTWrapper`` idea): its
+  ``step()`` applies the update only if the step's collectives succeeded; if they failed it
+  recovers (the coordinator's plan, the new group, state to whoever needs it), rolls this rank's
+  state back to the step's start, runs the step's micro-batches again with the inputs it holds,
+  clips again (the gradient norm the Trainer logs is updated in place), and tries the update
+  again. The Trainer then goes on as after a fault-free step: callbacks, the scheduler, logging,
+  evaluation and saving each run once for the step.
+- The logging, evaluation and saving after a step (``_maybe_log_save_evaluate``) make collectives
+  of their own (gathers of the loss and of the evaluation's outputs). Their start is a second
+  snapshot of the step's state; a fault there is recovered, the state rolled back to it, and the
+  work done again with the new rank, which runs it first (a marker in the replica state says so).
+- A respawned rank builds its Trainer as its predecessor did; at ``train()`` it takes the model,
+  optimizer, scheduler and ``TrainerState`` (log history, callbacks' states, control flags) from a
+  replica, its RNG streams and loss accumulators from the job's store, and goes on at its
+  replicas' step through the Trainer's own resume path (``epochs_trained``, ``skip_first_batches``
+  over the deterministic sampler), exactly as a resume from ``checkpoint-N`` does, but from a
+  peer's memory.
+
+The contract (README): the model's forward is a function of its inputs, parameters and the global
+RNG streams; callbacks keep their state in ``TrainerState`` or are stateless; the data order is the
+Trainer's (a seeded sampler); no fp16 ``GradScaler`` (bf16 autocast is fine), no DeepSpeed or FSDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Iterator
+
+import torch
+from transformers import Trainer, TrainerControl, TrainerState
+
+from ftrun.contract import RankEnv
+from ftrun.errors import describe
+from ftrun.group import GroupDown
+from ftrun.optim import FTOptimizer
+from ftrun.transfer import RNGState
+from ftrun.worker import Worker, current
+
+#: How long a rank whose collective raised waits for the coordinator's abort before it takes the
+#: error for a bug of its own (seconds). A dead peer is seen at once (SIGCHLD), the abort follows.
+ABORT_WAIT_S = 5.0
+#: The ``resume_from_checkpoint`` a respawned rank passes to the Trainer's resume path: no
+#: directory; the state came from a replica (:meth:`FTTrainer._load_rng_state` knows it).
+FROM_REPLICA = "<ftrun: state from a replica>"
+
+
+class _Held:
+    """A respawned rank's stand-in for an object the Trainer creates later (the optimizer, the
+    scheduler): it keeps the state received from the donor until the real object takes it."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state if self.state is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+
+class TrainerReplicaState:
+    """The Trainer's state that is the same on every replica (kind ``replica``): ``TrainerState``
+    (global step, epoch, log history, best metric, the stateful callbacks' states), the control
+    flags, the loss totals of the logging, and whether the step's logging/evaluation/saving is
+    under way (``post_update``: a respawned rank runs it before its first step)."""
+
+    def __init__(self, trainer: "FTTrainer") -> None:
+        self.trainer = trainer
+        self.received: dict[str, Any] | None = None  # a respawned rank's, applied when the loop is set up
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self.trainer
+        return {
+            "trainer_state": json.dumps(dataclasses.asdict(t.state), sort_keys=True),  # as in checkpoint-N
+            "control": {f.name: getattr(t.control, f.name) for f in dataclasses.fields(TrainerControl)},
+            "total_loss": float(getattr(t, "_total_loss_scalar", 0.0)),
+            "last_logged": int(getattr(t, "_globalstep_last_logged", 0)),
+            "initial_step": int(getattr(t, "_initial_global_step", 0)),
+            "initial_tokens": int(getattr(t, "_initial_num_input_tokens_seen", 0) or 0),
+            "post_update": t._ft_post_update,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        t = self.trainer
+        if not t._ft_in_loop:
+            self.received = dict(state)  # the Trainer resets these when its loop starts: apply then
+        _apply_replica_state(t, state)
+
+
+def _apply_replica_state(t: "FTTrainer", state: dict[str, Any]) -> None:
+    fields = json.loads(state["trainer_state"])
+    for name, value in fields.items():
+        if hasattr(t.state, name):
+            setattr(t.state, name, value)
+    for name, value in state["control"].items():
+        setattr(t.control, name, value)
+    t._total_loss_scalar = float(state["total_loss"])
+    t._globalstep_last_logged = int(state["last_logged"])
+    t._initial_global_step = int(state["initial_step"])
+    t._initial_num_input_tokens_seen = int(state["initial_tokens"])
+    t._ft_post_update = state["post_update"]
+
+
+class TrainerRankState:
+    """This rank's own accumulators (kind ``rank``): the loss summed since the last log
+    (``_tr_loss``, gathered over the ranks at each log) and the floating-point operations since the
+    last store. A respawned rank takes its predecessor's from the job's store."""
+
+    def __init__(self, trainer: "FTTrainer") -> None:
+        self.trainer = trainer
+        self.received: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self.trainer
+        tr_loss = getattr(t, "_tr_loss", None)
+        return {"tr_loss": tr_loss.detach().clone() if isinstance(tr_loss, torch.Tensor) else torch.tensor(0.0),
+                "flos": float(getattr(t, "current_flos", 0.0))}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        t = self.trainer
+        if not t._ft_in_loop:
+            self.received = dict(state)
+            return
+        t._tr_loss.copy_(state["tr_loss"])
+        t.current_flos = float(state["flos"])
+
+
+class RetryingOptimizer(FTOptimizer):
+    """The optimizer the Trainer steps (inside accelerate's ``AcceleratedOptimizer``): an
+    :class:`ftrun.optim.FTOptimizer` whose ``step()`` does not return before the step's update is
+    applied. When the step's collectives failed it recovers and runs the step again
+    (:meth:`FTTrainer.retry_step`), as many times as faults come. Returns None, as
+    ``torch.optim.Optimizer.step`` does without a closure.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, worker: Worker, trainer: "FTTrainer") -> None:
+        super().__init__(optimizer, worker)
+        self.__dict__["trainer"] = trainer
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("ftrun.integrations.hf: the Trainer's optimizer step takes no closure")
+        while not super().step():
+            self.trainer.retry_step()
+        return None
+
+
+def _is_fault(ft: Worker, err: BaseException) -> bool:
+    """Whether ``err``, raised by a collective the Trainer made, comes from a fault ftrun recovers
+    (the group is down, or the coordinator's abort arrives within :data:`ABORT_WAIT_S`)."""
+    if isinstance(err, GroupDown):
+        return True
+    if not isinstance(err, RuntimeError):
+        return False
+    deadline = time.monotonic() + ABORT_WAIT_S
+    while time.monotonic() < deadline:
+        if ft.control.poll_abort(timeout=0.05):
+            return True
+    return False
+
+
+class FTTrainer(Trainer):
+    """``transformers.Trainer`` whose ranks are recovered one by one under ftrun; see the module
+    docstring. Takes ``Trainer``'s arguments. Call ``ftrun.init()`` before ``TrainingArguments``.
+
+    Raises:
+        RuntimeError: under ftrun, the process group was built before ``ftrun.init()`` (by
+            ``TrainingArguments``/accelerate), so ftrun cannot rebuild it after a fault.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._ft: Worker | None = None
+        self._ft_in_loop = False
+        self._ft_post_update: dict[str, Any] | None = None
+        super().__init__(*args, **kwargs)
+        env = RankEnv.from_environ(os.environ)
+        if env.control_addr is None or not env.arf:
+            return  # torchrun, one process, or ftrun without ARF: the plain Trainer
+        ft = current()
+        if ft is None:
+            raise RuntimeError("ftrun.integrations.hf: call ftrun.init() before TrainingArguments(...) "
+                               "(the process group must be ftrun's)")
+        if not ft.managed or ft.world_size == 1:
+            return
+        self._ft = ft
+        self._ft_steps: Iterator[int] | None = None
+        self._ft_step: int | None = None  # the step begun and not yet ended
+        self._ft_begun = False  # the next step was already begun (by a recovery) when the Trainer fetches its batches
+        self._ft_batches: list[Any] = []
+        self._ft_num_items: Any = None
+        self._ft_rng_after_fetch: dict[str, Any] | None = None
+        self._ft_grad_norm: Any = None
+        self._ft_joined_rng: dict[str, Any] | None = None
+        self._ft_resumed = False
+        ddp_kwargs = self.accelerator.ddp_handler.to_kwargs() if self.accelerator.ddp_handler is not None else {}
+        # The Trainer leaves a model it finds wrapped alone (``_wrap_model``), and accelerate prepares
+        # only the optimizer; _prepare_for_training adds the rest of accelerate's preparation.
+        self.model_wrapped = ft.wrap_model(self.model, ddp=True, **ddp_kwargs)
+        ft.register("trainer", TrainerReplicaState(self), kind="replica")
+        ft.register("trainer_rank", TrainerRankState(self), kind="rank")
+        if ft.joining:
+            ft.register("optimizer", _Held(), kind="committed")
+            ft.register("scheduler", _Held(), kind="replica")
+
+    # ------------------------------------------------------------------ optimizer and scheduler
+    def create_optimizer(self, model: Any = None) -> Any:
+        optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
+        ft = self._ft
+        if ft is None or isinstance(optimizer, RetryingOptimizer):
+            return optimizer
+        held = ft.registry["optimizer"] if "optimizer" in ft.registry else None
+        ft.register("optimizer", optimizer, kind="committed")
+        if isinstance(held, _Held) and held.state is not None:
+            optimizer.load_state_dict(held.state)
+        self.optimizer = RetryingOptimizer(optimizer, ft, self)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        ft = self._ft
+        if ft is not None:
+            held = ft.registry["scheduler"] if "scheduler" in ft.registry else None
+            ft.register("scheduler", scheduler, kind="replica")
+            if isinstance(held, _Held) and held.state is not None:
+                scheduler.load_state_dict(held.state)
+        return scheduler
+
+    # ------------------------------------------------------------------ the loop's set-up
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        if self._ft is not None:
+            # accelerate's own part of preparing a model, without its DDP (ftrun's is there): autocast
+            # (bf16) on the inner module's forward, where accelerate puts it before it wraps the
+            # module in its DDP (evaluations, which use the inner module, run under it too), and the
+            # model in its list of prepared models (an evaluation then prepares nothing more).
+            self.accelerator.prepare_model(self.model, device_placement=False, evaluation_mode=True)
+        return model, train_dataloader
+
+    def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
+                             resume_from_checkpoint: Any, trial: Any) -> tuple[int, int]:
+        epochs_trained, steps_in_epoch = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial)
+        ft = self._ft
+        if ft is None:
+            return epochs_trained, steps_in_epoch
+        self._ft_in_loop = False
+        self._ft_steps = ft.steps(max_steps, start=self.state.global_step)
+        if not ft.joining:
+            return epochs_trained, steps_in_epoch
+        # A respawned rank: recover now (model, optimizer, scheduler and TrainerState from a replica),
+        # then start where its replicas are, through the Trainer's resume path.
+        self._ft_step = next(self._ft_steps)
+        self._ft_begun = True
+        self._ft_joined_rng = RNGState().state_dict()  # its predecessor's, where the step began
+        if self.state.global_step != self._ft_step:
+            raise RuntimeError(f"ftrun.integrations.hf: recovered at step {self._ft_step} but TrainerState says "
+                               f"global_step={self.state.global_step}")
+        self._ft_resumed = True
+        epochs_trained = self.state.global_step // num_update_steps_per_epoch
+        steps_in_epoch = (self.state.global_step % num_update_steps_per_epoch) * self.args.gradient_accumulation_steps
+        return epochs_trained, steps_in_epoch
+
+    def _run_epoch(self, model: Any, epoch: int, train_dataloader: Any, steps_in_epoch: int,
+                   num_update_steps_per_epoch: int, trial: Any, ignore_keys_for_eval: Any, start_time: float,
+                   resume_from_checkpoint: Any, epochs_trained: int, steps_trained_in_current_epoch: int) -> Any:
+        ft = self._ft
+        if ft is not None and not self._ft_in_loop:
+            self._ft_in_loop = True
+            replica, own = ft.registry["trainer"], ft.registry["trainer_rank"]
+            if replica.received is not None:  # what the Trainer reset when its loop started
+                _apply_replica_state(self, replica.received)
+                replica.received = None
+            if own.received is not None:
+                own.load_state_dict(own.received)
+                own.received = None
+            if self._ft_post_update is not None:  # its replicas were logging/evaluating/saving: join them
+                post = self._ft_post_update
+                self._maybe_log_save_evaluate(self._tr_loss, post["grad_norm"], model, trial, post["epoch"],
+                                              ignore_keys_for_eval, start_time, learning_rate=post["learning_rate"])
+        if ft is not None and self._ft_resumed and epoch == epochs_trained:
+            resume_from_checkpoint = FROM_REPLICA
+        return super()._run_epoch(model, epoch, train_dataloader, steps_in_epoch, num_update_steps_per_epoch, trial,
+                                  ignore_keys_for_eval, start_time, resume_from_checkpoint, epochs_trained,
+                                  steps_trained_in_current_epoch)
+
+    def _load_rng_state(self, checkpoint: Any) -> None:
+        if checkpoint == FROM_REPLICA:
+            return  # the predecessor's streams are put back where its step began (get_batch_samples)
+        super()._load_rng_state(checkpoint)
+
+    # ------------------------------------------------------------------ one step
+    def _begin_step(self) -> int:
+        ft = self._ft
+        assert ft is not None and self._ft_steps is not None
+        if self._ft_begun:
+            self._ft_begun = False
+            if self._ft_joined_rng is not None:
+                RNGState().load_state_dict(self._ft_joined_rng)
+                self._ft_joined_rng = None
+            ft.checks.snapshot_step_start()  # the state here, not where the recovery left it
+        else:
+            self._ft_step = next(self._ft_steps)
+        if self._ft_step != self.state.global_step:
+            raise RuntimeError(f"ftrun.integrations.hf: ftrun's step {self._ft_step} is not the Trainer's "
+                               f"global_step {self.state.global_step}")
+        return self._ft_step
+
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:
+        if self._ft is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._begin_step()
+        batches: list[Any] = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        self._ft_batches = batches
+        self._ft_rng_after_fetch = RNGState().state_dict()
+        self._ft_num_items = self._guarded(lambda: self._get_num_items_in_batch(batches, device), redo_step=True)
+        return batches, self._ft_num_items
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        norm = super()._get_grad_norm(model, grad_norm)
+        self._ft_grad_norm = norm
+        return norm
+
+    def retry_step(self) -> None:
+        """The step's collectives failed: recover (ftrun's step loop rolls this rank's state back to
+        the step's start), then run the step's micro-batches again with the inputs held since
+        ``get_batch_samples`` and clip again. Called by :class:`RetryingOptimizer`."""
+        ft = self._ft
+        assert ft is not None and self._ft_steps is not None
+        step = next(self._ft_steps)
+        if step != self._ft_step:
+            raise RuntimeError(f"ftrun.integrations.hf: a retry of step {self._ft_step} resumed at step {step}")
+        self._replay()
+
+    def _replay(self) -> None:
+        """The Trainer's micro-batch loop for the held batches (``_run_epoch``'s inner loop, without
+        the callbacks, which ran for the first try)."""
+        model, batches = self.model_wrapped, self._ft_batches
+        if self._ft_rng_after_fetch is not None:
+            RNGState().load_state_dict(self._ft_rng_after_fetch)
+        model.zero_grad()
+        last = len(batches) - 1
+        for i, inputs in enumerate(batches):
+            self.accelerator.gradient_state._set_sync_gradients(i == last)
+            sync = contextlib.nullcontext() if i == last else self.accelerator.no_sync(model=model)
+            with sync:
+                loss = self.training_step(model, inputs, self._ft_num_items)
+            if self.args.logging_nan_inf_filter and (torch.isnan(loss) or torch.isinf(loss)):
+                self._tr_loss += self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+            else:
+                self._tr_loss += loss
+            self.current_flos += float(self.floating_point_ops(inputs))
+            self._track_num_input_tokens(inputs)
+        norm = self._clip_grad_norm(model) if self.args.max_grad_norm > 0 else None
+        norm = super()._get_grad_norm(model, grad_norm=norm)
+        first = self._ft_grad_norm
+        if isinstance(first, torch.Tensor) and isinstance(norm, torch.Tensor):
+            first.copy_(norm)  # the value the Trainer logs for this step
+        else:
+            self._ft_grad_norm = norm
+
+    def _guarded(self, work: Any, redo_step: bool) -> Any:
+        """Run ``work`` (a collective the Trainer makes); on a fault, recover and run it again.
+        ``redo_step``: the step has not been updated yet (its start is the retry's start)."""
+        ft = self._ft
+        assert ft is not None and self._ft_steps is not None
+        while True:
+            failure = None
+            try:
+                return work()
+            except Exception as err:
+                if not _is_fault(ft, err):
+                    raise
+                failure = f"a collective of the Trainer failed: {describe(err)}"
+            ft.record_failure(failure)  # outside the except block: its traceback holds the group
+            step = next(self._ft_steps)
+            if redo_step:
+                if step != self._ft_step:
+                    raise RuntimeError(f"ftrun.integrations.hf: a retry of step {self._ft_step} resumed at step {step}")
+                if self._ft_rng_after_fetch is not None:
+                    RNGState().load_state_dict(self._ft_rng_after_fetch)
+            else:
+                self._ft_step, self._ft_begun = step, True
+
+    def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, model: Any, trial: Any, epoch: Any,
+                                 ignore_keys_for_eval: Any, start_time: float, learning_rate: Any = None) -> None:
+        ft = self._ft
+        if ft is None:
+            return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval,
+                                                    start_time, learning_rate=learning_rate)
+        norm = grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
+        self._ft_post_update = {"grad_norm": norm, "epoch": epoch, "learning_rate": learning_rate}
+        # The work's start is the state a fault in it rolls back to, and this rank's record in the store.
+        ft.checks.snapshot_step_start()
+
+        def work() -> None:
+            if self._ft_post_update is None:  # a recovery moved past it (not expected)
+                return
+            super(FTTrainer, self)._maybe_log_save_evaluate(self._tr_loss, self._ft_post_update["grad_norm"], model,
+                                                            trial, self._ft_post_update["epoch"], ignore_keys_for_eval,
+                                                            start_time, learning_rate=self._ft_post_update["learning_rate"])
+
+        self._guarded(work, redo_step=False)
+        self._ft_post_update = None
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            steps, self._ft_steps = getattr(self, "_ft_steps", None), None
+            if steps is not None:
+                steps.close()  # ftrun's step loop ends with the Trainer's
