@@ -15,6 +15,7 @@ params_sha256=<digest>``.
 import argparse
 import hashlib
 import os
+import time
 
 import torch
 from torch import nn
@@ -69,6 +70,32 @@ class PrintLogs(TrainerCallback):
             print(f"log step={state.global_step} {logs}", flush=True)
 
 
+class Pause(TrainerCallback):
+    """Rank 0 prints ``pause <event> step=<n>`` and sleeps at the first ``event`` (``step_end``,
+    ``epoch_end`` or ``eval``: an evaluation batch) at or after global step ``n``: the other ranks
+    wait in their next collective, and a test kills one of them there."""
+
+    def __init__(self, spec: str, seconds: float) -> None:
+        event, _, step = spec.partition(":")
+        self.event, self.step, self.seconds, self.done = event, int(step or 0), seconds, False
+
+    def _maybe(self, event: str, state) -> None:
+        if self.done or event != self.event or state.global_step < self.step or not state.is_world_process_zero:
+            return
+        self.done = True
+        print(f"pause {event} step={state.global_step}", flush=True)
+        time.sleep(self.seconds)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._maybe("step_end", state)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._maybe("epoch_end", state)
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        self._maybe("eval", state)
+
+
 def params_digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
@@ -87,6 +114,8 @@ def main() -> None:
     parser.add_argument("--eval_steps", type=int, default=8)
     parser.add_argument("--save_steps", type=int, default=0, help="0: no checkpoints")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU")
+    parser.add_argument("--pause_on", default="", help="EVENT:STEP (step_end, epoch_end, eval): rank 0 pauses there once")
+    parser.add_argument("--pause", type=float, default=2.0, help="seconds of that pause")
     parser.add_argument("--no_ftrun", action="store_true", help="plain transformers.Trainer")
     args = parser.parse_args()
     if "OMP_NUM_THREADS" not in os.environ:
@@ -104,7 +133,7 @@ def main() -> None:
     )
     trainer_cls = Trainer if args.no_ftrun else FTTrainer  # ftrun
     trainer = trainer_cls(model=model, args=training_args, train_dataset=Tokens(args.train_size, 1),
-                          eval_dataset=Tokens(64, 2), callbacks=[PrintLogs()])
+                          eval_dataset=Tokens(64, 2), callbacks=[PrintLogs()] + ([Pause(args.pause_on, args.pause)] if args.pause_on else []))
     trainer.train()
     metrics = trainer.evaluate()
     if trainer.is_world_process_zero():

@@ -221,6 +221,8 @@ class FTTrainer(Trainer):
         self._ft_grad_norm: Any = None
         self._ft_joined_rng: dict[str, Any] | None = None
         self._ft_resumed = False
+        self._ft_skipped = False
+        self._ft_held: dict[str, Any] = {}  # a respawned rank: the optimizer's and scheduler's received state
         ddp_kwargs = self.accelerator.ddp_handler.to_kwargs() if self.accelerator.ddp_handler is not None else {}
         # The Trainer leaves a model it finds wrapped alone (``_wrap_model``), and accelerate prepares
         # only the optimizer; _prepare_for_training adds the rest of accelerate's preparation.
@@ -237,10 +239,8 @@ class FTTrainer(Trainer):
         ft = self._ft
         if ft is None or isinstance(optimizer, RetryingOptimizer):
             return optimizer
-        held = ft.registry["optimizer"] if "optimizer" in ft.registry else None
+        self._hold("optimizer")
         ft.register("optimizer", optimizer, kind="committed")
-        if isinstance(held, _Held) and held.state is not None:
-            optimizer.load_state_dict(held.state)
         self.optimizer = RetryingOptimizer(optimizer, ft, self)
         return self.optimizer
 
@@ -248,11 +248,17 @@ class FTTrainer(Trainer):
         scheduler = super().create_scheduler(num_training_steps, optimizer)
         ft = self._ft
         if ft is not None:
-            held = ft.registry["scheduler"] if "scheduler" in ft.registry else None
+            self._hold("scheduler")
             ft.register("scheduler", scheduler, kind="replica")
-            if isinstance(held, _Held) and held.state is not None:
-                scheduler.load_state_dict(held.state)
         return scheduler
+
+    def _hold(self, name: str) -> None:
+        """Keep the state a respawned rank received for ``name`` before the Trainer created it."""
+        ft = self._ft
+        assert ft is not None
+        held = ft.registry[name] if name in ft.registry else None
+        if isinstance(held, _Held) and held.state is not None:
+            self._ft_held[name] = held.state
 
     # ------------------------------------------------------------------ the loop's set-up
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
@@ -263,6 +269,15 @@ class FTTrainer(Trainer):
             # module in its DDP (evaluations, which use the inner module, run under it too), and the
             # model in its list of prepared models (an evaluation then prepares nothing more).
             self.accelerator.prepare_model(self.model, device_placement=False, evaluation_mode=True)
+            # A respawned rank: the optimizer's and then the scheduler's received state, in the order
+            # of the Trainer's own resume (``_load_optimizer_and_scheduler``): a scheduler's
+            # construction sets the learning rates of its first step, the optimizer's state puts
+            # them back, and the scheduler's state then takes its place in the schedule.
+            held, self._ft_held = self._ft_held, {}
+            if "optimizer" in held:
+                self.optimizer.load_state_dict(held["optimizer"])
+            if "scheduler" in held:
+                self.lr_scheduler.load_state_dict(held["scheduler"])
         return model, train_dataloader
 
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
@@ -287,6 +302,7 @@ class FTTrainer(Trainer):
         self._ft_resumed = True
         epochs_trained = self.state.global_step // num_update_steps_per_epoch
         steps_in_epoch = (self.state.global_step % num_update_steps_per_epoch) * self.args.gradient_accumulation_steps
+        self._ft_skipped = steps_in_epoch > 0 and not self.args.ignore_data_skip
         return epochs_trained, steps_in_epoch
 
     def _run_epoch(self, model: Any, epoch: int, train_dataloader: Any, steps_in_epoch: int,
@@ -325,7 +341,6 @@ class FTTrainer(Trainer):
             self._ft_begun = False
             if self._ft_joined_rng is not None:
                 RNGState().load_state_dict(self._ft_joined_rng)
-                self._ft_joined_rng = None
             ft.checks.snapshot_step_start()  # the state here, not where the recovery left it
         else:
             self._ft_step = next(self._ft_steps)
@@ -345,6 +360,13 @@ class FTTrainer(Trainer):
             except StopIteration:
                 break
         self._ft_batches = batches
+        joined, self._ft_joined_rng = self._ft_joined_rng, None
+        if joined is not None and self._ft_skipped:
+            # A respawned rank resumed mid-epoch: its first fetch came from a fresh iterator over the
+            # skipped loader, which drew its seeds from the global generator; a fetch mid-epoch draws
+            # nothing in the run without a fault. Its predecessor's streams go back (the Trainer's
+            # own resume does the same: ``_load_rng_state`` after the first fetch).
+            RNGState().load_state_dict(joined)
         self._ft_rng_after_fetch = RNGState().state_dict()
         self._ft_num_items = self._guarded(lambda: self._get_num_items_in_batch(batches, device), redo_step=True)
         return batches, self._ft_num_items
@@ -433,7 +455,10 @@ class FTTrainer(Trainer):
                                                             trial, self._ft_post_update["epoch"], ignore_keys_for_eval,
                                                             start_time, learning_rate=self._ft_post_update["learning_rate"])
 
-        self._guarded(work, redo_step=False)
+        # An evaluation or a save may outlast the step bound: bounded as a section instead.
+        long_work = self.control.should_evaluate or self.control.should_save
+        with ft.section("evaluate/save") if long_work else contextlib.nullcontext():
+            self._guarded(work, redo_step=False)
         self._ft_post_update = None
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
