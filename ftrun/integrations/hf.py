@@ -87,71 +87,22 @@ class _Held:
         self.state = state
 
 
-class TrainerReplicaState:
-    """The Trainer's state that is the same on every replica (kind ``replica``): ``TrainerState``
-    (global step, epoch, log history, best metric, the stateful callbacks' states), the control
-    flags, the loss totals of the logging, and whether the step's logging/evaluation/saving is
-    under way (``post_update``: a respawned rank runs it before its first step)."""
+class Stateful:
+    """An object with ``state_dict()``/``load_state_dict()`` made of two functions (what ftrun's
+    registry takes), for state the Trainer keeps in attributes of its own."""
 
-    def __init__(self, trainer: "FTTrainer") -> None:
-        self.trainer = trainer
-        self.received: dict[str, Any] | None = None  # a respawned rank's, applied when the loop is set up
+    def __init__(self, get: Any, load: Any) -> None:
+        self.get, self.load = get, load
 
     def state_dict(self) -> dict[str, Any]:
-        t = self.trainer
-        return {
-            "trainer_state": json.dumps(dataclasses.asdict(t.state), sort_keys=True),  # as in checkpoint-N
-            "control": {f.name: getattr(t.control, f.name) for f in dataclasses.fields(TrainerControl)},
-            "total_loss": float(getattr(t, "_total_loss_scalar", 0.0)),
-            "last_logged": int(getattr(t, "_globalstep_last_logged", 0)),
-            "initial_step": int(getattr(t, "_initial_global_step", 0)),
-            "initial_tokens": int(getattr(t, "_initial_num_input_tokens_seen", 0) or 0),
-            "post_update": t._ft_post_update,
-        }
+        return self.get()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        t = self.trainer
-        if not t._ft_in_loop:
-            self.received = dict(state)  # the Trainer resets these when its loop starts: apply then
-        _apply_replica_state(t, state)
+        self.load(state)
 
 
-def _apply_replica_state(t: "FTTrainer", state: dict[str, Any]) -> None:
-    fields = json.loads(state["trainer_state"])
-    for name, value in fields.items():
-        if hasattr(t.state, name):
-            setattr(t.state, name, value)
-    for name, value in state["control"].items():
-        setattr(t.control, name, value)
-    t._total_loss_scalar = float(state["total_loss"])
-    t._globalstep_last_logged = int(state["last_logged"])
-    t._initial_global_step = int(state["initial_step"])
-    t._initial_num_input_tokens_seen = int(state["initial_tokens"])
-    t._ft_post_update = state["post_update"]
-
-
-class TrainerRankState:
-    """This rank's own accumulators (kind ``rank``): the loss summed since the last log
-    (``_tr_loss``, gathered over the ranks at each log) and the floating-point operations since the
-    last store. A respawned rank takes its predecessor's from the job's store."""
-
-    def __init__(self, trainer: "FTTrainer") -> None:
-        self.trainer = trainer
-        self.received: dict[str, Any] | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        t = self.trainer
-        tr_loss = getattr(t, "_tr_loss", None)
-        return {"tr_loss": tr_loss.detach().clone() if isinstance(tr_loss, torch.Tensor) else torch.tensor(0.0),
-                "flos": float(getattr(t, "current_flos", 0.0))}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        t = self.trainer
-        if not t._ft_in_loop:
-            self.received = dict(state)
-            return
-        t._tr_loss.copy_(state["tr_loss"])
-        t.current_flos = float(state["flos"])
+#: ``TrainerState`` fields that belong to the process, not to the training: never taken from a donor.
+PROCESS_FIELDS = frozenset({"is_local_process_zero", "is_world_process_zero"})
 
 
 class RetryingOptimizer(FTOptimizer):
@@ -222,16 +173,66 @@ class FTTrainer(Trainer):
         self._ft_joined_rng: dict[str, Any] | None = None
         self._ft_resumed = False
         self._ft_skipped = False
+        self._ft_rng_at_begin = True  # a respawned rank: its predecessor's streams go back as its first step begins
         self._ft_held: dict[str, Any] = {}  # a respawned rank: the optimizer's and scheduler's received state
         ddp_kwargs = self.accelerator.ddp_handler.to_kwargs() if self.accelerator.ddp_handler is not None else {}
         # The Trainer leaves a model it finds wrapped alone (``_wrap_model``), and accelerate prepares
         # only the optimizer; _prepare_for_training adds the rest of accelerate's preparation.
         self.model_wrapped = ft.wrap_model(self.model, ddp=True, **ddp_kwargs)
-        ft.register("trainer", TrainerReplicaState(self), kind="replica")
-        ft.register("trainer_rank", TrainerRankState(self), kind="rank")
+        self._ft_pending: dict[str, dict[str, Any]] = {}  # a respawned rank's, until the Trainer's loop is set up
+        ft.register("trainer", Stateful(self.replica_state, self.load_replica_state), kind="replica")
+        ft.register("trainer_rank", Stateful(self.rank_state, self.load_rank_state), kind="rank")
         if ft.joining:
             ft.register("optimizer", _Held(), kind="committed")
             ft.register("scheduler", _Held(), kind="replica")
+
+    # ------------------------------------------------------------------ the Trainer's own state
+    def replica_state(self) -> dict[str, Any]:
+        """The Trainer's state that is the same on every replica (registered as ``"trainer"``, kind
+        ``replica``): ``TrainerState`` (global step, epoch, log history, best metric, the stateful
+        callbacks' states; as JSON, as in ``checkpoint-N/trainer_state.json``), the control flags, the
+        logging's loss total and counters, and the logging/evaluation/saving under way, if any (a
+        respawned rank runs it before its first step)."""
+        return {
+            "trainer_state": json.dumps(dataclasses.asdict(self.state), sort_keys=True),
+            "control": {f.name: getattr(self.control, f.name) for f in dataclasses.fields(TrainerControl)},
+            "total_loss": float(getattr(self, "_total_loss_scalar", 0.0)),
+            "last_logged": int(getattr(self, "_globalstep_last_logged", 0)),
+            "initial_step": int(getattr(self, "_initial_global_step", 0)),
+            "initial_tokens": int(getattr(self, "_initial_num_input_tokens_seen", 0) or 0),
+            "post_update": self._ft_post_update,
+        }
+
+    def load_replica_state(self, state: dict[str, Any]) -> None:
+        """Take a donor's :meth:`replica_state` (or this rank's, rolled back)."""
+        if not self._ft_in_loop:
+            self._ft_pending["replica"] = dict(state)  # the loop's set-up resets some: applied again then
+        for name, value in json.loads(state["trainer_state"]).items():
+            if hasattr(self.state, name) and name not in PROCESS_FIELDS:
+                setattr(self.state, name, value)
+        for name, value in state["control"].items():
+            setattr(self.control, name, value)
+        self._total_loss_scalar = float(state["total_loss"])
+        self._globalstep_last_logged = int(state["last_logged"])
+        self._initial_global_step = int(state["initial_step"])
+        self._initial_num_input_tokens_seen = int(state["initial_tokens"])
+        self._ft_post_update = state["post_update"]
+
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's own accumulators (registered as ``"trainer_rank"``, kind ``rank``): the loss
+        summed since the last log (gathered over the ranks at each log) and the floating-point
+        operations since the last store. A respawned rank takes its predecessor's from the job's store."""
+        tr_loss = getattr(self, "_tr_loss", None)
+        return {"tr_loss": tr_loss.detach().clone() if isinstance(tr_loss, torch.Tensor) else torch.tensor(0.0),
+                "flos": float(getattr(self, "current_flos", 0.0))}
+
+    def load_rank_state(self, state: dict[str, Any]) -> None:
+        """Take this rank's :meth:`rank_state` back (a retry, or a predecessor's record)."""
+        if not self._ft_in_loop:
+            self._ft_pending["rank"] = dict(state)
+            return
+        self._tr_loss.copy_(state["tr_loss"])
+        self.current_flos = float(state["flos"])
 
     # ------------------------------------------------------------------ optimizer and scheduler
     def create_optimizer(self, model: Any = None) -> Any:
@@ -311,17 +312,23 @@ class FTTrainer(Trainer):
         ft = self._ft
         if ft is not None and not self._ft_in_loop:
             self._ft_in_loop = True
-            replica, own = ft.registry["trainer"], ft.registry["trainer_rank"]
-            if replica.received is not None:  # what the Trainer reset when its loop started
-                _apply_replica_state(self, replica.received)
-                replica.received = None
-            if own.received is not None:
-                own.load_state_dict(own.received)
-                own.received = None
+            pending, self._ft_pending = self._ft_pending, {}
+            if "replica" in pending:  # what the Trainer reset when its loop started
+                self.load_replica_state(pending["replica"])
+            if "rank" in pending:
+                self.load_rank_state(pending["rank"])
             if self._ft_post_update is not None:  # its replicas were logging/evaluating/saving: join them
                 post = self._ft_post_update
+                if self._ft_joined_rng is not None:
+                    # Its predecessor's streams where that work began; what the work draws (an
+                    # evaluation DataLoader's seed) is drawn again, and the step starts after it.
+                    RNGState().load_state_dict(self._ft_joined_rng)
+                    self._ft_joined_rng = None
                 self._maybe_log_save_evaluate(self._tr_loss, post["grad_norm"], model, trial, post["epoch"],
                                               ignore_keys_for_eval, start_time, learning_rate=post["learning_rate"])
+                if self._ft_skipped:  # the mid-epoch fetch below must not move the streams
+                    self._ft_joined_rng = RNGState().state_dict()
+                    self._ft_rng_at_begin = False
         if ft is not None and self._ft_resumed and epoch == epochs_trained:
             resume_from_checkpoint = FROM_REPLICA
         return super()._run_epoch(model, epoch, train_dataloader, steps_in_epoch, num_update_steps_per_epoch, trial,
@@ -339,7 +346,7 @@ class FTTrainer(Trainer):
         assert ft is not None and self._ft_steps is not None
         if self._ft_begun:
             self._ft_begun = False
-            if self._ft_joined_rng is not None:
+            if self._ft_joined_rng is not None and self._ft_rng_at_begin:
                 RNGState().load_state_dict(self._ft_joined_rng)
             ft.checks.snapshot_step_start()  # the state here, not where the recovery left it
         else:
