@@ -147,3 +147,34 @@ def test_hf_trainer_sigkill_during_evaluation(tmp_path: Path, reference: tuple[i
     final, events = _kill_when(tmp_path, "pause eval step=5", rank=3, args=[*ARGS, "--pause_on", "eval:5"])
     assert final == reference
     _assert_recovered_in_place(events, faulted=3)
+
+
+def test_hf_resume_refuses_a_missing_script(capsys: pytest.CaptureFixture[str]) -> None:
+    from ftrun.integrations.hf_resume import main
+
+    assert main([]) == 2
+    assert main(["/nonexistent/train.py"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "ftrun.integrations.hf_resume: no such script: /nonexistent/train.py"
+
+
+@pytest.mark.slow
+def test_unmodified_script_restart_resumes_from_newest_checkpoint(tmp_path: Path) -> None:
+    """Issue 22, item 4: the plain ``Trainer`` script (one process, 6 steps, ``save_steps`` 3) run
+    through ``ftrun.integrations.hf_resume``. A restarted attempt (``TORCHELASTIC_RESTART_COUNT=1``)
+    with only ``checkpoint-3`` left resumes from it, trains steps 4-6 only, and ends with the
+    parameters of the uninterrupted run (the Trainer's own resume, bitwise on this job)."""
+    env = {k: v for k, v in _env().items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    cmd = [sys.executable, "-m", "ftrun.integrations.hf_resume", str(SCRIPT), "--no_ftrun", "--max_steps", "6",
+           "--save_steps", "3", "--eval_steps", "3", "--output_dir", str(tmp_path / "out")]
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "resuming from" not in first.stderr
+    import shutil
+
+    shutil.rmtree(tmp_path / "out" / "checkpoint-6")
+    again = subprocess.run(cmd, env={**env, "TORCHELASTIC_RESTART_COUNT": "1"}, capture_output=True, text=True,
+                           timeout=240, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"ftrun: attempt 1: resuming from {tmp_path / 'out' / 'checkpoint-3'}" in again.stderr
+    assert "log step=2 " not in again.stdout and "log step=4 " in again.stdout  # steps 1-3 were not trained again
+    assert _final(again.stdout)[2] == _final(first.stdout)[2]

@@ -139,13 +139,31 @@ def _is_fault(ft: Worker, err: BaseException) -> bool:
     return False
 
 
+#: The ``Trainer`` members :class:`FTTrainer` overrides or calls, present in the tested transformers (5.23).
+TRAINER_MEMBERS = ("_init_training_state", "_prepare_for_training", "_run_epoch", "_maybe_log_save_evaluate",
+                   "_load_rng_state", "_get_num_items_in_batch", "_get_grad_norm", "_clip_grad_norm",
+                   "_track_num_input_tokens", "get_batch_samples", "training_step", "create_optimizer",
+                   "create_scheduler", "floating_point_ops")
+
+
+def _check_trainer() -> None:
+    """Raises RuntimeError (one line) when this transformers' ``Trainer`` lacks a member FTTrainer needs."""
+    missing = [name for name in TRAINER_MEMBERS if not callable(getattr(Trainer, name, None))]
+    if missing:
+        import transformers
+
+        raise RuntimeError(f"ftrun.integrations.hf: transformers {transformers.__version__}'s Trainer has no "
+                           f"{', '.join(missing)}, which FTTrainer needs (tested with 5.23; pip install 'ftrun[hf]')")
+
+
 class FTTrainer(Trainer):
     """``transformers.Trainer`` whose ranks are recovered one by one under ftrun; see the module
     docstring. Takes ``Trainer``'s arguments. Call ``ftrun.init()`` before ``TrainingArguments``.
 
     Raises:
         RuntimeError: under ftrun, the process group was built before ``ftrun.init()`` (by
-            ``TrainingArguments``/accelerate), so ftrun cannot rebuild it after a fault.
+            ``TrainingArguments``/accelerate), so ftrun cannot rebuild it after a fault; or this
+            transformers' ``Trainer`` lacks a member it overrides (:data:`TRAINER_MEMBERS`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -162,6 +180,7 @@ class FTTrainer(Trainer):
                                "(the process group must be ftrun's)")
         if not ft.managed or ft.world_size == 1:
             return
+        _check_trainer()
         self._ft = ft
         self._ft_steps: Iterator[int] | None = None
         self._ft_step: int | None = None  # the step begun and not yet ended
@@ -182,7 +201,7 @@ class FTTrainer(Trainer):
         self._ft_pending: dict[str, dict[str, Any]] = {}  # a respawned rank's, until the Trainer's loop is set up
         ft.register("trainer", Stateful(self.replica_state, self.load_replica_state), kind="replica")
         ft.register("trainer_rank", Stateful(self.rank_state, self.load_rank_state), kind="rank")
-        if ft.joining:
+        if ft.joining or ft.resume_dir is not None:
             ft.register("optimizer", _Held(), kind="committed")
             ft.register("scheduler", _Held(), kind="replica")
 
@@ -290,10 +309,11 @@ class FTTrainer(Trainer):
             return epochs_trained, steps_in_epoch
         self._ft_in_loop = False
         self._ft_steps = ft.steps(max_steps, start=self.state.global_step)
-        if not ft.joining:
+        if not ft.joining and ft.resume_dir is None:
             return epochs_trained, steps_in_epoch
         # A respawned rank: recover now (model, optimizer, scheduler and TrainerState from a replica),
-        # then start where its replicas are, through the Trainer's resume path.
+        # then start where its replicas are, through the Trainer's resume path. A rank starting from
+        # one of ftrun's checkpoints (TTP, a whole-job restart) loads it now, the same way.
         self._ft_step = next(self._ft_steps)
         self._ft_begun = True
         self._ft_joined_rng = RNGState().state_dict()  # its predecessor's, where the step began
