@@ -116,13 +116,20 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU")
     parser.add_argument("--pause_on", default="", help="EVENT:STEP (step_end, epoch_end, eval): rank 0 pauses there once")
     parser.add_argument("--pause", type=float, default=2.0, help="seconds of that pause")
+    parser.add_argument("--model", choices=["tiny", "gpt2"], default="tiny",
+                        help="tiny: a GRU built by hand; gpt2: a one-layer GPT2LMHeadModel from a GPT2Config")
     parser.add_argument("--no_ftrun", action="store_true", help="plain transformers.Trainer")
     args = parser.parse_args()
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
     ft = None if args.no_ftrun else ftrun.init()  # ftrun: before TrainingArguments (ftrun's process group)
     torch.manual_seed(0)
-    model = TinyLM()
+    if args.model == "gpt2":  # a transformers model built from a config (no download)
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=1, n_head=2))
+    else:
+        model = TinyLM()
     training_args = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=8, gradient_accumulation_steps=args.accum, learning_rate=3e-3,

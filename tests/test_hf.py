@@ -178,3 +178,20 @@ def test_unmodified_script_restart_resumes_from_newest_checkpoint(tmp_path: Path
     assert f"ftrun: attempt 1: resuming from {tmp_path / 'out' / 'checkpoint-3'}" in again.stderr
     assert "log step=2 " not in again.stdout and "log step=4 " in again.stdout  # steps 1-3 were not trained again
     assert _final(again.stdout)[2] == _final(first.stdout)[2]
+
+
+@pytest.mark.slow
+def test_hf_trainer_gpt2_bf16_sigkill_mid_epoch(tmp_path: Path) -> None:
+    """A ``GPT2LMHeadModel`` from a ``GPT2Config`` (its loss averaged over the tokens of all ranks:
+    the Trainer gathers each step's item count, a collective a retry makes again) under bf16
+    autocast on CPU: rank 1 SIGKILLed mid-epoch ends bitwise equal to the plain Trainer under
+    torchrun (its own reference: this job's parameters differ from the others')."""
+    args = [*ARGS, "--model", "gpt2", "--bf16"]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    ref = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT),
+                          "--output_dir", str(tmp_path / "ref"), "--no_ftrun", *args],
+                         env=_env(), capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    final, events = _kill_when(tmp_path, "pause step_end step=1", rank=1, args=[*args, "--pause_on", "step_end:1"])
+    assert final == _final(ref.stdout)
+    _assert_recovered_in_place(events, faulted=1)

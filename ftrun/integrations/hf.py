@@ -187,6 +187,7 @@ class FTTrainer(Trainer):
         self._ft_begun = False  # the next step was already begun (by a recovery) when the Trainer fetches its batches
         self._ft_batches: list[Any] = []
         self._ft_num_items: Any = None
+        self._ft_device: Any = None
         self._ft_rng_after_fetch: dict[str, Any] | None = None
         self._ft_grad_norm: Any = None
         self._ft_joined_rng: dict[str, Any] | None = None
@@ -395,8 +396,16 @@ class FTTrainer(Trainer):
             # own resume does the same: ``_load_rng_state`` after the first fetch).
             RNGState().load_state_dict(joined)
         self._ft_rng_after_fetch = RNGState().state_dict()
-        self._ft_num_items = self._guarded(lambda: self._get_num_items_in_batch(batches, device), redo_step=True)
+        self._ft_device = device
+        self._count_items()
         return batches, self._ft_num_items
+
+    def _count_items(self) -> None:
+        """The step's item count (a gather over the ranks when the loss is averaged over tokens
+        across devices): a collective of the step's start, which a retry makes again, as the
+        respawned rank makes it at its first step."""
+        batches, device = self._ft_batches, self._ft_device
+        self._ft_num_items = self._guarded(lambda: self._get_num_items_in_batch(batches, device), redo_step=True)
 
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
         norm = super()._get_grad_norm(model, grad_norm)
@@ -412,6 +421,7 @@ class FTTrainer(Trainer):
         step = next(self._ft_steps)
         if step != self._ft_step:
             raise RuntimeError(f"ftrun.integrations.hf: a retry of step {self._ft_step} resumed at step {step}")
+        self._count_items()
         self._replay()
 
     def _replay(self) -> None:
