@@ -56,7 +56,7 @@ import time
 from typing import Any, Iterator
 
 import torch
-from transformers import Trainer, TrainerControl, TrainerState
+from transformers import Trainer, TrainerControl
 
 from ftrun.contract import RankEnv
 from ftrun.errors import describe
