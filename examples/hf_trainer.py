@@ -10,7 +10,7 @@ lines, marked ``# ftrun``: the imports, ``ftrun.init()`` before ``TrainingArgume
 place of ``Trainer`` and ``ft.finish()``
 (``ftrun.integrations.hf``; README, "Hugging Face Trainer"). Under torchrun or as one process
 ``FTTrainer`` is ``Trainer``. Rank 0 prints ``final step=<n> loss=<x> test_accuracy=<eval loss>
-params_sha256=<digest>``.
+params_sha256=<digest> logs_sha256=<digest of the log history without timings>``.
 """
 import argparse
 import hashlib
@@ -96,6 +96,12 @@ class Pause(TrainerCallback):
         self._maybe("eval", state)
 
 
+def logs_digest(log_history: list) -> str:
+    """SHA-256 of the Trainer's log history without its timings (runtimes, rates)."""
+    timeless = [{k: v for k, v in entry.items() if "runtime" not in k and "per_second" not in k} for entry in log_history]
+    return hashlib.sha256(repr(timeless).encode()).hexdigest()
+
+
 def params_digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
@@ -145,7 +151,8 @@ def main() -> None:
     metrics = trainer.evaluate()
     if trainer.is_world_process_zero():
         print(f"final step={trainer.state.global_step} loss={trainer.state.log_history[-2].get('train_loss', 0):.6f} "
-              f"test_accuracy={metrics['eval_loss']:.6f} params_sha256={params_digest(trainer.model)}", flush=True)
+              f"test_accuracy={metrics['eval_loss']:.6f} params_sha256={params_digest(trainer.model)} "
+              f"logs_sha256={logs_digest(trainer.state.log_history)}", flush=True)
     if ft is not None:
         ft.finish()  # ftrun
 

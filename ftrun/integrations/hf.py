@@ -214,7 +214,9 @@ class FTTrainer(Trainer):
         logging's loss total and counters, and the logging/evaluation/saving under way, if any (a
         respawned rank runs it before its first step)."""
         return {
-            "trainer_state": json.dumps(dataclasses.asdict(self.state), sort_keys=True),
+            # Keys in their order (not sorted, as trainer_state.json has them): a log entry reads
+            # the same after a roll-back.
+            "trainer_state": json.dumps(dataclasses.asdict(self.state)),
             "control": {f.name: getattr(self.control, f.name) for f in dataclasses.fields(TrainerControl)},
             "total_loss": float(getattr(self, "_total_loss_scalar", 0.0)),
             "last_logged": int(getattr(self, "_globalstep_last_logged", 0)),
