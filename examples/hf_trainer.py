@@ -145,8 +145,9 @@ def main() -> None:
         bf16=args.bf16, use_cpu=True, report_to=[], seed=0, dataloader_num_workers=0, disable_tqdm=True,
     )
     trainer_cls = Trainer if args.no_ftrun else FTTrainer  # ftrun
+    callbacks = [PrintLogs()] + ([Pause(args.pause_on, args.pause)] if args.pause_on else [])
     trainer = trainer_cls(model=model, args=training_args, train_dataset=Tokens(args.train_size, 1),
-                          eval_dataset=Tokens(64, 2), callbacks=[PrintLogs()] + ([Pause(args.pause_on, args.pause)] if args.pause_on else []))
+                          eval_dataset=Tokens(64, 2), callbacks=callbacks)
     trainer.train()
     metrics = trainer.evaluate()
     if trainer.is_world_process_zero():
