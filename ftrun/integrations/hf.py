@@ -422,7 +422,12 @@ class FTTrainer(Trainer):
         assert ft is not None and self._ft_steps is not None
         step = next(self._ft_steps)
         if step != self._ft_step:
-            raise RuntimeError(f"ftrun.integrations.hf: a retry of step {self._ft_step} resumed at step {step}")
+            # Its replicas committed the step (this rank alone failed its update: a recoverable
+            # error repaired in place), and the state it took is theirs after the step's logging,
+            # scheduler and callbacks, which the Trainer is about to run here again. It cannot go
+            # on without counting them twice: it ends, and ARF replaces it (its record is right).
+            raise RuntimeError(f"ftrun.integrations.hf: rank {self._ft.rank} repaired step {self._ft_step}, which its "
+                               f"replicas committed; it resumes at step {step} as a respawned rank")
         self._count_items()
         self._replay()
 
@@ -499,6 +504,9 @@ class FTTrainer(Trainer):
         with ft.section("evaluate/save") if long_work else contextlib.nullcontext():
             self._guarded(work, redo_step=False)
         self._ft_post_update = None
+        # And its end: a rank that dies after this work (its replicas finish it too) is replaced by
+        # one that starts from here: the logged loss reset, the evaluation's draws made.
+        ft.checks.snapshot_step_start()
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:
