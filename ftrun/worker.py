@@ -545,6 +545,13 @@ class Worker:
         if drop:
             self._drop_group()
 
+    def record_failure(self, reason: str) -> None:
+        """Record that a collective the script or its framework made on ftrun's group failed (a
+        Hugging Face Trainer's gather of its logged loss, an evaluation's): the step loop recovers
+        at its next turn, as after a failed gradient all-reduce. Call it outside the ``except``
+        block that caught the error (see :meth:`_record_error`)."""
+        self._record_error(reason)
+
     def _record_error(self, reason: str) -> None:
         """Record a failed collective and tear the group down at once.
 
@@ -765,6 +772,12 @@ class Step(int):
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, _tb: Any) -> bool:
         return exc is not None and self._worker.repair_step_error(exc)
+
+
+def current() -> Worker | None:
+    """This process's :class:`Worker` if :func:`init` was called, else None (for integrations
+    that must know whether the script joined ftrun before its framework built a process group)."""
+    return _worker
 
 
 def init(backend: str | None = None, replica_groups: Sequence[Sequence[int]] | None = None, seed: int | None = None) -> Worker:

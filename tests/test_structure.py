@@ -68,7 +68,11 @@ def test_no_class_reaches_into_anothers_private_members() -> None:
         exempt = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "__new__"
                   for n in ast.walk(f)}
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and node.attr in own and id(node) not in exempt
+            # super().x is the class's own (inherited) member: an integration's override calling
+            # the framework's method it overrides (ftrun.integrations.hf) reaches into nobody.
+            via_super = (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)
+                         and node.value.func.id == "super")
+            if (isinstance(node, ast.Attribute) and node.attr in own and id(node) not in exempt and not via_super
                     and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
                 reaches.append(f"ftrun/{name}:{node.lineno}: {ast.unparse(node)}")
     assert not reaches, "\n".join(reaches)

@@ -1,0 +1,1 @@
+"""Integrations of ftrun's rank-level recovery with training frameworks (each an optional extra)."""
