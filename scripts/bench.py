@@ -1059,7 +1059,7 @@ def nodeloss_pid_notes(runs: list[dict[str, Any]]) -> list[str]:
         kept = [k for k in sorted(before) if before[k] and before[k] == after.get(k)]
         new = [k for k in sorted(after) if after[k] and after[k] != before.get(k)]
         out.append(f"{r['launcher']} repeat {r['repeat'] + 1}: ranks with the same pid after recovery {kept or '-'}, "
-                   f"new pid {new or '-'}; {r['breakdown'].get('killed_processes', '?'):.0f} processes killed on host 1; "
+                   f"new pid {new or '-'}; {r['breakdown'].get('killed_processes', '?'):.0f} processes killed on host {r.get('victim_node', 1)}; "
                    f"exit codes {r.get('exit_codes')}")
     return out
 
@@ -1113,10 +1113,14 @@ def report(results: dict[str, Any]) -> str:
         lines += ["", f"== multinode: skipped: {results['skipped']['multinode']}"]
     if "nodeloss" in parts:
         standby = any(r["case"].get("hot") for r in parts["nodeloss"])
-        lines += ["", "== nodeloss: 2 hosts x 2 ranks; every process of host 1 SIGKILLed from outside, "
+        host0 = any(r["case"].get("lost_node") == 0 for r in parts["nodeloss"])
+        lines += ["", "== nodeloss: 2 hosts x 2 ranks; every process of host 1 (host0: of host 0) SIGKILLed from outside, "
                       + ("ftrun: a standby node (same command, no --node_rank) on host 2 since the job trains, its hot "
                          "spares ready; torchrun: a replacement agent started at once on host 2" if standby else
                          "a replacement launcher (same command, --node_rank 1) started at once on host 2")
+                      + ("; host0: ftrun's standby coordinator (node 1) takes over and the standby node takes "
+                         "index 0, torchrun's whole job starts again at once on hosts 1 and 2 from its checkpoint"
+                         if host0 else "")
                       + "; recovery time (tr/ft: torchrun/ftrun, pairwise median)"]
         lines += fault_table(parts["nodeloss"])
         lines += ["", "== nodeloss: where the recovery time goes (medians, seconds)"]
