@@ -107,7 +107,9 @@ def test_recoverable_error_is_repaired_in_place(reference: str, tmp_path: Path, 
     assert started and started[0]["detail"]["fault"] == "recoverable_error"
     assert len(started) == 1, dj.story(events)  # the rank's late answer to the abort is not a failed plan
     plan = _kinds(events, "recovery_planned")[0]["detail"]
-    assert [t[1] for t in plan["transfers"]] == [3]
+    # The rank with the error drops its state and takes a replica's; a survivor that the abort
+    # reached before its update of the step takes it too (rank 2 may commit the step first).
+    assert 3 in [t[1] for t in plan["transfers"]] and 3 not in [t[0] for t in plan["transfers"]], plan
     assert _kinds(events, "recovery_finished")[0]["detail"]["bytes"] > 0
 
 
