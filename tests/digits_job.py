@@ -142,3 +142,29 @@ def signal_rank_and_finish(tmp_path: Path, rank: int, sig: int) -> tuple[str, Pa
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-3000:]
     return out, log_dir
+
+
+def kill_rank_when_logged(cmd: list[str], env: dict[str, str], cwd: Path, log_dir: Path, line: str, rank: int,
+                          timeout: float = 240) -> str:
+    """Run a launcher (``cmd``), SIGKILL ``rank``'s first process from outside once rank 0's log
+    shows ``line``, and let the job end; returns its output. Asserts exit code 0; nothing is left
+    running on failure."""
+    import signal
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
+                            start_new_session=True)
+    try:
+        log = log_dir / "worker_0.log"
+        deadline = time.monotonic() + timeout
+        while not (log.exists() and line in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, f"{line!r} never printed"
+            time.sleep(0.05)
+        pid = next(e["pid"] for e in events(log_dir) if e["kind"] == "rank_started" and e["rank"] == rank)
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out[-4000:]
+    return out

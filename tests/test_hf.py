@@ -15,12 +15,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import digits_job as dj
 import pytest
 
 pytest.importorskip("transformers", reason="the hf extra (pip install 'ftrun[hf]') is not installed")
@@ -79,22 +78,7 @@ def _kill_when(tmp_path: Path, line: str, rank: int, args: list[str]) -> tuple[t
     """Run the script under ftrun; once rank 0's log shows ``line``, SIGKILL ``rank``'s first process
     from outside; returns (final line, events). Asserts exit code 0."""
     log_dir = tmp_path / "logs"
-    proc = subprocess.Popen(_ftrun_cmd(tmp_path, args), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, cwd=tmp_path, start_new_session=True)
-    try:
-        log = log_dir / "worker_0.log"
-        deadline = time.monotonic() + 240
-        while not (log.exists() and line in log.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, f"{line!r} never printed"
-            time.sleep(0.05)
-        pid = next(e["pid"] for e in _events(log_dir) if e["kind"] == "rank_started" and e["rank"] == rank)
-        os.kill(pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, out[-4000:]
+    out = dj.kill_rank_when_logged(_ftrun_cmd(tmp_path, args), _env(), tmp_path, log_dir, line, rank)
     return _final(out), _events(log_dir)
 
 
