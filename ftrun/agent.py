@@ -29,6 +29,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -316,6 +317,7 @@ class NodeAgent:
         self.events_addr = events_addr
         self.standby = standby  # this node's ftrun.coordinator.failover.StandbySeat, if it stands by
         self.moved_to: str | None = None  # the standby coordinator's endpoint, once announced
+        self._seat: list[Any] | None = None  # a standby seat being set up on a thread (stand_by), once asked
         self.ctx = zmq.Context()
         self._connect(control_addr)
         self.push: zmq.Socket | None = None
@@ -378,12 +380,15 @@ class NodeAgent:
         poller.register(self.closed, zmq.POLLIN)
         poller.register(self._wakeup.fd, zmq.POLLIN)
         last_heard = time.monotonic()
+        fled = False  # moved to the standby on silence (a vote for its takeover)
         next_beat = 0.0
         while self.exit_code is None:
             now = time.monotonic()
             if now >= next_beat:
                 self.send(MsgType.AGENT_BEAT, node=self.node)
                 next_beat = now + self.heartbeat_interval
+            if self._seat:
+                self.offer_standby()
             events = dict(poller.poll(timeout=int(min(self.heartbeat_interval, 0.5) * 1000)))
             if self._wakeup.fd in events:
                 self._wakeup.drain()
@@ -400,19 +405,12 @@ class NodeAgent:
                 if self.exit_code is not None:
                     continue
                 if self.standby is not None and self.standby.state is not None:
-                    return self.take_over()
+                    return self.take_over("its connection to this standby closed (its processes or its host died)")
                 if self.moved_to is not None:
                     # The coordinator's connection closed: its process is gone. Its standby takes
                     # the job over; say hello there (its endpoint queues it until then).
                     log.warning("the coordinator's connection closed; moving to the standby at %s", self.moved_to)
-                    for sock in (self.closed, self.sock):
-                        poller.unregister(sock)
-                    self.close_connection()
-                    self._connect(self.moved_to)
-                    self.moved_to = None
-                    poller.register(self.sock, zmq.POLLIN)
-                    poller.register(self.closed, zmq.POLLIN)
-                    self._hello()
+                    self._move(poller)
                     last_heard = time.monotonic()
             if self.stop_signal is not None and self.exit_code is None:
                 # This node's launcher was stopped (or died: its death signal is SIGTERM). Tell the
@@ -424,8 +422,27 @@ class NodeAgent:
                 self.event(EventKind.JOB_FINISHED, f"node {self.node} left the job: {reason}", exit_code=128 + self.stop_signal)
                 self.exit_code = 128 + self.stop_signal
             elif self.exit_code is None and time.monotonic() - last_heard > self.coordinator_timeout:
-                message = (f"lost the job coordinator on node 0 (nothing heard for {self.coordinator_timeout:g} s); "
-                           "stopping this node's ranks")
+                silence = time.monotonic() - last_heard
+                if self.standby is not None and self.standby.state is not None:
+                    # Silence, not a closed connection: a partition or a hung host. Take over only
+                    # with a majority (the others' agents come here when they hear nothing either);
+                    # the coordinator steps down when it hears half or less.
+                    agree, electorate = self.standby.votes()
+                    if electorate >= 3 and 2 * agree > electorate:
+                        return self.take_over(f"nothing heard from it for {silence:.1f} s, and {agree} of the job's "
+                                              f"{electorate} nodes agree (a majority; the other side steps down)")
+                    if electorate >= 3 and silence <= 2 * self.coordinator_timeout:
+                        continue  # the other agents' votes may still come
+                elif self.moved_to is not None and not fled:
+                    # Silence: the coordinator may be cut off from this node. Go to the standby
+                    # (this hello is a vote for its takeover); if it never takes over, end below.
+                    log.warning("nothing heard from the coordinator for %.1f s; moving to the standby at %s",
+                                silence, self.moved_to)
+                    self._move(poller)
+                    fled, last_heard = True, time.monotonic()
+                    continue
+                message = (f"lost the job coordinator on node 0 (nothing heard for {silence:.1f} s"
+                           f"{'; nor from its standby' if fled else ''}); stopping this node's ranks")
                 self.stop_all(message)
                 self.event(EventKind.JOB_FINISHED, f"job failed: {message}", exit_code=1)
                 self.exit_code = 1
@@ -438,17 +455,30 @@ class NodeAgent:
         self.ctx.term()
         return self.exit_code
 
-    def take_over(self) -> int:
-        """This node stands by and the coordinator's connection closed (node 0's processes are
-        gone): run the job's coordinator here (:class:`ftrun.coordinator.failover.StandbySeat`)
-        and return the job's exit code."""
-        log.warning("the job coordinator's connection closed: taking the job over (standby)")
+    def _move(self, poller: zmq.Poller) -> None:
+        """Connect to the standby coordinator announced (``moved_to``) and say hello there (its
+        endpoint keeps it until it takes over)."""
+        assert self.moved_to is not None
+        for sock in (self.closed, self.sock):
+            poller.unregister(sock)
+        self.close_connection()
+        self._connect(self.moved_to)
+        self.moved_to = None
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.closed, zmq.POLLIN)
+        self._hello()
+
+    def take_over(self, cause: str) -> int:
+        """This node stands by and the coordinator is gone (``cause``: its connection closed, or
+        a majority hears nothing from it): run the job's coordinator here
+        (:class:`ftrun.coordinator.failover.StandbySeat`) and return the job's exit code."""
+        log.warning("taking the job over (standby): the coordinator is gone: %s", cause)
         self.close_connection()
         if self.push is not None:
             self.push.close(0)
             self.push = None
         self.ctx.term()
-        return self.standby.take_over(self.processes, self.events_addr, self.node, self._events_node)
+        return self.standby.take_over(self.processes, self.events_addr, self.node, self._events_node, cause=cause)
 
     def stop_all(self, reason: str) -> None:
         log.warning("%s", reason)
@@ -516,12 +546,24 @@ class NodeAgent:
                    standby=True)
 
     def _on_standby(self, msg: Message) -> None:
-        self.moved_to = msg["control"]
+        self.moved_to = msg["control"] or None  # "": the standby was lost, none yet
 
     def _on_stand_by(self, _msg: Message) -> None:
-        """Stand by as the job coordinator (the coordinator lost the one it had)."""
-        if self.standby is None and self.spec is not None:
-            self.standby = _standby_seat(self.spec, self._token, asked=True)
+        """Stand by as the job coordinator (the coordinator lost the one it had). The seat is set
+        up on a thread (hosting a store can take seconds: a reverse name lookup of its first
+        client), so that this loop keeps beating; :meth:`offer_standby` answers once it is ready."""
+        if self.standby is not None:
+            self.offer_standby()
+        elif self.spec is not None and self._seat is None:
+            self._seat = []
+            spec, token, made = self.spec, self._token, self._seat
+            threading.Thread(target=lambda: made.append(_standby_seat(spec, token, asked=True)),
+                             name="ftrun-standby-seat", daemon=True).start()
+
+    def offer_standby(self) -> None:
+        """Tell the coordinator this agent stands by (its endpoint and store), once its seat is ready."""
+        if self.standby is None and self._seat:
+            self.standby, self._seat = self._seat[0], None
         if self.standby is not None:
             self.send(MsgType.AGENT_BEAT, node=self.node, standby_control=self.standby.control.address,
                       standby_store=self.standby.store_addr)

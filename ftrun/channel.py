@@ -54,6 +54,9 @@ class Channel:
         # The standby coordinator's endpoint (a ``standby`` message): when this connection closes
         # (the coordinator's process died), the channel moves there and says hello again.
         self.fallback: str | None = None
+        # ... and when nothing is heard from the coordinator for this many seconds (its beats, the
+        # ``standby`` message told again once a heartbeat interval): a partition between them.
+        self.silence_timeout: float | None = None
         self._hello: dict[str, Any] | None = None
         self._closed = False
         # Called on the I/O thread with each message from the supervisor, before it is queued: the
@@ -88,8 +91,8 @@ class Channel:
         self._sock.connect(addr)
 
     def _move(self, poller: zmq.Poller) -> None:
-        """The coordinator's connection closed and a standby is known: connect there and say
-        hello again (same process, same incarnation; ``rejoin``), before anything else is sent."""
+        """The coordinator's connection closed, or it fell silent, and a standby is known: connect
+        there and say hello again (same process, same incarnation; ``rejoin``), before anything else is sent."""
         assert self.fallback is not None
         for sock in (self._sock, self._closes):
             poller.unregister(sock)
@@ -157,9 +160,16 @@ class Channel:
         seal = self._sender.seal
         heartbeat = pack(MsgType.HEARTBEAT, rank=self.rank, incarnation=self.incarnation)
         next_beat = time.monotonic() + self.heartbeat_interval  # the hello goes first
+        last_heard = time.monotonic()
         running = True
         while running:
             now = time.monotonic()
+            if (self.fallback is not None and self.silence_timeout is not None
+                    and now - last_heard > self.silence_timeout):
+                print(f"ftrun: control channel: nothing heard from the coordinator for {now - last_heard:.1f} s; "
+                      "moving to the standby coordinator", file=sys.stderr, flush=True)
+                self._move(poller)
+                last_heard = now
             if now >= next_beat:
                 beat = heartbeat
                 if self.probe is not None:
@@ -201,12 +211,16 @@ class Channel:
                 self._closes.recv_multipart()
                 if self.fallback is not None and running:
                     self._move(poller)
+                    last_heard = time.monotonic()
                     continue
             if self._sock in events:
                 # only the supervisor knows our secret: a frame that does not verify is dropped
                 for msg in receive(self._sock, self._receiver, RECEIVE_BUDGET, lambda _err: None):
+                    last_heard = time.monotonic()
                     if msg.type == MsgType.STANDBY:
-                        self.fallback = msg["control"]
+                        self.fallback = msg["control"] or None  # "": the standby was lost, none yet
+                        timeout = msg.get("timeout")
+                        self.silence_timeout = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else None
                         continue
                     if self.on_receive is not None:
                         try:

@@ -53,6 +53,7 @@ class EventKind(str, Enum):
     STANDBY_NODE_JOINED = "standby_node_joined"  # a launcher that came after every node had its index waits as a standby
     STANDBY_NODE_LEFT = "standby_node_left"  # a standby's agent is gone (its launcher died or stopped): dropped, no fault
     COORDINATOR_TAKEOVER = "coordinator_takeover"  # the standby coordinator took the job over
+    COORDINATOR_STEPPED_DOWN = "coordinator_stepped_down"  # a coordinator that lost its quorum (a partition) stopped its side
     DIVERGENCE = "divergence"  # exactly-once broken: a recomputed step or a replica's parameters differ
 
 

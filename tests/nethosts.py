@@ -391,6 +391,13 @@ class NetHost:
         """Pids of the live processes in this host's namespace."""
         return namespace_pids(self.name)
 
+    def set_link(self, up: bool) -> None:
+        """Plug (``up``) or pull this host's cable: its bridge port goes up or down. Down, its
+        packets are dropped silently, as with a cut cable or a dead switch port: no reset, so its
+        peers notice only by silence. :meth:`HostNetwork.close` removes the port either way."""
+        self.network._check_open()
+        _ip("link", "set", self.veth, "up" if up else "down")
+
 
 def _killpg(proc: subprocess.Popen[Any]) -> None:
     """SIGKILL the session of a process started by :meth:`NetHost.popen`, if not reaped yet."""

@@ -15,7 +15,7 @@ from test_coordinator import TOKEN, Clock, FakeAgent, _close_coordinators, _made
 
 from ftrun.config import JobSpec
 from ftrun.coordinator import Coordinator
-from ftrun.coordinator.failover import hard_state, restore
+from ftrun.coordinator.failover import hard_state, restore, silence_timeout
 from ftrun.policy import RankState
 from ftrun.protocol import MsgType
 
@@ -152,3 +152,148 @@ def test_a_lost_standby_is_replaced_by_another_nodes_agent(tmp_path: Path) -> No
     assert (coord.failover.node, coord.failover.store) == (2, "10.0.0.3:8888")
     coord.failover.replicate(clock())
     assert (b"agent-2", MsgType.STATE) in sent
+
+
+def _three_nodes(tmp_path: Path) -> tuple[Coordinator, Clock, list[tuple[bytes, MsgType]]]:
+    """Node 0's coordinator of a 3-node job (2 ranks a node), node 1's agent standing by."""
+    from ftrun.agent import RemoteAgent
+
+    coord, _agent, clock = make(tmp_path, world=6, local=2)
+    sent: list[tuple[bytes, MsgType]] = []
+    for node in (1, 2):
+        coord.members.agents[node] = RemoteAgent(node=node, identity=f"agent-{node}".encode(),
+                                                 send_frame=lambda i, t, f: sent.append((i, t)), last_seen=clock())
+    coord.failover.on_standby(1, "tcp://10.0.0.2:5555", "10.0.0.2:6666")
+    return coord, clock, sent
+
+
+def test_a_coordinator_that_hears_half_its_agents_or_less_steps_down(tmp_path: Path) -> None:
+    """A partition cuts node 0 off: nothing from nodes 1 and 2. Before either is found lost the
+    coordinator sees it hears 1 of 3 agents and steps down (no node loss, no dying gasp, exit 1),
+    since node 1's standby may win a majority on the other side."""
+    coord, clock, _sent = _three_nodes(tmp_path)
+    assert coord.check_agents() is None and coord.members.electorate == 3
+    window = silence_timeout(coord.spec) - coord.spec.heartbeat_interval
+    clock.now += window - 0.1  # inside the window: heard
+    assert coord.check_agents() is None
+    clock.now += 0.2  # past the window, not yet past the loss timeout
+    assert coord.check_agents() == 1
+    assert events(tmp_path, "coordinator_stepped_down") and not events(tmp_path, "node_lost")
+    assert "stepped down" in events(tmp_path, "job_finished")[-1]["message"]
+
+
+def test_a_coordinator_that_hears_a_majority_finds_the_silent_node_lost(tmp_path: Path) -> None:
+    """Only node 2 falls silent: 2 of 3 agents heard is a majority; node 2 is lost as before, and
+    the electorate (counted with everyone heard) does not shrink while it is silent."""
+    coord, clock, _sent = _three_nodes(tmp_path)
+    hello_all(coord)
+    coord.check_agents()
+    clock.now += coord.spec.heartbeat_timeout + 0.1
+    coord.members.agents[1].last_seen = clock()
+    coord.check_agents()
+    assert not events(tmp_path, "coordinator_stepped_down")
+    assert events(tmp_path, "node_lost")[0]["detail"]["node_lost"] == 2
+    assert coord.members.electorate == 3 and hard_state(coord)["electorate"] == 3
+
+
+def test_without_a_standby_elsewhere_a_coordinator_never_steps_down(tmp_path: Path) -> None:
+    """Two nodes (no majority without node 0 is possible) or no standby: node 1's silence is its
+    loss, as before."""
+    from ftrun.agent import RemoteAgent
+
+    coord, _agent, clock = make(tmp_path, world=4, local=2)
+    coord.members.agents[1] = RemoteAgent(node=1, identity=b"agent-1", send_frame=lambda i, t, f: None, last_seen=clock())
+    coord.failover.on_standby(1, "tcp://10.0.0.2:5555", "10.0.0.2:6666")
+    coord.check_agents()
+    clock.now += coord.spec.heartbeat_timeout + 0.1
+    coord.check_agents()
+    assert not events(tmp_path, "coordinator_stepped_down") and events(tmp_path, "node_lost")
+
+
+@pytest.fixture()
+def seat(tmp_path: Path) -> Any:
+    """Node 1's standby seat on the loopback address, with a 3-node job's hard state."""
+    from ftrun.coordinator.failover import StandbySeat
+
+    spec = JobSpec(script="train.py", worker_num=6, local_worker_num=2, node_rank=1, master_addr="127.0.0.1",
+                   master_port=1, log_dir=str(tmp_path), checkpoint_dir=str(tmp_path / "ckpt"))
+    seat = StandbySeat(spec, TOKEN)
+    seat.state = {"electorate": 3}
+    yield seat
+    seat.control.close()
+    seat.ctx.term()
+
+
+def _dealer_to(seat: Any, identity: bytes) -> Any:
+    import zmq
+
+    sock = seat.ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(seat.control.address)
+    return sock
+
+
+def test_a_standby_takes_over_a_silent_coordinator_only_with_a_majority(seat: Any) -> None:
+    """Alone it is 1 of 3: no takeover. An agent that lost the coordinator too says hello on its
+    endpoint: 2 of 3, a majority. What it read to count is handed, in order, to the coordinator
+    it becomes, before anything that arrives later."""
+    import time
+
+    from ftrun.protocol import CONTROL, Sender, encode
+
+    assert seat.votes() == (1, 3) and not seat.elected()
+    rank = _dealer_to(seat, b"r-rank2")
+    rank.send(encode(MsgType.HELLO, Sender(TOKEN), CONTROL, rank=2, incarnation=0, pid=12, generation=1,
+                     replica_group=[0, 1, 2], library=True, rejoin=True))
+    agent = _dealer_to(seat, b"a-node2")
+    agent.send(encode(MsgType.AGENT_HELLO, Sender(TOKEN), CONTROL, node=-1, pid=7, host="h2"))
+    deadline = time.monotonic() + 10
+    while not seat.elected() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert seat.votes() == (2, 3) and seat.elected()
+    got: list[tuple[bytes, str]] = []
+    seat.control.serve(on_agent=lambda i, m, fd: got.append((i, m.type.value)),
+                       on_rank=lambda i, m: got.append((i, m.type.value)), on_reject=lambda *_: None, protected=set)
+    seat.control.read()
+    assert got == [(b"r-rank2", "hello"), (b"a-node2", "agent_hello")]
+    rank.close(0)
+    agent.close(0)
+
+
+def test_a_rank_moves_to_the_standby_when_its_coordinator_falls_silent(tmp_path: Path) -> None:
+    """The coordinator told the rank where the standby is, with a silence timeout, then said
+    nothing more (a partition: no closed connection). The rank's channel moves to the standby and
+    says hello again there, as the same process and incarnation (``rejoin``)."""
+    import time
+
+    import zmq
+
+    from ftrun.channel import Channel
+    from ftrun.coordinator.control import ControlPlane
+
+    ctx = zmq.Context()
+    old, new = (ControlPlane(ctx, TOKEN, "127.0.0.1", "127.0.0.1") for _ in range(2))
+    heard: dict[str, list[tuple[bytes, Any]]] = {"old": [], "new": []}
+    for name, plane in (("old", old), ("new", new)):
+        plane.serve(on_agent=lambda i, m, fd: None, on_rank=lambda i, m, name=name: heard[name].append((i, m)),
+                    on_reject=lambda *_: None, protected=set)
+    channel = Channel(old.address, TOKEN, rank=3, incarnation=2, heartbeat_interval=0.05)
+    try:
+        channel.send(MsgType.HELLO, pid=42, generation=0, replica_group=[3], library=True)
+        deadline = time.monotonic() + 10
+        while not any(m.type == MsgType.HELLO for _i, m in heard["old"]) and time.monotonic() < deadline:
+            old.read()
+            time.sleep(0.01)
+        identity = next(i for i, m in heard["old"] if m.type == MsgType.HELLO)
+        old.send(identity, MsgType.STANDBY, {"control": new.address, "store": "127.0.0.1:1", "epoch": 0, "timeout": 0.5})
+        while not any(m.type == MsgType.HELLO for _i, m in heard["new"]) and time.monotonic() < deadline:
+            new.read()
+            time.sleep(0.01)
+        hello = next(m for _i, m in heard["new"] if m.type == MsgType.HELLO)
+        assert (hello["rank"], hello["incarnation"], hello["pid"], hello.get("rejoin")) == (3, 2, 42, True)
+    finally:
+        channel.close()
+        old.close()
+        new.close()
+        ctx.term()

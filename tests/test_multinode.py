@@ -388,6 +388,55 @@ def test_node0_lost_the_standby_coordinator_takes_over(net_hosts, long_reference
     assert lost and lost[0]["detail"]["node_lost"] == 0 and lost[0]["detail"]["cause"] == "coordinator_lost"
 
 
+def test_node0_partitioned_the_majority_takes_over_and_node0_is_fenced(net_hosts, long_reference: str,  # noqa: F811
+                                                                       tmp_path: Path) -> None:
+    """Issue 24: host 0's cable is pulled mid-run (its bridge port down: no reset, only silence),
+    and plugged back once the job moved on. Nodes 1 and the standby node (host 2) hear nothing
+    from the coordinator; host 2's agent moves to node 1's standby (a vote), which then has a
+    majority of the 3 agents and takes over; node 0's coordinator, hearing 1 of 3, steps down and
+    stops its ranks (exit 1). Node 0's ranks come back in the standby node's hot spares, from
+    replicas on node 1. With the cable back, nothing of node 0 joins again; the job ends with the
+    fault-free digest, node 1's ranks keep their processes, nothing is left on host 0."""
+    hosts = net_hosts(3)
+    runs = start_job(hosts[:2], tmp_path, steps=dj.LONG_STEPS, extra=("--node_wait_timeout", "120"))
+    spare = None
+    try:
+        dj.wait_for(lambda: any(e["kind"] == "node_joined" for e in dj.events(runs[0].log_dir)), timeout=120)
+        spare = start_node(hosts[2], None, hosts[0].addr, 2, tmp_path, steps=dj.LONG_STEPS, tag="2",
+                           extra=("--node_wait_timeout", "120", "--cluster_time_out", "200"))
+        dj.wait_for(lambda: dj.training(runs[0].log_dir), timeout=180)
+        dj.wait_for(lambda: any(e["kind"] == "standby_node_joined" for e in dj.events(runs[0].log_dir)), timeout=120)
+        time.sleep(1.0)  # a beat: the standby has the state of a training job and the electorate
+        hosts[0].set_link(False)
+        code0 = wait_all([runs[0]], timeout=120)
+        dj.wait_for(lambda: any(e["kind"] == "coordinator_takeover" for e in dj.events(runs[1].log_dir)), timeout=60)
+        hosts[0].set_link(True)
+        codes = wait_all([runs[1], spare])
+        deadline = time.monotonic() + 30
+        while hosts[0].pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = hosts[0].pids()
+    finally:
+        for run in [*runs, *([spare] if spare else [])]:
+            if run.proc.poll() is None:
+                os.killpg(run.proc.pid, signal.SIGKILL)
+    everything = "\n---\n".join(r.output()[-3000:] for r in [runs[1], spare, runs[0]])
+    assert code0 == [1] and "stepped down as the job coordinator" in runs[0].output(), everything
+    assert codes == [0, 0], everything
+    assert left == [], f"processes left on host 0: {left}"
+    before, after = dj.events(runs[0].log_dir), dj.events(runs[1].log_dir)
+    assert [e for e in before if e["kind"] == "coordinator_stepped_down"], dj.story(before)
+    takeover = [e for e in after if e["kind"] == "coordinator_takeover"]
+    assert takeover and takeover[0]["detail"]["epoch"] == 1 and "agree" in takeover[0]["detail"]["cause"], dj.story(after)
+    assert dj.digest(spare.output(), dj.LONG_STEPS) == long_reference, everything
+    pids = dj.started(before + after)
+    assert len(pids[2]) == 1 and len(pids[3]) == 1, f"a rank of node 1 was restarted: {pids}\n{dj.story(after)}"
+    old0 = {pid for rank in (0, 1) for pid in pids[rank][:1]}
+    joined = [e for e in after if e["kind"] == "rank_joined" and any(f"(pid {pid})" in e["message"] for pid in old0)]
+    assert not joined, f"node 0's old ranks joined the new coordinator: {joined}"
+    assert not [e for e in after if e["kind"] == "job_restarting"], dj.story(after)
+
+
 def test_standby_nodes_hot_spares_take_a_lost_nodes_ranks(net_hosts, long_reference: str, tmp_path: Path) -> None:  # noqa: F811
     """Issue 24 item 2: every host runs the same command, no node index; the third host, started
     once the job trains, waits as a standby node with one hot spare per local rank. Every process

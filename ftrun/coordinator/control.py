@@ -59,6 +59,7 @@ class ControlPlane:
         self.on_reject: Callable[[str, int], None] = lambda _why, _total: None
         self.protected: Callable[[], set[bytes]] = set
         self.rejected = 0
+        self._held: list[tuple[bytes, Message, int | None]] = []  # read by a standby before its takeover (hold)
         self._reject_counts: dict[bytes, int] = {}
         self._offenders: set[bytes] = set()
 
@@ -105,29 +106,58 @@ class ControlPlane:
         The budget bounds the time one call takes whatever arrives (a flood of forged frames), so
         the loop gets back to reaping deaths (SIGCHLD) and to the watchdog between batches.
         """
+        while self._held:  # what a standby read before its takeover comes first, in order
+            identity, msg, fd = self._held.pop(0)
+            self._dispatch(identity, msg, fd, agents_only)
         for _ in range(budget):
-            try:
-                parts = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            got = self._next()
+            if got is None:
                 return
-            frames = [part.bytes for part in parts]
-            identity = frames[0]
-            if identity in self._offenders:
-                continue  # dropped unread: no MAC, no decode, no log
-            if len(frames) != 2:
-                self.reject(identity, "wrong number of frames")
-                continue
-            try:
-                msg = decode(frames[1], self.receiver)
-            except ProtocolError as err:
-                self.reject(identity, str(err))
-                continue
-            if msg.type in AGENT_MESSAGES:
-                self.on_agent(identity, msg, parts[1].get(zmq.SRCFD) if msg.type == MsgType.AGENT_HELLO else None)
-            elif not agents_only:
-                self.on_rank(identity, msg)
+            if got is not False:
+                self._dispatch(*got, agents_only)
             if stop():
                 return
+
+    def _next(self) -> tuple[bytes, Message, int | None] | None | bool:
+        """The next authentic message waiting (identity, message, an agent hello's connection
+        descriptor), None when nothing waits, False for a frame dropped or rejected."""
+        try:
+            parts = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        frames = [part.bytes for part in parts]
+        identity = frames[0]
+        if identity in self._offenders:
+            return False  # dropped unread: no MAC, no decode, no log
+        if len(frames) != 2:
+            self.reject(identity, "wrong number of frames")
+            return False
+        try:
+            msg = decode(frames[1], self.receiver)
+        except ProtocolError as err:
+            self.reject(identity, str(err))
+            return False
+        return identity, msg, parts[1].get(zmq.SRCFD) if msg.type == MsgType.AGENT_HELLO else None
+
+    def _dispatch(self, identity: bytes, msg: Message, fd: int | None, agents_only: bool) -> None:
+        if msg.type in AGENT_MESSAGES:
+            self.on_agent(identity, msg, fd)
+        elif not agents_only:
+            self.on_rank(identity, msg)
+
+    def hold(self, budget: int = READ_BUDGET) -> set[bytes]:
+        """A standby before its takeover: read what waits on its endpoint and keep it, decoded
+        once, for the coordinator it may become (:meth:`read` hands it over first, in order).
+        Returns the connections of the agents that said hello here so far: an agent comes only
+        when it lost touch with the coordinator, so each is a vote for the takeover
+        (:meth:`ftrun.coordinator.failover.StandbySeat.votes`)."""
+        for _ in range(budget):
+            got = self._next()
+            if got is None:
+                break
+            if got is not False:
+                self._held.append(got)
+        return {identity for identity, msg, _fd in self._held if msg.type == MsgType.AGENT_HELLO}
 
     def reject(self, identity: bytes, why: str) -> None:
         """Count a rejected frame; report only the first few, and drop a connection's frames

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import zmq
 
 from .. import procs
-from ..agent import AgentHandle, SpareNote, Spawned, StandbyOffer, Stacks
+from ..agent import AgentHandle, RemoteAgent, SpareNote, Spawned, StandbyOffer, Stacks
 from ..config import JobSpec
 from ..events import Event, EventKind
 from ..policy import Action, RankState, decide_on_failure, restart_fits
@@ -44,7 +44,7 @@ from .control import ControlPlane
 from .environment import Spawning
 from .failover import Replication, restore
 from .messages import RankMessages
-from .membership import Membership, NodeLoss, NoReplacement
+from .membership import Membership, NodeLoss, NoReplacement, QuorumLost
 from .phases import JobPhase, JobPhases
 from .publish import Publisher, status_header
 from .ranks import Failure, Rank, Recovery
@@ -203,10 +203,11 @@ class Coordinator:
         self.publisher.status(self.status_snapshot, force=force, final=final)
 
     # ----------------------------------------------------------------- main loop
-    def run(self, takeover: dict[str, Any] | None = None, lost: int = 0) -> int:
+    def run(self, takeover: dict[str, Any] | None = None, lost: int = 0, cause: str = "") -> int:
         """Run the job to its end and return the exit code. With ``takeover`` (the hard state a
         standby was sent, :func:`ftrun.coordinator.failover.hard_state`), go on with a job whose
-        coordinator on node ``lost`` died, instead of starting one."""
+        coordinator on node ``lost`` died or was cut off (``cause``, in words), instead of
+        starting one."""
         self._install_signals()
         spec = self.spec
         if takeover is None:
@@ -225,7 +226,7 @@ class Coordinator:
             self.spawning.publish_control_addr()
             self.start_attempt()
         else:
-            self.take_over(takeover, lost)
+            self.take_over(takeover, lost, cause)
         poller = zmq.Poller()
         poller.register(self.control.router, zmq.POLLIN)
         poller.register(self.control.disconnects, zmq.POLLIN)
@@ -280,6 +281,7 @@ class Coordinator:
         while not done() and time.monotonic() < deadline:
             if self.control.router.poll(timeout=100):
                 self.read_messages()
+            self.failover.beat_ranks(self.clock())  # the ranks' beats (silence would send them to the standby)
             for r in self.collect_reports():
                 log.info("rank %d died during the dying gasp", r.rank)
 
@@ -290,6 +292,8 @@ class Coordinator:
         found = self.members.check(self.control.closed_agent_connections(), self.clock())
         if isinstance(found, NoReplacement):
             return self.finish_failed(found.reason)
+        if isinstance(found, QuorumLost):
+            return self.step_down(found)
         if isinstance(found, NodeLoss):
             return self.node_lost(found)
         return None
@@ -327,22 +331,43 @@ class Coordinator:
         self.members.await_replacement(node, reason, now)
         return self.on_failure([r.rank for r in lost], kind="node_loss")
 
-    def take_over(self, state: dict[str, Any], lost: int) -> None:
-        """Go on with the job after its coordinator on node ``lost`` died (this is the standby's
-        process): its hard state restored with the epoch moved on, the store and endpoint
-        published, then node ``lost`` handled as any lost node (its ranks recovered from replicas
-        once a launcher takes its index)."""
+    def take_over(self, state: dict[str, Any], lost: int, cause: str = "") -> None:
+        """Go on with the job after its coordinator on node ``lost`` died or was cut off (this is
+        the standby's process; ``cause``: how it was found, in words): its hard state restored with
+        the epoch moved on, the store and endpoint published, then node ``lost`` handled as any
+        lost node (its ranks recovered from replicas once a launcher takes its index)."""
         restore(self, state)
         self.spawning.attempt_port = self.spawning.store_port
+        cause = cause or "its connection to this standby closed (its processes or its host died)"
         self.emit(EventKind.COORDINATOR_TAKEOVER,
                   f"node {self.spec.node_rank} took over as the job coordinator (epoch {self.epoch}): node {lost}'s "
-                  "coordinator closed its connection (its processes or its host died)",
+                  f"coordinator is gone: {cause}",
                   node=self.spec.node_rank, lost=lost, epoch=self.epoch, control=self.control_addr,
-                  store=f"{self.spec.master_addr}:{self.spawning.store_port}")
+                  store=f"{self.spec.master_addr}:{self.spawning.store_port}", cause=cause)
         self.spawning.publish_control_addr()
         self.finish_with(self.node_lost(NodeLoss(
-            lost, f"node {lost} lost with the job coordinator: its connection to node {self.spec.node_rank}'s standby "
-                  "closed", "coordinator_lost")))
+            lost, f"node {lost} lost with the job coordinator: {cause}", "coordinator_lost")))
+
+    def step_down(self, lost: QuorumLost) -> int:
+        """This coordinator lost its quorum (:meth:`Membership.quorum`): stop this side of the
+        job without a dying gasp (the standby may go on with it: a checkpoint written here would
+        race the job's), and end with exit code 1. Agents and ranks that moved to the standby
+        never come back here: their old connections are closed, and the new coordinator's epoch
+        is higher."""
+        reason = f"node {self.spec.node_rank} stepped down as the job coordinator (epoch {self.epoch}): {lost.reason}"
+        self.emit(EventKind.COORDINATOR_STEPPED_DOWN, reason, node=self.spec.node_rank, epoch=self.epoch)
+        self.phase.move(JobPhase.STOPPING)
+        for node, agent in list(self.agents.items()):
+            if isinstance(agent, RemoteAgent):  # out of reach: those ranks are the other side's now
+                del self.agents[node]
+        self.stop_all_ranks()
+        for r in self.ranks.values():
+            if r.proc.state not in (RankState.SUCCEEDED, RankState.FAILED):
+                r.proc.state = RankState.STOPPED
+        self.phase.move(JobPhase.FINISHED)
+        self._final_message = f"{reason}; this node's ranks were stopped and it leaves the job"
+        self.emit(EventKind.JOB_FINISHED, self._final_message, exit_code=1, reason=lost.reason, fenced=True)
+        return 1
 
     def on_agent_message(self, identity: bytes, msg: Message, fd: int | None = None) -> None:
         """An agent's message (:meth:`Membership.on_agent_message`); a replacement's hello while

@@ -52,6 +52,12 @@ log = logging.getLogger("ftrun.coordinator")
 STANDBY_NODE = 1  # the node whose agent is the standby coordinator
 
 
+def silence_timeout(spec: Any) -> float:
+    """Seconds without a word after which a peer of the control plane is taken as gone: the
+    ``--heartbeat_timeout``, at least three heartbeat intervals."""
+    return max(spec.heartbeat_timeout, 3 * spec.heartbeat_interval)
+
+
 def address_towards(peer: str) -> str:
     """This host's address on the route to ``peer`` (a host name or address): the one other
     nodes reach it at. No packet is sent (a UDP socket's ``connect`` only picks the route).
@@ -74,6 +80,7 @@ def hard_state(job: "Coordinator") -> dict[str, Any]:
         "restarts_used": job.restarts_used,
         "run_id": job.spawning.run_id,
         "lost_nodes": {str(k): v for k, v in job.members.lost_nodes.items()},
+        "electorate": job.members.electorate,
         # rank, incarnation, pid, library, replica group, restarts, state, committed, running
         "ranks": [[r.rank, r.incarnation, r.proc.pid or 0, r.library, list(r.replica_group), r.restarts,
                    r.proc.state.value, r.proc.committed, r.proc.running] for r in job.ranks.values()],
@@ -92,6 +99,7 @@ def restore(job: "Coordinator", state: dict[str, Any]) -> None:
     job.spawning.run_id = str(state["run_id"])
     for node, reason in state["lost_nodes"].items():
         job.members.lost_nodes[int(node)] = str(reason)
+    job.members.electorate = int(state.get("electorate", 0))
     for rank, incarnation, pid, library, group, restarts, rank_state, committed, running in state["ranks"]:
         r = job.ranks[int(rank)]
         r.proc = Incarnation(number=int(incarnation), started_at=now, pid=int(pid) or None, running=bool(running),
@@ -115,6 +123,8 @@ class Replication:
         self._sent: dict[str, Any] | None = None
         self._sent_at = 0.0
         self._asked: tuple[int, float] | None = None  # (node, when) asked to stand by, no answer yet
+        self._ranks_told_at = 0.0
+        self._announced = False  # a standby was announced to ranks: they are beaten from then on
 
     def on_standby(self, node: int, control: str, store: str) -> None:
         """Node ``node``'s agent offers to stand by (its hello): announce it to every rank and
@@ -136,6 +146,10 @@ class Replication:
         if self.node is not None and self.node not in job.members.agents:
             log.info("the standby coordinator on node %d was lost; asking another node to stand by", self.node)
             self.node = None
+            for agent in [*job.members.agents.values(), *job.members.standby_nodes.values()]:
+                agent.announce_standby("", "", job.epoch)  # nowhere to go until another stands by
+            for r in job.ranks.values():
+                self.announce(r)
         if self.node is not None or not job.spec.tft.arf or job.spec.join:
             return
         if self._asked is not None and now - self._asked[1] < job.spec.heartbeat_timeout:
@@ -149,14 +163,31 @@ class Replication:
                 return
 
     def announce(self, r: Any) -> None:
-        """Tell a rank that said hello where to go if this coordinator dies."""
-        if self.node is not None and r.connected():
-            self.job.send(r, MsgType.STANDBY, control=self.control, store=self.store, epoch=self.job.epoch)
+        """Tell a rank that said hello where to go if this coordinator dies or falls silent for
+        ``timeout`` seconds (told again at every beat: these are the beats a rank hears); with no
+        standby (its node was lost), an empty ``control``: nowhere."""
+        if (self.node is not None or self._announced) and r.connected():
+            self._announced = True
+            self.job.send(r, MsgType.STANDBY, control=self.control if self.node is not None else "",
+                          store=self.store if self.node is not None else "", epoch=self.job.epoch,
+                          timeout=float(silence_timeout(self.job.spec)))
+
+    def beat_ranks(self, now: float) -> None:
+        """Once a heartbeat interval, once a standby was announced: announce it again (or that
+        there is none) to every rank. A rank that hears nothing for the silence timeout (a
+        partition between it and this coordinator) moves to the standby, as on a closed
+        connection."""
+        if not self._announced or now - self._ranks_told_at < self.job.spec.heartbeat_interval:
+            return
+        self._ranks_told_at = now
+        for r in self.job.ranks.values():
+            self.announce(r)
 
     def replicate(self, now: float, force: bool = False) -> None:
         """Send the hard state to the standby when it changed (``force``: now, before what it
         decided is sent to anyone), and at every beat."""
         job = self.job
+        self.beat_ranks(now)
         agent: AgentHandle | None = job.members.agents.get(self.node) if self.node is not None else None
         if agent is None or not agent.connected():
             self.choose(now)
@@ -207,11 +238,29 @@ class StandbySeat:
     def store_addr(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def take_over(self, processes: Any, events_addr: str | None, node: int, audience: int, lost: int = 0) -> int:
+    def votes(self) -> tuple[int, int]:
+        """The coordinator is silent (a partition or a hung host, not a closed connection): (the
+        nodes that agree, the electorate). This standby votes for itself; every other agent that
+        said hello on its endpoint lost touch with the coordinator too (an agent goes there only
+        then). The electorate is the job's agents, standby nodes included, as the coordinator last
+        counted them with every one heard (:attr:`ftrun.coordinator.membership.Membership.electorate`).
+        A takeover needs more than half of it: the coordinator steps down when it hears half or less
+        (:class:`ftrun.coordinator.membership.QuorumLost`), so both sides cannot go on."""
+        assert self.state is not None
+        return 1 + len(self.control.hold()), int(self.state.get("electorate", 0))
+
+    def elected(self) -> bool:
+        """Whether a majority of the electorate agrees that the coordinator is gone (:meth:`votes`)."""
+        agree, electorate = self.votes()
+        return electorate >= 3 and 2 * agree > electorate
+
+    def take_over(self, processes: Any, events_addr: str | None, node: int, audience: int, lost: int = 0,
+                  cause: str = "") -> int:
         """Run the job's coordinator here, from the last replicated state, as node ``node``, with
         this node's ranks (``processes``, a :class:`ftrun.spawner.RankProcesses`) as its local
         agent's, its events for this node's launcher (which knows it as node ``audience``: a
-        standby node's keeps its first index); returns the job's exit code."""
+        standby node's keeps its first index); ``cause``: why, in words (default: the
+        coordinator's connection closed); returns the job's exit code."""
         import dataclasses
 
         from ..agent import LocalAgent
@@ -227,6 +276,6 @@ class StandbySeat:
         if metrics is not None:
             coordinator.observers.append(metrics.observe)
         try:
-            return coordinator.run(takeover=self.state, lost=lost)
+            return coordinator.run(takeover=self.state, lost=lost, cause=cause)
         finally:
             self.ctx.term()

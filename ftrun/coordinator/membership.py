@@ -28,6 +28,7 @@ from ..agent import AgentHandle, RemoteAgent
 from ..contract import STANDBY_NODE_INDEX, VACANT_KEY
 from ..events import EventKind
 from ..protocol import Message, MsgType
+from .failover import silence_timeout
 
 if TYPE_CHECKING:
     from .core import Coordinator
@@ -48,6 +49,15 @@ class NodeLoss:
     cause: str
     replaceable: bool = True
     evidence_age: float = 0.0
+
+
+@dataclass(frozen=True)
+class QuorumLost:
+    """This coordinator hears half or less of the job's agents while a standby coordinator stands
+    by on another node: it may be the side of a partition that the standby's majority replaces
+    (:meth:`ftrun.coordinator.failover.StandbySeat.votes`), so it steps down with ``reason``."""
+
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,9 @@ class Membership:
         self.main_store: Any = None  # the launcher's store (vacancies), once the control address is published
         self._next_beat = 0.0
         self._unshared_warned = False
+        # The job's agents (standby nodes included) as last counted with every one heard: the
+        # electorate of a takeover vote (ftrun.coordinator.failover); a silence does not shrink it.
+        self.electorate = 0
 
     def spawn(self, node: int, order: SpawnOrder) -> None:
         """Have ``node``'s agent start a rank, or keep the order until that agent joins."""
@@ -92,16 +105,20 @@ class Membership:
         else:
             agent.spawn(*order)
 
-    def check(self, closed: set[bytes], now: float) -> NodeLoss | NoReplacement | None:
+    def check(self, closed: set[bytes], now: float) -> NodeLoss | NoReplacement | QuorumLost | None:
         """Beat to the other nodes' agents and find the first node lost (``closed``: the agent
-        connections that closed since the last look)."""
+        connections that closed since the last look), or that this coordinator lost its quorum
+        (:meth:`quorum`)."""
         spec = self.job.spec
-        timeout = max(spec.heartbeat_timeout, 3 * spec.heartbeat_interval)
+        timeout = silence_timeout(spec)
         if now >= self._next_beat:
             self._next_beat = now + spec.heartbeat_interval
             for agent in [*self.agents.values(), *self.standby_nodes.values()]:
                 if isinstance(agent, RemoteAgent):
                     agent.beat()
+        lost_quorum = self.quorum(closed, now)
+        if lost_quorum is not None:
+            return lost_quorum
         for identity, standby in list(self.standby_nodes.items()):
             gone = ("its agent's connection closed" if identity in closed
                     else f"its launcher left: {standby.leaving}" if standby.leaving
@@ -127,6 +144,29 @@ class Membership:
                 return NodeLoss(node, f"node {node} lost: nothing heard from its agent for {now - remote.last_seen:.1f} s "
                                       f"(host {remote.host or '?'})", "silent", evidence_age=now - remote.last_seen)
         return None
+
+    def quorum(self, closed: set[bytes], now: float) -> QuorumLost | None:
+        """Count the agents heard (within the silence timeout less a heartbeat interval, so that a
+        partition's silent agents all count as unheard before the first of them is found lost);
+        with every one heard, that is the :attr:`electorate`. While a standby coordinator stands
+        by on another node, hearing half of the electorate or less (three agents or more) is a
+        lost quorum: the standby may win a majority on the other side
+        (``docs/coordinator_failover.md``)."""
+        spec = self.job.spec
+        window = silence_timeout(spec) - spec.heartbeat_interval
+        everyone = [*self.agents.values(), *self.standby_nodes.values()]
+        heard = sum(1 for a in everyone if not isinstance(a, RemoteAgent)
+                    or (a.identity not in closed and not a.leaving and now - a.last_seen <= window))
+        if heard == len(everyone):
+            self.electorate = heard
+            return None
+        standby = self.job.failover.node
+        if standby is None or not isinstance(self.agents.get(standby), RemoteAgent) or self.electorate < 3:
+            return None
+        if 2 * heard > self.electorate:
+            return None
+        return QuorumLost(f"it hears {heard} of the job's {self.electorate} nodes' agents (nothing from the others for "
+                          f"{window:g} s): the standby coordinator on node {standby} may go on with a majority")
 
     def lose(self, node: int, reason: str) -> None:
         """Record ``node`` as lost: its agent is dropped and its connection fenced; orders for it
