@@ -11,12 +11,20 @@ endpoint and hosts a c10d store of its own, and says so in its hello. Then:
   generation, restart budget used, lost nodes and each rank's incarnation, pid, replica group,
   state and committed step. It changes on faults, not per step; it is sent when it changed and at
   every beat to node 1's agent (a few hundred bytes; committed steps ride along).
-- **Takeover only on a closed connection.** The standby's agent takes the job over when its
-  connection to the coordinator closes without a ``shutdown``: node 0's processes are dead (a
-  killed process's or host's kernel resets its connections), so no second coordinator can act and
-  there is no split brain. Silence (a partition, a hung host) is not taken over: a cut link cannot
-  be told from a dead host by one node, and the job ends as before (resumable from its dying-gasp
-  checkpoint). A majority vote among three or more agents would lift that; not built.
+- **Takeover on a closed connection, or with a majority.** The standby's agent takes the job over
+  at once when its connection to the coordinator closes without a ``shutdown``: node 0's
+  processes are dead (a killed process's or host's kernel resets its connections), so no second
+  coordinator can act. Silence (a partition, a hung host) is a vote: an agent that hears nothing
+  from the coordinator for the silence timeout goes to the standby and says hello there; the
+  standby, silent too, takes over once more than half of the electorate (the job's agents,
+  standby nodes included, as the coordinator last counted them with every one heard, replicated
+  in the state) is with it. The coordinator steps down when it hears half of the electorate or
+  less (:class:`ftrun.coordinator.membership.QuorumLost`), a heartbeat interval before it would
+  find any of them lost; both sides cannot hold a majority, and a partition's two sides cannot
+  finish a collective together anyway. With fewer than three agents (a 2-node job) no majority
+  exists without node 0: its silence ends the job as before. Ranks hear the coordinator's beats
+  (the ``standby`` message again, once a heartbeat interval) and move to the standby on silence
+  as on a closed connection.
 - The new coordinator runs in node 1's agent process (node 1's ranks are its children already),
   with the epoch and the generation moved on: node 0 is lost like any node, its ranks are recovered
   from replicas once a launcher takes index 0 (a standby node, which moved to the new coordinator
