@@ -70,6 +70,15 @@ class PrintLogs(TrainerCallback):
             print(f"log step={state.global_step} {logs}", flush=True)
 
 
+class StepTimes(TrainerCallback):
+    """Rank 0 prints ``step <n> loss - time <unix time>`` at the end of each optimizer step
+    (``scripts/bench.py`` times recoveries from these lines)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            print(f"step {state.global_step} loss - time {time.time():.6f}", flush=True)
+
+
 class Pause(TrainerCallback):
     """Rank 0 prints ``pause <event> step=<n>`` and sleeps at the first ``event`` (``step_end``,
     ``epoch_end`` or ``eval``: an evaluation batch) at or after global step ``n``: the other ranks
@@ -125,6 +134,7 @@ def main() -> None:
     parser.add_argument("--model", choices=["tiny", "gpt2"], default="tiny",
                         help="tiny: a GRU built by hand; gpt2: a one-layer GPT2LMHeadModel from a GPT2Config")
     parser.add_argument("--no_ftrun", action="store_true", help="plain transformers.Trainer")
+    parser.add_argument("--step_times", action="store_true", help="rank 0 prints 'step N loss - time T' after every step")
     args = parser.parse_args()
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
@@ -145,7 +155,8 @@ def main() -> None:
         bf16=args.bf16, use_cpu=True, report_to=[], seed=0, dataloader_num_workers=0, disable_tqdm=True,
     )
     trainer_cls = Trainer if args.no_ftrun else FTTrainer  # ftrun
-    callbacks = [PrintLogs()] + ([Pause(args.pause_on, args.pause)] if args.pause_on else [])
+    callbacks = ([PrintLogs()] + ([Pause(args.pause_on, args.pause)] if args.pause_on else [])
+                 + ([StepTimes()] if args.step_times else []))
     trainer = trainer_cls(model=model, args=training_args, train_dataset=Tokens(args.train_size, 1),
                           eval_dataset=Tokens(64, 2), callbacks=callbacks)
     trainer.train()

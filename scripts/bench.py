@@ -94,8 +94,12 @@ FINAL = re.compile(r"final step=(\d+) loss=\S+ test_accuracy=(\S+) params_sha256
 STATE_MB = re.compile(r"state_mb=(\S+)")
 LAUNCHERS = ("ftrun", "torchrun")
 PARTS = ("recovery", "scaling-world", "scaling-state", "overhead", "overhead-real", "memory", "transfer", "multinode",
-         "nodeloss")
-DEFAULT_REPEATS = {"recovery": 2, "overhead": 2, "overhead-real": 3, "multinode": 3, "nodeloss": 2}
+         "nodeloss", "hf")
+DEFAULT_REPEATS = {"recovery": 2, "overhead": 2, "overhead-real": 3, "multinode": 3, "nodeloss": 2, "hf": 2}
+# hf: Hugging Face Trainer (examples/hf_trainer.py) with ftrun's integration (FTTrainer: a rank-level
+# recovery), the same script without it under ftrun (plain Trainer: a whole-job restart that resumes
+# from the Trainer's newest checkpoint, ftrun.integrations.hf_resume) and under torchrun (the same)
+PART_LAUNCHERS = {"hf": ("ftrun", "ftrun-restart", "torchrun")}
 """Runs of each case per launcher when --repeats is not given (other parts: --scaling_repeats)."""
 RDZV_PORT = 29400  # torchrun's c10d rendezvous on host 0 (a fresh namespace: every port is free)
 FTRUN_PORT = 29500  # ftrun's store on host 0
@@ -107,6 +111,9 @@ SCRIPTS = {
     ("charlm", "torchrun"): "train_charlm_torchrun.py",
     ("wordlm", "ftrun"): "word_lm.py",
     ("wordlm", "torchrun"): "word_lm_torchrun.py",
+    ("hf", "ftrun"): "hf_trainer.py",
+    ("hf", "ftrun-restart"): "hf_trainer.py",
+    ("hf", "torchrun"): "hf_trainer.py",
 }
 # word_lm's sizes: its defaults (small steps), and a larger LSTM on longer sequences.
 WORDLM_SIZES = {"small": (), "large": ("--emsize", "128", "--nhid", "128", "--bptt", "35", "--batch_size", "8")}
@@ -119,7 +126,7 @@ class Case:
     ``args`` are extra script flags; ``ckpt_every`` is torchrun's checkpoint interval in steps.
     """
 
-    workload: str  # "digits" or "charlm"
+    workload: str  # "digits", "charlm", "wordlm" or "hf"
     size: str  # charlm size name; "-" for digits
     ranks: int
     steps: int
@@ -161,6 +168,10 @@ class Run:
 def command(launcher: str, case: Case, workdir: Path) -> tuple[list[str], dict[str, str], str]:
     """(argv, environment, script file name) of ``case`` under ``launcher``."""
     script = SCRIPTS[(case.workload, launcher)]
+    if case.workload == "hf":
+        env = _base_env()
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # what torchrun needs to restart at all (see above)
+        return hf_command(launcher, case, workdir), env, script
     if case.workload == "wordlm":  # steps: its epochs; no fault, so torchrun needs no checkpoints
         common = [str(ROOT / "examples" / script), "--epochs", str(case.steps), "--step-times", *WORDLM_SIZES[case.size],
                   *case.args]
@@ -182,6 +193,23 @@ def command(launcher: str, case: Case, workdir: Path) -> tuple[list[str], dict[s
         if case.workload != "wordlm":
             cmd += ["--ckpt_dir", str(workdir / "ckpt"), "--ckpt_every", str(case.ckpt_every)]
     return cmd, env, script
+
+
+def hf_command(launcher: str, case: Case, workdir: Path) -> list[str]:
+    """The Hugging Face Trainer example under ``launcher``: ``ftrun`` with its integration
+    (``FTTrainer``), ``ftrun-restart`` and ``torchrun`` with the plain ``Trainer``, checkpointing every
+    ``case.ckpt_every`` steps and resuming from the newest one after a whole-job restart."""
+    common = [str(ROOT / "examples" / "hf_trainer.py"), "--max_steps", str(case.steps), "--step_times",
+              "--output_dir", str(workdir / "out"), *case.args]
+    plain = ["-m", "ftrun.integrations.hf_resume", *common, "--no_ftrun", "--save_steps", str(case.ckpt_every)]
+    ftrun = [sys.executable, "-m", "ftrun", "--worker_num", str(case.ranks), "--master_port", "0", "--plain",
+             "--tail_worker_log", "0", "--log_dir", str(workdir / "logs"), "--max_restarts", "1"]
+    if launcher == "ftrun":
+        return [*ftrun, *common]
+    if launcher == "ftrun-restart":
+        return [*ftrun, *plain]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(case.ranks), "--max-restarts", "1",
+            "--standalone", "--monitor-interval", "0.1", *plain]
 
 
 def hot_ready(workdir: Path) -> bool:
@@ -333,12 +361,16 @@ def _run_in(launcher: str, case: Case, workdir: Path, timeout: float) -> Run:
     total = time.time() - started
     text = "\n".join(tail)
     final = FINAL.search(text)
-    if proc.returncode != 0 or final is None or (case.kill_step is not None and "time" not in kill):
+    # A plain Trainer's rank may abort at the interpreter's exit after training ended (gloo's threads
+    # torn down: "terminate called without an active exception"); its result is in: kept, the code noted.
+    exit_after_final = case.workload == "hf" and final is not None
+    if (proc.returncode != 0 and not exit_after_final) or final is None or (case.kill_step is not None and "time" not in kill):
         raise RuntimeError(f"{launcher} {case.label()}: exit {proc.returncode}, final line {'found' if final else 'missing'}, "
                            f"kill {'done' if kill else 'not done'}:\n" + "\n".join(tail[-60:]))
     state = STATE_MB.search(text)
     run = Run(launcher, case, total_s=total, step_s=None, state_mb=float(state.group(1)) if state else None,
-              final=final.group(0), peak_rss_mb={k: round(v, 1) for k, v in memory.peaks.items()})
+              final=final.group(0), peak_rss_mb={k: round(v, 1) for k, v in memory.peaks.items()},
+              exit_codes=[proc.returncode])
     if case.kill_step is None:
         run.step_s = steady_step_time(lines)
         return run
@@ -826,6 +858,8 @@ def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
             Case("digits", "-", 4, 60 if q else 150, None),
             Case("charlm", "small", 2, 30 if q else 80, None, args=charlm_small),
         ]
+    if "hf" in args.parts:  # killed mid-run; the plain Trainer checkpoints every 8 steps (resumes from step 16)
+        parts["hf"] = [Case("hf", "tiny", 4, 24 if q else 40, 12 if q else 20, ckpt_every=5 if q else 8)]
     if "overhead-real" in args.parts:
         # pytorch/examples' word language model as ported (issue 20): its own small steps, and larger.
         lines = ("--train-lines", "600" if q else "3000")
@@ -875,7 +909,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             repeats = args.scaling_repeats
         for repeat in range(repeats):
             for case in cases:
-                for launcher in LAUNCHERS:
+                for launcher in PART_LAUNCHERS.get(part, LAUNCHERS):
                     print(f"[{part}] {case.label()} {launcher} repeat {repeat + 1}/{repeats} ...", file=sys.stderr, flush=True)
                     try:
                         run = job(launcher, case)
@@ -963,7 +997,7 @@ def _groups(runs: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, list[
     for r in runs:
         c = r["case"]
         key = (c["workload"], c["size"], c["ranks"], c.get("nodes", 1), c.get("hot", False), c.get("lost_node"))
-        out.setdefault(key, {l: [] for l in LAUNCHERS})[r["launcher"]].append(r)
+        out.setdefault(key, {l: [] for l in LAUNCHERS}).setdefault(r["launcher"], []).append(r)
     return out
 
 
@@ -977,31 +1011,50 @@ def _label(key: tuple[Any, ...]) -> str:
 
 
 def _pair_ratio(group: dict[str, list[dict[str, Any]]], metric: str, num: str, den: str) -> float | None:
-    by_repeat = {l: {r["repeat"]: r[metric] for r in group[l]} for l in LAUNCHERS}
+    by_repeat = {l: {r["repeat"]: r[metric] for r in rows} for l, rows in group.items()}
+    if num not in by_repeat or den not in by_repeat:
+        return None
     ratios = [by_repeat[num][k] / by_repeat[den][k] for k in by_repeat[num]
               if k in by_repeat[den] and by_repeat[num][k] and by_repeat[den][k]]
     return statistics.median(ratios) if ratios else None
 
 
 def fault_table(runs: list[dict[str, Any]]) -> list[str]:
-    """Recovery table: one row per case and launcher, with the pairwise torchrun/ftrun ratio."""
-    out = [f"{'case':<18} {'launcher':<9} {'state_MB':>8} {'failed':>6} {'recover_s':>9} {'spread':>7} "
-           f"{'recomp':>6} {'total_s':>7} {'step_ms':>7} {'tr/ft':>6}"]
+    """Recovery table: one row per case and launcher, with each other launcher's pairwise ratio to
+    ftrun (x/ft: its recovery time over ftrun's)."""
+    out = [f"{'case':<18} {'launcher':<13} {'state_MB':>8} {'failed':>6} {'recover_s':>9} {'spread':>7} "
+           f"{'recomp':>6} {'total_s':>7} {'step_ms':>7} {'x/ft':>6}"]
     for key, group in _groups(runs).items():
-        ratio = _pair_ratio(group, "recover_s", "torchrun", "ftrun")
-        for launcher in LAUNCHERS:
-            rows = group[launcher]
+        for launcher, rows in group.items():
             if not rows:
                 continue
+            ratio = _pair_ratio(group, "recover_s", launcher, "ftrun") if launcher != "ftrun" else None
             step = _med([r["step_s"] for r in rows])
             out.append(
-                f"{_label(key):<18} {launcher:<9} {_fmt(_med([r['state_mb'] for r in rows]), 1):>8} "
+                f"{_label(key):<18} {launcher:<13} {_fmt(_med([r['state_mb'] for r in rows]), 1):>8} "
                 f"{_fmt(_med([r['failed_step'] for r in rows]), 0):>6} {_fmt(_med([r['recover_s'] for r in rows])):>9} "
                 f"{_fmt(_spread([r['recover_s'] for r in rows])):>7} {_fmt(_med([r['recomputed'] for r in rows]), 0):>6} "
                 f"{_fmt(_med([r['total_s'] for r in rows]), 1):>7} {_fmt(step * 1e3 if step else None, 1):>7} "
-                f"{(_fmt(ratio) + 'x') if launcher == 'torchrun' and ratio else '':>6}"
+                f"{(_fmt(ratio) + 'x') if ratio else '':>6}"
             )
     return out
+
+
+def digest_notes(runs: list[dict[str, Any]]) -> list[str]:
+    """Which final parameter digests each launcher's faulted runs ended with (equal digests across
+    launchers: the same parameters, bitwise)."""
+    digests: dict[str, set[str]] = {}
+    for r in runs:
+        match = FINAL.search(r.get("final") or "")
+        digests.setdefault(r["launcher"], set()).add(match.group(3)[:16] if match else "?")
+    everyone = set().union(*digests.values()) if digests else set()
+    notes = [f"final params digests: " + "; ".join(f"{l} {', '.join(sorted(d))}" for l, d in digests.items())
+             + (" (all equal)" if len(everyone) == 1 else " (they differ)")]
+    failed_exits = [(r["launcher"], r["repeat"], r["exit_codes"][0]) for r in runs if r.get("exit_codes") and r["exit_codes"][0]]
+    if failed_exits:
+        notes.append("exit codes other than 0 after the final line (a rank that aborted at its exit): "
+                     + ", ".join(f"{l} repeat {k + 1}: {c}" for l, k, c in failed_exits))
+    return notes
 
 
 BREAKDOWN = ("detection", "respawn", "setup", "rebuild", "transfer", "retried", "other")
@@ -1098,13 +1151,13 @@ def report(results: dict[str, Any]) -> str:
     parts = results["parts"]
     for part in ("recovery", "scaling-world", "scaling-state"):
         if part in parts:
-            lines += ["", f"== {part}: SIGKILL of one rank from outside; recovery time (tr/ft: torchrun/ftrun, pairwise median)"]
+            lines += ["", f"== {part}: SIGKILL of one rank from outside; recovery time (x/ft: torchrun/ftrun, pairwise median)"]
             lines += fault_table(parts[part])
             lines += ["", f"== {part}: where ftrun's recovery time goes (medians, seconds)"]
             lines += breakdown_table(parts[part])
     if "multinode" in parts:
         lines += ["", "== multinode: 2 hosts (network namespaces) x 2 ranks, one launcher per host; SIGKILL of rank 3 "
-                      "from outside; recovery time (tr/ft: torchrun/ftrun, pairwise median)"]
+                      "from outside; recovery time (x/ft: torchrun/ftrun, pairwise median)"]
         lines += fault_table(parts["multinode"])
         lines += ["", "== multinode: where ftrun's recovery time goes (medians, seconds)"]
         lines += breakdown_table(parts["multinode"])
@@ -1121,7 +1174,7 @@ def report(results: dict[str, Any]) -> str:
                       + ("; host0: ftrun's standby coordinator (node 1) takes over and the standby node takes "
                          "index 0, torchrun's whole job starts again at once on hosts 1 and 2 from its checkpoint"
                          if host0 else "")
-                      + "; recovery time (tr/ft: torchrun/ftrun, pairwise median)"]
+                      + "; recovery time (x/ft: torchrun/ftrun, pairwise median)"]
         lines += fault_table(parts["nodeloss"])
         lines += ["", "== nodeloss: where the recovery time goes (medians, seconds)"]
         lines += nodeloss_table(parts["nodeloss"])
@@ -1129,6 +1182,13 @@ def report(results: dict[str, Any]) -> str:
         lines += nodeloss_pid_notes(parts["nodeloss"])
     elif results.get("skipped", {}).get("nodeloss"):
         lines += ["", f"== nodeloss: skipped: {results['skipped']['nodeloss']}"]
+    if "hf" in parts:
+        lines += ["", "== hf: Hugging Face Trainer (examples/hf_trainer.py, a GRU LM, gradient accumulation 2), 4 ranks; "
+                      "SIGKILL of rank 1 from outside. ftrun: with the integration (FTTrainer, rank-level recovery); "
+                      "ftrun-restart and torchrun: the plain Trainer, a whole-job restart resuming from the Trainer's "
+                      "newest checkpoint (ftrun.integrations.hf_resume); recovery time (x/ft: pairwise median ratio)"]
+        lines += fault_table(parts["hf"])
+        lines += digest_notes(parts["hf"])
     if "overhead" in parts:
         lines += ["", "== overhead: fault-free step time, ftrun against plain torchrun DDP (pairwise median)"]
         lines += overhead_table(parts["overhead"])
