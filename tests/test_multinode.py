@@ -464,6 +464,10 @@ def test_standby_nodes_hot_spares_take_a_lost_nodes_ranks(net_hosts, long_refere
             except ProcessLookupError:
                 pass
         dj.wait_for(lambda: any(e["kind"] == "recovery_finished" for e in dj.events(runs[0].log_dir)), timeout=120)
+        # host 1 was the standby coordinator too: another node's agent (the standby node, now
+        # node 1) is asked to stand by, and does
+        supervisor_log = runs[0].log_dir / "supervisor.log"
+        dj.wait_for(lambda: supervisor_log.read_text().count("stands by as the job coordinator") >= 2, timeout=90)
         slow.unlink()
         codes = wait_all([runs[0], standby])
         deadline = time.monotonic() + 30
