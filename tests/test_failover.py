@@ -297,3 +297,17 @@ def test_a_rank_moves_to_the_standby_when_its_coordinator_falls_silent(tmp_path:
         old.close()
         new.close()
         ctx.term()
+
+
+def test_a_standby_whose_index_another_agent_took_at_once_is_replaced(tmp_path: Path) -> None:
+    """Node 1 (the standby) is lost and a standby node takes its index in the same turn: the
+    new node 1 holds no seat, so the coordinator asks it (the lowest index) to stand by instead of
+    sending its state to an agent that cannot take over."""
+    from ftrun.agent import RemoteAgent
+
+    coord, clock, sent = _three_nodes(tmp_path)
+    coord.members.agents[1] = RemoteAgent(node=1, identity=b"agent-1b", send_frame=lambda i, t, f: sent.append((i, t)),
+                                          last_seen=clock())
+    coord.failover.replicate(clock())
+    assert coord.failover.node is None and (b"agent-1b", MsgType.STAND_BY) in sent
+    assert (b"agent-1b", MsgType.STATE) not in sent

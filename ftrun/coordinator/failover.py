@@ -126,6 +126,7 @@ class Replication:
     def __init__(self, job: "Coordinator") -> None:
         self.job = job
         self.node: int | None = None  # the standby's node
+        self.agent: AgentHandle | None = None  # its agent
         self.control = ""  # its control endpoint
         self.store = ""  # its store, host:port
         self._sent: dict[str, Any] | None = None
@@ -139,6 +140,7 @@ class Replication:
         agent (standby nodes included: they move there too)."""
         job = self.job
         self.node, self.control, self.store = node, control, store
+        self.agent = job.members.agents.get(node)  # that agent: a replacement with its index does not stand by
         self._sent, self._asked = None, None
         for r in job.ranks.values():
             self.announce(r)
@@ -151,7 +153,8 @@ class Replication:
         """The standby's node was lost (or none stood by yet): ask another node's agent, the
         lowest index first, to stand by; again after a heartbeat timeout without an answer."""
         job = self.job
-        if self.node is not None and self.node not in job.members.agents:
+        if self.node is not None and job.members.agents.get(self.node) is not self.agent:
+            # lost, even when another agent has its index already (a standby node took it at once)
             log.info("the standby coordinator on node %d was lost; asking another node to stand by", self.node)
             self.node = None
             for agent in [*job.members.agents.values(), *job.members.standby_nodes.values()]:
@@ -197,7 +200,7 @@ class Replication:
         job = self.job
         self.beat_ranks(now)
         agent: AgentHandle | None = job.members.agents.get(self.node) if self.node is not None else None
-        if agent is None or not agent.connected():
+        if agent is None or agent is not self.agent or not agent.connected():
             self.choose(now)
             return
         state = hard_state(job)
