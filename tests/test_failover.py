@@ -133,14 +133,7 @@ def test_the_standby_is_sent_decisions_at_once_and_committed_steps_with_the_beat
 def test_a_lost_standby_is_replaced_by_another_nodes_agent(tmp_path: Path) -> None:
     """The standby's node is lost: the coordinator asks the agent of the lowest other node to
     stand by (``stand_by``), and takes its offer (an ``agent_beat`` with its endpoint and store)."""
-    from ftrun.agent import RemoteAgent
-
-    coord, _agent, clock = make(tmp_path, world=6, local=2)
-    sent: list[tuple[bytes, MsgType]] = []
-    for node in (1, 2):
-        coord.members.agents[node] = RemoteAgent(node=node, identity=f"agent-{node}".encode(),
-                                                 send_frame=lambda i, t, f: sent.append((i, t)), last_seen=clock())
-    coord.failover.on_standby(1, "tcp://10.0.0.2:5555", "10.0.0.2:6666")
+    coord, clock, sent = _three_nodes(tmp_path)
     coord.members.lose(1, "node 1 lost")
     coord.failover.replicate(clock())
     assert coord.failover.node is None and (b"agent-2", MsgType.STAND_BY) in sent

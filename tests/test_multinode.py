@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import digits_job as dj
 import psutil
@@ -340,30 +341,22 @@ def test_hangs_inside_recoveries_across_hosts(net_hosts, reference: str, tmp_pat
     assert not [e for e in events if e["kind"] == "job_restarting"], dj.story(events)
 
 
-def test_node0_lost_the_standby_coordinator_takes_over(net_hosts, long_reference: str, tmp_path: Path) -> None:  # noqa: F811
-    """Issue 24 item 1: every process of host 0 (the coordinator, node 0's store and ranks) is
-    SIGKILLed mid-run. Node 1's agent, the standby, takes the job over at once (host 0's kernel
-    closed its connections); the launcher on host 2 (started last, no index: a standby node, issue
-    24 item 2) moves to the standby coordinator with the other agents, takes node 0's index, and
-    node 0's ranks come back there, in its hot spares, from replicas on node 1. The job ends with the fault-free digest; node 1's ranks keep their processes; nothing is
-    left on host 0."""
-    hosts = net_hosts(3)
+def _lose_host0(hosts: list[NetHost], tmp_path: Path, fault: Any) -> tuple[list[NodeRun], NodeRun, list[int], list[int], Any]:
+    """Hosts 0 and 1 run the job; host 2, started last with no index once both nodes have theirs
+    (an index-less launcher could otherwise take index 1 first), waits as a standby node. Once the
+    job trains, ``fault(runs)`` loses host 0; then the job must end on hosts 1 and 2 and host 0
+    empty. Returns (runs, the standby's run, hosts 1 and 2's exit codes, what is left on host 0,
+    what ``fault`` returned)."""
     runs = start_job(hosts[:2], tmp_path, steps=dj.LONG_STEPS, extra=("--node_wait_timeout", "120"))
     spare = None
     try:
-        # host 2 last, once both nodes have their index (an index-less launcher could otherwise
-        # take index 1 before host 1's launcher marks it)
         dj.wait_for(lambda: any(e["kind"] == "node_joined" for e in dj.events(runs[0].log_dir)), timeout=120)
         spare = start_node(hosts[2], None, hosts[0].addr, 2, tmp_path, steps=dj.LONG_STEPS, tag="2",
                            extra=("--node_wait_timeout", "120", "--cluster_time_out", "200"))
         dj.wait_for(lambda: dj.training(runs[0].log_dir), timeout=180)
         dj.wait_for(lambda: any(e["kind"] == "standby_node_joined" for e in dj.events(runs[0].log_dir)), timeout=120)
-        time.sleep(1.0)  # a beat: the standby has the state of a training job
-        for pid in hosts[0].pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        time.sleep(1.0)  # a beat: the standby has the state of a training job and the electorate
+        result = fault(runs)
         codes = wait_all([runs[1], spare])
         deadline = time.monotonic() + 30
         while hosts[0].pids() and time.monotonic() < deadline:
@@ -373,6 +366,26 @@ def test_node0_lost_the_standby_coordinator_takes_over(net_hosts, long_reference
         for run in [*runs, *([spare] if spare else [])]:
             if run.proc.poll() is None:
                 os.killpg(run.proc.pid, signal.SIGKILL)
+    return runs, spare, codes, left, result
+
+
+def test_node0_lost_the_standby_coordinator_takes_over(net_hosts, long_reference: str, tmp_path: Path) -> None:  # noqa: F811
+    """Issue 24 item 1: every process of host 0 (the coordinator, node 0's store and ranks) is
+    SIGKILLed mid-run. Node 1's agent, the standby, takes the job over at once (host 0's kernel
+    closed its connections); the launcher on host 2 (started last, no index: a standby node, issue
+    24 item 2) moves to the standby coordinator with the other agents, takes node 0's index, and
+    node 0's ranks come back there, in its hot spares, from replicas on node 1. The job ends with
+    the fault-free digest; node 1's ranks keep their processes; nothing is left on host 0."""
+    hosts = net_hosts(3)
+
+    def kill_host0(_runs: list[NodeRun]) -> None:
+        for pid in hosts[0].pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    runs, spare, codes, left, _ = _lose_host0(hosts, tmp_path, kill_host0)
     everything = "\n---\n".join(r.output()[-3000:] for r in [runs[1], spare, runs[0]])
     assert codes == [0, 0], everything
     assert left == [], f"processes left on host 0: {left}"
@@ -398,28 +411,15 @@ def test_node0_partitioned_the_majority_takes_over_and_node0_is_fenced(net_hosts
     replicas on node 1. With the cable back, nothing of node 0 joins again; the job ends with the
     fault-free digest, node 1's ranks keep their processes, nothing is left on host 0."""
     hosts = net_hosts(3)
-    runs = start_job(hosts[:2], tmp_path, steps=dj.LONG_STEPS, extra=("--node_wait_timeout", "120"))
-    spare = None
-    try:
-        dj.wait_for(lambda: any(e["kind"] == "node_joined" for e in dj.events(runs[0].log_dir)), timeout=120)
-        spare = start_node(hosts[2], None, hosts[0].addr, 2, tmp_path, steps=dj.LONG_STEPS, tag="2",
-                           extra=("--node_wait_timeout", "120", "--cluster_time_out", "200"))
-        dj.wait_for(lambda: dj.training(runs[0].log_dir), timeout=180)
-        dj.wait_for(lambda: any(e["kind"] == "standby_node_joined" for e in dj.events(runs[0].log_dir)), timeout=120)
-        time.sleep(1.0)  # a beat: the standby has the state of a training job and the electorate
+
+    def cut_host0(runs: list[NodeRun]) -> list[int]:
         hosts[0].set_link(False)
         code0 = wait_all([runs[0]], timeout=120)
         dj.wait_for(lambda: any(e["kind"] == "coordinator_takeover" for e in dj.events(runs[1].log_dir)), timeout=60)
         hosts[0].set_link(True)
-        codes = wait_all([runs[1], spare])
-        deadline = time.monotonic() + 30
-        while hosts[0].pids() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left = hosts[0].pids()
-    finally:
-        for run in [*runs, *([spare] if spare else [])]:
-            if run.proc.poll() is None:
-                os.killpg(run.proc.pid, signal.SIGKILL)
+        return code0
+
+    runs, spare, codes, left, code0 = _lose_host0(hosts, tmp_path, cut_host0)
     everything = "\n---\n".join(r.output()[-3000:] for r in [runs[1], spare, runs[0]])
     assert code0 == [1] and "stepped down as the job coordinator" in runs[0].output(), everything
     assert codes == [0, 0], everything
