@@ -232,10 +232,26 @@ def soak_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
 SERIAL_GROUPS = {"test_slurm.py": "slurm"}
 
 
+#: Files whose tests take longest (each 30 to 115 s, multi-host and Slurm jobs), run first: pytest-xdist
+#: hands tests out in collection order, so the suite's end is made of short tests that fill both
+#: workers rather than one long job that keeps one worker busy while the other idles.
+LONG_FIRST = ("test_slurm.py", "test_soak.py", "test_multinode.py", "test_hot_spares.py", "test_ttp.py")
+
+
+def _order(item: pytest.Item) -> tuple[int, int]:
+    name = item.path.name
+    if name in LONG_FIRST:
+        return 0, LONG_FIRST.index(name)
+    return (1 if item.get_closest_marker("integration") is not None else 2), 0
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Multi-process tests get one rerun (see :data:`RERUNS`): they run real ranks on a busy 2-core
     machine, where a rare interleaving the suite has not met before must not sink the whole run
-    unseen; a test that fails twice fails. Tests of :data:`SERIAL_GROUPS` share an xdist group."""
+    unseen; a test that fails twice fails. Tests of :data:`SERIAL_GROUPS` share an xdist group.
+    The longest files go first (:data:`LONG_FIRST`), then the other multi-process tests, then the
+    process-free ones (a stable sort: each file keeps its order)."""
+    items.sort(key=_order)
     for item in items:
         group = SERIAL_GROUPS.get(item.path.name)
         if group is not None:
