@@ -344,6 +344,7 @@ class FTStrategy(DDPStrategy):
         val_loop = trainer.fit_loop.epoch_loop.val_loop
         self._capture_callbacks(mid_eval=True)
         progress = copy.deepcopy(val_loop.batch_progress.state_dict())
+        modes = [(module, module.training) for module in self.lightning_module.modules()]
         self._restore_joined_rng()  # a respawned rank joining its replicas' validation
         # The validation's start is the state a fault in it rolls back to, and this rank's record.
         ft.checks.snapshot_step_start()
@@ -360,7 +361,13 @@ class FTStrategy(DDPStrategy):
                 ft.record_failure(failure)  # outside the except block: its traceback holds the group
                 assert self._steps is not None
                 self._step, self._begun = next(self._steps), True
+                # What the failed run left: its progress, its logged metrics (reset at a validation's
+                # end only), the modules in eval mode (a run puts back the mode it found), the
+                # callbacks' states (ModelCheckpoint may have taken the score in).
                 val_loop.batch_progress.load_state_dict(copy.deepcopy(progress))
+                val_loop._results.reset()
+                for module, training in modes:
+                    module.training = training
                 call._call_callbacks_load_state_dict(trainer, {"callbacks": copy.deepcopy(self._callbacks)})
                 trainer.validating = True
         self._mid_eval = False
@@ -430,3 +437,4 @@ def _load_results_state(trainer: Any, state: dict[str, dict[str, Any]]) -> None:
         if key in results:
             results[key].__dict__.clear()
             results[key].__dict__.update(attributes)
+
