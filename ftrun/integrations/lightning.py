@@ -122,7 +122,7 @@ class _StepEnd(Callback):
         trainer.fit_loop.epoch_loop.val_loop.setup_data()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.strategy._step_ended()
+        self.strategy.step_ended()
 
 
 class FTStrategy(DDPStrategy):
@@ -253,7 +253,7 @@ class FTStrategy(DDPStrategy):
         """Keep a donor's :meth:`replica_state` (a respawned rank applies it in ``setup``)."""
         self._received = dict(state)
 
-    def _step_ended(self) -> None:
+    def step_ended(self) -> None:
         """At the end of a step's last micro-batch: the fit loop's state as Lightning checkpoints it."""
         if self._ft is None or not self._stepped:
             return
