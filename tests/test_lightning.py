@@ -50,6 +50,13 @@ def _final(stdout: str) -> tuple[str, ...]:
     return (*match.groups(), *validations)
 
 
+def _first_errors(stderr: str) -> str:
+    """The first lines of ``stderr`` that say what went wrong (torchrun's summary, at its end, names
+    only the signal)."""
+    lines = [line for line in stderr.splitlines() if re.search(r"Error|terminate|Traceback|abort", line)]
+    return "\n".join(lines[:20]) + "\n"
+
+
 def _events(log_dir: Path) -> list[dict]:
     path = log_dir / "events.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -69,7 +76,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ...]:
     proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT),
                            "--output_dir", str(cwd / "out"), "--no_ftrun", *ARGS],
                           env=_env(), capture_output=True, text=True, timeout=280, cwd=cwd)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + _first_errors(proc.stderr) + proc.stderr[-3000:]
     final = _final(proc.stdout)
     assert final[0] == "12" and len(final) == 6 + 3, final  # 12 steps, validations after steps 4, 8 and 12
     return final

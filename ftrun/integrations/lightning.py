@@ -76,10 +76,10 @@ from ftrun.worker import Worker, current
 #: How long a rank whose collective raised waits for the coordinator's abort before it takes the
 #: error for a bug of its own (seconds), as in :mod:`ftrun.integrations.hf`.
 ABORT_WAIT_S = 5.0
-#: The fit loop's state-dict keys of the validation loop's batch progress (Lightning 2.6).
+#: The fit loop's state-dict key of the validation loop's batch progress (Lightning 2.6).
 VAL_PROGRESS = "epoch_loop.val_loop.batch_progress"
-#: The fit loop's state-dict key of the count of optimizer steps loggers see (Lightning 2.6).
-EPOCH_LOOP_STATE = "epoch_loop.state_dict"
+#: The fit loop's state-dict key of the training epoch loop's batch progress (Lightning 2.6).
+TRAIN_PROGRESS = "epoch_loop.batch_progress"
 
 
 class Stateful:
@@ -163,6 +163,7 @@ class FTStrategy(DDPStrategy):
         self._loops: dict[str, Any] | None = None
         self._callbacks: dict[str, Any] | None = None
         self._mid_eval = False
+        self._validated = False  # a validation ended since the last step began
         self._received: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ set-up
@@ -280,7 +281,13 @@ class FTStrategy(DDPStrategy):
             self._restore_joined_rng()
             ft.checks.snapshot_step_start()  # the state here, not where the recovery left it
         else:
+            if self._validated:
+                # A recovery at this step's start rolls the state back to the newest snapshot of
+                # the committed step: here, not the validation's end (the epoch's end, a new
+                # epoch's data loader iterator drew from the streams since).
+                ft.checks.snapshot_step_start()
             self._step = next(self._steps)
+        self._validated = False
         if self._step != self._trainer.global_step:
             raise RuntimeError(f"ftrun.integrations.lightning: ftrun's step {self._step} is not Lightning's "
                                f"global_step {self._trainer.global_step}")
@@ -371,6 +378,10 @@ class FTStrategy(DDPStrategy):
                 call._call_callbacks_load_state_dict(trainer, {"callbacks": copy.deepcopy(self._callbacks)})
                 trainer.validating = True
         self._mid_eval = False
+        # And its end: a rank replaced after it is replaced by one whose streams made its draws;
+        # a recovery at the next step's start rolls back no further than here (see _begin_step).
+        ft.checks.snapshot_step_start()
+        self._validated = True
         return result
 
     # ------------------------------------------------------------------ the end
@@ -408,18 +419,20 @@ def _flat(loaders: Any) -> list[Any]:
 
 
 def _mid_evaluation(loops: dict[str, Any]) -> dict[str, Any]:
-    """The fit loop's state after a step (``loops``) made into the state Lightning checkpoints
-    during that step's validation, before its first batch: the validation's batch progress says
-    one batch started and none processed (Lightning's ``restarted_mid_evaluation``: a restart runs
-    the validation from its first batch), and the loggers' step count is one behind (the restart
-    counts that step again when the validation ends)."""
+    """The fit loop's state after a step (``loops``, as saved at the end of its last micro-batch)
+    made into the state Lightning would checkpoint at the start of that step's validation, before
+    its first batch: the training batch completed (Lightning's ``restarted_on_last``, so a restart
+    at an epoch's last batch ends that epoch after the validation instead of skipping its end), and
+    the validation's batch progress saying one batch started and none processed
+    (``restarted_mid_evaluation``: a restart runs the validation from its first batch)."""
     loops = copy.deepcopy(loops)
     fit = loops["fit_loop"]
-    val = fit[VAL_PROGRESS]
     for counter in ("total", "current"):
-        done = val[counter]["completed"] if counter == "total" else 0
-        val[counter].update(ready=done + 1, started=done + 1, processed=done, completed=done)
-    fit[EPOCH_LOOP_STATE]["_batches_that_stepped"] -= 1
+        train = fit[TRAIN_PROGRESS][counter]
+        train["completed"] = train["processed"]
+        val = fit[VAL_PROGRESS][counter]
+        done = val["completed"] if counter == "total" else 0
+        val.update(ready=done + 1, started=done + 1, processed=done, completed=done)
     return loops
 
 
@@ -437,4 +450,5 @@ def _load_results_state(trainer: Any, state: dict[str, dict[str, Any]]) -> None:
         if key in results:
             results[key].__dict__.clear()
             results[key].__dict__.update(attributes)
+
 
