@@ -6,7 +6,7 @@ mid-epoch, at an epoch boundary and during a validation; the survivors keep thei
 
 The job: a small classifier on synthetic points, 12 micro-batches an epoch per rank (192 samples,
 4 ranks, micro-batches of 4), gradient accumulation 2 (6 steps an epoch), 2 epochs, validation
-every 8 micro-batches (after steps 4, 8 and 12), AdamW with a per-step schedule, clipping at 1.0,
+every 4 micro-batches (after steps 2, 4, 6, 8, 10 and 12: mid-epoch and at each epoch's end), AdamW with a per-step schedule, clipping at 1.0,
 ``ModelCheckpoint`` keeping the two best. One torchrun run is the reference of every test
 (module-scoped); one recovery runs in CI, the rest are ``slow``.
 """
@@ -28,7 +28,7 @@ pytest.importorskip("lightning", reason="the lightning extra (pip install 'ftrun
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "lightning_trainer.py"
 FINAL = re.compile(r"final step=(\d+) epoch=(\d+) val_loss=(\S+) best=(\S+) best_path=(\S+) params_sha256=([0-9a-f]{64})")
-ARGS = ["--max_epochs", "2", "--train_size", "192", "--val_every", "8", "--accum", "2"]
+ARGS = ["--max_epochs", "2", "--train_size", "192", "--val_every", "4", "--accum", "2"]
 WORLD = 4
 
 pytestmark = [pytest.mark.integration, pytest.mark.frameworks, pytest.mark.xdist_group("lightning")]
@@ -78,7 +78,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ...]:
                           env=_env(), capture_output=True, text=True, timeout=280, cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + _first_errors(proc.stderr) + proc.stderr[-3000:]
     final = _final(proc.stdout)
-    assert final[0] == "12" and len(final) == 6 + 3, final  # 12 steps, validations after steps 4, 8 and 12
+    assert final[0] == "12" and len(final) == 6 + 6, final  # 12 steps, a validation every 2
     return final
 
 
@@ -128,19 +128,23 @@ def test_lightning_fault_free_matches_torchrun(tmp_path: Path, reference: tuple[
 
 @pytest.mark.slow
 def test_lightning_sigkill_at_epoch_boundary(tmp_path: Path, reference: tuple[str, ...]) -> None:
-    """Rank 1 SIGKILLed while rank 0 pauses at the end of epoch 0 (step 6): the others are in epoch
-    1's first step; the new rank starts epoch 1 (no batch to drop) with its predecessor's streams."""
+    """Rank 1 SIGKILLed while rank 0 pauses at the end of epoch 0 (step 6, after its validation):
+    the others are in epoch 1's first step; the new rank starts epoch 1 (no batch to drop) with its
+    predecessor's streams, and rank 0, which finds the abort at that step's start, rolls back no
+    further than there."""
     final, events = _kill_when(tmp_path, "pause epoch_end step=6", rank=1, args=[*ARGS, "--pause_on", "epoch_end:6"])
     assert final == reference
     _assert_recovered_in_place(events, faulted=1)
 
 
 @pytest.mark.slow
-def test_lightning_sigkill_during_validation(tmp_path: Path, reference: tuple[str, ...]) -> None:
-    """Rank 3 SIGKILLed during the validation after step 4 (rank 0 pauses in its first validation
-    batch; the others wait in the validation's metric all-reduce): the survivors roll the
-    validation back to its start and run it again with the new rank, which restarts in it
-    (Lightning's ``restarted_mid_evaluation``) before its first step."""
-    final, events = _kill_when(tmp_path, "pause eval step=4", rank=3, args=[*ARGS, "--pause_on", "eval:4"])
+@pytest.mark.parametrize("step", [4, 6])
+def test_lightning_sigkill_during_validation(tmp_path: Path, reference: tuple[str, ...], step: int) -> None:
+    """Rank 3 SIGKILLed during the validation after step 4 (mid-epoch) or step 6 (an epoch's last
+    batch): rank 0 pauses in its first validation batch, the others wait in the validation's
+    metric all-reduce. The survivors roll the validation back to its start and run it again with
+    the new rank, which restarts in it (Lightning's ``restarted_mid_evaluation``) before its first
+    step, in the epoch it belongs to (at step 6 it then runs epoch 0's end)."""
+    final, events = _kill_when(tmp_path, f"pause eval step={step}", rank=3, args=[*ARGS, "--pause_on", f"eval:{step}"])
     assert final == reference
     _assert_recovered_in_place(events, faulted=3)
