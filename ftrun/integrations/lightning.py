@@ -151,6 +151,7 @@ class FTStrategy(DDPStrategy):
         self._ft = ft
         self._trainer: Any = None
         self._steps: Iterator[int] | None = None
+        self._total = 0  # the fit's optimizer steps (Lightning's estimate)
         self._step: int | None = None  # the step begun and not yet ended
         self._open = False  # a step is begun and its update not applied yet
         self._stepped = False  # the update of this micro-batch's step was applied
@@ -195,7 +196,7 @@ class FTStrategy(DDPStrategy):
         if total == float("inf"):
             raise RuntimeError("ftrun.integrations.lightning: the number of steps must be known (max_steps or a sized "
                                "training DataLoader)")
-        self._steps = ft.steps(int(total), start=0)
+        self._total = int(total)
         if ft.joining:
             self._join(trainer)
 
@@ -212,6 +213,11 @@ class FTStrategy(DDPStrategy):
             run_start(data_fetcher)
             if self._skip_batches:
                 self._skip_batches = False
+                if any(hasattr(dl, "state_dict") for dl in data_fetcher.combined_loader.flattened):
+                    # Lightning restores a stateful loader's position itself, from the donor's
+                    # state: another rank's. (A plain DataLoader's is the epoch's batch count.)
+                    raise RuntimeError("ftrun.integrations.lightning: a stateful training loader is not supported "
+                                       "(README, Lightning)")
                 for _ in range(epoch_loop.batch_progress.current.ready):
                     next(data_fetcher.iterator)
 
@@ -221,19 +227,16 @@ class FTStrategy(DDPStrategy):
     def _join(self, trainer: Any) -> None:
         """A respawned rank: recover now (model, optimizer, schedulers and the loop's state from a
         replica), and hand Lightning a checkpoint of that state to restore as a resume would."""
-        assert self._ft is not None and self._steps is not None
-        self._step = next(self._steps)
+        self._step = next(self._step_loop())
         self._begun = True
         self._joined_rng = RNGState().state_dict()  # its predecessor's, where the step began
         trainer.num_sanity_val_steps = 0
         received, self._received = self._received, None
         if received is None or received.get("loops") is None:
             return  # its replicas were in their first step: the fit starts from the beginning
-        if any(hasattr(dl, "state_dict") for dl in _flat(trainer.train_dataloader)):
-            raise RuntimeError("ftrun.integrations.lightning: a stateful training loader is not supported")
         self._callbacks = received["callbacks"]
-        checkpoint = {
-            "epoch": 0, "global_step": self._step, "pytorch-lightning_version": LIGHTNING_VERSION,
+        checkpoint = {  # what Lightning's dump_checkpoint writes, the weights being already in place
+            "epoch": received["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"], "global_step": self._step, "pytorch-lightning_version": LIGHTNING_VERSION,
             "state_dict": self.lightning_module.state_dict(),
             "optimizer_states": [opt.state_dict() for opt in self.optimizers],
             "lr_schedulers": [config.scheduler.state_dict() for config in self.lr_scheduler_configs],
@@ -271,9 +274,17 @@ class FTStrategy(DDPStrategy):
         if self._ft is not None and not self._open:
             self._begin_step()
 
+    def _step_loop(self) -> Iterator[int]:
+        """ftrun's step loop (``ft.steps``) over the fit's optimizer steps, from Lightning's
+        ``global_step`` (created at the first step: a resume has restored it by then)."""
+        assert self._ft is not None
+        if self._steps is None:
+            self._steps = self._ft.steps(self._total, start=self._trainer.global_step)
+        return self._steps
+
     def _begin_step(self) -> None:
         ft = self._ft
-        assert ft is not None and self._steps is not None
+        assert ft is not None
         self._local = False
         self._capture_callbacks(mid_eval=False)
         if self._begun:
@@ -286,7 +297,7 @@ class FTStrategy(DDPStrategy):
                 # the committed step: here, not the validation's end (the epoch's end, a new
                 # epoch's data loader iterator drew from the streams since).
                 ft.checks.snapshot_step_start()
-            self._step = next(self._steps)
+            self._step = next(self._step_loop())
         self._validated = False
         if self._step != self._trainer.global_step:
             raise RuntimeError(f"ftrun.integrations.lightning: ftrun's step {self._step} is not Lightning's "
@@ -322,8 +333,8 @@ class FTStrategy(DDPStrategy):
                results: dict[str, Any]) -> None:
         """The step's collectives failed: recover (ftrun's step loop rolls this rank's state back to
         the step's start), then put back what the closure started from."""
-        assert self._ft is not None and self._steps is not None
-        step = next(self._steps)
+        assert self._ft is not None
+        step = next(self._step_loop())
         if step != self._step:
             # Its replicas committed the step (this rank alone failed its update: a recoverable
             # error repaired in place): Lightning would run the step's scheduler and callbacks a
@@ -366,8 +377,7 @@ class FTStrategy(DDPStrategy):
                         raise
                     failure = f"a collective of Lightning's validation failed: {describe(err)}"
                 ft.record_failure(failure)  # outside the except block: its traceback holds the group
-                assert self._steps is not None
-                self._step, self._begun = next(self._steps), True
+                self._step, self._begun = next(self._step_loop()), True
                 # What the failed run left: its progress, its logged metrics (reset at a validation's
                 # end only), the modules in eval mode (a run puts back the mode it found), the
                 # callbacks' states (ModelCheckpoint may have taken the score in).
@@ -406,16 +416,6 @@ class FTStrategy(DDPStrategy):
         if self._ft is not None and self._local:
             return tensor
         return super().reduce(tensor, group, reduce_op)
-
-
-def _flat(loaders: Any) -> list[Any]:
-    if loaders is None:
-        return []
-    if isinstance(loaders, (list, tuple)):
-        return [dl for item in loaders for dl in _flat(item)]
-    if isinstance(loaders, dict):
-        return [dl for item in loaders.values() for dl in _flat(item)]
-    return [loaders]
 
 
 def _mid_evaluation(loops: dict[str, Any]) -> dict[str, Any]:
