@@ -11,9 +11,9 @@ fi
 # torch first, pinned, so that nothing later resolves "torch" to a CUDA build.
 .venv/bin/python -m pip install -q -c scripts/constraints.txt torch numpy
 .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[test]"
-# The framework integrations' tests (tests/test_hf.py, tests/test_lightning.py, marker frameworks): transformers,
-# accelerate and lightning,
-# with the pinned torch kept (the constraints stop pip from pulling another).
+# The framework integrations' tests (tests/test_hf.py, tests/test_lightning.py, marker frameworks):
+# transformers, accelerate and lightning, with the pinned torch kept (the constraints stop pip from
+# pulling another).
 .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[hf,lightning]"
 # Data loading: torchdata's StatefulDataLoader (test extra; ft.batches takes it).
 .venv/bin/python -c "import torchdata.stateful_dataloader" \
