@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import os
 import time
@@ -59,6 +60,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
 from ftrun.contract import RankEnv
@@ -91,37 +93,65 @@ def _is_fault(ft: Worker, err: BaseException) -> bool:
 
 class LoaderState:
     """A prepared ``DataLoader``'s state outside its iterator (kind ``replica``: the same on every
-    rank): its pass counter (``iteration``, what ``set_epoch`` gets at each ``iter()``) and the
-    state of the sampler generator accelerate keeps synchronised across ranks."""
+    rank): its pass counter (``iteration``, what ``set_epoch`` gets at each ``iter()``), the state of
+    the sampler generator accelerate keeps synchronised across ranks, and that generator's state
+    where the current pass drew its order (so a pass's iterator can be rebuilt mid-pass)."""
 
     def __init__(self, loader: Any) -> None:
         self.loader = loader
+        gen = loader.synchronized_generator
+        self.generator = gen if isinstance(gen, torch.Generator) else None
+        self.pass_start: tuple[int, torch.Tensor] | None = None  # (iteration, generator state) of the pass's draw
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"iteration": int(self.loader.iteration)}
-        gen = self.loader.synchronized_generator
-        if isinstance(gen, torch.Generator):
-            state["generator"] = gen.get_state()
+        if self.generator is not None:
+            state["generator"] = self.generator.get_state()
+        if self.pass_start is not None:
+            state["pass_iteration"], state["pass_generator"] = self.pass_start[0], self.pass_start[1].clone()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.iteration = int(state["iteration"])
-        gen = self.loader.synchronized_generator
-        if isinstance(gen, torch.Generator) and "generator" in state:
-            gen.set_state(state["generator"])
+        if self.generator is not None and "generator" in state:
+            self.generator.set_state(state["generator"])
+        self.pass_start = (int(state["pass_iteration"]), state["pass_generator"].clone()) if "pass_generator" in state else None
+
+    def iterate(self) -> Iterator[Any]:
+        """``iter(loader)``: at a pass's start, keeps the generator's state its order is drawn from;
+        the same pass iterated again (a respawned rank, a rolled-back step) draws the same order
+        from that state, and the generator is put back where it was."""
+        gen, iteration = self.generator, int(self.loader.iteration)
+        it = iter(self.loader)
+        if gen is None:
+            return it
+        again = self.pass_start is not None and self.pass_start[0] == iteration
+        current = gen.get_state()
+        if again:
+            gen.set_state(self.pass_start[1])
+        else:
+            self.pass_start = (iteration, current.clone())
+        try:
+            first = next(it)  # the sampler draws its order here (the loader reads one batch ahead)
+        except StopIteration:
+            return iter(())
+        finally:
+            if again:
+                gen.set_state(current)
+        return itertools.chain([first], it)
 
 
 class OptimizerSteps:
     """A prepared training loader seen as optimizer steps: each item is the list of micro-batches
     of one step, grouped as ``Accelerator.accumulate`` groups them (``accum`` from the pass's start;
-    the pass's last micro-batch closes its group). ``generator`` is the generator ``iter()`` draws
-    the pass's order from (:class:`ftrun.data.LoaderCursor` keeps its state at the pass's start)."""
+    the pass's last micro-batch closes its group). The seed ``iter()`` draws from torch's global
+    generator is :class:`ftrun.data.LoaderCursor`'s to replay; the sampler generator's draw is
+    :class:`LoaderState`'s."""
 
-    def __init__(self, loader: Any, accum: int) -> None:
+    def __init__(self, loader: Any, state: LoaderState, accum: int) -> None:
         self.loader = loader
+        self.state = state
         self.accum = accum
-        gen = loader.synchronized_generator
-        self.generator = gen if isinstance(gen, torch.Generator) else None
         self.live: Iterator[list[Any]] | None = None
 
     def __len__(self) -> int:
@@ -133,7 +163,7 @@ class OptimizerSteps:
 
     def _groups(self) -> Iterator[list[Any]]:
         group: list[Any] = []
-        for batch in self.loader:
+        for batch in self.state.iterate():
             group.append(batch)
             if len(group) == self.accum or self.loader.end_of_dataloader:
                 yield group
@@ -151,6 +181,27 @@ class OptimizerSteps:
             return
         for _ in live:
             pass
+
+
+class FTAcceleratedOptimizer(AcceleratedOptimizer):
+    """accelerate's ``AcceleratedOptimizer`` around an :class:`ftrun.optim.FTOptimizer` whose
+    ``step_was_skipped`` is also True when the step's update was not applied (its collectives
+    failed): accelerate's prepared scheduler then does not step (it would set the learning rates
+    of the next step before the retried step's update). :meth:`FTAccelerator.prepare_optimizer`
+    makes the ``AcceleratedOptimizer`` accelerate built one."""
+
+    ft_worker: Worker
+    ft_skipped: bool
+
+    def step(self, closure: Any = None) -> Any:
+        committed = self.ft_worker.committed
+        result = super().step(closure)
+        self.ft_skipped = bool(self.gradient_state.sync_gradients) and self.ft_worker.committed == committed
+        return result
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return bool(self._is_overflow) or self.ft_skipped
 
 
 class _Marker:
@@ -197,6 +248,9 @@ class FTAccelerator(Accelerator):
             raise ValueError(f"ftrun.integrations.accelerate: {self.distributed_type} is not supported (plain DDP only)")
         if not self.gradient_state.sync_with_dataloader:
             raise ValueError("ftrun.integrations.accelerate: sync_with_dataloader=False is not supported")
+        if not self.step_scheduler_with_optimizer:
+            raise ValueError("ftrun.integrations.accelerate: step_scheduler_with_optimizer=False is not supported "
+                             "(a scheduler stepped after a failed update would count twice)")
         if list(self.rng_types) not in ([], ["generator"]):
             raise ValueError(f"ftrun.integrations.accelerate: rng_types={self.rng_types} is not supported "
                              "(torch's own streams are each rank's state under ftrun)")
@@ -204,6 +258,7 @@ class FTAccelerator(Accelerator):
         self._ft_marker = _Marker()
         ft.register("accelerate", self._ft_marker, kind="replica")
         self._ft_loaders = 0
+        self._ft_loader_states: dict[int, LoaderState] = {}
         self._ft_pass: Iterator[tuple[Any, list[Any]]] | None = None
         self._ft_ahead: Any = None  # the next step, already begun by a recovery inside recoverable work
         self._ft_step: int | None = None  # the step whose micro-batches are being given
@@ -229,7 +284,11 @@ class FTAccelerator(Accelerator):
         if self.scaler is not None:
             raise ValueError("ftrun.integrations.accelerate: fp16 with a GradScaler is not supported (bf16 is)")
         name = "optimizer" if "optimizer" not in ft.registry else f"optimizer_{len(self._optimizers)}"
-        return super().prepare_optimizer(ft.wrap_optimizer(optimizer, name=name), device_placement=device_placement)
+        prepared = super().prepare_optimizer(ft.wrap_optimizer(optimizer, name=name), device_placement=device_placement)
+        if type(prepared) is AcceleratedOptimizer:
+            prepared.__class__ = FTAcceleratedOptimizer
+            prepared.ft_worker, prepared.ft_skipped = ft, False
+        return prepared
 
     def prepare_scheduler(self, scheduler: Any) -> Any:
         ft = self._ft
@@ -256,7 +315,9 @@ class FTAccelerator(Accelerator):
             torch.distributed.broadcast(state, src=0)
             gen.set_state(state)
         prepared.rng_types = None
-        ft.register(f"accelerate_loader_{self._ft_loaders}", LoaderState(prepared), kind="replica")
+        state = LoaderState(prepared)
+        self._ft_loader_states[id(prepared)] = state
+        ft.register(f"accelerate_loader_{self._ft_loaders}", state, kind="replica")
         self._ft_loaders += 1
         return prepared
 
@@ -276,7 +337,10 @@ class FTAccelerator(Accelerator):
     def _ft_batches(self, loader: Any) -> Iterator[Any]:
         ft = self._ft
         assert ft is not None
-        steps = OptimizerSteps(loader, self.gradient_accumulation_steps)
+        state = self._ft_loader_states.get(id(loader))
+        if state is None:
+            raise ValueError("ftrun.integrations.accelerate: train_batches takes a DataLoader returned by prepare()")
+        steps = OptimizerSteps(loader, state, self.gradient_accumulation_steps)
         self._ft_pass = iter(ft.batches(steps, name=PASS_NAME))
         try:
             item = self._next_step()
