@@ -102,6 +102,7 @@ class LoaderState:
         gen = loader.synchronized_generator
         self.generator = gen if isinstance(gen, torch.Generator) else None
         self.pass_start: tuple[int, torch.Tensor] | None = None  # (iteration, generator state) of the pass's draw
+        self.drawn: tuple[int, torch.Tensor, torch.Tensor] | None = None  # this process's last draw: (iteration, before, after)
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"iteration": int(self.loader.iteration)}
@@ -116,6 +117,15 @@ class LoaderState:
         if self.generator is not None and "generator" in state:
             self.generator.set_state(state["generator"])
         self.pass_start = (int(state["pass_iteration"]), state["pass_generator"].clone()) if "pass_generator" in state else None
+        drawn, iteration = self.drawn, self.loader.iteration
+        if (self.generator is not None and drawn is not None and drawn[0] == iteration
+                and (self.pass_start is None or self.pass_start[0] != iteration)
+                and torch.equal(self.generator.get_state(), drawn[1])):
+            # A state from before this pass's draw (a step-start snapshot of the pass's first step)
+            # while this process's iterator has drawn it (a retried first step gets its batches
+            # from ftrun's cache, with no new draw): the generator is where that draw left it.
+            self.generator.set_state(drawn[2])
+            self.pass_start = (iteration, drawn[1].clone())
 
     def iterate(self) -> Iterator[Any]:
         """``iter(loader)``: at a pass's start, keeps the generator's state its order is drawn from;
@@ -138,6 +148,8 @@ class LoaderState:
         finally:
             if again:
                 gen.set_state(current)
+        if not again:
+            self.drawn = (iteration, current.clone(), gen.get_state())
         return itertools.chain([first], it)
 
 
