@@ -186,7 +186,7 @@ def main_ftrun(args) -> None:
                 scheduler.step()
                 optimizer.zero_grad()
             if accelerator.sync_gradients:
-                completed_steps = ft.committed + 1  # ftrun: was += 1 (a respawned rank knows ftrun's count)
+                completed_steps = accelerator.completed_steps  # ftrun: was += 1 (a respawned rank knows the count)
                 if accelerator.is_main_process and completed_steps % args.log_every == 0:
                     print(f"epoch {epoch} step {completed_steps} loss {loss.item():.6f}", flush=True)
                 pause.at("step_end", completed_steps)

@@ -246,6 +246,7 @@ class FTAccelerator(Accelerator):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._ft: Worker | None = None
+        self._ft_completed = 0  # optimizer steps counted by accumulate (not under ftrun)
         super().__init__(*args, **kwargs)
         env = RankEnv.from_environ(os.environ)
         if env.control_addr is None or not env.arf:
@@ -399,6 +400,8 @@ class FTAccelerator(Accelerator):
         if ft is None or self._ft_pass is None:
             with super().accumulate(*models):
                 yield
+            if self.sync_gradients:
+                self._ft_completed += 1
             return
         sync = self._ft_sync
         self.gradient_state._set_sync_gradients(sync)
@@ -412,6 +415,13 @@ class FTAccelerator(Accelerator):
             # The update failed (a peer died): the step is retried with its micro-batches; the
             # loop's post-step work (under ``if accelerator.sync_gradients:``) waits for it.
             self.gradient_state._set_sync_gradients(False)
+
+    @property
+    def completed_steps(self) -> int:
+        """The optimizer steps completed so far: under ftrun, its committed step + 1 (a respawned
+        rank takes it from its replicas); else the ``accumulate`` blocks that ended with
+        ``sync_gradients``."""
+        return self._ft.committed + 1 if self._ft is not None else self._ft_completed
 
     # ------------------------------------------------------------------ work after a step
     def recoverable(self, fn: Callable[..., Any], name: str = "eval") -> Callable[..., Any]:
