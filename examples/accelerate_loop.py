@@ -149,7 +149,6 @@ def main(args) -> None:
     if accelerator.is_main_process:
         print(f"final step={completed_steps} loss={loss:.6f} test_accuracy={accuracy:.6f} "
               f"params_sha256={params_digest(accelerator.unwrap_model(model))}", flush=True)
-    accelerator.end_training()
 
 
 def main_ftrun(args) -> None:
@@ -197,7 +196,6 @@ def main_ftrun(args) -> None:
     if accelerator.is_main_process:
         print(f"final step={completed_steps} loss={loss:.6f} test_accuracy={accuracy:.6f} "
               f"params_sha256={params_digest(accelerator.unwrap_model(model))}", flush=True)
-    accelerator.end_training()
     ft.finish()  # ftrun
 
 

@@ -48,6 +48,19 @@ def _ftrun_cmd(tmp_path: Path, args: list[str]) -> list[str]:
             "--step_timeout", "120", str(SCRIPT), "--ftrun", *args]
 
 
+#: What a rank's gloo teardown at interpreter exit prints when it aborts (SIGABRT), after the
+#: loop's last collective and rank 0's final line (seen about once in seven torchrun runs of the
+#: loop as written, on this 2-core machine under load).
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _assert_torchrun_ok(proc: subprocess.CompletedProcess) -> None:
+    """torchrun succeeded, or only a rank's exit aborted after the final line (:data:`TEARDOWN_ABORT`)."""
+    teardown = FINAL.search(proc.stdout) and TEARDOWN_ABORT in proc.stderr and "Traceback" not in proc.stderr.split(
+        TEARDOWN_ABORT)[0]
+    assert proc.returncode == 0 or teardown, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, str]:
     """The loop as written (``main``: accelerate's own DDP and DataLoader) under torchrun, 4 ranks."""
@@ -55,7 +68,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, str]:
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT), *ARGS],
                           env=_env(), capture_output=True, text=True, timeout=280, cwd=cwd)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _assert_torchrun_ok(proc)
     return _final(proc.stdout)
 
 
@@ -105,7 +118,7 @@ def test_port_under_torchrun_is_the_loop(tmp_path: Path, reference: tuple[int, s
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT), "--ftrun", *ARGS],
                           env=_env(), capture_output=True, text=True, timeout=280, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _assert_torchrun_ok(proc)
     assert _final(proc.stdout) == reference
 
 
@@ -128,3 +141,21 @@ def test_accelerate_loop_sigkill_during_evaluation(tmp_path: Path, reference: tu
     final, events = _kill_when(tmp_path, "pause eval step=5", rank=3, args=[*ARGS, "--pause_on", "eval:5"])
     assert final == reference
     _assert_recovered_in_place(events, faulted=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", [
+    "rank=0,step=3,point=between_steps,kind=kill",   # rank 0 (the main process, the donor of choice) after step 3
+    "rank=2,step=5,point=before_forward,kind=kill",  # after the evaluation that followed step 4
+    "rank=1,step=4,point=allreduce,kind=kill",       # in the all-reduce of an epoch's first step
+    "rank=3,step=4,point=section,kind=kill",         # at the start of the evaluation after step 4
+])
+def test_accelerate_loop_injected_faults(tmp_path: Path, reference: tuple[int, str, str], fault: str) -> None:
+    """Faults at ftrun's injection points (README, "Fault injection"), each bitwise equal."""
+    proc = subprocess.run(_ftrun_cmd(tmp_path, ARGS), env={**_env(), "FTRUN_FAULT": fault}, capture_output=True,
+                          text=True, timeout=280, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert _final(proc.stdout) == reference
+    events = _events(tmp_path / "logs")
+    assert [e for e in events if e["kind"] == "recovery_finished"]
+    assert not [e for e in events if e["kind"] in ("divergence", "job_restarting")]

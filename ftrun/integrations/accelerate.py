@@ -459,7 +459,7 @@ class FTAccelerator(Accelerator):
         if self._ft_pass is None:
             return fn(*args)  # outside the training pass (a final evaluation): a fault restarts the job
         self._ft_marker.pending = {"work": key, "args": list(args), "step": ft.committed}
-        self._snapshot()  # what a fault in the work rolls back to, and this rank's record in the store
+        self._snapshot(wait=True)  # what a fault in the work rolls back to, and this rank's record in the store
         loaders = list(self.gradient_state.dataloader_references)
         with ft.section(name):
             while True:
@@ -477,7 +477,9 @@ class FTAccelerator(Accelerator):
                 ft.record_failure(failure)  # outside the except block: its traceback holds the group
                 self._recover_in_work()
         self._ft_marker.pending = None
-        self._snapshot()  # its end: a rank that dies after it is replaced by one that starts here
+        # Its end: a rank that dies after it is replaced by one that starts here (the work's
+        # draws made), so the record is in the store before the loop goes on.
+        self._snapshot(wait=True)
         return result
 
     def _recover_in_work(self) -> None:
@@ -498,7 +500,7 @@ class FTAccelerator(Accelerator):
             raise RuntimeError(f"ftrun.integrations.accelerate: recovered at step {ft.committed}, not at the step "
                                "the work followed")
 
-    def _snapshot(self) -> None:
+    def _snapshot(self, wait: bool = False) -> None:
         """ftrun's step-start snapshot (and record) of this rank's state now. When the next step
         was already begun (its micro-batches fetched by a recovery), the pass's position is taken
         as it was before that fetch, so a retry of that step gets them again."""
@@ -508,7 +510,7 @@ class FTAccelerator(Accelerator):
         if cursor is not None:
             cursor.position -= 1
         try:
-            ft.checks.snapshot_step_start()
+            ft.checks.snapshot_step_start(wait=wait)
         finally:
             if cursor is not None:
                 cursor.position += 1
