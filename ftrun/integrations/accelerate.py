@@ -10,6 +10,9 @@ The port of an Accelerate loop (README, "Accelerate loops"; ``examples/accelerat
         for batch in accelerator.train_batches(train_loader):    # in place of train_loader
             with accelerator.accumulate(model):
                 ...                                          # unchanged
+            if accelerator.sync_gradients:
+                completed_steps = accelerator.completed_steps    # in place of += 1
+                ...                                          # logging, evaluate(completed_steps)
     ft.finish()
 
 Under torchrun, or as one process, :class:`FTAccelerator` is ``Accelerator``: its overrides do
