@@ -99,12 +99,16 @@ class ExactlyOnceChecks:
                                               writer=RecordWriter(self.group.connect_store))
         return True
 
-    def snapshot_step_start(self) -> None:
+    def snapshot_step_start(self, wait: bool = False) -> None:
         """Copy the state that work after the update changes (kinds ``replica`` and ``rank``) at the
-        start of a step, labelled with the committed step it belongs to."""
+        start of a step, labelled with the committed step it belongs to. ``wait``: return once this
+        rank's record is in the job's store (an integration's snapshot after work between steps
+        that drew from the RNG streams: a rank that dies right after must leave that record)."""
         own = self.registry.snapshot_step_start(self.progress.committed)
         if self.keeps_rank_records():
-            self.rank_states.put(self.progress.committed, own)
+            ticket = self.rank_states.put(self.progress.committed, own)
+            if wait:
+                self.rank_states.wait(ticket)
 
     def start_provisional(self) -> None:
         """At the start of the step's synced backward: take the rank state after its batch and
