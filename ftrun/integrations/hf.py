@@ -505,8 +505,10 @@ class FTTrainer(Trainer):
             self._guarded(work, redo_step=False)
         self._ft_post_update = None
         # And its end: a rank that dies after this work (its replicas finish it too) is replaced by
-        # one that starts from here: the logged loss reset, the evaluation's draws made.
-        ft.checks.snapshot_step_start()
+        # one that starts from here: the logged loss reset, the evaluation's draws made. After an
+        # evaluation or a save, the record is in the store before the loop goes on (a rank killed
+        # right after it would leave its successor the record from before its draws).
+        ft.checks.snapshot_step_start(wait=long_work)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:

@@ -388,9 +388,10 @@ class FTStrategy(DDPStrategy):
                 call._call_callbacks_load_state_dict(trainer, {"callbacks": copy.deepcopy(self._callbacks)})
                 trainer.validating = True
         self._mid_eval = False
-        # And its end: a rank replaced after it is replaced by one whose streams made its draws;
-        # a recovery at the next step's start rolls back no further than here (see _begin_step).
-        ft.checks.snapshot_step_start()
+        # And its end: a rank replaced after it is replaced by one whose streams made its draws
+        # (the record is in the store before the loop goes on); a recovery at the next step's
+        # start rolls back no further than here (see _begin_step).
+        ft.checks.snapshot_step_start(wait=True)
         self._validated = True
         return result
 
