@@ -205,26 +205,34 @@ def kinds(events: Sequence[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     """params_sha256 of the fault-free 4-rank digits job (STEPS steps), shared by the test files."""
     import digits_job
+    from once import shared_once
 
-    digest, events, _ = digits_job.run(tmp_path_factory.mktemp("reference"))
-    assert not [e for e in events if e["kind"] in ("rank_failed", "recovery_started", "rank_hung")]
-    return digest
+    def run() -> str:
+        digest, events, _ = digits_job.run(tmp_path_factory.mktemp("reference"))
+        assert not [e for e in events if e["kind"] in ("rank_failed", "recovery_started", "rank_hung")]
+        return digest
+
+    return shared_once(tmp_path_factory, "reference", run)
 
 
 @pytest.fixture(scope="session")
 def long_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     """params_sha256 of the fault-free long run (LONG_STEPS steps)."""
     import digits_job
+    from once import shared_once
 
-    return digits_job.run(tmp_path_factory.mktemp("long_reference"), steps=digits_job.LONG_STEPS)[0]
+    return shared_once(tmp_path_factory, "long_reference", lambda: digits_job.run(
+        tmp_path_factory.mktemp("long_reference"), steps=digits_job.LONG_STEPS)[0])
 
 
 @pytest.fixture(scope="session")
 def soak_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     """params_sha256 of the fault-free SOAK_STEPS run (the soak and the hot-spare tests)."""
     import digits_job
+    from once import shared_once
 
-    return digits_job.run(tmp_path_factory.mktemp("soak_reference"), steps=digits_job.SOAK_STEPS)[0]
+    return shared_once(tmp_path_factory, "soak_reference", lambda: digits_job.run(
+        tmp_path_factory.mktemp("soak_reference"), steps=digits_job.SOAK_STEPS)[0])
 
 
 #: Test files whose tests share one machine-wide resource and run on one pytest-xdist worker, one

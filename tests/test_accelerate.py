@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("accelerate", reason="accelerate (pip install 'ftrun[hf]') is not installed")
 
 import digits_job as dj  # noqa: E402
+from once import shared_once  # noqa: E402
 from test_hf import _assert_recovered_in_place, _env, _events  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,12 +65,15 @@ def _assert_torchrun_ok(proc: subprocess.CompletedProcess) -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, str]:
     """The loop as written (``main``: accelerate's own DDP and DataLoader) under torchrun, 4 ranks."""
-    cwd = tmp_path_factory.mktemp("accelerate_torchrun")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT), *ARGS],
-                          env=_env(), capture_output=True, text=True, timeout=280, cwd=cwd)
-    _assert_torchrun_ok(proc)
-    return _final(proc.stdout)
+    def run() -> tuple[int, str, str]:
+        cwd = tmp_path_factory.mktemp("accelerate_torchrun")
+        torchrun = Path(sys.executable).with_name("torchrun")
+        proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT), *ARGS],
+                              env=_env(), capture_output=True, text=True, timeout=280, cwd=cwd)
+        _assert_torchrun_ok(proc)
+        return _final(proc.stdout)
+
+    return tuple(shared_once(tmp_path_factory, "accelerate_reference", run))
 
 
 def _kill_when(tmp_path: Path, line: str, rank: int, args: list[str]) -> tuple[tuple[int, str, str], list[dict]]:

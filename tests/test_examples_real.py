@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import digits_job as dj
+from once import shared_once
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,13 +93,15 @@ def _kill_rank_when(tmp_path: Path, script: str, args: list[str], line: str, ran
 @pytest.fixture(scope="module")
 def mnist_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The torchrun twin's parameters (plain DDP, no ftrun)."""
-    return _torchrun_digest(tmp_path_factory.mktemp("mnist_torchrun"), "mnist_torchrun.py", MNIST_ARGS)
+    return shared_once(tmp_path_factory, "mnist_reference", lambda: _torchrun_digest(
+        tmp_path_factory.mktemp("mnist_torchrun"), "mnist_torchrun.py", MNIST_ARGS))
 
 
 @pytest.fixture(scope="module")
 def real_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     """train_real_torchrun.py's parameters (plain DDP, no ftrun)."""
-    return _torchrun_digest(tmp_path_factory.mktemp("real_torchrun"), "train_real_torchrun.py", REAL_ARGS)
+    return shared_once(tmp_path_factory, "real_reference", lambda: _torchrun_digest(
+        tmp_path_factory.mktemp("real_torchrun"), "train_real_torchrun.py", REAL_ARGS))
 
 
 def test_mnist_matches_torchrun_twin(tmp_path: Path, mnist_reference: str) -> None:

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import digits_job as dj
+from once import shared_once
 import pytest
 
 pytest.importorskip("transformers", reason="the hf extra (pip install 'ftrun[hf]') is not installed")
@@ -65,13 +66,16 @@ def _ftrun_cmd(tmp_path: Path, args: list[str]) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, str]:
     """The plain ``Trainer`` (``--no_ftrun``: accelerate's own DDP) under torchrun, 4 ranks."""
-    cwd = tmp_path_factory.mktemp("hf_torchrun")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT),
-                           "--output_dir", str(cwd / "out"), "--no_ftrun", *ARGS],
-                          env=_env(), capture_output=True, text=True, timeout=280, cwd=cwd)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return _final(proc.stdout)
+    def run() -> tuple[int, str, str]:
+        cwd = tmp_path_factory.mktemp("hf_torchrun")
+        torchrun = Path(sys.executable).with_name("torchrun")
+        proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT),
+                               "--output_dir", str(cwd / "out"), "--no_ftrun", *ARGS],
+                              env=_env(), capture_output=True, text=True, timeout=280, cwd=cwd)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return _final(proc.stdout)
+
+    return tuple(shared_once(tmp_path_factory, "hf_reference", run))
 
 
 def _kill_when(tmp_path: Path, line: str, rank: int, args: list[str]) -> tuple[tuple[int, str, str], list[dict]]:

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import digits_job as dj
+from once import shared_once
 import pytest
 
 pytest.importorskip("lightning", reason="the lightning extra (pip install 'ftrun[lightning]') is not installed")
@@ -71,15 +72,18 @@ def _ftrun_cmd(tmp_path: Path, args: list[str]) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ...]:
     """Lightning's own ``DDPStrategy`` (``--no_ftrun``) under torchrun, 4 ranks."""
-    cwd = tmp_path_factory.mktemp("lightning_torchrun")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT),
-                           "--output_dir", str(cwd / "out"), "--no_ftrun", *ARGS],
-                          env=_env(), capture_output=True, text=True, timeout=280, cwd=cwd)
-    assert proc.returncode == 0, proc.stdout[-3000:] + _first_errors(proc.stderr) + proc.stderr[-3000:]
-    final = _final(proc.stdout)
-    assert final[0] == "12" and len(final) == 6 + 6, final  # 12 steps, a validation every 2
-    return final
+    def run() -> tuple[str, ...]:
+        cwd = tmp_path_factory.mktemp("lightning_torchrun")
+        torchrun = Path(sys.executable).with_name("torchrun")
+        proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT),
+                               "--output_dir", str(cwd / "out"), "--no_ftrun", *ARGS],
+                              env=_env(), capture_output=True, text=True, timeout=280, cwd=cwd)
+        assert proc.returncode == 0, proc.stdout[-3000:] + _first_errors(proc.stderr) + proc.stderr[-3000:]
+        final = _final(proc.stdout)
+        assert final[0] == "12" and len(final) == 6 + 6, final  # 12 steps, a validation every 2
+        return final
+
+    return tuple(shared_once(tmp_path_factory, "lightning_reference", run))
 
 
 def _kill_when(tmp_path: Path, line: str, rank: int, args: list[str]) -> tuple[tuple[str, ...], list[dict]]:
