@@ -235,9 +235,11 @@ def soak_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
         tmp_path_factory.mktemp("soak_reference"), steps=digits_job.SOAK_STEPS)[0])
 
 
-#: Test files whose tests share one machine-wide resource and run on one pytest-xdist worker, one
-#: after the other (``--dist loadgroup``): the Slurm cluster (its daemons, its module fixture).
-SERIAL_GROUPS = {"test_slurm.py": "slurm"}
+#: Test files whose tests run on one pytest-xdist worker, one after the other (``--dist loadgroup``):
+#: the Slurm cluster's (a machine-wide resource: its daemons, its module fixture), and files whose
+#: tests share one costly module fixture, made once per worker that runs one of them (the hot
+#: spares' six-fault job, about 55 s; word_lm's torchrun twin).
+SERIAL_GROUPS = {"test_slurm.py": "slurm", "test_hot_spares.py": "spare_job", "test_word_lm.py": "word_lm"}
 
 
 #: Files whose tests take longest (each 30 to 115 s, multi-host and Slurm jobs), run first: pytest-xdist
