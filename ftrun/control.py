@@ -11,9 +11,11 @@ the messages at its safe points (:meth:`ControlClient.poll`) and acts on them th
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 from .channel import Channel
@@ -41,6 +43,107 @@ def open_channel(library: bool, replica_group: Sequence[int], generation: int, e
     return channel
 
 
+#: Step-time samples kept for the next heartbeat (more between two beats: the oldest are dropped).
+SAMPLES_KEPT = 4096
+#: Step times a heartbeat lists one by one (the newest); older new ones go as their maximum.
+SAMPLES_LISTED = 64
+
+
+class StepBoard:
+    """Where the training thread is in its steps: written by the training thread with plain
+    attribute stores, read by the channel's I/O thread into every heartbeat (:meth:`fields`).
+
+    A rank used to send four messages a step (step begin, collective, update begin, update end):
+    on a small model (word_lm, ~10 ms steps, 4 ranks on 2 cores) their encoding, authentication and
+    the supervisor's handling were a visible share of every fault-free step (docs/benchmarks.md,
+    issue 27). The watchdog needs where a rank is and for how long, not every transition: the
+    heartbeat tells it, as ages (seconds before the beat, so no clocks are compared across hosts),
+    at most ``heartbeat_interval`` late. The step and committed step are read from the rank's
+    :class:`ftrun.recovery.RankProgress`.
+
+    Attributes:
+        phase: ``(name, since)``: one of :class:`ftrun.coordinator.ranks.RankPhase`'s values and
+            when it began (``clock`` seconds); one tuple, so the I/O thread reads it whole.
+        total: the number of steps the loop runs, when known.
+        samples: step times seen so far (intervals between consecutive step begins that span no
+            ``ft.section``), the automatic step timeout's evidence.
+        last_step, compute: the latest step time, and its begin to its collective (seconds).
+    """
+
+    def __init__(self, progress: Any, clock: Callable[[], float] = time.monotonic) -> None:
+        self.progress = progress
+        self.clock = clock
+        self.phase: tuple[str, float] = ("setup", clock())
+        self.total: int | None = None
+        self.began: tuple[int, float] | None = None  # (step, time) of the last step begin
+        self.samples = 0
+        self.last_step: float | None = None
+        self.compute: float | None = None
+        self.section_closed_at = 0.0
+        self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=SAMPLES_KEPT)
+        self._told = 0  # the last sample a heartbeat carried
+
+    def enter(self, phase: str) -> None:
+        """The training thread moved to ``phase`` (``update``, ``compute`` after an update,
+        ``recovering``, ``done``). A step time measured across a recovery says nothing about
+        steps: none is taken across one."""
+        if phase == "recovering":
+            self.began = None
+        self.phase = (phase, self.clock())
+
+    def begin(self, step: int, total: int | None) -> None:
+        """Step ``step`` begins (``total``: the loop's length, when known)."""
+        now = self.clock()
+        began = self.began
+        if began is not None and began[0] == step - 1 and began[1] >= self.section_closed_at:
+            self.samples += 1
+            self.last_step = now - began[1]
+            self._recent.append((self.samples, self.last_step))
+        self.began = (step, now)
+        if total is not None:
+            self.total = total
+        self.phase = ("compute", now)
+
+    def collective(self) -> None:
+        """The step's gradient all-reduce starts: the time since the step began is this rank's
+        own compute time (stragglers)."""
+        now = self.clock()
+        if self.phase[0] == "compute" and self.began is not None:
+            self.compute = now - self.began[1]
+        self.phase = ("collective", now)
+
+    def section_closed(self) -> None:
+        """An ``ft.section`` closed: the step interval across it is no sample."""
+        self.section_closed_at = self.clock()
+
+    def fields(self) -> dict[str, Any]:
+        """On the I/O thread, for a heartbeat: ``phase``, ``phase_age`` (s), ``committed``, and
+        where known ``step``, ``total``, ``last_step``, ``compute`` (s) and the step-time samples
+        since the previous beat: ``samples`` (how many so far: the number of the newest),
+        ``step_times`` (the newest new ones, s, at most :data:`SAMPLES_LISTED`, the last one
+        numbered ``samples``) and, for new ones not listed, ``step_max`` (their largest, s) and
+        ``step_max_from`` (the number of the first of them). Numbered samples let the coordinator
+        leave out each process's warm-up steps however many steps one beat covers."""
+        name, since = self.phase
+        out: dict[str, Any] = {"phase": name, "phase_age": max(0.0, self.clock() - since)}
+        progress = self.progress
+        if progress is not None:
+            out["committed"] = int(progress.committed)
+            if progress.current_step is not None:
+                out["step"] = int(progress.current_step)
+        for key, value in (("total", self.total), ("last_step", self.last_step), ("compute", self.compute)):
+            if value is not None:
+                out[key] = value
+        new = [s for s in list(self._recent) if s[0] > self._told]
+        if new:
+            self._told = new[-1][0]
+            listed, older = new[-SAMPLES_LISTED:], new[:-SAMPLES_LISTED]
+            out.update(samples=new[-1][0], step_times=[t for _, t in listed])
+            if older:
+                out.update(step_max=max(t for _, t in older), step_max_from=older[0][0])
+        return out
+
+
 class ControlClient:
     """The messages between this rank and its supervisor.
 
@@ -60,6 +163,7 @@ class ControlClient:
         on_io_abort: called on the I/O thread with each abort's generation.
         section: ``(name, timeout)`` of the open ``ft.section()``, or None.
         last_report: ``(step, metrics)`` of the last ``ft.report()`` (re-sent with sections).
+        board: the :class:`StepBoard` its heartbeats carry.
 
     Args:
         progress: the rank's :class:`ftrun.recovery.RankProgress` (its current step goes with
@@ -70,6 +174,7 @@ class ControlClient:
         self.progress = progress
         self.section: tuple[str, float | None] | None = None
         self.last_report: tuple[int, dict[str, Any]] = (0, {})
+        self.board = StepBoard(progress)
         self.channel: Channel | None = None
         self.abort_generation: int | None = None
         self.plan: Message | None = None
@@ -102,7 +207,12 @@ class ControlClient:
         return {"seen": max(self.io_abort_generation, generation)}
 
     def send(self, msg_type: MsgType, **fields: Any) -> None:
-        """Queue a message to the supervisor (never blocks; nothing without a channel)."""
+        """Queue a message to the supervisor (never blocks; nothing without a channel). A fault
+        report, a recovery's end and the loop's end move the :attr:`board` first (a heartbeat
+        built after the message then says the same)."""
+        phase = _PHASE_AFTER.get(msg_type)
+        if phase is not None:
+            self.board.enter(phase)
         if self.channel is not None:
             self.channel.send(msg_type, **fields)
 
@@ -137,6 +247,7 @@ class ControlClient:
     def close_section(self, previous: tuple[str, float | None] | None) -> None:
         """Close the open section (``previous``: the one it replaced comes back) and say so."""
         self.section = previous
+        self.board.section_closed()
         fields = self.progress_fields()
         fields.setdefault("section", None)
         self.send(MsgType.PROGRESS, **fields)
@@ -226,8 +337,13 @@ class ControlClient:
             self.channel.close()
 
 
+#: The board's phase once a message of these types is queued.
+_PHASE_AFTER = {MsgType.FAULT: "recovering", MsgType.RECOVERED: "compute", MsgType.STEPS_END: "done",
+                MsgType.DONE: "done"}
+
+
 def training_thread_probe(thread_id: int | None, waiting: threading.Event | None = None,
-                          progress: Any = None) -> Callable[[], dict[str, Any]]:
+                          progress: Any = None, board: StepBoard | None = None) -> Callable[[], dict[str, Any]]:
     """A heartbeat probe: whether the training thread is inside a torch.distributed call now.
 
     The I/O thread looks at the training thread's innermost Python frames
@@ -239,7 +355,7 @@ def training_thread_probe(thread_id: int | None, waiting: threading.Event | None
     :class:`ftrun.recovery.RankProgress`), the heartbeat also says which stage of ftrun's flow the
     training thread is in and the bytes that stage moves: a rank stuck in its own code during
     a recovery or the initial broadcast, while its peers wait for it in torch.distributed, is then
-    found within seconds.
+    found within seconds. With ``board``, the heartbeat carries its :meth:`StepBoard.fields` too.
     """
     marker = os.sep + os.path.join("torch", "distributed") + os.sep
 
@@ -255,8 +371,10 @@ def training_thread_probe(thread_id: int | None, waiting: threading.Event | None
         return False
 
     def probe() -> dict[str, Any]:
-        if progress is None:
-            return {"in_dist": in_dist()}
-        return {"in_dist": in_dist(), "stage": progress.stage, "stage_bytes": progress.stage_bytes}
+        out: dict[str, Any] = board.fields() if board is not None else {}
+        out["in_dist"] = in_dist()
+        if progress is not None:
+            out.update(stage=progress.stage, stage_bytes=progress.stage_bytes)
+        return out
 
     return probe

@@ -99,14 +99,15 @@ class ExactlyOnceChecks:
                                               writer=RecordWriter(self.group.connect_store))
         return True
 
-    def snapshot_step_start(self, wait: bool = False) -> None:
+    def snapshot_step_start(self, wait: bool = False, mid_pass: bool = False) -> None:
         """Copy the state that work after the update changes (kinds ``replica`` and ``rank``) at the
         start of a step, labelled with the committed step it belongs to. ``wait``: return once this
         rank's record is in the job's store (an integration's snapshot after work between steps
-        that drew from the RNG streams: a rank that dies right after must leave that record)."""
+        that drew from the RNG streams: a rank that dies right after must leave that record).
+        ``mid_pass``: not a data pass's first step (:meth:`ftrun.rankstate.RankStateStore.put`)."""
         own = self.registry.snapshot_step_start(self.progress.committed)
         if self.keeps_rank_records():
-            ticket = self.rank_states.put(self.progress.committed, own)
+            ticket = self.rank_states.put(self.progress.committed, own, mid_pass=mid_pass)
             if wait:
                 self.rank_states.wait(ticket)
 

@@ -179,7 +179,7 @@ class GradientSync:
         grads = [p.grad for p in params if p.grad is not None]
         failure: str | None = None
         recoverable: str | None = None
-        self.send(MsgType.COLLECTIVE, step=self.progress.current_step if self.progress.current_step is not None else -1)
+        self.control.board.collective()
         self.in_collective = True
         self.release_if_aborted()
         try:
@@ -201,7 +201,7 @@ class GradientSync:
     def apply(self, update: Callable[[], Any], optimizer_params: Callable[[], list[Any]],
               commit: Callable[[int], None]) -> tuple[bool, Any]:
         """The optimizer wrapper's step (``Worker.apply_update``): run ``update`` if the step's
-        collectives succeeded, between ``update_begin`` and ``update_end``, and ``commit`` the step.
+        collectives succeeded (the step board in its ``update`` phase meanwhile), and ``commit`` the step.
         A pending recoverable error is repaired first (the update is skipped); without a wrapped
         model, the gradients of ``optimizer_params()`` are averaged here. A recoverable error
         raised by ``update`` is repaired in place; any other propagates. Returns (applied, its result)."""
@@ -214,7 +214,7 @@ class GradientSync:
             return False, None
         progress = self.progress
         step = progress.current_step if progress.current_step is not None else progress.committed + 1
-        self.send(MsgType.UPDATE_BEGIN, step=step)
+        self.control.board.enter("update")
         failed = None
         result = None
         try:
@@ -228,13 +228,13 @@ class GradientSync:
             self.repair_in_place(failed, True)
             return False, None
         commit(step)
-        self.send(MsgType.UPDATE_END, step=step)
+        self.control.board.enter("compute")
         return True, result
 
     # Callbacks of the gradient reducer (called on the training thread, inside backward).
     def _before_first_bucket(self) -> None:
         self.checks.record_provisional()
-        self.send(MsgType.COLLECTIVE, step=self.progress.current_step if self.progress.current_step is not None else -1)
+        self.control.board.collective()
         self.in_collective = True
         self.release_if_aborted()
         try:

@@ -2,8 +2,8 @@
 
 TorchFT's ``OptimizerWrapper`` idea (torchft/optim.py) with MindSpore's OptTFTWrapper reports: the
 gradients were already averaged during ``backward()`` (:mod:`ftrun.reducer`); :meth:`FTOptimizer.step`
-applies the wrapped optimizer's update only if every collective of the step succeeded, tells the
-coordinator ``update_begin``/``update_end``, and marks the step committed.
+applies the wrapped optimizer's update only if every collective of the step succeeded (the rank's
+step board says ``update`` meanwhile, :class:`ftrun.control.StepBoard`), and marks the step committed.
 
 It passes ``isinstance(opt, torch.optim.Optimizer)``, so LR schedulers (``StepLR``, ``OneCycleLR``,
 ``LambdaLR``...), ``GradScaler`` and ``clip_grad_norm_`` take it as they take the optimizer it wraps:

@@ -27,8 +27,9 @@ it is decoded (cheap, whatever a flood sends); then a wrong version, an unknown 
 mistyped fields are rejected with :class:`ProtocolError` before any field is used. Nothing is ever
 unpickled.
 
-Worker -> supervisor (DEALER -> ROUTER): ``hello``, ``heartbeat``, ``step_begin``, ``update_begin``,
-``update_end``, ``progress``, ``fault``, ``recovered``, ``done``, ``error``, ``divergence``.
+Worker -> supervisor (DEALER -> ROUTER): ``hello``, ``heartbeat`` (with the rank's step board: its
+step, phase and their ages, :class:`ftrun.control.StepBoard`; no message a step), ``progress``,
+``fault``, ``recovered``, ``steps_end``, ``done``, ``error``, ``divergence``.
 Supervisor -> worker: ``abort`` (drop the group, report your committed step for generation g),
 ``reconfigure`` (the plan of generation g), ``stop``.
 Supervisor -> launcher (PUSH -> PULL): ``event``, ``status``.
@@ -65,11 +66,7 @@ class MsgType(str, Enum):
     """Message types; the value is what travels on the wire."""
 
     HELLO = "hello"
-    HEARTBEAT = "heartbeat"
-    STEP_BEGIN = "step_begin"
-    COLLECTIVE = "collective"  # entering the step's gradient all-reduce (waiting on peers from here)
-    UPDATE_BEGIN = "update_begin"
-    UPDATE_END = "update_end"
+    HEARTBEAT = "heartbeat"  # a rank's: where its training thread is (its step board: step, phase, ages)
     PROGRESS = "progress"
     FAULT = "fault"
     RECOVERED = "recovered"
@@ -116,10 +113,6 @@ SCHEMA: dict[MsgType, dict[str, tuple[type, ...]]] = {
         "rank": _INT, "incarnation": _INT, "pid": _INT, "generation": _INT, "replica_group": (list,), "library": (bool,)
     },
     MsgType.HEARTBEAT: {"rank": _INT, "incarnation": _INT},
-    MsgType.STEP_BEGIN: {"rank": _INT, "incarnation": _INT, "step": _INT},
-    MsgType.COLLECTIVE: {"rank": _INT, "incarnation": _INT, "step": _INT},
-    MsgType.UPDATE_BEGIN: {"rank": _INT, "incarnation": _INT, "step": _INT},
-    MsgType.UPDATE_END: {"rank": _INT, "incarnation": _INT, "step": _INT},
     MsgType.PROGRESS: {"rank": _INT, "incarnation": _INT, "step": _INT, "metrics": (dict,)},
     MsgType.FAULT: {"rank": _INT, "incarnation": _INT, "generation": _INT, "step": _INT, "committed": _INT, "reason": _STR},
     MsgType.RECOVERED: {"rank": _INT, "incarnation": _INT, "generation": _INT, "role": _STR, "bytes": _INT, "seconds": _NUM},

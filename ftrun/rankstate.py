@@ -32,6 +32,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import msgpack
+
 from . import codec
 from .contract import RANK_STATE_PREFIX
 
@@ -133,6 +135,7 @@ class RankStateStore:
         self.store = store
         self.writer = writer
         self.prefix = f"{PREFIX}/attempt{attempt}/rank{rank}"
+        self._provisional: tuple[int, bytes] | None = None  # (label, encoded state) of the last write, if provisional
 
     def _set(self, key: str, value: bytes) -> int | None:
         if self.writer is None:
@@ -140,14 +143,25 @@ class RankStateStore:
             return None
         return self.writer.put(key, value)
 
-    def put(self, label: int, state: dict[str, Any], provisional: bool = False, epoch_boundary: bool = False) -> int | None:
+    def put(self, label: int, state: dict[str, Any], provisional: bool = False, epoch_boundary: bool = False,
+            mid_pass: bool = False) -> int | None:
         """Record ``state`` (``{name: state_dict}``) as the rank's state at committed step ``label``
         (``provisional``: taken at that step's all-reduce; ``epoch_boundary``: after an epoch's end;
         see :class:`RankRecord`). The state is encoded now (it may be a buffer reused later); with a
-        writer, returns the write's ticket (:meth:`RecordWriter.wait`)."""
-        return self._set(f"{self.prefix}/{label % 2}",
-                         codec.to_bytes({"label": int(label), "state": state, "provisional": bool(provisional),
-                                         "epoch_boundary": bool(epoch_boundary)}))
+        writer, returns the write's ticket (:meth:`RecordWriter.wait`).
+
+        ``mid_pass``: a step-start record inside a data pass (not its first step). When its state
+        is, byte for byte, the provisional record of the same label written last, nothing is
+        written: the two differ only in the flag, which a successor reads only at a pass's first
+        step (:meth:`ftrun.epochs.EpochLoop.epochs`). The common case: a step's end changes none of
+        the rank's own state, so most steps write one record, not two. Returns None then."""
+        blob = codec.to_bytes(state)
+        last, self._provisional = self._provisional, (label, blob) if provisional else None
+        if mid_pass and not provisional and not epoch_boundary and last is not None and last == (label, blob):
+            self._provisional = last  # the store still holds it
+            return None
+        doc = {"label": int(label), "state": blob, "provisional": bool(provisional), "epoch_boundary": bool(epoch_boundary)}
+        return self._set(f"{self.prefix}/{label % 2}", msgpack.packb(doc, use_bin_type=True))
 
     def wait(self, ticket: int | None) -> None:
         """Block until the write of ``ticket`` (from :meth:`put`) is done; None: nothing to wait for."""
@@ -159,10 +173,10 @@ class RankStateStore:
         key = f"{self.prefix}/{label % 2}"
         if not self.store.check([key]):
             return None
-        doc = codec.from_bytes(bytes(self.store.get(key)))
+        doc = msgpack.unpackb(bytes(self.store.get(key)), raw=False)
         if int(doc["label"]) != label:
             return None
-        return RankRecord(label, doc["state"], bool(doc.get("provisional", False)), bool(doc.get("epoch_boundary", False)))
+        return RankRecord(label, codec.from_bytes(doc["state"]), bool(doc["provisional"]), bool(doc["epoch_boundary"]))
 
     def put_gradient_digest(self, step: int, digest: str) -> None:
         """Record the digest of this rank's local gradient (before averaging) of ``step``."""

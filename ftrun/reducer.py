@@ -142,7 +142,7 @@ class GradientReducer:
         params: the model's parameters, in registration order (``model.parameters()``).
         world_size: ranks the gradients are averaged over.
         before_first_bucket: called on the training thread when a backward launches its first
-            bucket (the worker sends its ``collective`` message and fires the ``allreduce`` fault
+            bucket (the worker marks its step board ``collective`` and fires the ``allreduce`` fault
             point there); an exception it raises is handled by ``on_hook_error``.
         is_failed: whether the step has already failed (nothing more is communicated).
         on_hook_error: called with an exception raised by ``before_first_bucket``; returns True if

@@ -291,7 +291,7 @@ class Worker:
         self.resume_dir = None if joining else env.resume_dir
         self.faults.cut_connections = self.group.cut
         self.control.attach(channel, probe=training_thread_probe(threading.main_thread().ident, self.sync.waiting,
-                                                                 self.progress),
+                                                                 self.progress, self.control.board),
                             beat_extra=self.control.beat_progress)
         if channel is not None:
             # Stacks of every thread into this rank's log when the supervisor suspects a hang.
@@ -451,8 +451,8 @@ class Worker:
             yield
 
     def apply_update(self, update: Callable[[], Any]) -> tuple[bool, Any]:
-        """Run ``update`` (the optimizer's step) if the step's collectives succeeded, between
-        ``update_begin`` and ``update_end``, and commit the step. Returns (applied, its result)
+        """Run ``update`` (the optimizer's step) if the step's collectives succeeded, and commit the
+        step. Returns (applied, its result)
         (:meth:`ftrun.gradsync.GradientSync.apply`)."""
         return self.sync.apply(update, lambda: [p for _, obj in self.registry.items() if isinstance(obj, torch.optim.Optimizer)
                                                 for g in obj.param_groups for p in g["params"]], self.commit)
@@ -632,6 +632,7 @@ class Worker:
         """The step loop shared by :meth:`steps` and :meth:`batches`: run steps from ``step`` up to
         ``total`` (or until ``cursor``'s loader is exhausted), recovering and retrying failed ones.
         Returns the step after the last one run."""
+        first = step
         while total is None or step < total:
             self.parent.check(self._rank, mid_step=False)
             if self.control.poll_abort():
@@ -646,11 +647,11 @@ class Worker:
                 break
             self.faults.point("before_forward", step)
             self.progress.current_step, self.progress.stage = step, "loop"
-            self._send(MsgType.STEP_BEGIN, step=step, total=total if cursor is None else self.epoch_loop.total(cursor))
+            self.control.board.begin(step, total if cursor is None else self.epoch_loop.total(cursor))
             if self.seed is not None:
                 seed_everything(step_seed(self.seed, step, self.rank))
             if self.managed:
-                self.checks.snapshot_step_start()
+                self.checks.snapshot_step_start(mid_pass=step > first)
             batch = None
             if cursor is not None:
                 try:
@@ -665,7 +666,7 @@ class Worker:
                 # The body ended well without an update (GradScaler skipped it, or no step()
                 # was called): the state is that of this step all the same.
                 self.commit(step)
-                self._send(MsgType.UPDATE_END, step=step)
+                self.control.board.enter("compute")
             if self.state.failed or (self.managed and self.control.abort_generation is not None):
                 step = self._recover(self.state.error) + 1
                 if cursor is not None and self.epoch_loop.epoch_moved(cursor):

@@ -167,3 +167,100 @@ def test_between_generations_the_default_group_knows_its_rank_and_fails_collecti
     finally:
         group.drop(generation=1, broken=False)
     assert not dist.is_initialized()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _board():
+    from ftrun.control import StepBoard
+    from ftrun.recovery import RankProgress
+
+    clock = _Clock()
+    return StepBoard(RankProgress(), clock=clock), clock
+
+
+def test_step_board_gives_phases_as_ages_and_each_step_time_once():
+    """The heartbeat carries where the training thread is (issue 27: no message a step): the
+    phase and its age, the step and committed step, and the step times since the previous beat,
+    each once."""
+    board, clock = _board()
+    assert board.fields()["phase"] == "setup" and "samples" not in board.fields()
+    for step, took in enumerate((0.5, 0.2, 0.3, 0.1)):
+        board.progress.current_step = step
+        board.begin(step, 10)
+        clock.now += 0.05
+        board.collective()
+        board.enter("update")
+        board.progress.committed = step
+        board.enter("compute")
+        clock.now += took - 0.05
+    clock.now += 0.25
+    fields = board.fields()
+    assert fields["step"] == 3 and fields["committed"] == 3 and fields["total"] == 10
+    assert fields["phase"] == "compute" and fields["phase_age"] == pytest.approx(0.3)
+    assert fields["compute"] == pytest.approx(0.05) and fields["last_step"] == pytest.approx(0.3)
+    # three intervals between four begins: 0.5, 0.2, 0.3 (the last step has not ended)
+    assert fields["samples"] == 3 and fields["step_times"] == pytest.approx([0.5, 0.2, 0.3]) and "step_max" not in fields
+    assert "samples" not in board.fields(), "a sample told twice"
+    board.progress.current_step = 4
+    board.begin(4, 10)
+    fields = board.fields()
+    assert fields["samples"] == 4 and fields["step_times"] == pytest.approx([0.35])
+
+
+def test_step_board_lists_the_newest_step_times_and_folds_the_older_ones():
+    from ftrun.control import SAMPLES_LISTED
+
+    board, clock = _board()
+    for step in range(SAMPLES_LISTED + 6):
+        board.begin(step, None)
+        clock.now += 2.0 if step == 1 else 0.01
+    board.begin(SAMPLES_LISTED + 6, None)
+    fields = board.fields()
+    assert fields["samples"] == SAMPLES_LISTED + 6 and len(fields["step_times"]) == SAMPLES_LISTED
+    assert (fields["step_max_from"], fields["step_max"]) == (1, pytest.approx(2.0))  # samples 1-6, the second 2 s
+
+
+def test_step_board_takes_no_step_time_across_a_section_or_a_recovery():
+    board, clock = _board()
+    board.begin(0, None)
+    clock.now += 1.0
+    board.section_closed()  # an evaluation inside the step interval
+    clock.now += 0.1
+    board.begin(1, None)
+    assert "samples" not in board.fields()
+    clock.now += 0.1
+    board.begin(2, None)
+    assert board.fields()["step_times"] == pytest.approx([0.1])
+    board.enter("recovering")
+    clock.now += 5.0
+    board.enter("compute")
+    board.begin(3, None)  # the step after the recovery step: its interval spans the recovery
+    assert "samples" not in board.fields()
+
+
+def test_control_messages_move_the_board_before_they_leave():
+    """A fault report, a recovery's end and the loop's end set the board's phase before the
+    message is queued, so no heartbeat after the message contradicts it."""
+    from ftrun.control import ControlClient
+    from ftrun.recovery import RankProgress
+
+    sent = []
+
+    class FakeChannel:
+        def send(self, msg_type, **fields):
+            sent.append((msg_type, client.board.phase[0]))
+
+    client = ControlClient(RankProgress())
+    client.channel = FakeChannel()
+    client.board.begin(0, None)
+    client.send(MsgType.FAULT, generation=1, step=0, committed=-1, reason="x", kind="comm")
+    client.send(MsgType.RECOVERED, generation=1, role="none", bytes=0, seconds=0.0)
+    client.send(MsgType.STEPS_END)
+    assert sent == [(MsgType.FAULT, "recovering"), (MsgType.RECOVERED, "compute"), (MsgType.STEPS_END, "done")]

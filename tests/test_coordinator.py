@@ -17,8 +17,10 @@ import pytest
 
 from ftrun.agent import AgentHandle, Spawned, Stacks
 from ftrun.config import JobSpec
+from ftrun.control import StepBoard
 from ftrun.coordinator import OFFENDER_REJECTS, PLAN_DEADLINE_S, REPORT_DEADLINE_S, Coordinator
 from ftrun.protocol import Message, MsgType
+from ftrun.recovery import RankProgress
 from ftrun.spawner import ExitReport
 
 TOKEN = "t" * 64
@@ -122,12 +124,42 @@ def send(coord: Coordinator, rank: int, mtype: MsgType, /, **fields: Any) -> Non
     coord.handle(ident(rank, r.incarnation), msg(mtype, rank=rank, incarnation=r.incarnation, **fields))
 
 
+_BOARDS: dict[tuple[int, int, int], StepBoard] = {}
+
+
+def board(coord: Coordinator, rank: int) -> StepBoard:
+    """The step board of rank ``rank``'s current process, on the coordinator's clock (what the
+    rank's training thread writes and its heartbeats carry)."""
+    key = (id(coord), rank, coord.ranks[rank].incarnation)
+    if key not in _BOARDS:
+        _BOARDS[key] = StepBoard(RankProgress(), clock=coord.clock)
+    return _BOARDS[key]
+
+
+def beat(coord: Coordinator, rank: int, **probe: Any) -> None:
+    """A heartbeat of ``rank`` with its step board."""
+    send(coord, rank, MsgType.HEARTBEAT, **board(coord, rank).fields(), **probe)
+
+
+def begin(coord: Coordinator, rank: int, n: int, collective: bool = False) -> None:
+    """``rank`` begins step n (and, with ``collective``, enters its all-reduce), said by a beat."""
+    b = board(coord, rank)
+    b.progress.current_step = n
+    b.begin(n, None)
+    if collective:
+        b.collective()
+    beat(coord, rank)
+
+
 def step(coord: Coordinator, n: int, ranks: list[int] | None = None) -> None:
-    """Every rank begins step n, enters the collective and commits it."""
+    """Every rank begins step n, enters the collective and commits it (a beat at each)."""
     for rank in ranks if ranks is not None else list(coord.ranks):
-        send(coord, rank, MsgType.STEP_BEGIN, step=n)
-        send(coord, rank, MsgType.COLLECTIVE, step=n)
-        send(coord, rank, MsgType.UPDATE_END, step=n)
+        begin(coord, rank, n)
+        board(coord, rank).collective()
+        beat(coord, rank)
+        board(coord, rank).progress.committed = n
+        board(coord, rank).enter("compute")
+        beat(coord, rank)
 
 
 def kinds(tmp_path: Path) -> list[str]:
@@ -247,8 +279,7 @@ def test_rank_stuck_inside_the_collective_it_announced_is_the_culprit(tmp_path: 
     hello_all(coord)
     step(coord, 0)
     for rank in range(4):
-        send(coord, rank, MsgType.STEP_BEGIN, step=1)
-        send(coord, rank, MsgType.COLLECTIVE, step=1)
+        begin(coord, rank, 1, collective=True)
     for t in range(12):
         clock.now += 1.0
         for rank in range(4):
@@ -258,13 +289,40 @@ def test_rank_stuck_inside_the_collective_it_announced_is_the_culprit(tmp_path: 
     assert not events(tmp_path, "recovery_started"), "taken for a communication hang"
 
 
+@pytest.mark.parametrize("how", ["behind", "silent"])
+def test_a_rank_whose_step_board_is_stale_is_the_culprit_not_the_communication(tmp_path: Path, how: str) -> None:
+    """Issue 27 moved a rank's step transitions into its heartbeats. A rank that dies or sticks
+    holding the GIL stops beating, and its last board may say "collective" of an earlier step:
+    it is the culprit (a respawn), never taken for a communication hang (a whole-job restart
+    without HCCE). Seen in CI: a rank raising in its update while it unwound."""
+    coord, agent, clock = make(tmp_path, step_timeout=10.0, heartbeat_timeout=30.0)
+    hello_all(coord)
+    step(coord, 0)
+    for rank in range(4):
+        begin(coord, rank, 1, collective=True)
+    if how == "behind":
+        for rank in range(3):
+            step(coord, 1, [rank])
+            begin(coord, rank, 2, collective=True)
+    for _ in range(12):
+        clock.now += 1.0
+        for rank in range(4 if how == "behind" else 3):
+            beat(coord, rank, in_dist=True)
+        coord.check_hangs()
+        if agent.hung:
+            break
+    assert agent.hung == [(3, True)]
+    assert not events(tmp_path, "recovery_started"), "taken for a communication hang"
+    coord.check_processes()
+    assert ("behind its peers' step 2" if how == "behind" else "its heartbeats stopped") in events(tmp_path, "rank_hung")[0]["message"]
+
+
 def test_every_rank_waiting_in_the_collective_is_a_communication_hang(tmp_path: Path) -> None:
     coord, agent, clock = make(tmp_path, step_timeout=10.0)
     hello_all(coord)
     step(coord, 0)
     for rank in range(4):
-        send(coord, rank, MsgType.STEP_BEGIN, step=1)
-        send(coord, rank, MsgType.COLLECTIVE, step=1)
+        begin(coord, rank, 1, collective=True)
     for _ in range(12):
         clock.now += 1.0
         beat_all(coord, in_dist=True)
@@ -532,7 +590,7 @@ def test_messages_are_bound_to_the_connection_that_said_hello(tmp_path: Path, fr
     coord, agent, _ = make(tmp_path)
     hello_all(coord)
     r = coord.ranks[2]
-    coord.handle(frame_identity, msg(MsgType.STEP_BEGIN, rank=2, incarnation=0, step=5))
+    coord.handle(frame_identity, msg(MsgType.HEARTBEAT, rank=2, incarnation=0, step=5, phase="compute", phase_age=0.0))
     assert (r.proc.step == 5) == (frame_identity == ident(2))
 
 
@@ -555,6 +613,7 @@ def test_a_section_has_its_own_bound_and_does_not_poison_step_times(tmp_path: Pa
     assert agent.hung == []
     for rank in range(4):
         send(coord, rank, MsgType.PROGRESS, step=3, metrics={}, section=None)
+        board(coord, rank).section_closed()
     step(coord, 3)
     clock.now += 0.1
     step(coord, 4)
@@ -705,8 +764,9 @@ def test_every_kind_of_captured_rank_frame_replayed_is_rejected_and_changes_noth
     channel = Channel(tap.addr, TOKEN, rank=2, incarnation=0, heartbeat_interval=0.05)
     try:
         channel.send(MsgType.HELLO, pid=pid, generation=0, replica_group=[0, 1, 2, 3], library=True)
-        for mtype in (MsgType.STEP_BEGIN, MsgType.COLLECTIVE, MsgType.UPDATE_BEGIN, MsgType.UPDATE_END):
-            channel.send(mtype, step=0)
+        for phase in ("compute", "collective", "update"):
+            channel.send(MsgType.HEARTBEAT, step=0, phase=phase, phase_age=0.0, committed=-1)
+        channel.send(MsgType.HEARTBEAT, step=0, phase="compute", phase_age=0.0, committed=0)
         channel.send(MsgType.PROGRESS, step=0, metrics={"loss": 1.0})
         kinds_seen = lambda frames: {f[56:] for f in frames}  # noqa: E731
         frames = tap.capture(lambda fs: len(fs) >= 9 and len(kinds_seen(fs)) >= 7)

@@ -49,6 +49,29 @@ def test_rank_records_say_where_they_were_taken_and_keep_the_gradient_fingerprin
     assert records.get_gradient_digest(9) is None
 
 
+def test_a_step_start_record_equal_to_the_provisional_one_is_not_written_again() -> None:
+    """Issue 27: most steps change none of the rank's own state after their all-reduce, so the
+    next step start would write the same bytes again. Inside a pass it is left out; at a pass's
+    first step (where a successor reads the flag), after a change, or after another write it is not."""
+    store = dist.HashStore()
+    records = RankStateStore(store, attempt=0, rank=1)
+    writes: list[str] = []
+    real_set = store.set
+    records._set = lambda key, value: writes.append(key) or real_set(key, value)  # type: ignore[method-assign]
+    state = {"data": {"position": torch.tensor(3)}}
+    records.put(7, state, provisional=True)
+    assert records.put(7, {"data": {"position": torch.tensor(3)}}, mid_pass=True) is None and len(writes) == 1
+    assert records.get(7).provisional  # what the store holds: the same state
+    records.put(8, state, provisional=True)
+    records.put(8, {"data": {"position": torch.tensor(4)}}, mid_pass=True)  # the step's end moved it
+    assert len(writes) == 3 and not records.get(8).provisional
+    records.put(9, state, provisional=True)
+    records.put(9, state)  # a pass's first step: the flag matters
+    assert len(writes) == 5 and not records.get(9).provisional
+    records.put(9, state, mid_pass=True)  # the last write was not provisional
+    assert len(writes) == 6
+
+
 def test_a_divergence_is_an_event_and_with_fail_stops_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "warn").mkdir()
     (tmp_path / "fail").mkdir()

@@ -107,12 +107,15 @@ def test_watchdog_verdicts_follow_the_clock_it_is_given() -> None:
     assert found == [Hung(1, "no_heartbeat", "no heartbeat for 31.0 s (--heartbeat_timeout 30)", 0.0)]
     # steps begun, then every rank waits in the collective past the step timeout: the group is stuck
     ranks = table(2, 0.0)
-    for t in (0.0, 1.0, 2.0):
-        for r in ranks:
-            dog.observe(r.on_step_begin(int(t), None, t, BOUNDS.warmup_steps))
+    for r in ranks:  # beats at 2.0 and 2.5: steps 0 to 2 begun a second apart, then the collective
+        # two samples, 3.0 s (warm-up: BOUNDS.warmup_steps == 1) and 1.0 s
+        moved, sample = r.on_board({"phase": "compute", "phase_age": 0.0, "step": 2, "committed": 1, "samples": 2,
+                                    "step_times": [3.0, 1.0]}, 2.0, BOUNDS.warmup_steps)
+        assert moved and sample == 1.0
+        dog.observe(sample)
+        assert r.on_board({"phase": "collective", "phase_age": 0.0, "step": 2}, 2.5, BOUNDS.warmup_steps) == (False, None)
     assert dog.max_step_time == 1.0 and dog.step_timeout() == 10.0
     for r in ranks:
-        r.on_collective(2.5)
         r.proc.last_heartbeat = 12.0
     assert dog.inspect(ranks, None, False, {0}, 12.4) is None
     assert isinstance(dog.inspect(ranks, None, False, {0}, 12.6), CommHang)

@@ -130,9 +130,9 @@ def test_protocol_error_is_value_error():
 
 def test_encode_checks_fields():
     with pytest.raises(ProtocolError, match="missing field 'step'"):
-        enc(MsgType.STEP_BEGIN, rank=0, incarnation=0)
+        enc(MsgType.PROGRESS, rank=0, incarnation=0, metrics={})
     with pytest.raises(ProtocolError, match="type bool"):
-        enc(MsgType.STEP_BEGIN, rank=0, incarnation=0, step=False)
+        enc(MsgType.PROGRESS, rank=0, incarnation=0, step=False, metrics={})
 
 
 @pytest.mark.parametrize("version", [True, 1.0])

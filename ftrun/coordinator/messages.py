@@ -78,17 +78,22 @@ class RankMessages:
             self.job.rounds.on_hello(r, msg["generation"], seen if isinstance(seen, int) else None)
 
     def on_heartbeat(self, r: Rank, msg: Message) -> None:
-        r.on_heartbeat(msg.get("in_dist"), msg.get("stage"), msg.get("stage_bytes"), self.job.clock())
-
-    def on_step(self, r: Rank, msg: Message) -> None:
-        """``step_begin`` or ``progress``: the rank's step (and metrics) moved."""
+        """A rank's heartbeat: its heartbeat thread's evidence and its step board (where its
+        training thread is: :class:`ftrun.control.StepBoard`)."""
         now = self.job.clock()
-        if msg.type == MsgType.PROGRESS:
-            r.on_progress(msg["step"], msg["metrics"], now)
-            if "section" in msg.fields:
-                r.on_section(msg.get("section"), msg.get("section_timeout"), now)
-        else:
-            self.job.watchdog.observe(r.on_step_begin(msg["step"], msg.get("total"), now, self.job.spec.warmup_steps))
+        r.on_heartbeat(msg.get("in_dist"), msg.get("stage"), msg.get("stage_bytes"), now)
+        if "phase" in msg.fields:
+            moved, sample = r.on_board(msg.fields, now, self.job.spec.warmup_steps)
+            self.job.watchdog.observe(sample)
+            if moved:
+                self.job.publisher.dirty = True
+
+    def on_progress(self, r: Rank, msg: Message) -> None:
+        """``progress`` (``ft.report()``, a section opened or closed): the rank's step and metrics."""
+        now = self.job.clock()
+        r.on_progress(msg["step"], msg["metrics"], now)
+        if "section" in msg.fields:
+            r.on_section(msg.get("section"), msg.get("section_timeout"), now)
         self.job.publisher.dirty = True
 
     def on_fault_message(self, r: Rank, msg: Message) -> None:
@@ -155,11 +160,7 @@ class RankMessages:
 
     _rank_handlers: dict[MsgType, Callable[["RankMessages", Rank, Message], None]] = {
         MsgType.HEARTBEAT: on_heartbeat,
-        MsgType.STEP_BEGIN: on_step,
-        MsgType.PROGRESS: on_step,
-        MsgType.COLLECTIVE: lambda self, r, msg: r.on_collective(self.job.clock()),
-        MsgType.UPDATE_BEGIN: lambda self, r, msg: r.on_update(self.job.clock()),
-        MsgType.UPDATE_END: lambda self, r, msg: r.on_update_end(msg["step"], self.job.clock()),
+        MsgType.PROGRESS: on_progress,
         MsgType.STEPS_END: lambda self, r, msg: r.on_steps_end(),
         MsgType.FAULT: on_fault_message,
         MsgType.SAVED: lambda self, r, msg: self.job.ttp.on_saved(msg),

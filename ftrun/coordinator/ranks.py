@@ -19,7 +19,7 @@ from ..policy import NO_STATE, RankState, RecoveryPlan
 
 
 class RankPhase(str, Enum):
-    """Where in its step a rank's process is, as its messages say (for the watchdog)."""
+    """Where in its step a rank's process is, as its heartbeats' step board says (for the watchdog)."""
 
     SETUP = "setup"  # started, no step begun yet (imports, the script's set-up, the initial broadcast)
     COMPUTE = "compute"  # between a step's begin (or an update's end) and its collective
@@ -50,9 +50,8 @@ class Incarnation:
     exit_desc: str = ""
     # the watchdog's evidence
     phase: RankPhase = RankPhase.SETUP
-    last_progress: float = 0.0  # last step/collective/update/progress message
-    last_begin: tuple[int, float] | None = None  # (step, time) of the last step begin
-    samples: int = 0  # step times observed from this process
+    last_progress: float = 0.0  # start of its latest phase (step board) or its last progress message
+    samples: int = 0  # step times observed by this process (its step board)
     steps_ended: bool = False
     kill_reason: str | None = None  # set when ftrun kills it (a hang)
     hung_since: float = 0.0  # the evidence's start (last heartbeat or progress)
@@ -140,23 +139,43 @@ class Rank:
             p.stage = stage
             p.stage_bytes = stage_bytes if isinstance(stage_bytes, int) and not isinstance(stage_bytes, bool) and stage_bytes > 0 else 0
 
-    def on_step_begin(self, step: int, total: Any, now: float, warmup_steps: int) -> float | None:
-        """Step ``step`` began. Returns the previous step's time when it is a sample for the
-        automatic step timeout (past ``warmup_steps`` samples of this process; a step interval that
-        spans a section is none), else None."""
+    def on_board(self, board: dict[str, Any], now: float, warmup_steps: int) -> tuple[bool, float | None]:
+        """A heartbeat's step board (:class:`ftrun.control.StepBoard`): its step, committed step and
+        phase, with the phase's age; the watchdog counts progress from the phase's start. Returns
+        (whether its step moved, the largest of its new step times that are samples for the
+        automatic step timeout: past ``warmup_steps`` samples of this process, else None). Once the rank
+        left its step loop (``steps_end``, ``done``) a late board changes nothing."""
         p = self.proc
-        p.step, p.last_progress = step, now
-        sample = None
-        if p.last_begin is not None and p.last_begin[0] == step - 1 and p.last_begin[1] >= p.section_closed_at:
-            p.samples += 1
-            self.last_step_seconds = now - p.last_begin[1]
-            if p.samples > warmup_steps:
-                sample = self.last_step_seconds
-        p.last_begin = (step, now)
-        p.phase = RankPhase.COMPUTE
-        if isinstance(total, int) and not isinstance(total, bool):
-            self.total_steps = total
-        return sample
+        try:
+            phase = RankPhase(board.get("phase"))
+        except ValueError:
+            return False, None
+        if p.steps_ended:
+            return False, None
+        age, step, moved = board.get("phase_age"), board.get("step"), False
+        if _is_int(step) and step != p.step:
+            p.step, moved = step, True
+        if _is_int(board.get("committed")):
+            p.committed = board["committed"]
+        if _is_int(board.get("total")):
+            self.total_steps = board["total"]
+        for key, attr in (("last_step", "last_step_seconds"), ("compute", "compute_seconds")):
+            if _is_seconds(board.get(key)):
+                setattr(self, attr, float(board[key]))
+        if phase != RankPhase.SETUP:
+            p.phase = phase
+            if _is_seconds(age):
+                p.last_progress = max(p.last_progress, now - age)
+        samples, times = board.get("samples"), board.get("step_times")
+        if not (_is_int(samples) and isinstance(times, list)):
+            return moved, None
+        p.samples = samples
+        # the listed times are numbered samples - len + 1 .. samples
+        past = [float(t) for i, t in enumerate(times, samples - len(times) + 1) if i > warmup_steps and _is_seconds(t)]
+        first, older = board.get("step_max_from"), board.get("step_max")
+        if _is_int(first) and first > warmup_steps and _is_seconds(older):
+            past.append(float(older))
+        return moved, max(past, default=None)
 
     def on_progress(self, step: int, metrics: dict[Any, Any], now: float) -> None:
         """``ft.report()``: its step and metrics (numbers and short texts only)."""
@@ -175,25 +194,17 @@ class Rank:
         elif name is None and p.section is not None:
             p.section, p.section_timeout, p.section_closed_at = None, None, now
 
-    def on_collective(self, now: float) -> None:
-        """It announced its step's collective; the time since its step began is its own compute
-        time (stragglers)."""
-        p = self.proc
-        if p.last_begin is not None and p.phase == RankPhase.COMPUTE:
-            self.compute_seconds = now - p.last_begin[1]
-        p.phase, p.last_progress = RankPhase.COLLECTIVE, now
-
-    def on_update(self, now: float) -> None:
-        self.proc.phase, self.proc.last_progress = RankPhase.UPDATE, now
-
     def on_steps_end(self) -> None:
         """It left its step loop: no step watchdog for it from here on."""
         self.proc.steps_ended, self.proc.phase = True, RankPhase.DONE
 
-    def on_update_end(self, step: int, now: float) -> None:
-        """Its optimizer update of ``step`` finished: that step is committed on this rank."""
-        self.proc.committed = step
-        self.proc.phase, self.proc.last_progress = RankPhase.COMPUTE, now
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_seconds(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e9
 
 
 @dataclass

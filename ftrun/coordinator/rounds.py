@@ -46,8 +46,6 @@ class RecoveryRounds:
         job.phase.move(JobPhase.RECOVERING)
         job.generation += 1
         job.failover.replicate(now, force=True)  # the standby knows the generation before any rank does
-        for x in job.ranks.values():
-            x.proc.last_begin = None  # a step time measured across a recovery says nothing about steps
         rec = self.current
         if rec is None:
             detection = max((f.detection_seconds for f in job.round_failures if f.rank in failed), default=0.0)

@@ -80,7 +80,7 @@ class Watchdog:
         self.unrepaired: tuple[float, str] | None = None  # (since, why) of a fault no switch repairs
 
     def observe(self, sample: float | None) -> None:
-        """A step time (seconds) past warm-up, from :meth:`Rank.on_step_begin`."""
+        """A step time (seconds) past warm-up, from :meth:`Rank.on_board`."""
         if sample is not None:
             self.max_step_time = max(self.max_step_time or 0.0, sample)
 
@@ -243,12 +243,21 @@ class Watchdog:
         if now - last <= timeout:
             return None
         stalled = f"no step progress for {now - last:.1f} s (step timeout {timeout:.1f} s)"
-        culprits = [r for r in live if r.proc.phase != RankPhase.COLLECTIVE or r.proc.in_dist is False]
+        # What a rank's heartbeats last said is trusted only while they still come: a rank whose
+        # heartbeat thread went quiet (a process stuck holding the GIL, one dying) may have moved on
+        # since, and one whose board shows an earlier step than another's cannot wait in the same
+        # collective (the step board lags by at most a heartbeat interval, far below the step timeout).
+        newest = max(r.proc.step or 0 for r in live)
+        quiet = 2.5 * self.bounds.heartbeat_interval
+        culprits = [r for r in live if r.proc.phase != RankPhase.COLLECTIVE or r.proc.in_dist is False
+                    or (r.proc.step or 0) < newest or now - r.proc.last_heartbeat > quiet]
         if not culprits:
             return CommHang(f"{stalled}; every rank waits in the collective of step {max(r.proc.step or 0 for r in live)}")
         out = []
         for r in culprits:
-            where = ("outside the collective it announced" if r.proc.phase == RankPhase.COLLECTIVE
+            where = (f"(its heartbeats stopped {now - r.proc.last_heartbeat:.1f} s ago)" if now - r.proc.last_heartbeat > quiet
+                     else f"(behind its peers' step {newest})" if (r.proc.step or 0) < newest
+                     else "outside the collective it announced" if r.proc.phase == RankPhase.COLLECTIVE
                      else f"({r.proc.phase.value})")
             waiting = [x.rank for x in live if x is not r and x.proc.in_dist is True]
             peers = (f"while rank(s) {waiting} wait in torch.distributed" if waiting
