@@ -89,6 +89,8 @@ def test_fabric_loop_sigkill_mid_epoch(tmp_path: Path, reference: tuple[str, ...
     final, events = _kill_when(tmp_path, "pause step_end step=1", rank=2, args=[*ARGS, "--pause_on", "step_end:1"])
     assert final == reference
     fh.assert_recovered_in_place(events, faulted=2, world=WORLD)
+    retried = [rank for rank in (0, 1, 3) if "step 1's update failed" in (tmp_path / "logs" / f"worker_{rank}.log").read_text()]
+    assert retried, "no survivor retried step 1 inside optimizer.step()"
 
 
 @pytest.mark.slow
@@ -98,6 +100,16 @@ def test_fabric_loop_fault_free_matches_torchrun(tmp_path: Path, reference: tupl
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert _final(proc.stdout) == reference
     assert not [e for e in fh.events(tmp_path / "logs") if e["kind"] in ("rank_failed", "divergence")]
+
+
+@pytest.mark.slow
+def test_port_under_torchrun_is_the_loop(tmp_path: Path, reference: tuple[str, ...]) -> None:
+    """The port without ftrun (torchrun): ``FTFabric`` is ``Fabric``, the run is the loop's."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT), "--ftrun", *ARGS],
+                          env=fh.env(), capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    fh.assert_torchrun_ok(proc, FINAL)
+    assert _final(proc.stdout) == reference
 
 
 @pytest.mark.slow

@@ -77,6 +77,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 import time
 from typing import Any, Callable, Iterator
 
@@ -421,9 +422,8 @@ class FTFabric(Fabric):
 
     def clip_gradients(self, module: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         result = super().clip_gradients(module, optimizer, *args, **kwargs)
-        retained = self._ft_retained
-        if self._ft is not None and retained is not None and self._ft_sync:
-            retained.clip = ((module, optimizer, *args), kwargs, result)
+        if self._ft is not None and self._ft_retained is not None and self._ft_sync:
+            self._ft_retained.clip = ((module, optimizer, *args), kwargs, result)
         return result
 
     def _ft_params(self) -> list[torch.Tensor]:
@@ -472,6 +472,8 @@ class FTFabric(Fabric):
             got = "the pass's end" if item is None else f"step {int(item[0])}"
             raise RuntimeError(f"ftrun.integrations.fabric: rank {ft.rank} recovered at {got}, not at step {step} "
                                "whose update it retries")
+        print(f"ftrun: rank {ft.rank}: step {step}'s update failed; its last backward runs again after the recovery",
+              file=sys.stderr, flush=True)
         for p, g in zip(self._ft_params(), retained.grads):
             if g is None:
                 p.grad = None
