@@ -61,8 +61,8 @@ ends with the parameters of the run without the fault, bitwise:
   rank, which runs it first, before its first step (a marker in the replica state says so). As in
   :mod:`ftrun.integrations.accelerate`.
 
-The contract (README): ``ftrun.init()`` before ``FTFabric``; ``strategy="ddp"`` (or ``"auto"`` on
-one device), 32-bit or bf16 precision, one model and one optimizer; the scheduler given to
+The contract (README): ``ftrun.init()`` before ``FTFabric``; ``strategy="ddp"`` (or ``"auto"``, which
+picks it for several devices), no ``GradScaler`` (``16-mixed``), one model and one optimizer; the scheduler given to
 ``setup(..., scheduler=...)`` and stepped after ``optimizer.step()``; the training loader iterated
 through ``train_batches`` inside ``ft.epochs``, with ``optimizer.step()`` at each step's last
 micro-batch (``(i + 1) % accumulate == 0`` or the pass's end) and ``fabric.backward`` for that
@@ -226,14 +226,14 @@ def _plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
-def _count_steps(fabric: "FTFabric") -> Any:
+class StepCounter:
     """A Fabric callback counting ``optimizer.step()`` calls (``completed_steps`` outside ftrun)."""
 
-    class StepCounter:
-        def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
-            fabric._ft_completed += 1
+    def __init__(self) -> None:
+        self.count = 0
 
-    return StepCounter()
+    def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
+        self.count += 1
 
 
 class FTDDPStrategy(DDPStrategy):
@@ -241,18 +241,17 @@ class FTDDPStrategy(DDPStrategy):
     :class:`FTFabric` makes the strategy Fabric's connector built one under ftrun; never built
     directly."""
 
-    ft_fabric: "FTFabric"
+    ft_worker: Worker
+    ft_optimizer_step: Callable[[Callable[[], Any]], Any]  # FTFabric's: the update, a failed step retried
 
     def setup_module(self, module: torch.nn.Module) -> Any:
-        ft = self.ft_fabric._ft
-        assert ft is not None
+        ft = self.ft_worker
         if "model" in ft.registry:
             raise ValueError("ftrun.integrations.fabric: one model only (setup was called twice)")
         return ft.wrap_model(module, ddp=True, **self._ddp_kwargs)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
-        ft = self.ft_fabric._ft
-        assert ft is not None
+        ft = self.ft_worker
         if "optimizer" in ft.registry:
             raise ValueError("ftrun.integrations.fabric: one optimizer only")
         return ft.wrap_optimizer(optimizer)
@@ -261,13 +260,11 @@ class FTDDPStrategy(DDPStrategy):
                                     scheduler: Any = None) -> tuple[Any, list[Any], Any]:
         module, optimizers, scheduler = super().setup_module_and_optimizers(module, optimizers, scheduler)
         if scheduler is not None:
-            ft = self.ft_fabric._ft
-            assert ft is not None
-            ft.register("scheduler", scheduler, kind="replica")
+            self.ft_worker.register("scheduler", scheduler, kind="replica")
         return module, optimizers, scheduler
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        return self.ft_fabric._optimizer_step(lambda: super(FTDDPStrategy, self).optimizer_step(optimizer, **kwargs))
+        return self.ft_optimizer_step(lambda: super(FTDDPStrategy, self).optimizer_step(optimizer, **kwargs))
 
 
 class FTFabric(Fabric):
@@ -283,18 +280,18 @@ class FTFabric(Fabric):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._ft: Worker | None = None
-        self._ft_completed = 0  # optimizer.step() calls (not under ftrun)
+        self._ft_counter = StepCounter()  # optimizer.step() calls (not under ftrun)
         super().__init__(*args, **kwargs)
         env = RankEnv.from_environ(os.environ)
         if env.control_addr is None or not env.arf:
-            self._callbacks.append(_count_steps(self))
+            self._callbacks.append(self._ft_counter)
             return  # torchrun, one process, or ftrun without ARF: the plain Fabric
         ft = current()
         if ft is None:
             raise RuntimeError("ftrun.integrations.fabric: call ftrun.init() before FTFabric(...) "
                                "(the process group must be ftrun's)")
         if not ft.managed or ft.world_size == 1:
-            self._callbacks.append(_count_steps(self))
+            self._callbacks.append(self._ft_counter)
             return
         strategy = self._strategy
         if type(strategy) is not DDPStrategy or strategy._start_method != "popen":
@@ -304,7 +301,7 @@ class FTFabric(Fabric):
             raise ValueError("ftrun.integrations.fabric: a precision with a GradScaler (16-mixed) is not supported "
                              "(bf16-mixed is)")
         strategy.__class__ = FTDDPStrategy
-        strategy.ft_fabric = self
+        strategy.ft_worker, strategy.ft_optimizer_step = ft, self._optimizer_step
         self._ft = ft
         self._ft_marker = _Marker()
         ft.register("fabric", self._ft_marker, kind="replica")
@@ -406,7 +403,7 @@ class FTFabric(Fabric):
     def completed_steps(self) -> int:
         """The optimizer steps completed so far: under ftrun, its committed step + 1 (a respawned
         rank takes it from its replicas); else the ``optimizer.step()`` calls."""
-        return self._ft.committed + 1 if self._ft is not None else self._ft_completed
+        return self._ft.committed + 1 if self._ft is not None else self._ft_counter.count
 
     # ------------------------------------------------------------------ one step
     def backward(self, tensor: torch.Tensor, *args: Any, model: Any = None, **kwargs: Any) -> None:
