@@ -80,6 +80,32 @@ def test_port_is_at_most_ten_lines() -> None:
     assert all(line.rstrip().endswith("# ftrun") or "# ftrun:" in line for line in added), "\n".join(added)
 
 
+def test_ftfabric_outside_ftrun_is_fabric(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One process without ftrun: ``train_batches`` is the loader, ``recoverable`` the function,
+    ``completed_steps`` the ``optimizer.step()`` calls; a bad ``accumulate`` is one ValueError."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ftrun.integrations.fabric import FTFabric
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    fabric = FTFabric(accelerator="cpu", devices=1)
+    model = torch.nn.Linear(3, 1)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    loader = fabric.setup_dataloaders(DataLoader(TensorDataset(torch.randn(8, 3)), batch_size=2))
+    run = lambda step: step  # noqa: E731
+    assert fabric.recoverable(run) is run
+    with pytest.raises(ValueError, match="accumulate must be >= 1"):
+        fabric.train_batches(loader, 0)
+    for i, (x,) in enumerate(fabric.train_batches(loader, 2)):
+        fabric.backward(model(x).sum())
+        if (i + 1) % 2 == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    assert i == 3 and fabric.completed_steps == 2
+
+
 def test_fabric_loop_sigkill_mid_epoch(tmp_path: Path, reference: tuple[str, ...]) -> None:
     """Rank 2 SIGKILLed while rank 0 pauses after step 1 (of 4 in epoch 0): rank 2 dies in step
     2's gradient all-reduce (its second micro-batch); inside ``optimizer.step()`` the survivors
