@@ -152,3 +152,57 @@ def test_lightning_sigkill_during_validation(tmp_path: Path, reference: tuple[st
     final, events = _kill_when(tmp_path, f"pause eval step={step}", rank=3, args=[*ARGS, "--pause_on", f"eval:{step}"])
     assert final == reference
     _assert_recovered_in_place(events, faulted=3)
+
+
+def test_lightning_resume_refuses_a_missing_script(capsys: pytest.CaptureFixture[str]) -> None:
+    from ftrun.integrations.lightning_resume import main
+
+    assert main([]) == 2
+    assert main(["/nonexistent/train.py"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "ftrun.integrations.lightning_resume: no such script: /nonexistent/train.py"
+
+
+def test_lightning_resume_picks_the_newest_checkpoint_of_a_restarted_attempt(tmp_path: Path) -> None:
+    """Only a restarted attempt resumes, from the newest ``*.ckpt`` (modification time) of the
+    ``ModelCheckpoint`` directories; other files and a missing directory are ignored."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ftrun.integrations.lightning_resume import checkpoint_to_resume
+
+    class FakeTrainer:
+        default_root_dir = str(tmp_path / "root")
+        checkpoint_callbacks = [ModelCheckpoint(dirpath=str(tmp_path / "a")), ModelCheckpoint(dirpath=str(tmp_path / "none"))]
+
+    (tmp_path / "a").mkdir()
+    for i, name in enumerate(["epoch=0-step=2.ckpt", "last.ckpt", "epoch=0-step=4.ckpt", "notes.txt"]):
+        (tmp_path / "a" / name).write_text(name)
+        os.utime(tmp_path / "a" / name, (1000 + i, 1000 + i))
+    assert checkpoint_to_resume(FakeTrainer(), {}) is None
+    assert checkpoint_to_resume(FakeTrainer(), {"TORCHELASTIC_RESTART_COUNT": "0"}) is None
+    assert checkpoint_to_resume(FakeTrainer(), {"TORCHELASTIC_RESTART_COUNT": "1"}) == str(tmp_path / "a" / "epoch=0-step=4.ckpt")
+    FakeTrainer.checkpoint_callbacks = [ModelCheckpoint()]  # no dirpath: default_root_dir/checkpoints, absent
+    assert checkpoint_to_resume(FakeTrainer(), {"TORCHELASTIC_RESTART_COUNT": "1"}) is None
+
+
+@pytest.mark.slow
+def test_unmodified_script_restart_resumes_from_newest_checkpoint(tmp_path: Path) -> None:
+    """Issue 22, item 4: the plain Lightning script (``--no_ftrun``, one process, 24 steps an epoch,
+    ``ModelCheckpoint`` keeping the two best) run through ``ftrun.integrations.lightning_resume``.
+    The first attempt trains epoch 0 and stops (as a fault right after its last save would); a
+    restarted attempt (``TORCHELASTIC_RESTART_COUNT=1``) asked for 2 epochs resumes from the newest
+    checkpoint (step 24, epoch 0's end) and trains epoch 1's steps only."""
+    env = {k: v for k, v in _env().items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    cmd = [sys.executable, "-m", "ftrun.integrations.lightning_resume", str(SCRIPT), "--no_ftrun", "--train_size", "192",
+           "--val_every", "4", "--accum", "2", "--output_dir", str(tmp_path / "out")]
+    first = subprocess.run([*cmd, "--max_epochs", "1"], env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "resuming from" not in first.stderr and "final step=24 " in first.stdout
+    newest = max((tmp_path / "out" / "checkpoints").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+    assert newest.name == "epoch=0-step=24.ckpt"
+    again = subprocess.run([*cmd, "--max_epochs", "2"], env={**env, "TORCHELASTIC_RESTART_COUNT": "1"},
+                           capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"ftrun: attempt 1: resuming from {newest}" in again.stderr
+    steps = [int(s) for s in re.findall(r"^log step=(\d+) ", again.stdout, re.M)]
+    assert steps == list(range(25, 49)), steps  # epoch 0's steps were not trained again
+    assert "final step=48 epoch=2 " in again.stdout

@@ -1,0 +1,577 @@
+"""Rank-level recovery for training loops written with Lightning Fabric: :class:`FTFabric`.
+
+The port of a Fabric loop (README, "Lightning Fabric"; ``examples/fabric_loop.py``)::
+
+    ft = ftrun.init()                                        # before Fabric
+    fabric = FTFabric(accelerator="cpu", devices=4, strategy="ddp")   # in place of Fabric
+    fabric.launch()
+    model, optimizer, scheduler = fabric.setup(model, optimizer, scheduler=scheduler)
+    train_loader, eval_loader = fabric.setup_dataloaders(train_loader, eval_loader)
+    evaluate = fabric.recoverable(evaluate)                  # work with collectives after a step
+    for epoch in ft.epochs(0, epochs):                       # in place of range(epochs)
+        for i, batch in enumerate(fabric.train_batches(train_loader, accum)):   # in place of train_loader
+            is_accumulating = (i + 1) % accum != 0
+            with fabric.no_backward_sync(model, enabled=is_accumulating):
+                ...                                          # forward, fabric.backward: unchanged
+            if not is_accumulating:
+                ...                                          # clip_gradients, optimizer.step(), scheduler.step(): unchanged
+                completed_steps = fabric.completed_steps     # in place of += 1
+                ...                                          # logging, evaluate(completed_steps)
+    ft.finish()
+
+Why a ``Fabric`` subclass and not a strategy passed as ``strategy=``: a Fabric loop is the
+script's own, so what ftrun needs from it (which micro-batches make a step, which work after a step
+may be run again, the step count a respawned rank resumes with) must be said in the loop; a
+strategy has no door the loop sees (the script would reach into ``fabric.strategy``), and a
+strategy object would make the script spell out the DDP settings ``strategy="ddp"`` gives. So
+``FTFabric`` takes ``Fabric``'s arguments unchanged, as ``FTAccelerator`` takes ``Accelerator``'s,
+and under ftrun makes the ``DDPStrategy`` Fabric's connector built an :class:`FTDDPStrategy` (the
+strategy's doors: ``setup_module``, ``setup_optimizer``, ``optimizer_step``).
+
+Under torchrun, or as one process, :class:`FTFabric` is ``Fabric``: its overrides do nothing,
+``train_batches`` is the loader, ``recoverable`` returns the function and ``completed_steps``
+counts ``optimizer.step()`` calls. Under ftrun a rank that dies is respawned alone and the loop
+ends with the parameters of the run without the fault, bitwise:
+
+- ``setup`` gives the model as ``ft.wrap_model(module, ddp=True, **the strategy's DDP keywords)``
+  (its buckets averaged over ftrun's group during the last micro-batch's backward, bitwise as
+  Fabric's DDP), inside Fabric's ``_FabricModule``; the optimizer as ``ft.wrap_optimizer(...)``
+  inside Fabric's ``_FabricOptimizer`` (the update is applied only if the step's collectives
+  succeeded); the scheduler given to ``setup(..., scheduler=...)`` registered as replica state
+  (rolled back with a retried step). Each loader from ``setup_dataloaders`` keeps Fabric's
+  ``DistributedSampler`` (its order is a function of the seed and the pass); its pass counter
+  (what Fabric gives ``set_epoch`` at each ``iter()``) is registered as replica state.
+- ``train_batches(loader, accumulate)`` drives ftrun's step loop (``ft.batches``) over the loader's
+  micro-batches grouped by ``accumulate`` from the pass's start (the pass's last micro-batch closing
+  a shorter group): one ftrun step per optimizer step. A respawned rank starts at its replicas'
+  step and place in the pass (:mod:`ftrun.data`); its micro-batch index (``enumerate``) counts from
+  there, so ``(i + 1) % accumulate`` still says where a micro-batch is in its step.
+- A failed step (a peer died in its gradient all-reduce) is retried inside ``optimizer.step()``:
+  the loop's code after it (scheduler, logging, evaluation) runs once, after the update. Fabric's
+  loop holds no closure to run the step again, so ``fabric.backward`` of a step's last micro-batch
+  keeps its autograd graph (``retain_graph=True``) and, before it, the gradients the earlier
+  micro-batches accumulated and the random streams. ``optimizer.step()`` then recovers (ftrun's
+  step loop: the coordinator's plan, the new group, state to the new rank, which runs the step's
+  micro-batches from the start), puts those gradients and streams back, runs that backward again
+  (its all-reduce with the new rank's), clips again as the loop did (the norm it returned is
+  updated in place) and applies the update (as ``FTStrategy`` runs Lightning's closure again).
+- ``recoverable(fn)``: ``fn`` runs collectives of its own after a step (an evaluation's
+  ``fabric.all_reduce``, ``fabric.barrier``). Its start is a snapshot of the step's state; a fault
+  in it is recovered, the state rolled back to that snapshot, and ``fn`` run again with the new
+  rank, which runs it first, before its first step (a marker in the replica state says so). As in
+  :mod:`ftrun.integrations.accelerate`.
+
+The contract (README): ``ftrun.init()`` before ``FTFabric``; ``strategy="ddp"`` (or ``"auto"``, which
+picks it for several devices), no ``GradScaler`` (``16-mixed``), one model and one optimizer; the scheduler given to
+``setup(..., scheduler=...)`` and stepped after ``optimizer.step()``; the training loader iterated
+through ``train_batches`` inside ``ft.epochs``, with ``optimizer.step()`` at each step's last
+micro-batch (``(i + 1) % accumulate == 0`` or the pass's end) and ``fabric.backward`` for that
+micro-batch's loss; the forward is a function of its inputs, the parameters and the global RNG
+streams; work after a step that makes collectives is called through ``recoverable`` with plain
+arguments (numbers, strings). Cost: a step's last micro-batch's graph lives until the script drops
+its loss (the next micro-batch's forward, usually): one micro-batch's activations more at peak.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import DDPStrategy
+
+from ftrun.contract import RankEnv
+from ftrun.errors import describe
+from ftrun.group import GroupDown
+from ftrun.transfer import RNGState
+from ftrun.worker import Worker, current
+
+#: How long a rank whose collective raised waits for the coordinator's abort before it takes the
+#: error for a bug of its own (seconds); as in :mod:`ftrun.integrations.accelerate`.
+ABORT_WAIT_S = 5.0
+#: The name of the training pass's position in ftrun's registered rank state.
+PASS_NAME = "fabric_pass"
+#: What :meth:`FTFabric.train_batches` holds when the pass ended during a recovery.
+_END = object()
+
+
+def _is_fault(ft: Worker, err: BaseException) -> bool:
+    """Whether ``err``, raised by a collective of the loop, comes from a fault ftrun recovers (the
+    group is down, or the coordinator's abort arrives within :data:`ABORT_WAIT_S`)."""
+    if isinstance(err, GroupDown):
+        return True
+    if not isinstance(err, RuntimeError):
+        return False
+    deadline = time.monotonic() + ABORT_WAIT_S
+    while time.monotonic() < deadline:
+        if ft.control.poll_abort(timeout=0.05):
+            return True
+    return False
+
+
+class LoaderState:
+    """A set-up loader's pass counter (kind ``replica``: the same on every rank): Fabric's
+    ``_FabricDataLoader`` counts its ``iter()`` calls and gives the count to the sampler's
+    ``set_epoch`` at each, so a pass's order is a function of it. ``pass_iteration`` is the count
+    the training pass under way was drawn with (None outside one), so its iterator can be rebuilt
+    mid-pass (a respawned rank) with the same order."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.pass_iteration: int | None = None
+        self.drawn: int | None = None  # the count this process's live iterator of the pass was drawn with
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"iteration": int(self.loader._num_iter_calls),
+                "pass_iteration": -1 if self.pass_iteration is None else int(self.pass_iteration)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        iteration = int(state["iteration"])
+        pass_iteration = None if int(state["pass_iteration"]) < 0 else int(state["pass_iteration"])
+        if pass_iteration is None and self.drawn is not None and self.drawn == iteration:
+            # A state from before this pass's first iter() (a step-start snapshot of the pass's
+            # first step) while this process's iterator was drawn (a retried first step gets its
+            # batches from ftrun's cache, with no new draw): the counter is where that draw left it.
+            iteration, pass_iteration = iteration + 1, iteration
+        self.loader._num_iter_calls = iteration
+        self.pass_iteration = pass_iteration
+
+    def iterate(self) -> Iterator[Any]:
+        """``iter(loader)`` for the training pass under way: a new pass takes the current count; the
+        same pass iterated again (a respawned rank) takes the count it was drawn with."""
+        if self.pass_iteration is None:
+            self.pass_iteration = int(self.loader._num_iter_calls)
+        self.loader._num_iter_calls = self.pass_iteration
+        self.drawn = self.pass_iteration
+        return iter(self.loader)
+
+    def end_pass(self) -> None:
+        """The training pass is over: the count is one past the pass's, as after a plain ``for``."""
+        if self.pass_iteration is not None:
+            self.loader._num_iter_calls = self.pass_iteration + 1
+        else:
+            self.loader._num_iter_calls += 1  # a pass that gave no step
+        self.pass_iteration = self.drawn = None
+
+
+class OptimizerSteps:
+    """A set-up training loader seen as optimizer steps: each item is the list of micro-batches of
+    one step (``accum`` from the pass's start; the pass's last micro-batch closes its group). The
+    seed ``iter()`` draws from torch's global generator is :class:`ftrun.data.LoaderCursor`'s to
+    replay; the pass counter is :class:`LoaderState`'s."""
+
+    def __init__(self, loader: Any, state: LoaderState, accum: int) -> None:
+        self.loader = loader
+        self.state = state
+        self.accum = accum
+        self.live: Iterator[list[Any]] | None = None
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.loader) / self.accum)
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        self.live = self._groups()
+        return self.live
+
+    def _groups(self) -> Iterator[list[Any]]:
+        total = len(self.loader)
+        group: list[Any] = []
+        for i, batch in enumerate(self.state.iterate()):
+            group.append(batch)
+            if len(group) == self.accum or i == total - 1:
+                yield group
+                group = []
+        if group:
+            yield group
+
+    def finish(self) -> None:
+        """The pass is over: let the loader's own iterator end as under a plain ``for``, and set the
+        pass counter (a rank that joined after the pass's last step never iterated it)."""
+        live, self.live = self.live, None
+        if live is not None:
+            for _ in live:
+                pass
+        self.state.end_pass()
+
+
+class _Marker:
+    """:class:`FTFabric`'s replica state: the recoverable work under way, if any."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pending": dict(self.pending) if self.pending is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pending = dict(state["pending"]) if state["pending"] is not None else None
+
+
+class _Retained:
+    """What a step's last ``fabric.backward`` kept so ``optimizer.step()`` can run it again: its
+    arguments (the loss, whose graph is retained), the gradients before it and the random streams."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], grads: list[torch.Tensor | None],
+                 rng: dict[str, Any]) -> None:
+        self.args, self.kwargs, self.grads, self.rng = args, kwargs, grads, rng
+        self.clip: tuple[tuple[Any, ...], dict[str, Any], Any] | None = None  # the loop's clip_gradients call and result
+
+
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+class StepCounter:
+    """A Fabric callback counting ``optimizer.step()`` calls (``completed_steps`` outside ftrun)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
+        self.count += 1
+
+
+class FTDDPStrategy(DDPStrategy):
+    """Fabric's ``DDPStrategy`` with ftrun's model, optimizer and update (see the module docstring).
+    :class:`FTFabric` makes the strategy Fabric's connector built one under ftrun; never built
+    directly."""
+
+    ft_worker: Worker
+    ft_optimizer_step: Callable[[Callable[[], Any]], Any]  # FTFabric's: the update, a failed step retried
+
+    def setup_module(self, module: torch.nn.Module) -> Any:
+        ft = self.ft_worker
+        if "model" in ft.registry:
+            raise ValueError("ftrun.integrations.fabric: one model only (setup was called twice)")
+        return ft.wrap_model(module, ddp=True, **self._ddp_kwargs)
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
+        ft = self.ft_worker
+        if "optimizer" in ft.registry:
+            raise ValueError("ftrun.integrations.fabric: one optimizer only")
+        return ft.wrap_optimizer(optimizer)
+
+    def setup_module_and_optimizers(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                                    scheduler: Any = None) -> tuple[Any, list[Any], Any]:
+        module, optimizers, scheduler = super().setup_module_and_optimizers(module, optimizers, scheduler)
+        if scheduler is not None:
+            self.ft_worker.register("scheduler", scheduler, kind="replica")
+        return module, optimizers, scheduler
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        return self.ft_optimizer_step(lambda: super(FTDDPStrategy, self).optimizer_step(optimizer, **kwargs))
+
+
+class FTFabric(Fabric):
+    """``lightning.fabric.Fabric`` whose training loop is recovered rank by rank under ftrun; see the
+    module docstring. Takes ``Fabric``'s arguments. Call ``ftrun.init()`` before it.
+
+    Raises:
+        RuntimeError: under ftrun, ``ftrun.init()`` was not called first (Fabric would own the
+            process group, which ftrun must rebuild after a fault).
+        ValueError: under ftrun, a strategy other than Fabric's ``DDPStrategy`` (DeepSpeed, FSDP,
+            ``ddp_spawn``...) or a precision with a ``GradScaler`` (``16-mixed``).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._ft: Worker | None = None
+        self._ft_counter = StepCounter()  # optimizer.step() calls (not under ftrun)
+        super().__init__(*args, **kwargs)
+        env = RankEnv.from_environ(os.environ)
+        if env.control_addr is None or not env.arf:
+            self._callbacks.append(self._ft_counter)
+            return  # torchrun, one process, or ftrun without ARF: the plain Fabric
+        ft = current()
+        if ft is None:
+            raise RuntimeError("ftrun.integrations.fabric: call ftrun.init() before FTFabric(...) "
+                               "(the process group must be ftrun's)")
+        if not ft.managed or ft.world_size == 1:
+            self._callbacks.append(self._ft_counter)
+            return
+        strategy = self._strategy
+        if type(strategy) is not DDPStrategy or strategy._start_method != "popen":
+            raise ValueError(f"ftrun.integrations.fabric: strategy {type(strategy).__name__} is not supported "
+                             "(strategy=\"ddp\" only)")
+        if getattr(self._precision, "scaler", None) is not None:
+            raise ValueError("ftrun.integrations.fabric: a precision with a GradScaler (16-mixed) is not supported "
+                             "(bf16-mixed is)")
+        strategy.__class__ = FTDDPStrategy
+        strategy.ft_worker, strategy.ft_optimizer_step = ft, self._optimizer_step
+        self._ft = ft
+        self._ft_marker = _Marker()
+        ft.register("fabric", self._ft_marker, kind="replica")
+        self._ft_loaders = 0
+        self._ft_loader_states: dict[int, LoaderState] = {}
+        self._ft_pass: Iterator[tuple[Any, list[Any]]] | None = None
+        self._ft_ahead: Any = None  # the next step, already begun by a recovery inside recoverable work
+        self._ft_step: int | None = None  # the step whose micro-batches are being given
+        self._ft_sync = True  # whether the current micro-batch is its step's last
+        self._ft_place = (0, 1)  # (index, size) of the current micro-batch in its step
+        self._ft_retained: _Retained | None = None
+        self._ft_work: list[Callable[..., Any]] = []
+
+    # ------------------------------------------------------------------ data
+    def _setup_dataloader(self, dataloader: Any, use_distributed_sampler: bool = True,
+                          move_to_device: bool = True) -> Any:
+        prepared = super()._setup_dataloader(dataloader, use_distributed_sampler=use_distributed_sampler,
+                                             move_to_device=move_to_device)
+        ft = self._ft
+        if ft is None:
+            return prepared
+        state = LoaderState(prepared)
+        self._ft_loader_states[id(prepared)] = state
+        ft.register(f"fabric_loader_{self._ft_loaders}", state, kind="replica")
+        self._ft_loaders += 1
+        return prepared
+
+    # ------------------------------------------------------------------ the training pass
+    def train_batches(self, loader: Any, accumulate: int = 1) -> Iterator[Any]:
+        """Yield ``loader``'s (micro-)batches for one pass, as ``for batch in loader`` does, each
+        ``accumulate`` of them (from the pass's start; the pass's last closes a shorter group) being
+        one optimizer step and one of ftrun's steps (see the module docstring). Under torchrun or
+        as one process: the loader itself.
+
+        Args:
+            loader: a training ``DataLoader`` returned by :meth:`setup_dataloaders`.
+            accumulate: micro-batches per optimizer step (>= 1).
+
+        Raises:
+            ValueError: ``accumulate`` < 1, or (under ftrun) a loader not set up by this Fabric.
+            RuntimeError: (under ftrun) a step's last micro-batch passed without ``optimizer.step()``.
+        """
+        if int(accumulate) < 1:
+            raise ValueError(f"ftrun.integrations.fabric: accumulate must be >= 1, not {accumulate}")
+        if self._ft is None:
+            return iter(loader)
+        return self._ft_batches(loader, int(accumulate))
+
+    def _ft_batches(self, loader: Any, accumulate: int) -> Iterator[Any]:
+        ft = self._ft
+        assert ft is not None
+        state = self._ft_loader_states.get(id(loader))
+        if state is None:
+            raise ValueError("ftrun.integrations.fabric: train_batches takes a DataLoader returned by setup_dataloaders()")
+        steps = OptimizerSteps(loader, state, accumulate)
+        self._ft_pass = iter(ft.batches(steps, name=PASS_NAME))
+        try:
+            item = self._next_step()
+            pending = self._ft_marker.pending
+            if pending is not None:
+                # A respawned rank whose replicas were in recoverable work after the step it
+                # starts from: it does that work first, with them.
+                self._ft_ahead = _END if item is None else item
+                self._ft_work[int(pending["work"])](*pending["args"])
+                item = self._next_step()
+            while item is not None:
+                step, group = item
+                self._ft_step = int(step)
+                last = len(group) - 1
+                for i, batch in enumerate(group):
+                    self._ft_sync, self._ft_place = i == last, (i, len(group))
+                    yield batch
+                if ft.committed != self._ft_step:
+                    raise RuntimeError(f"ftrun.integrations.fabric: step {self._ft_step}'s last micro-batch passed "
+                                       f"without optimizer.step(): call it every {accumulate} micro-batches of "
+                                       "train_batches (and at the pass's end)")
+                item = self._next_step()
+            steps.finish()
+        finally:
+            gen, self._ft_pass, self._ft_step, self._ft_ahead = self._ft_pass, None, None, None
+            self._ft_sync, self._ft_retained = True, None
+            close = getattr(gen, "close", None)
+            if close is not None:
+                close()
+
+    def _next_step(self) -> tuple[Any, list[Any]] | None:
+        """The next step and its micro-batches from ftrun's step loop (which recovers first when a
+        fault was recorded), or None when the pass is over."""
+        ahead, self._ft_ahead = self._ft_ahead, None
+        if ahead is not None:
+            return None if ahead is _END else ahead
+        assert self._ft_pass is not None
+        try:
+            return next(self._ft_pass)
+        except StopIteration:
+            return None
+
+    @property
+    def completed_steps(self) -> int:
+        """The optimizer steps completed so far: under ftrun, its committed step + 1 (a respawned
+        rank takes it from its replicas); else the ``optimizer.step()`` calls."""
+        return self._ft.committed + 1 if self._ft is not None else self._ft_counter.count
+
+    # ------------------------------------------------------------------ one step
+    def backward(self, tensor: torch.Tensor, *args: Any, model: Any = None, **kwargs: Any) -> None:
+        if self._ft is None or self._ft_pass is None or not self._ft_sync:
+            return super().backward(tensor, *args, model=model, **kwargs)
+        # A step's last micro-batch: what a retry inside optimizer.step() starts from.
+        params = self._ft_params()
+        kwargs = {**kwargs, "retain_graph": True}
+        self._ft_retained = _Retained((tensor, *args), {**kwargs, "model": model},
+                                      [None if p.grad is None else p.grad.detach().clone() for p in params],
+                                      RNGState().state_dict())
+        return super().backward(tensor, *args, model=model, **kwargs)
+
+    def clip_gradients(self, module: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        result = super().clip_gradients(module, optimizer, *args, **kwargs)
+        if self._ft is not None and self._ft_retained is not None and self._ft_sync:
+            self._ft_retained.clip = ((module, optimizer, *args), kwargs, result)
+        return result
+
+    def _ft_params(self) -> list[torch.Tensor]:
+        ft = self._ft
+        assert ft is not None
+        optimizer = ft.registry["optimizer"] if "optimizer" in ft.registry else None
+        if optimizer is None:
+            raise RuntimeError("ftrun.integrations.fabric: fabric.setup(model, optimizer) first")
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
+    def _optimizer_step(self, update: Callable[[], Any]) -> Any:
+        """``optimizer.step()`` (through :class:`FTDDPStrategy`): the update if the step's
+        collectives succeeded; else recover and retry the step's last backward, then update."""
+        ft = self._ft
+        if ft is None or self._ft_pass is None:
+            return update()
+        if not self._ft_sync:
+            index, size = self._ft_place
+            raise RuntimeError(f"ftrun.integrations.fabric: optimizer.step() at micro-batch {index + 1} of step "
+                               f"{self._ft_step}'s {size}: train_batches(loader, accumulate) groups the micro-batches "
+                               "of a step, call optimizer.step() at each group's last")
+        while True:
+            out = update()
+            if ft.committed == self._ft_step:
+                break
+            self._retry()
+        self._ft_retained = None
+        return out
+
+    def _retry(self) -> None:
+        """The step's collectives failed: recover (ftrun's step loop rolls this rank's state back to
+        the step's start), put back the gradients and streams the step's last backward started
+        from, run it again (its all-reduce over the new group) and clip again."""
+        ft = self._ft
+        retained = self._ft_retained
+        assert ft is not None
+        if retained is None:
+            raise RuntimeError("ftrun.integrations.fabric: the step's update failed and its last micro-batch's "
+                               "backward did not go through fabric.backward")
+        step = self._ft_step
+        item = self._next_step()
+        if item is None or int(item[0]) != step:
+            # Its replicas committed the step (this rank alone failed its update: a recoverable
+            # error repaired in place), or the pass moved on: the loop's code after the step would
+            # run over the state it took. It ends, and ARF replaces it.
+            got = "the pass's end" if item is None else f"step {int(item[0])}"
+            raise RuntimeError(f"ftrun.integrations.fabric: rank {ft.rank} recovered at {got}, not at step {step} "
+                               "whose update it retries")
+        print(f"ftrun: rank {ft.rank}: step {step}'s update failed; its last backward runs again after the recovery",
+              file=sys.stderr, flush=True)
+        for p, g in zip(self._ft_params(), retained.grads):
+            if g is None:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+        RNGState().load_state_dict(retained.rng)
+        kwargs = dict(retained.kwargs)
+        model = kwargs.pop("model")
+        super().backward(*retained.args, model=model, **kwargs)
+        if retained.clip is not None:
+            args, clip_kwargs, result = retained.clip
+            again = super().clip_gradients(*args, **clip_kwargs)
+            if isinstance(result, torch.Tensor) and isinstance(again, torch.Tensor):
+                result.copy_(again)  # the norm the loop holds
+
+    # ------------------------------------------------------------------ work after a step
+    def recoverable(self, fn: Callable[..., Any], name: str = "eval") -> Callable[..., Any]:
+        """Make ``fn`` (work after a step that makes collectives: an evaluation) recoverable: a fault
+        inside is recovered and ``fn`` runs again with the new rank, in an ``ft.section(name)``
+        (bounded by no step timeout). Call it before the training loop, on every rank in the same
+        order. Under torchrun or as one process, returns ``fn``.
+
+        Args:
+            fn: called with plain arguments only (None, bool, int, float, str): a respawned rank
+                calls it with the arguments its replicas used, kept in the replica state.
+            name: the section's name.
+
+        Returns:
+            A function with ``fn``'s arguments and result; it raises ValueError for an argument
+            that is not plain.
+        """
+        if self._ft is None:
+            return fn
+        key = len(self._ft_work)
+
+        @functools.wraps(fn)
+        def run(*args: Any) -> Any:
+            return self._run_work(key, fn, name, args)
+
+        self._ft_work.append(run)
+        return run
+
+    def _run_work(self, key: int, fn: Callable[..., Any], name: str, args: tuple[Any, ...]) -> Any:
+        ft = self._ft
+        assert ft is not None
+        if not all(_plain(a) for a in args):
+            raise ValueError(f"ftrun.integrations.fabric: {name}: recoverable work takes plain arguments "
+                             "(None, bool, int, float, str)")
+        if self._ft_pass is None:
+            return fn(*args)  # outside the training pass (a final evaluation): a fault restarts the job
+        self._ft_marker.pending = {"work": key, "args": list(args), "step": ft.committed}
+        self._snapshot(wait=True)  # what a fault in the work rolls back to, and this rank's record in the store
+        with ft.section(name):
+            while True:
+                failure = None
+                try:
+                    result = fn(*args)
+                    break
+                except Exception as err:
+                    if not _is_fault(ft, err):
+                        raise
+                    failure = f"a collective of the Fabric loop failed in {name}: {describe(err)}"
+                ft.record_failure(failure)  # outside the except block: its traceback holds the group
+                self._recover_in_work()
+        self._ft_marker.pending = None
+        # Its end: a rank that dies after it is replaced by one that starts here (the work's
+        # draws made), so the record is in the store before the loop goes on.
+        self._snapshot(wait=True)
+        return result
+
+    def _recover_in_work(self) -> None:
+        """Recover from a fault in recoverable work: ftrun's step loop recovers (the state rolled
+        back to the work's start), then begins the next step, which is kept for the loop."""
+        ft = self._ft
+        assert ft is not None and self._ft_pass is not None
+        pending = self._ft_marker.pending
+        if self._ft_ahead is _END:
+            raise RuntimeError("ftrun.integrations.fabric: a second fault in work after a pass's last step "
+                               "is not recovered in place")
+        self._ft_ahead = None
+        try:
+            self._ft_ahead = next(self._ft_pass)
+        except StopIteration:
+            self._ft_ahead = _END
+        if pending is None or ft.committed != int(pending["step"]):
+            raise RuntimeError(f"ftrun.integrations.fabric: recovered at step {ft.committed}, not at the step "
+                               "the work followed")
+
+    def _snapshot(self, wait: bool = False) -> None:
+        """ftrun's step-start snapshot (and record) of this rank's state now. When the next step
+        was already begun (its micro-batches fetched by a recovery), the pass's position is taken
+        as it was before that fetch, so a retry of that step gets them again."""
+        ft = self._ft
+        assert ft is not None
+        cursor = ft.registry[PASS_NAME] if self._ft_ahead not in (None, _END) else None
+        if cursor is not None:
+            cursor.position -= 1
+        try:
+            ft.checks.snapshot_step_start(wait=wait)
+        finally:
+            if cursor is not None:
+                cursor.position += 1
