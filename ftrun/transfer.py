@@ -163,7 +163,21 @@ def recv_state(src: int, current: Any, group: Any = None, device: Any = "cpu") -
 
 
 class RNGState:
-    """The random number generators of torch (CPU and CUDA), numpy and ``random``, as one state_dict."""
+    """The random number generators of torch (CPU and CUDA), numpy and ``random``, as one state_dict.
+
+    Its state is taken twice a step (a rank's own records, :mod:`ftrun.rankstate`). Python's
+    ``random`` is rarely drawn from in a training loop, and turning its 625 words into a tensor
+    costs more than comparing them: the tensor of an unchanged state (the whole ``getstate()``
+    tuple equal) is reused. Callers copy it (:func:`ftrun.checkpoint.snapshot`) and never write it.
+    """
+
+    def __init__(self) -> None:
+        self._py: tuple[Any, torch.Tensor] | None = None  # (random.getstate(), its words as a tensor)
+
+    def _python_words(self, py_state: Any) -> torch.Tensor:
+        if self._py is None or self._py[0] != py_state:
+            self._py = (py_state, torch.tensor([*py_state[1], py_state[0]], dtype=torch.int64))
+        return self._py[1]
 
     def state_dict(self) -> dict[str, Any]:
         np_state = np.random.get_state()
@@ -174,7 +188,7 @@ class RNGState:
                       "has_gauss": int(np_state[3]), "cached": float(np_state[4])},
             # One int64 tensor (Mersenne Twister's 625 words, then the version), not a list of 626
             # ints: copied and encoded at every step start and all-reduce, a list cost ~10x more.
-            "random": torch.tensor([*py_state[1], py_state[0]], dtype=torch.int64),
+            "random": self._python_words(py_state),
             "random_gauss": py_state[2],
         }
         if torch.cuda.is_available() and torch.cuda.is_initialized():

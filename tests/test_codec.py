@@ -96,3 +96,29 @@ def test_refuses_objects_naming_their_place() -> None:
 def test_cuda_tensors_keep_their_device() -> None:
     skeleton, tensors = codec.flatten({"w": torch.ones(2, device="cuda")})
     assert codec.tensor_refs(skeleton)[0]["device"].startswith("cuda") and tensors[0].is_cuda
+
+
+def test_rng_state_reuses_python_randoms_words_only_while_unchanged():
+    """RNGState keeps the tensor of Python's ``random`` state while that state is unchanged (issue
+    27: taken twice a step); a draw, including one that only uses the cached gauss, gives a new
+    one, and loading an older state dict restores the stream exactly."""
+    import random
+
+    from ftrun.transfer import RNGState
+
+    rng = RNGState()
+    random.seed(5)
+    first = rng.state_dict()
+    assert rng.state_dict()["random"] is first["random"]
+    random.gauss(0, 1)  # draws two numbers, caches one
+    second = rng.state_dict()
+    assert second["random"] is not first["random"] and not torch.equal(second["random"], first["random"])
+    random.gauss(0, 1)  # only the cached gauss: the words stay, the gauss goes
+    third = rng.state_dict()
+    assert third["random_gauss"] != second["random_gauss"]
+    expected = [random.random() for _ in range(3)]
+    rng.load_state_dict(third)
+    assert [random.random() for _ in range(3)] == expected
+    rng.load_state_dict(first)
+    random.gauss(0, 1)
+    assert rng.state_dict()["random"] is not first["random"]
