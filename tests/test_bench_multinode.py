@@ -71,8 +71,9 @@ def test_labels() -> None:
 
 def test_groups_read_old_json_without_nodes() -> None:
     old = {"launcher": "ftrun", "repeat": 0, "case": {"workload": "digits", "size": "-", "ranks": 4}}
-    assert list(bench._groups([old])) == [("digits", "-", 4, 1, False, None)]
+    assert list(bench._groups([old])) == [("digits", "-", 4, 1, False, None, False)]
     assert bench.Case("digits", "-", 4, 120, 60, hot=True).label() == "digits x4 hot"
+    assert bench.Case("digits", "-", 4, 800, 170, hot=True, early=True).label() == "digits x4 hot early"
     assert bench.Case("digits", "-", 4, 1200, 300, nodes=2, hot=True, lost_node=0).label() == "digits 2x2 hot host0"
 
 
