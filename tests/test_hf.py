@@ -43,13 +43,23 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _final(stdout: str) -> tuple[int, str, str]:
-    """(steps, eval loss, params digest) from rank 0's final line. Its log history's digest
-    (``logs_sha256``) is not compared: it matched in most faulted runs, but twice, under load, a
-    faulted run with the reference's parameters and evaluation loss had another (not explained yet)."""
+def _final(stdout: str) -> tuple[int, str, str, str]:
+    """(steps, eval loss, params digest, log history digest) from rank 0's final line.
+
+    The log history (logged losses, grad norms, learning rates, evaluations) differed twice in 16
+    faulted runs under load, with the reference's parameters, before a rank's record after an
+    evaluation or a save was waited for (b762c66); since then it matched in 12 of 12 faulted runs
+    (mid-epoch, epoch boundary, evaluation, three injected faults; twice, once under load). The
+    slow tests compare it; the one CI runs compares the first three (:func:`_trained`) until more
+    runs in CI have shown the same."""
     match = FINAL.search(stdout)
     assert match, f"no final line in output:\n{stdout[-4000:]}"
-    return int(match.group(1)), match.group(3), match.group(4)
+    return int(match.group(1)), match.group(3), match.group(4), match.group(5)
+
+
+def _trained(final: tuple[int, str, str, str]) -> tuple[int, str, str]:
+    """(steps, eval loss, params digest): what training produced, without the log history."""
+    return final[:3]
 
 
 def _events(log_dir: Path) -> list[dict]:
@@ -64,9 +74,9 @@ def _ftrun_cmd(tmp_path: Path, args: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, str]:
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, str, str]:
     """The plain ``Trainer`` (``--no_ftrun``: accelerate's own DDP) under torchrun, 4 ranks."""
-    def run() -> tuple[int, str, str]:
+    def run() -> tuple[int, str, str, str]:
         cwd = tmp_path_factory.mktemp("hf_torchrun")
         torchrun = Path(sys.executable).with_name("torchrun")
         proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT),
@@ -78,7 +88,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, str]:
     return tuple(shared_once(tmp_path_factory, "hf_reference", run))
 
 
-def _kill_when(tmp_path: Path, line: str, rank: int, args: list[str]) -> tuple[tuple[int, str, str], list[dict]]:
+def _kill_when(tmp_path: Path, line: str, rank: int, args: list[str]) -> tuple[tuple[int, str, str, str], list[dict]]:
     """Run the script under ftrun; once rank 0's log shows ``line``, SIGKILL ``rank``'s first process
     from outside; returns (final line, events). Asserts exit code 0."""
     log_dir = tmp_path / "logs"
@@ -102,18 +112,18 @@ def _assert_recovered_in_place(events: list[dict], faulted: int) -> None:
     assert not [e.get("message") for e in events if e["kind"] == "divergence"]
 
 
-def test_hf_trainer_sigkill_mid_epoch(tmp_path: Path, reference: tuple[int, str, str]) -> None:
+def test_hf_trainer_sigkill_mid_epoch(tmp_path: Path, reference: tuple[int, str, str, str]) -> None:
     """Rank 2 SIGKILLed while rank 0 pauses after step 1 (of 4 in epoch 0): rank 2 dies in step
     2's gradient all-reduce (its second micro-batch), the survivors retry the step with the
     micro-batches they hold, the new rank resumes at its replicas' step and place in the epoch,
     and the job ends with the reference's parameters and evaluation loss, bitwise."""
     final, events = _kill_when(tmp_path, "pause step_end step=1", rank=2, args=[*ARGS, "--pause_on", "step_end:1"])
-    assert final == reference
+    assert _trained(final) == _trained(reference)
     _assert_recovered_in_place(events, faulted=2)
 
 
 @pytest.mark.slow
-def test_hf_trainer_fault_free_matches_torchrun(tmp_path: Path, reference: tuple[int, str, str]) -> None:
+def test_hf_trainer_fault_free_matches_torchrun(tmp_path: Path, reference: tuple[int, str, str, str]) -> None:
     proc = subprocess.run(_ftrun_cmd(tmp_path, ARGS), env=_env(), capture_output=True, text=True, timeout=280,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:]
@@ -122,7 +132,7 @@ def test_hf_trainer_fault_free_matches_torchrun(tmp_path: Path, reference: tuple
 
 
 @pytest.mark.slow
-def test_hf_trainer_sigkill_at_epoch_boundary(tmp_path: Path, reference: tuple[int, str, str]) -> None:
+def test_hf_trainer_sigkill_at_epoch_boundary(tmp_path: Path, reference: tuple[int, str, str, str]) -> None:
     """Rank 1 SIGKILLed while rank 0 pauses at the end of epoch 0: the others are in epoch 1's
     first step; the new rank starts epoch 1 (no batch to skip) with its predecessor's streams."""
     final, events = _kill_when(tmp_path, "pause epoch_end step=4", rank=1, args=[*ARGS, "--pause_on", "epoch_end:4"])
@@ -131,7 +141,7 @@ def test_hf_trainer_sigkill_at_epoch_boundary(tmp_path: Path, reference: tuple[i
 
 
 @pytest.mark.slow
-def test_hf_trainer_sigkill_during_evaluation(tmp_path: Path, reference: tuple[int, str, str]) -> None:
+def test_hf_trainer_sigkill_during_evaluation(tmp_path: Path, reference: tuple[int, str, str, str]) -> None:
     """Rank 3 SIGKILLed during the evaluation after step 5 (rank 0 pauses in its first evaluation
     batch; the others wait in the evaluation's gather): the survivors' gather fails, they roll
     back to the start of the step's logging and evaluation and run it again with the new rank,
@@ -178,7 +188,7 @@ def test_unmodified_script_restart_resumes_from_newest_checkpoint(tmp_path: Path
     "rank=2,step=5,point=before_forward,kind=kill",  # after the evaluation of step 5: its replicas finished it
     "rank=1,step=2,point=allreduce,kind=kill",       # in the all-reduce of the second micro-batch
 ])
-def test_hf_trainer_injected_faults(tmp_path: Path, reference: tuple[int, str, str], fault: str) -> None:
+def test_hf_trainer_injected_faults(tmp_path: Path, reference: tuple[int, str, str, str], fault: str) -> None:
     """Faults at ftrun's injection points (README, "Fault injection"), each bitwise equal."""
     proc = subprocess.run(_ftrun_cmd(tmp_path, ARGS), env={**_env(), "FTRUN_FAULT": fault}, capture_output=True,
                           text=True, timeout=280, cwd=tmp_path)
