@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ftrun.control import StepBoard
 from ftrun.gradsync import GradientSync
 from ftrun.workerstate import WorkerState
 
@@ -82,10 +83,11 @@ CASES = {
 def ftrun_sync() -> GradientSync:
     """GradientSync as the worker builds it, with the worker's callbacks reduced to records."""
     failures: list[str] = []
-    control = SimpleNamespace(abandon=threading.Event(), io_aborted_beyond=lambda generation: False)
+    progress = SimpleNamespace(current_step=0, generation=0, stage="step", committed=-1)
+    control = SimpleNamespace(abandon=threading.Event(), io_aborted_beyond=lambda generation: False,
+                              board=StepBoard(progress))
     checks = SimpleNamespace(check_local_gradient=lambda fp: True, holds_for_check=lambda: False,
                              record_provisional=lambda: None, start_provisional=lambda: None)
-    progress = SimpleNamespace(current_step=0, generation=0, stage="step")
     sync = GradientSync(world, 30.0, WorkerState(managed=True), progress, SimpleNamespace(cut=lambda: None), control,
                         checks, send=lambda *a, **k: None, record_error=failures.append,
                         repair_in_place=lambda error, drop: failures.append(error), is_recoverable=lambda err: False)
