@@ -54,11 +54,9 @@ fp16 ``GradScaler``; the default ``sync_with_dataloader`` and ``rng_types``.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import math
 import os
-import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -67,31 +65,11 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
 from ftrun.contract import RankEnv
-from ftrun.errors import describe
-from ftrun.group import GroupDown
+from ftrun.integrations.common import END, RecoverableWork, WorkMarker
 from ftrun.worker import Worker, current
 
-#: How long a rank whose collective raised waits for the coordinator's abort before it takes the
-#: error for a bug of its own (seconds); as in :mod:`ftrun.integrations.hf`.
-ABORT_WAIT_S = 5.0
 #: The name of the training pass's position in ftrun's registered rank state.
 PASS_NAME = "accelerate_pass"
-#: What :meth:`FTAccelerator.train_batches` holds when the pass ended during a recovery.
-_END = object()
-
-
-def _is_fault(ft: Worker, err: BaseException) -> bool:
-    """Whether ``err``, raised by a collective of the loop, comes from a fault ftrun recovers (the
-    group is down, or the coordinator's abort arrives within :data:`ABORT_WAIT_S`)."""
-    if isinstance(err, GroupDown):
-        return True
-    if not isinstance(err, RuntimeError):
-        return False
-    deadline = time.monotonic() + ABORT_WAIT_S
-    while time.monotonic() < deadline:
-        if ft.control.poll_abort(timeout=0.05):
-            return True
-    return False
 
 
 class LoaderState:
@@ -219,24 +197,7 @@ class FTAcceleratedOptimizer(AcceleratedOptimizer):
         return bool(self._is_overflow) or self.ft_skipped
 
 
-class _Marker:
-    """:class:`FTAccelerator`'s replica state: the recoverable work under way, if any."""
-
-    def __init__(self) -> None:
-        self.pending: dict[str, Any] | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"pending": dict(self.pending) if self.pending is not None else None}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.pending = dict(state["pending"]) if state["pending"] is not None else None
-
-
-def _plain(value: Any) -> bool:
-    return value is None or isinstance(value, (bool, int, float, str))
-
-
-class FTAccelerator(Accelerator):
+class FTAccelerator(RecoverableWork, Accelerator):
     """``accelerate.Accelerator`` whose training loop is recovered rank by rank under ftrun; see the
     module docstring. Takes ``Accelerator``'s arguments. Call ``ftrun.init()`` before it.
 
@@ -246,6 +207,8 @@ class FTAccelerator(Accelerator):
         ValueError: under ftrun, a setting whose state ftrun cannot carry (DeepSpeed, FSDP,
             ``sync_with_dataloader=False``, ``rng_types`` other than ``["generator"]``).
     """
+
+    _ft_label, _ft_loop, _ft_pass_name = "accelerate", "Accelerate loop", PASS_NAME
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._ft: Worker | None = None
@@ -271,7 +234,7 @@ class FTAccelerator(Accelerator):
             raise ValueError(f"ftrun.integrations.accelerate: rng_types={self.rng_types} is not supported "
                              "(torch's own streams are each rank's state under ftrun)")
         self._ft = ft
-        self._ft_marker = _Marker()
+        self._ft_marker = WorkMarker()
         ft.register("accelerate", self._ft_marker, kind="replica")
         self._ft_loaders = 0
         self._ft_loader_states: dict[int, LoaderState] = {}
@@ -364,7 +327,7 @@ class FTAccelerator(Accelerator):
             if pending is not None:
                 # A respawned rank whose replicas were in recoverable work after the step it
                 # starts from: it does that work first, with them.
-                self._ft_ahead = _END if item is None else item
+                self._ft_ahead = END if item is None else item
                 self._ft_work[int(pending["work"])](*pending["args"])
                 item = self._next_step()
             while item is not None:
@@ -384,18 +347,6 @@ class FTAccelerator(Accelerator):
             close = getattr(gen, "close", None)
             if close is not None:
                 close()
-
-    def _next_step(self) -> tuple[Any, list[Any]] | None:
-        """The next step and its micro-batches from ftrun's step loop (which recovers and retries a
-        failed step first), or None when the pass is over."""
-        ahead, self._ft_ahead = self._ft_ahead, None
-        if ahead is not None:
-            return None if ahead is _END else ahead
-        assert self._ft_pass is not None
-        try:
-            return next(self._ft_pass)
-        except StopIteration:
-            return None
 
     @contextlib.contextmanager
     def accumulate(self, *models: Any) -> Iterator[None]:
@@ -427,93 +378,10 @@ class FTAccelerator(Accelerator):
         return self._ft.committed + 1 if self._ft is not None else self._ft_completed
 
     # ------------------------------------------------------------------ work after a step
-    def recoverable(self, fn: Callable[..., Any], name: str = "eval") -> Callable[..., Any]:
-        """Make ``fn`` (work after a step that makes collectives: an evaluation) recoverable: a fault
-        inside is recovered and ``fn`` runs again with the new rank, in an ``ft.section(name)``
-        (bounded by no step timeout). Call it before the training loop, on every rank in the same
-        order. Under torchrun or as one process, returns ``fn``.
+    def _work_begins(self) -> Any:
+        return list(self.gradient_state.dataloader_references)
 
-        Args:
-            fn: called with plain arguments only (None, bool, int, float, str): a respawned rank
-                calls it with the arguments its replicas used, kept in the replica state.
-            name: the section's name.
-
-        Returns:
-            A function with ``fn``'s arguments and result; it raises ValueError for an argument
-            that is not plain.
-        """
-        if self._ft is None:
-            return fn
-        key = len(self._ft_work)
-
-        @functools.wraps(fn)
-        def run(*args: Any) -> Any:
-            return self._run_work(key, fn, name, args)
-
-        self._ft_work.append(run)
-        return run
-
-    def _run_work(self, key: int, fn: Callable[..., Any], name: str, args: tuple[Any, ...]) -> Any:
-        ft = self._ft
-        assert ft is not None
-        if not all(_plain(a) for a in args):
-            raise ValueError(f"ftrun.integrations.accelerate: {name}: recoverable work takes plain arguments "
-                             "(None, bool, int, float, str)")
-        if self._ft_pass is None:
-            return fn(*args)  # outside the training pass (a final evaluation): a fault restarts the job
-        self._ft_marker.pending = {"work": key, "args": list(args), "step": ft.committed}
-        self._snapshot(wait=True)  # what a fault in the work rolls back to, and this rank's record in the store
-        loaders = list(self.gradient_state.dataloader_references)
-        with ft.section(name):
-            while True:
-                failure = None
-                try:
-                    result = fn(*args)
-                    break
-                except Exception as err:
-                    if not _is_fault(ft, err):
-                        raise
-                    failure = f"a collective of the Accelerate loop failed in {name}: {describe(err)}"
-                for ref in list(self.gradient_state.dataloader_references):
-                    if ref is not None and all(ref is not kept for kept in loaders):
-                        self.gradient_state._remove_dataloader(ref)  # an evaluation pass cut short
-                ft.record_failure(failure)  # outside the except block: its traceback holds the group
-                self._recover_in_work()
-        self._ft_marker.pending = None
-        # Its end: a rank that dies after it is replaced by one that starts here (the work's
-        # draws made), so the record is in the store before the loop goes on.
-        self._snapshot(wait=True)
-        return result
-
-    def _recover_in_work(self) -> None:
-        """Recover from a fault in recoverable work: ftrun's step loop recovers (the state rolled
-        back to the work's start), then begins the next step, which is kept for the loop."""
-        ft = self._ft
-        assert ft is not None and self._ft_pass is not None
-        pending = self._ft_marker.pending
-        if self._ft_ahead is _END:
-            raise RuntimeError("ftrun.integrations.accelerate: a second fault in work after a pass's last step "
-                               "is not recovered in place")
-        self._ft_ahead = None
-        try:
-            self._ft_ahead = next(self._ft_pass)
-        except StopIteration:
-            self._ft_ahead = _END
-        if pending is None or ft.committed != int(pending["step"]):
-            raise RuntimeError(f"ftrun.integrations.accelerate: recovered at step {ft.committed}, not at the step "
-                               "the work followed")
-
-    def _snapshot(self, wait: bool = False) -> None:
-        """ftrun's step-start snapshot (and record) of this rank's state now. When the next step
-        was already begun (its micro-batches fetched by a recovery), the pass's position is taken
-        as it was before that fetch, so a retry of that step gets them again."""
-        ft = self._ft
-        assert ft is not None
-        cursor = ft.registry[PASS_NAME] if self._ft_ahead not in (None, _END) else None
-        if cursor is not None:
-            cursor.position -= 1
-        try:
-            ft.checks.snapshot_step_start(wait=wait)
-        finally:
-            if cursor is not None:
-                cursor.position += 1
+    def _work_failed(self, begun: Any) -> None:
+        for ref in list(self.gradient_state.dataloader_references):
+            if ref is not None and all(ref is not kept for kept in begun):
+                self.gradient_state._remove_dataloader(ref)  # an evaluation pass cut short

@@ -74,11 +74,9 @@ its loss (the next micro-batch's forward, usually): one micro-batch's activation
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import sys
-import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -86,32 +84,12 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy
 
 from ftrun.contract import RankEnv
-from ftrun.errors import describe
-from ftrun.group import GroupDown
+from ftrun.integrations.common import END, RecoverableWork, WorkMarker
 from ftrun.transfer import RNGState
 from ftrun.worker import Worker, current
 
-#: How long a rank whose collective raised waits for the coordinator's abort before it takes the
-#: error for a bug of its own (seconds); as in :mod:`ftrun.integrations.accelerate`.
-ABORT_WAIT_S = 5.0
 #: The name of the training pass's position in ftrun's registered rank state.
 PASS_NAME = "fabric_pass"
-#: What :meth:`FTFabric.train_batches` holds when the pass ended during a recovery.
-_END = object()
-
-
-def _is_fault(ft: Worker, err: BaseException) -> bool:
-    """Whether ``err``, raised by a collective of the loop, comes from a fault ftrun recovers (the
-    group is down, or the coordinator's abort arrives within :data:`ABORT_WAIT_S`)."""
-    if isinstance(err, GroupDown):
-        return True
-    if not isinstance(err, RuntimeError):
-        return False
-    deadline = time.monotonic() + ABORT_WAIT_S
-    while time.monotonic() < deadline:
-        if ft.control.poll_abort(timeout=0.05):
-            return True
-    return False
 
 
 class LoaderState:
@@ -199,19 +177,6 @@ class OptimizerSteps:
         self.state.end_pass()
 
 
-class _Marker:
-    """:class:`FTFabric`'s replica state: the recoverable work under way, if any."""
-
-    def __init__(self) -> None:
-        self.pending: dict[str, Any] | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"pending": dict(self.pending) if self.pending is not None else None}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.pending = dict(state["pending"]) if state["pending"] is not None else None
-
-
 class _Retained:
     """What a step's last ``fabric.backward`` kept so ``optimizer.step()`` can run it again: its
     arguments (the loss, whose graph is retained), the gradients before it and the random streams."""
@@ -220,10 +185,6 @@ class _Retained:
                  rng: dict[str, Any]) -> None:
         self.args, self.kwargs, self.grads, self.rng = args, kwargs, grads, rng
         self.clip: tuple[tuple[Any, ...], dict[str, Any], Any] | None = None  # the loop's clip_gradients call and result
-
-
-def _plain(value: Any) -> bool:
-    return value is None or isinstance(value, (bool, int, float, str))
 
 
 class StepCounter:
@@ -267,7 +228,7 @@ class FTDDPStrategy(DDPStrategy):
         return self.ft_optimizer_step(lambda: super(FTDDPStrategy, self).optimizer_step(optimizer, **kwargs))
 
 
-class FTFabric(Fabric):
+class FTFabric(RecoverableWork, Fabric):
     """``lightning.fabric.Fabric`` whose training loop is recovered rank by rank under ftrun; see the
     module docstring. Takes ``Fabric``'s arguments. Call ``ftrun.init()`` before it.
 
@@ -277,6 +238,8 @@ class FTFabric(Fabric):
         ValueError: under ftrun, a strategy other than Fabric's ``DDPStrategy`` (DeepSpeed, FSDP,
             ``ddp_spawn``...) or a precision with a ``GradScaler`` (``16-mixed``).
     """
+
+    _ft_label, _ft_loop, _ft_pass_name = "fabric", "Fabric loop", PASS_NAME
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._ft: Worker | None = None
@@ -303,7 +266,7 @@ class FTFabric(Fabric):
         strategy.__class__ = FTDDPStrategy
         strategy.ft_worker, strategy.ft_optimizer_step = ft, self._optimizer_step
         self._ft = ft
-        self._ft_marker = _Marker()
+        self._ft_marker = WorkMarker()
         ft.register("fabric", self._ft_marker, kind="replica")
         self._ft_loaders = 0
         self._ft_loader_states: dict[int, LoaderState] = {}
@@ -364,7 +327,7 @@ class FTFabric(Fabric):
             if pending is not None:
                 # A respawned rank whose replicas were in recoverable work after the step it
                 # starts from: it does that work first, with them.
-                self._ft_ahead = _END if item is None else item
+                self._ft_ahead = END if item is None else item
                 self._ft_work[int(pending["work"])](*pending["args"])
                 item = self._next_step()
             while item is not None:
@@ -386,18 +349,6 @@ class FTFabric(Fabric):
             close = getattr(gen, "close", None)
             if close is not None:
                 close()
-
-    def _next_step(self) -> tuple[Any, list[Any]] | None:
-        """The next step and its micro-batches from ftrun's step loop (which recovers first when a
-        fault was recorded), or None when the pass is over."""
-        ahead, self._ft_ahead = self._ft_ahead, None
-        if ahead is not None:
-            return None if ahead is _END else ahead
-        assert self._ft_pass is not None
-        try:
-            return next(self._ft_pass)
-        except StopIteration:
-            return None
 
     @property
     def completed_steps(self) -> int:
@@ -487,91 +438,3 @@ class FTFabric(Fabric):
             again = super().clip_gradients(*args, **clip_kwargs)
             if isinstance(result, torch.Tensor) and isinstance(again, torch.Tensor):
                 result.copy_(again)  # the norm the loop holds
-
-    # ------------------------------------------------------------------ work after a step
-    def recoverable(self, fn: Callable[..., Any], name: str = "eval") -> Callable[..., Any]:
-        """Make ``fn`` (work after a step that makes collectives: an evaluation) recoverable: a fault
-        inside is recovered and ``fn`` runs again with the new rank, in an ``ft.section(name)``
-        (bounded by no step timeout). Call it before the training loop, on every rank in the same
-        order. Under torchrun or as one process, returns ``fn``.
-
-        Args:
-            fn: called with plain arguments only (None, bool, int, float, str): a respawned rank
-                calls it with the arguments its replicas used, kept in the replica state.
-            name: the section's name.
-
-        Returns:
-            A function with ``fn``'s arguments and result; it raises ValueError for an argument
-            that is not plain.
-        """
-        if self._ft is None:
-            return fn
-        key = len(self._ft_work)
-
-        @functools.wraps(fn)
-        def run(*args: Any) -> Any:
-            return self._run_work(key, fn, name, args)
-
-        self._ft_work.append(run)
-        return run
-
-    def _run_work(self, key: int, fn: Callable[..., Any], name: str, args: tuple[Any, ...]) -> Any:
-        ft = self._ft
-        assert ft is not None
-        if not all(_plain(a) for a in args):
-            raise ValueError(f"ftrun.integrations.fabric: {name}: recoverable work takes plain arguments "
-                             "(None, bool, int, float, str)")
-        if self._ft_pass is None:
-            return fn(*args)  # outside the training pass (a final evaluation): a fault restarts the job
-        self._ft_marker.pending = {"work": key, "args": list(args), "step": ft.committed}
-        self._snapshot(wait=True)  # what a fault in the work rolls back to, and this rank's record in the store
-        with ft.section(name):
-            while True:
-                failure = None
-                try:
-                    result = fn(*args)
-                    break
-                except Exception as err:
-                    if not _is_fault(ft, err):
-                        raise
-                    failure = f"a collective of the Fabric loop failed in {name}: {describe(err)}"
-                ft.record_failure(failure)  # outside the except block: its traceback holds the group
-                self._recover_in_work()
-        self._ft_marker.pending = None
-        # Its end: a rank that dies after it is replaced by one that starts here (the work's
-        # draws made), so the record is in the store before the loop goes on.
-        self._snapshot(wait=True)
-        return result
-
-    def _recover_in_work(self) -> None:
-        """Recover from a fault in recoverable work: ftrun's step loop recovers (the state rolled
-        back to the work's start), then begins the next step, which is kept for the loop."""
-        ft = self._ft
-        assert ft is not None and self._ft_pass is not None
-        pending = self._ft_marker.pending
-        if self._ft_ahead is _END:
-            raise RuntimeError("ftrun.integrations.fabric: a second fault in work after a pass's last step "
-                               "is not recovered in place")
-        self._ft_ahead = None
-        try:
-            self._ft_ahead = next(self._ft_pass)
-        except StopIteration:
-            self._ft_ahead = _END
-        if pending is None or ft.committed != int(pending["step"]):
-            raise RuntimeError(f"ftrun.integrations.fabric: recovered at step {ft.committed}, not at the step "
-                               "the work followed")
-
-    def _snapshot(self, wait: bool = False) -> None:
-        """ftrun's step-start snapshot (and record) of this rank's state now. When the next step
-        was already begun (its micro-batches fetched by a recovery), the pass's position is taken
-        as it was before that fetch, so a retry of that step gets them again."""
-        ft = self._ft
-        assert ft is not None
-        cursor = ft.registry[PASS_NAME] if self._ft_ahead not in (None, _END) else None
-        if cursor is not None:
-            cursor.position -= 1
-        try:
-            ft.checks.snapshot_step_start(wait=wait)
-        finally:
-            if cursor is not None:
-                cursor.position += 1

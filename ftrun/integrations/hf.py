@@ -52,7 +52,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import time
 from typing import Any, Iterator
 
 import torch
@@ -60,14 +59,11 @@ from transformers import Trainer, TrainerControl
 
 from ftrun.contract import RankEnv
 from ftrun.errors import describe
-from ftrun.group import GroupDown
+from ftrun.integrations.common import is_fault
 from ftrun.optim import FTOptimizer
 from ftrun.transfer import RNGState
 from ftrun.worker import Worker, current
 
-#: How long a rank whose collective raised waits for the coordinator's abort before it takes the
-#: error for a bug of its own (seconds). A dead peer is seen at once (SIGCHLD), the abort follows.
-ABORT_WAIT_S = 5.0
 #: The ``resume_from_checkpoint`` a respawned rank passes to the Trainer's resume path: no
 #: directory; the state came from a replica (:meth:`FTTrainer._load_rng_state` knows it).
 FROM_REPLICA = "<ftrun: state from a replica>"
@@ -123,20 +119,6 @@ class RetryingOptimizer(FTOptimizer):
         while not super().step():
             self.trainer.retry_step()
         return None
-
-
-def _is_fault(ft: Worker, err: BaseException) -> bool:
-    """Whether ``err``, raised by a collective the Trainer made, comes from a fault ftrun recovers
-    (the group is down, or the coordinator's abort arrives within :data:`ABORT_WAIT_S`)."""
-    if isinstance(err, GroupDown):
-        return True
-    if not isinstance(err, RuntimeError):
-        return False
-    deadline = time.monotonic() + ABORT_WAIT_S
-    while time.monotonic() < deadline:
-        if ft.control.poll_abort(timeout=0.05):
-            return True
-    return False
 
 
 #: The ``Trainer`` members :class:`FTTrainer` overrides or calls, present in the tested transformers (5.23).
@@ -468,7 +450,7 @@ class FTTrainer(Trainer):
             try:
                 return work()
             except Exception as err:
-                if not _is_fault(ft, err):
+                if not is_fault(ft, err):
                     raise
                 failure = f"a collective of the Trainer failed: {describe(err)}"
             ft.record_failure(failure)  # outside the except block: its traceback holds the group

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import copy
 import os
-import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -69,13 +68,10 @@ from lightning.pytorch.trainer import call
 
 from ftrun.contract import RankEnv
 from ftrun.errors import describe
-from ftrun.group import GroupDown
+from ftrun.integrations.common import is_fault
 from ftrun.transfer import RNGState
 from ftrun.worker import Worker, current
 
-#: How long a rank whose collective raised waits for the coordinator's abort before it takes the
-#: error for a bug of its own (seconds), as in :mod:`ftrun.integrations.hf`.
-ABORT_WAIT_S = 5.0
 #: The fit loop's state-dict key of the validation loop's batch progress (Lightning 2.6).
 VAL_PROGRESS = "epoch_loop.val_loop.batch_progress"
 #: The fit loop's state-dict key of the training epoch loop's batch progress (Lightning 2.6).
@@ -94,20 +90,6 @@ class Stateful:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.load(state)
-
-
-def _is_fault(ft: Worker, err: BaseException) -> bool:
-    """Whether ``err``, raised by a collective Lightning made, comes from a fault ftrun recovers
-    (the group is down, or the coordinator's abort arrives within :data:`ABORT_WAIT_S`)."""
-    if isinstance(err, GroupDown):
-        return True
-    if not isinstance(err, RuntimeError):
-        return False
-    deadline = time.monotonic() + ABORT_WAIT_S
-    while time.monotonic() < deadline:
-        if ft.control.poll_abort(timeout=0.05):
-            return True
-    return False
 
 
 class _StepEnd(Callback):
@@ -373,7 +355,7 @@ class FTStrategy(DDPStrategy):
                     result = run()
                     break
                 except Exception as err:
-                    if not _is_fault(ft, err):
+                    if not is_fault(ft, err):
                         raise
                     failure = f"a collective of Lightning's validation failed: {describe(err)}"
                 ft.record_failure(failure)  # outside the except block: its traceback holds the group
