@@ -138,15 +138,16 @@ def test_a_dead_claimants_claim_is_taken_over(master):
 
 
 def test_a_live_claim_is_not_taken_over(master):
-    # The other launcher would take the claim over after 1.5 s without beats, and looks for 4 s;
-    # the claim's thread beats every 20 ms (a 0.3 s bound was crossed once by a starved thread in
-    # CI at load 10).
-    spec = spec_for(nnodes=2, cluster_time_out=4.0)
-    claim_node_rank(spec, client(master), **FAST)
+    # The live claim's thread beats every 20 ms for its own --cluster_time_out (60 s here); the
+    # other launcher would take it over after 1.5 s without beats, and looks for 2 s. (With one
+    # time-out for both, the live claim's beats ended before the other launcher's look did, when
+    # the other's store client took seconds to connect: CI failed so, twice.)
+    claim_node_rank(spec_for(nnodes=2), client(master), **FAST)
     master.set("ftrun/vacant", "1")
-    assert claim_node_rank(spec, client(master), claimant="alive", **FAST) == 1  # its thread beats
+    assert claim_node_rank(spec_for(nnodes=2, cluster_time_out=60.0), client(master), claimant="alive", **FAST) == 1
     with pytest.raises(ConfigError):
-        claim_node_rank(spec, client(master), claimant="other", stale_after=1.5, **FAST)
+        claim_node_rank(spec_for(nnodes=2, cluster_time_out=2.0), client(master), claimant="other", stale_after=1.5,
+                        **FAST)
     assert master.get("ftrun/claim/1/0") == b"alive"
 
 
