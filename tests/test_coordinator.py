@@ -232,6 +232,30 @@ def test_late_answer_to_the_abort_is_not_a_failed_plan(tmp_path: Path) -> None:
     assert coord.recovery.generation == 3
 
 
+def test_a_collective_that_fails_on_a_rank_being_killed_as_hung_waits_for_its_death(tmp_path: Path) -> None:
+    # CI: the watchdog killed a hung rank 3; rank 0's all-reduce failed on its closed connection and
+    # that report came before rank 3's exit, so an HCCE round started, then was restarted by the
+    # death. The death alone starts the round; rank 0 answers its abort.
+    from ftrun.coordinator.watchdog import Hung
+
+    coord, agent, clock = make(tmp_path)
+    hello_all(coord)
+    step(coord, 0)
+    coord.declare_hung(coord.ranks[3], Hung(3, "no_progress", "no step progress (test)", clock.now))
+    send(coord, 0, MsgType.FAULT, generation=0, step=1, committed=0, reason="gradient all-reduce failed: closed", kind="comm")
+    assert coord.recovery is None and not events(tmp_path, "recovery_started")
+    assert coord.check_processes() is None  # rank 3's exit: the round for its death
+    started = events(tmp_path, "recovery_started")
+    assert len(started) == 1 and started[0]["detail"]["fault"] != "comm_error", started
+    assert [e["rank"] for e in events(tmp_path, "rank_failed")] == [3]
+    # Without a rank being killed, the same report is a communication error repaired in place.
+    (tmp_path / "b").mkdir()
+    coord2, _, _ = make(tmp_path / "b")
+    hello_all(coord2)
+    send(coord2, 0, MsgType.FAULT, generation=0, step=1, committed=0, reason="gradient all-reduce failed: closed", kind="comm")
+    assert events(tmp_path / "b", "recovery_started")[0]["detail"]["fault"] == "comm_error"
+
+
 def test_done_is_a_claim_the_job_ends_when_processes_exit(tmp_path: Path) -> None:
     coord, agent, clock = make(tmp_path)
     hello_all(coord)

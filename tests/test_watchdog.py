@@ -93,8 +93,12 @@ def test_communication_error_rebuilds_the_group_without_respawn(reference: str, 
     started = _kinds(events, "recovery_started")
     assert started and started[0]["detail"]["fault"] == "comm_error"
     plan = _kinds(events, "recovery_planned")[0]["detail"]
-    assert plan["step"] == 8 and plan["transfers"] == []  # nobody committed step 9: nothing to move
-    assert _kinds(events, "recovery_finished")[0]["detail"]["bytes"] == 0
+    committed = {int(r): s for r, s in plan["committed"].items()}
+    assert plan["step"] == 8 and max(committed.values()) == 8, plan  # nobody committed step 9
+    # Usually nothing moves. A rank the abort reached before it committed step 8 (a loaded machine
+    # let rank 1 run a whole step ahead of it; CI saw ranks 2 and 3 so) takes step 8 from one that has it.
+    assert sorted(r for _, r in plan["transfers"]) == sorted(r for r, s in committed.items() if s != 8), plan
+    assert (_kinds(events, "recovery_finished")[0]["detail"]["bytes"] == 0) == (plan["transfers"] == [])
 
 
 @pytest.mark.parametrize("point", ["optimizer", "allreduce"])

@@ -201,6 +201,10 @@ class RecoveryRounds:
         for x in job.ranks.values():
             x.proc.last_progress, x.proc.phase = now, RankPhase.COMPUTE
 
+    def _killing(self) -> list[int]:
+        """Ranks ftrun is killing (found hung) whose exit is not reported yet."""
+        return [x.rank for x in self.job.ranks.values() if x.proc.running and x.proc.kill_reason is not None]
+
     def on_fault(self, r: Rank, msg: Message) -> None:
         """A rank reports a failed collective, a recoverable error, or its answer to an abort."""
         job, rec = self.job, self.current
@@ -214,6 +218,11 @@ class RecoveryRounds:
             self.start(set(), f"rank {r.rank} could not carry out the plan: {msg['reason']}", kind="comm_error")
         elif rec is not None:
             self.on_report(r, msg["generation"], msg["committed"])
+        elif msg["generation"] == job.generation and kind == "comm" and self._killing():
+            # ftrun is killing a hung rank: a collective with it fails on its closed connections
+            # before its exit is reported. Its death starts the round, whose abort this rank answers;
+            # an HCCE round now would only be restarted by that death (CI saw it).
+            return
         elif msg["generation"] == job.generation and kind in ("comm", "recoverable"):
             # No rank died (yet): repair in place, no respawn. UCE: the rank reloads from a replica.
             event_kind = "recoverable_error" if kind == "recoverable" else "comm_error"
