@@ -40,7 +40,8 @@ import zmq
 from . import procs
 from .contract import STANDBY_NODE_INDEX
 from .events import Event, EventKind
-from .protocol import CONTROL, MAX_FRAME_BYTES, Message, MsgType, Receiver, Sender, encode, events_for, receive, to_peer
+from .protocol import (CONTROL, MAX_FRAME_BYTES, Message, MsgType, Receiver, Sender, encode, endpoint_refuses, events_for,
+                       receive, standby_line, to_peer)
 from .spawner import EXIT_TAIL_LINES, ExitReport, RankProcesses, StopReport, rank_argv, shared_dir_marker
 
 log = logging.getLogger("ftrun.agent")
@@ -115,8 +116,10 @@ class AgentHandle:
     def shutdown(self, code: int, message: str) -> None:
         raise NotImplementedError
 
-    def announce_standby(self, control: str, store: str, epoch: int) -> None:
-        """Tell the agent where the standby coordinator is (it moves there if this one dies)."""
+    def announce_standby(self, control: str, store: str, epoch: int, seats: list[list[Any]] | None = None) -> None:
+        """Tell the agent where the standby coordinator is (it moves there if this one dies):
+        the first's ``control`` and ``store``, and the whole line (``seats``: [control, node],
+        first first)."""
 
     def replicate(self, state: dict[str, Any]) -> None:
         """Send the coordinator's hard state to this node's agent, the standby coordinator."""
@@ -234,8 +237,8 @@ class RemoteAgent(AgentHandle):
     def beat(self) -> None:
         self._send(MsgType.AGENT_BEAT, node=0)
 
-    def announce_standby(self, control: str, store: str, epoch: int) -> None:
-        self._send(MsgType.STANDBY, control=control, store=store, epoch=epoch)
+    def announce_standby(self, control: str, store: str, epoch: int, seats: list[list[Any]] | None = None) -> None:
+        self._send(MsgType.STANDBY, control=control, store=store, epoch=epoch, seats=seats or [])
 
     def replicate(self, state: dict[str, Any]) -> None:
         self._send(MsgType.STATE, state=state)
@@ -316,7 +319,13 @@ class NodeAgent:
         self.coordinator_timeout = coordinator_timeout
         self.events_addr = events_addr
         self.standby = standby  # this node's ftrun.coordinator.failover.StandbySeat, if it stands by
-        self.moved_to: str | None = None  # the standby coordinator's endpoint, once announced
+        # The standby coordinators in line, first first: (control endpoint, node), as the last
+        # coordinator that spoke announced them; one is taken off as this agent moves there.
+        self.line: list[tuple[str, int]] = []
+        self._coordinator_node = 0  # the node of the coordinator (or standby) this agent is connected to
+        self._at_seat = False  # connected to a standby that has not taken over (said nothing) yet
+        self._proven = False  # ... after the coordinator's connection closed (not only silence)
+        self._dead: list[int] = []  # nodes whose coordinator or standby died since the last one that spoke
         self._seat: list[Any] | None = None  # a standby seat being set up on a thread (stand_by), once asked
         self.ctx = zmq.Context()
         self._connect(control_addr)
@@ -338,8 +347,9 @@ class NodeAgent:
         self._receiver = Receiver(self._sender.auth, to_peer(identity))
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        self.closed = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.closed = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
         self.sock.connect(control_addr)
+        self._endpoint = control_addr
 
     def close_connection(self) -> None:
         """Close the connection to the coordinator (and its monitor)."""
@@ -396,22 +406,30 @@ class NodeAgent:
             if self.sock in events:
                 for msg in receive(self.sock, self._receiver, 1000, lambda err: log.warning("dropped a frame: %s", err)):
                     last_heard = time.monotonic()
+                    if self._at_seat:  # the standby took the job over: it is the coordinator now
+                        self._at_seat, self._dead = False, []
                     self.handle(msg)
-            if self.closed in events and self.exit_code is None and self.stop_signal is None:
-                self.closed.recv_multipart()
+            if self.closed in events and self.exit_code is None and self.stop_signal is None and self._gone():
                 # What the coordinator sent before it closed comes first (a shutdown at the job's end).
                 for msg in receive(self.sock, self._receiver, 1000, lambda err: log.warning("dropped a frame: %s", err)):
                     self.handle(msg)
                 if self.exit_code is not None:
                     continue
-                if self.standby is not None and self.standby.state is not None:
-                    return self.take_over("its connection to this standby closed (its processes or its host died)")
-                if self.moved_to is not None:
-                    # The coordinator's connection closed: its process is gone. Its standby takes
-                    # the job over; say hello there (its endpoint queues it until then).
-                    log.warning("the coordinator's connection closed; moving to the standby at %s", self.moved_to)
-                    self._move(poller)
-                    last_heard = time.monotonic()
+                self._dead.append(self._coordinator_node)
+                if self._at_seat and not self._proven:
+                    message = (f"lost the job coordinator (nothing heard from it) and its standby on node "
+                               f"{self._coordinator_node} died; stopping this node's ranks")
+                    self.stop_all(message)
+                    self.event(EventKind.JOB_FINISHED, f"job failed: {message}", exit_code=1)
+                    self.exit_code = 1
+                    continue
+                # Its processes are gone (a killed process's or host's kernel closes its
+                # connections): the next standby in line takes the job over; say hello there (its
+                # endpoint queues it until then), or take over here if this node is next.
+                hop = self._hop(poller, proven=True)
+                if hop is not None:
+                    return hop
+                last_heard = time.monotonic()
             if self.stop_signal is not None and self.exit_code is None:
                 # This node's launcher was stopped (or died: its death signal is SIGTERM). Tell the
                 # coordinator first, so that it takes the node as gone rather than respawning its
@@ -423,7 +441,7 @@ class NodeAgent:
                 self.exit_code = 128 + self.stop_signal
             elif self.exit_code is None and time.monotonic() - last_heard > self.coordinator_timeout:
                 silence = time.monotonic() - last_heard
-                if self.standby is not None and self.standby.state is not None:
+                if self._first_in_line() and not self._at_seat:
                     # Silence, not a closed connection: a partition or a hung host. Take over only
                     # with a majority (the others' agents come here when they hear nothing either);
                     # the coordinator steps down when it hears half or less.
@@ -433,15 +451,17 @@ class NodeAgent:
                                               f"{electorate} nodes agree (a majority; the other side steps down)")
                     if electorate >= 3 and silence <= 2 * self.coordinator_timeout:
                         continue  # the other agents' votes may still come
-                elif self.moved_to is not None and not fled:
-                    # Silence: the coordinator may be cut off from this node. Go to the standby
-                    # (this hello is a vote for its takeover); if it never takes over, end below.
+                elif self.line and not fled and not self._at_seat:
+                    # Silence: the coordinator may be cut off from this node. Go to the first
+                    # standby (this hello is a vote for its takeover); if it never takes over, end below.
                     log.warning("nothing heard from the coordinator for %.1f s; moving to the standby at %s",
-                                silence, self.moved_to)
-                    self._move(poller)
+                                silence, self.line[0][0])
                     fled, last_heard = True, time.monotonic()
-                    continue
-                message = (f"lost the job coordinator on node 0 (nothing heard for {silence:.1f} s"
+                    if self._hop(poller, proven=False) is None and self.exit_code is None:
+                        continue
+                    if self.exit_code is not None:
+                        continue
+                message = (f"lost the job coordinator on node {self._coordinator_node} (nothing heard for {silence:.1f} s"
                            f"{'; nor from its standby' if fled else ''}); stopping this node's ranks")
                 self.stop_all(message)
                 self.event(EventKind.JOB_FINISHED, f"job failed: {message}", exit_code=1)
@@ -455,20 +475,57 @@ class NodeAgent:
         self.ctx.term()
         return self.exit_code
 
-    def _move(self, poller: zmq.Poller) -> None:
-        """Connect to the standby coordinator announced (``moved_to``) and say hello there (its
-        endpoint keeps it until it takes over)."""
-        assert self.moved_to is not None
-        for sock in (self.closed, self.sock):
-            poller.unregister(sock)
-        self.close_connection()
-        self._connect(self.moved_to)
-        self.moved_to = None
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.closed, zmq.POLLIN)
-        self._hello()
+    def _gone(self) -> bool:
+        """Read the connection's monitor: True when the coordinator (or standby) this agent is
+        connected to is gone: its connection closed, or, for a standby that has not taken over,
+        connecting to it was refused (nothing listens there any more: its process died before this
+        agent reached it)."""
+        from zmq.utils.monitor import parse_monitor_message
 
-    def take_over(self, cause: str) -> int:
+        event = parse_monitor_message(self.closed.recv_multipart())["event"]
+        if event == zmq.EVENT_DISCONNECTED:
+            return True
+        return self._at_seat and endpoint_refuses(self._endpoint)
+
+    def _first_in_line(self) -> bool:
+        """This agent stands by, holds the job's state, and is the first standby in line."""
+        if self.standby is None or self.standby.state is None:
+            return False
+        return not self.line or self.line[0][0] == self.standby.control.address
+
+    def _hop(self, poller: zmq.Poller, proven: bool) -> int | None:
+        """The coordinator this agent is connected to is gone (``proven``: its processes died, not
+        only silent): go to the next standby in line that is alive and say hello there, or, when
+        this agent's own seat is next and every one before it died, take the job over and return
+        its exit code. With nobody left, end this node's part of the job (exit code 1)."""
+        while self.line:
+            control, node = self.line.pop(0)
+            if self.standby is not None and control == self.standby.control.address:
+                if proven and self.standby.state is not None:
+                    return self.take_over(_takeover_cause(self._dead), lost=self._dead)
+                break  # only silence: nothing proves the coordinator dead, so no takeover here
+            if endpoint_refuses(control):
+                self._dead.append(node)  # its process died before this agent reached it
+                continue
+            log.warning("the coordinator on node %d is gone; moving to the standby on node %d at %s",
+                        self._coordinator_node, node, control)
+            for sock in (self.closed, self.sock):
+                poller.unregister(sock)
+            self.close_connection()
+            self._connect(control)
+            self._coordinator_node, self._at_seat, self._proven = node, True, proven
+            poller.register(self.sock, zmq.POLLIN)
+            poller.register(self.closed, zmq.POLLIN)
+            self._hello()
+            return None
+        message = (f"lost the job coordinator on node {self._coordinator_node} and every standby coordinator "
+                   f"(nodes {sorted(set(self._dead))} died or nothing proves the coordinator dead); stopping this node's ranks")
+        self.stop_all(message)
+        self.event(EventKind.JOB_FINISHED, f"job failed: {message}", exit_code=1)
+        self.exit_code = 1
+        return None
+
+    def take_over(self, cause: str, lost: list[int] | None = None) -> int:
         """This node stands by and the coordinator is gone (``cause``: its connection closed, or
         a majority hears nothing from it): run the job's coordinator here
         (:class:`ftrun.coordinator.failover.StandbySeat`) and return the job's exit code."""
@@ -478,7 +535,9 @@ class NodeAgent:
             self.push.close(0)
             self.push = None
         self.ctx.term()
-        return self.standby.take_over(self.processes, self.events_addr, self.node, self._events_node, cause=cause)
+        return self.standby.take_over(self.processes, self.events_addr, self.node, self._events_node,
+                                      lost=list(dict.fromkeys(lost if lost is not None else [self._coordinator_node])),
+                                      cause=cause)
 
     def stop_all(self, reason: str) -> None:
         log.warning("%s", reason)
@@ -546,7 +605,9 @@ class NodeAgent:
                    standby=True)
 
     def _on_standby(self, msg: Message) -> None:
-        self.moved_to = msg["control"] or None  # "": the standby was lost, none yet
+        """The line of standby coordinators (``seats``: [control, node], first first; an older
+        coordinator's message names only the first, ``control``; "": none, the standby was lost)."""
+        self.line = standby_line(msg)
 
     def _on_stand_by(self, _msg: Message) -> None:
         """Stand by as the job coordinator (the coordinator lost the one it had). The seat is set
@@ -591,6 +652,14 @@ class NodeAgent:
         MsgType.STATE: _on_state,
         MsgType.STAND_BY: _on_stand_by,
     }
+
+
+def _takeover_cause(dead: list[int]) -> str:
+    """Why a standby takes the job over after closed connections, in words."""
+    if len(set(dead)) <= 1:
+        return "its connection to this standby closed (its processes or its host died)"
+    return (f"the coordinator's and the standby coordinators' processes on nodes {sorted(set(dead))} died (their "
+            "connections closed or were refused)")
 
 
 def agent_log_name(node: int) -> str:

@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 import zmq
 
-from .protocol import CONTROL, MAX_FRAME_BYTES, Message, MsgType, Receiver, Sender, pack, receive, to_peer
+from .protocol import (CONTROL, MAX_FRAME_BYTES, Message, MsgType, Receiver, Sender, endpoint_refuses, pack, receive,
+                       standby_line, to_peer)
 
 RECEIVE_BUDGET = 1000  # frames read per wake-up of the I/O thread (then it beats and sends again)
 
@@ -51,9 +52,11 @@ class Channel:
         self._wake_pending = False
         self._ctx = zmq.Context.instance()
         self._connect(addr)
-        # The standby coordinator's endpoint (a ``standby`` message): when this connection closes
-        # (the coordinator's process died), the channel moves there and says hello again.
-        self.fallback: str | None = None
+        # The standby coordinators' endpoints, first first (a ``standby`` message): when this
+        # connection closes (the coordinator's process died), the channel moves to the first and says
+        # hello again; when that one's closes or refuses before it spoke, to the next.
+        self.line: list[str] = []
+        self._at_seat = False  # connected to a standby that has said nothing yet
         # ... and when nothing is heard from the coordinator for this many seconds (its beats, the
         # ``standby`` message told again once a heartbeat interval): a partition between them.
         self.silence_timeout: float | None = None
@@ -87,20 +90,32 @@ class Channel:
         self._receiver = Receiver(self._sender.auth, to_peer(identity))
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._sock.setsockopt(zmq.LINGER, 1000)
-        self._closes = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._closes = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
         self._sock.connect(addr)
+        self._endpoint = addr
+
+    def _gone(self) -> bool:
+        """Read the connection's monitor: its connection closed, or connecting to a standby that
+        has said nothing yet was refused (its process died before this rank reached it)."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        event = parse_monitor_message(self._closes.recv_multipart())["event"]
+        return event == zmq.EVENT_DISCONNECTED or (self._at_seat and endpoint_refuses(self._endpoint))
 
     def _move(self, poller: zmq.Poller) -> None:
         """The coordinator's connection closed, or it fell silent, and a standby is known: connect
-        there and say hello again (same process, same incarnation; ``rejoin``), before anything else is sent."""
-        assert self.fallback is not None
+        to the first in line that does not refuse and say hello again (same process, same
+        incarnation; ``rejoin``), before anything else is sent."""
+        target = self.line.pop(0)
+        while self.line and endpoint_refuses(target):
+            target = self.line.pop(0)
         for sock in (self._sock, self._closes):
             poller.unregister(sock)
         self._sock.disable_monitor()
         self._closes.close(0)
         self._sock.close(0)
-        self._connect(self.fallback)
-        self.fallback = None
+        self._connect(target)
+        self._at_seat = True
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._closes, zmq.POLLIN)
         if self._hello is not None:
@@ -164,8 +179,8 @@ class Channel:
         running = True
         while running:
             now = time.monotonic()
-            if (self.fallback is not None and self.silence_timeout is not None
-                    and now - last_heard > self.silence_timeout):
+            if (self.line and not self._at_seat and self.silence_timeout is not None
+                    and now - last_heard > self.silence_timeout):  # a standby is silent until it takes over
                 print(f"ftrun: control channel: nothing heard from the coordinator for {now - last_heard:.1f} s; "
                       "moving to the standby coordinator", file=sys.stderr, flush=True)
                 self._move(poller)
@@ -207,9 +222,8 @@ class Channel:
                     running = False
                     break
                 self._sock.send(seal(frame, CONTROL))
-            if self._closes in events:
-                self._closes.recv_multipart()
-                if self.fallback is not None and running:
+            if self._closes in events and self._gone():
+                if self.line and running:
                     self._move(poller)
                     last_heard = time.monotonic()
                     continue
@@ -217,8 +231,9 @@ class Channel:
                 # only the supervisor knows our secret: a frame that does not verify is dropped
                 for msg in receive(self._sock, self._receiver, RECEIVE_BUDGET, lambda _err: None):
                     last_heard = time.monotonic()
+                    self._at_seat = False  # whoever this is connected to speaks: it is the coordinator
                     if msg.type == MsgType.STANDBY:
-                        self.fallback = msg["control"] or None  # "": the standby was lost, none yet
+                        self.line = [control for control, _ in standby_line(msg)]  # []: the standby was lost, none yet
                         timeout = msg.get("timeout")
                         self.silence_timeout = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else None
                         continue

@@ -368,3 +368,32 @@ def receive(sock: Any, receiver: Receiver, budget: int, on_reject: Callable[[Pro
             on_reject(err)
             continue
         yield msg
+
+
+def standby_line(msg: Message) -> list[tuple[str, int]]:
+    """The standby coordinators in line named by a ``standby`` message, first first:
+    ``(control endpoint, node)``. Its ``seats`` ([control, node] pairs; entries of another shape
+    are dropped), else its ``control`` alone (node -1: not named); [] when it names none."""
+    seats = msg.get("seats")
+    if isinstance(seats, list) and seats:
+        return [(str(c)[:200], int(n)) for c, n in (x for x in seats if isinstance(x, list) and len(x) == 2)
+                if isinstance(c, str) and c and isinstance(n, int) and not isinstance(n, bool)]
+    control = msg.get("control")
+    return [(control[:200], -1)] if isinstance(control, str) and control else []
+
+
+def endpoint_refuses(endpoint: str, timeout: float = 1.0) -> bool:
+    """Whether a TCP connection to ``endpoint`` (``tcp://host:port``) is refused: its host is up
+    and nothing listens on that port, so the process that bound it is gone. False when it connects,
+    and when nothing answers within ``timeout`` seconds or the host is unreachable (a partition or a
+    dead host looks the same: that is silence, not proof)."""
+    import socket
+
+    try:
+        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False

@@ -187,6 +187,9 @@ def _header(snap: JobSnapshot) -> str:
     if isinstance(standby_nodes, list) and standby_nodes:
         parts.append(f"{len(standby_nodes)} standby node(s) (" + ", ".join(
             f"{row.get('host', '?')}/{row.get('pid', '?')}" for row in standby_nodes if isinstance(row, dict)) + ")")
+    seats = s.get("standby_coordinators")
+    if isinstance(seats, list) and seats:
+        parts.append("standby coordinator(s) on node(s) " + ", ".join(str(n) for n in seats if isinstance(n, int)))
     updated = s.get("updated")
     if isinstance(updated, (int, float)) and snap.verdict.state == "running":
         parts.append(f"updated {max(0.0, snap.now - updated):.1f} s ago")

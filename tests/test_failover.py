@@ -31,7 +31,7 @@ class StandbyAgent(FakeAgent):
     def replicate(self, state: dict[str, Any]) -> None:
         self.states.append(state)
 
-    def announce_standby(self, control: str, store: str, epoch: int) -> None:
+    def announce_standby(self, control: str, store: str, epoch: int, seats: Any = None) -> None:
         self.announced.append((control, store, epoch))
 
 
@@ -76,7 +76,7 @@ def test_a_takeover_recovers_the_dead_coordinators_node_from_replicas(tmp_path: 
     new = _standby_of(tmp_path, store, clock)
     state = {"epoch": 0, "attempt": 0, "generation": 2, "restarts_used": 1, "run_id": "job", "lost_nodes": {},
              "ranks": [[r, 0, 100 + r, True, [0, 1, 2, 3], 0, "healthy", 40 + r % 2, True] for r in range(4)]}
-    new.take_over(state, lost=0)
+    new.take_over(state, lost=[0])
     assert new.epoch == 1 and new.generation == 3  # the round after the dead coordinator's generation
     takeover = events(tmp_path / "new", "coordinator_takeover")
     assert takeover and takeover[0]["detail"]["lost"] == 0
@@ -104,7 +104,7 @@ def test_a_rank_that_heard_of_a_newer_generation_moves_the_round_beyond_it(tmp_p
     new = _standby_of(tmp_path, store, Clock())
     state = {"epoch": 0, "attempt": 0, "generation": 2, "restarts_used": 0, "run_id": "job", "lost_nodes": {},
              "ranks": [[r, 0, 100 + r, True, [0, 1, 2, 3], 0, "healthy", 40, True] for r in range(4)]}
-    new.take_over(state, lost=0)
+    new.take_over(state, lost=[0])
     assert new.generation == 3
     new.handle(ident(2, 0), msg(MsgType.HELLO, rank=2, incarnation=0, pid=102, generation=2, replica_group=[0, 1, 2, 3],
                                 library=True, rejoin=True, seen=3))
@@ -142,9 +142,42 @@ def test_a_lost_standby_is_replaced_by_another_nodes_agent(tmp_path: Path) -> No
     coord.agents[2].on_message(msg(MsgType.AGENT_BEAT, node=2, standby_control="tcp://10.0.0.3:7777",
                                    standby_store="10.0.0.3:8888"), clock())
     coord.collect_reports()
-    assert (coord.failover.node, coord.failover.store) == (2, "10.0.0.3:8888")
+    assert (coord.failover.node, coord.failover.seats[0].store) == (2, "10.0.0.3:8888")
     coord.failover.replicate(clock())
     assert (b"agent-2", MsgType.STATE) in sent
+
+
+def test_two_standbys_stand_in_line_and_each_is_sent_the_state(tmp_path: Path) -> None:
+    """Issue 24: node 1 may be lost while it takes over from node 0, so a second standby stands
+    in line: the coordinator asks node 2's agent too, announces the line (first first) to ranks and
+    agents, sends both the state (the line in it), and when node 1 is lost node 2 is first."""
+    coord, clock, sent = _three_nodes(tmp_path)
+    hello_all(coord)
+    coord.failover.replicate(clock())
+    assert (b"agent-2", MsgType.STAND_BY) in sent and [s.node for s in coord.failover.seats] == [1]
+    coord.agents[2].on_message(msg(MsgType.AGENT_BEAT, node=2, standby_control="tcp://10.0.0.3:7777",
+                                   standby_store="10.0.0.3:8888"), clock())
+    coord.collect_reports()
+    assert [s.node for s in coord.failover.seats] == [1, 2]
+    line = [["tcp://10.0.0.2:5555", 1], ["tcp://10.0.0.3:7777", 2]]
+
+    class Told:
+        node = 3
+
+        def announce_standby(self, control: str, store: str, epoch: int, seats: Any = None) -> None:
+            self.args = (control, store, epoch, seats)
+
+    told = Told()
+    coord.failover.tell(told)  # type: ignore[arg-type]
+    assert told.args == ("tcp://10.0.0.2:5555", "10.0.0.2:6666", 0, line)
+    sent.clear()
+    coord.failover.replicate(clock(), force=True)
+    assert (b"agent-1", MsgType.STATE) in sent and (b"agent-2", MsgType.STATE) in sent
+    assert hard_state(coord)["seats"] == [[1, "tcp://10.0.0.2:5555", "10.0.0.2:6666"], [2, "tcp://10.0.0.3:7777", "10.0.0.3:8888"]]
+    assert [[s.control, s.node] for s in coord.failover.seats] == line
+    coord.members.lose(1, "node 1 lost")
+    coord.failover.replicate(clock())
+    assert [s.node for s in coord.failover.seats] == [2]
 
 
 def _three_nodes(tmp_path: Path) -> tuple[Coordinator, Clock, list[tuple[bytes, MsgType]]]:

@@ -169,3 +169,27 @@ def test_a_frame_for_one_endpoint_does_not_verify_at_another():
     for audience in (to_peer(b"r-two"), CONTROL, events_for(0)):
         with pytest.raises(ProtocolError, match="another endpoint"):
             decode(frame, Receiver(TOKEN, audience))
+
+
+def test_standby_line_reads_the_seats_first_first_and_an_older_message_s_control() -> None:
+    from ftrun.protocol import Message, MsgType, standby_line
+
+    line = Message(MsgType.STANDBY, {"control": "tcp://a:1", "store": "a:2", "epoch": 0,
+                                     "seats": [["tcp://a:1", 1], ["tcp://b:1", 2], ["bad"], [3, 4], ["tcp://c:1", True]]})
+    assert standby_line(line) == [("tcp://a:1", 1), ("tcp://b:1", 2)]
+    assert standby_line(Message(MsgType.STANDBY, {"control": "tcp://a:1", "store": "", "epoch": 0})) == [("tcp://a:1", -1)]
+    assert standby_line(Message(MsgType.STANDBY, {"control": "", "store": "", "epoch": 0, "seats": []})) == []
+
+
+def test_an_endpoint_nothing_listens_on_refuses_and_a_bound_one_does_not() -> None:
+    import socket
+
+    from ftrun.protocol import endpoint_refuses
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert not endpoint_refuses(f"tcp://127.0.0.1:{port}")
+    assert endpoint_refuses(f"tcp://127.0.0.1:{port}")  # closed: the kernel answers with a reset
+    assert not endpoint_refuses("tcp://not-an-endpoint")  # not proof of anything

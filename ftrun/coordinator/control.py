@@ -52,6 +52,7 @@ class ControlPlane:
         # an agent's connection closing is its node's loss, with no heartbeat timeout to wait for.
         self.disconnects = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._agent_fds: dict[int, bytes] = {}  # descriptor of an agent's connection -> its routing identity
+        self._closed_agents: set[bytes] = set()  # agents whose connection closed, not yet taken
         port = self.router.bind_to_random_port(f"tcp://{bind}")
         self.address = f"tcp://{advertised}:{port}"
         self.on_agent: Callable[[bytes, Message, int | None], None] = lambda _i, _m, _fd: None
@@ -77,26 +78,36 @@ class ControlPlane:
         self.router.send_multipart([identity, encode(msg_type, self.sender, to_peer(identity), **fields)])
 
     def watch_agent_connection(self, fd: int | None, identity: bytes) -> None:
-        """Remember which descriptor an agent's connection has (from its hello's ``SRCFD``)."""
+        """Remember which descriptor an agent's connection has (from its hello's ``SRCFD``).
+
+        The closes the monitor reported so far are read first: a connection that closed before
+        this one was accepted may have had the same descriptor (the kernel reuses the lowest free
+        one; an agent's or a rank's probe of this endpoint, :func:`ftrun.protocol.endpoint_refuses`,
+        connects and closes at once), and its close must not be taken for this agent's."""
         if fd is not None:
+            self._drain_closes()
             self._agent_fds[fd] = identity
+
+    def _drain_closes(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                event = recv_monitor_message(self.disconnects, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity = self._agent_fds.pop(event["value"], None)
+            if identity is not None:
+                self._closed_agents.add(identity)
 
     def closed_agent_connections(self) -> set[bytes]:
         """The agent connections (routing identities) that have closed since the last call (the
         ROUTER's monitor: each connection's descriptor was recorded from its agent's hello,
         ``SRCFD``). A lost node's old agent, fenced, or a replaced one is not its node's agent any
         more: the caller checks the identity against the node's current agent."""
-        from zmq.utils.monitor import recv_monitor_message
-
-        identities: set[bytes] = set()
-        while True:
-            try:
-                event = recv_monitor_message(self.disconnects, zmq.NOBLOCK)
-            except zmq.Again:
-                return identities
-            identity = self._agent_fds.pop(event["value"], None)
-            if identity is not None:
-                identities.add(identity)
+        self._drain_closes()
+        identities, self._closed_agents = self._closed_agents, set()
+        return identities
 
     def read(self, budget: int = READ_BUDGET, agents_only: bool = False,
              stop: Callable[[], bool] = lambda: False) -> None:

@@ -196,6 +196,9 @@ class Coordinator:
             "nnodes": self.spec.nnodes,
             "lost_nodes": {str(k): v for k, v in self.members.lost_nodes.items()},
             "standby_nodes": self.members.standby_node_rows(),
+            "standby_coordinators": [seat.node for seat in self.failover.seats],  # in line, first first
+            "coordinator_node": self.spec.node_rank,
+            "coordinator_epoch": self.epoch,
             **status_header(),
         }
 
@@ -203,10 +206,12 @@ class Coordinator:
         self.publisher.status(self.status_snapshot, force=force, final=final)
 
     # ----------------------------------------------------------------- main loop
-    def run(self, takeover: dict[str, Any] | None = None, lost: int = 0, cause: str = "") -> int:
+    def run(self, takeover: dict[str, Any] | None = None, lost: list[int] | tuple[int, ...] = (0,),
+            cause: str = "") -> int:
         """Run the job to its end and return the exit code. With ``takeover`` (the hard state a
         standby was sent, :func:`ftrun.coordinator.failover.hard_state`), go on with a job whose
-        coordinator on node ``lost`` died or was cut off (``cause``, in words), instead of
+        coordinator died or was cut off on the first node of ``lost`` (the others: standby
+        coordinators that died before this one could take over; ``cause``, in words), instead of
         starting one."""
         self._install_signals()
         spec = self.spec
@@ -331,22 +336,27 @@ class Coordinator:
         self.members.await_replacement(node, reason, now)
         return self.on_failure([r.rank for r in lost], kind="node_loss")
 
-    def take_over(self, state: dict[str, Any], lost: int, cause: str = "") -> None:
-        """Go on with the job after its coordinator on node ``lost`` died or was cut off (this is
-        the standby's process; ``cause``: how it was found, in words): its hard state restored with
-        the epoch moved on, the store and endpoint published, then node ``lost`` handled as any
-        lost node (its ranks recovered from replicas once a launcher takes its index)."""
+    def take_over(self, state: dict[str, Any], lost: list[int] | tuple[int, ...], cause: str = "") -> None:
+        """Go on with the job after its coordinator died or was cut off on the first node of
+        ``lost``, and the standby coordinators before this one on the others died (this is a
+        standby's process; ``cause``: how it was found, in words): its hard state restored with
+        the epoch moved on, the store and endpoint published, then each node of ``lost`` handled
+        as any lost node (its ranks recovered from replicas once a launcher takes its index)."""
         restore(self, state)
         self.spawning.attempt_port = self.spawning.store_port
         cause = cause or "its connection to this standby closed (its processes or its host died)"
+        lost = list(dict.fromkeys(lost)) or [0]
         self.emit(EventKind.COORDINATOR_TAKEOVER,
-                  f"node {self.spec.node_rank} took over as the job coordinator (epoch {self.epoch}): node {lost}'s "
-                  f"coordinator is gone: {cause}",
-                  node=self.spec.node_rank, lost=lost, epoch=self.epoch, control=self.control_addr,
-                  store=f"{self.spec.master_addr}:{self.spawning.store_port}", cause=cause)
+                  f"node {self.spec.node_rank} took over as the job coordinator (epoch {self.epoch}): node {lost[0]}'s "
+                  f"coordinator is gone" + (f", and the standby coordinator(s) on node(s) {lost[1:]}" if lost[1:] else "")
+                  + f": {cause}",
+                  node=self.spec.node_rank, lost=lost[0], lost_standbys=lost[1:], epoch=self.epoch,
+                  control=self.control_addr, store=f"{self.spec.master_addr}:{self.spawning.store_port}", cause=cause)
         self.spawning.publish_control_addr()
-        self.finish_with(self.node_lost(NodeLoss(
-            lost, f"node {lost} lost with the job coordinator: {cause}", "coordinator_lost")))
+        for node in lost:
+            if self.exit_code is None and node not in self.members.lost_nodes:
+                what = "with the job coordinator" if node == lost[0] else "with a standby job coordinator"
+                self.finish_with(self.node_lost(NodeLoss(node, f"node {node} lost {what}: {cause}", "coordinator_lost")))
 
     def step_down(self, lost: QuorumLost) -> int:
         """This coordinator lost its quorum (:meth:`Membership.quorum`): stop this side of the

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..policy import RankState
@@ -57,7 +58,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ftrun.coordinator")
 
-STANDBY_NODE = 1  # the node whose agent is the standby coordinator
+STANDBY_NODE = 1  # the node whose agent is the first standby coordinator
+SEATS = 2  # standby coordinators kept in line: node 1 may be lost while it takes over from node 0
 
 
 def silence_timeout(spec: Any) -> float:
@@ -89,6 +91,8 @@ def hard_state(job: "Coordinator") -> dict[str, Any]:
         "run_id": job.spawning.run_id,
         "lost_nodes": {str(k): v for k, v in job.members.lost_nodes.items()},
         "electorate": job.members.electorate,
+        # the standby coordinators in line, first first: [node, control endpoint, store]
+        "seats": [[seat.node, seat.control, seat.store] for seat in job.failover.seats],
         # rank, incarnation, pid, library, replica group, restarts, state, committed, running
         "ranks": [[r.rank, r.incarnation, r.proc.pid or 0, r.library, list(r.replica_group), r.restarts,
                    r.proc.state.value, r.proc.committed, r.proc.running] for r in job.ranks.values()],
@@ -116,8 +120,25 @@ def restore(job: "Coordinator", state: dict[str, Any]) -> None:
         r.library, r.replica_group, r.restarts = bool(library), tuple(int(x) for x in group), int(restarts)
 
 
+@dataclass
+class Seat:
+    """A standby coordinator: the node whose agent holds it, that agent (a replacement with the
+    node's index does not hold it), its control endpoint and its store (``host:port``)."""
+
+    node: int
+    agent: "AgentHandle | None"
+    control: str
+    store: str
+
+
 class Replication:
-    """The coordinator's side of failover: the standby it announces and the state it replicates.
+    """The coordinator's side of failover: the standby coordinators it keeps in line (up to
+    :data:`SEATS`, the lowest node indexes first), announces to every rank and agent, and
+    replicates its hard state to.
+
+    The first in line takes the job over (on a closed connection, or with a majority); the next
+    one takes over only once the coordinator's and every earlier standby's processes are found
+    dead (their connections closed, or refused): node 1 lost while it takes over from node 0.
 
     Args:
         job: the coordinator.
@@ -125,63 +146,88 @@ class Replication:
 
     def __init__(self, job: "Coordinator") -> None:
         self.job = job
-        self.node: int | None = None  # the standby's node
-        self.agent: AgentHandle | None = None  # its agent
-        self.control = ""  # its control endpoint
-        self.store = ""  # its store, host:port
-        self._sent: dict[str, Any] | None = None
-        self._sent_at = 0.0
+        self.seats: list[Seat] = []
+        self._sent: dict[int, dict[str, Any]] = {}  # node -> the state last sent to its seat
+        self._sent_at: dict[int, float] = {}
         self._asked: tuple[int, float] | None = None  # (node, when) asked to stand by, no answer yet
         self._ranks_told_at = 0.0
         self._announced = False  # a standby was announced to ranks: they are beaten from then on
 
+    @property
+    def node(self) -> int | None:
+        """The node of the first standby in line, or None."""
+        return self.seats[0].node if self.seats else None
+
     def on_standby(self, node: int, control: str, store: str) -> None:
-        """Node ``node``'s agent offers to stand by (its hello): announce it to every rank and
-        agent (standby nodes included: they move there too)."""
+        """Node ``node``'s agent offers to stand by (its hello, or its answer to ``stand_by``):
+        put it in line (last, unless it is there already) and announce the line to every rank
+        and agent (standby nodes included: they move there too)."""
         job = self.job
-        self.node, self.control, self.store = node, control, store
-        self.agent = job.members.agents.get(node)  # that agent: a replacement with its index does not stand by
-        self._sent, self._asked = None, None
+        agent = job.members.agents.get(node)  # that agent: a replacement with its index does not stand by
+        seat = Seat(node, agent, control, store)
+        known = [i for i, s in enumerate(self.seats) if s.node == node]
+        if known:
+            self.seats[known[0]] = seat
+        else:
+            self.seats.append(seat)
+        self._sent.pop(node, None)
+        if self._asked is not None and self._asked[0] == node:
+            self._asked = None
+        self._announce_all()
+        log.info("node %d stands by as the job coordinator (control %s, store %s; %d in line)", node, control, store,
+                 len(self.seats))
+
+    def _announce_all(self) -> None:
+        job = self.job
         for r in job.ranks.values():
             self.announce(r)
         for agent in [*job.members.agents.values(), *job.members.standby_nodes.values()]:  # standby nodes too
-            if agent.node != node:
-                agent.announce_standby(control, store, job.epoch)
-        log.info("node %d stands by as the job coordinator (control %s, store %s)", node, control, store)
+            self.tell(agent)
+
+    def tell(self, agent: "AgentHandle") -> None:
+        """Tell an agent the line of standby coordinators (the first's endpoint and store, and every
+        one's endpoint and node, first first; empty: none). The standbys' own agents are told too:
+        each finds its place in the line there."""
+        first = self.seats[0] if self.seats else None
+        agent.announce_standby(first.control if first else "", first.store if first else "", self.job.epoch,
+                               [[s.control, s.node] for s in self.seats])
 
     def choose(self, now: float) -> None:
-        """The standby's node was lost (or none stood by yet): ask another node's agent, the
-        lowest index first, to stand by; again after a heartbeat timeout without an answer."""
+        """Drop the standbys whose node was lost (even when another agent has its index already: a
+        standby node took it at once), and ask other nodes' agents, the lowest index first, to
+        stand by until :data:`SEATS` do; again after a heartbeat timeout without an answer."""
         job = self.job
-        if self.node is not None and job.members.agents.get(self.node) is not self.agent:
-            # lost, even when another agent has its index already (a standby node took it at once)
-            log.info("the standby coordinator on node %d was lost; asking another node to stand by", self.node)
-            self.node = None
-            for agent in [*job.members.agents.values(), *job.members.standby_nodes.values()]:
-                agent.announce_standby("", "", job.epoch)  # nowhere to go until another stands by
-            for r in job.ranks.values():
-                self.announce(r)
-        if self.node is not None or not job.spec.tft.arf or job.spec.join:
+        lost = [s for s in self.seats if job.members.agents.get(s.node) is not s.agent or not s.agent.connected()]
+        if lost:
+            for seat in lost:
+                log.info("the standby coordinator on node %d was lost; asking another node to stand by", seat.node)
+                self._sent.pop(seat.node, None)
+            self.seats = [s for s in self.seats if s not in lost]
+            self._announce_all()  # an empty line: nowhere to go until another stands by
+        if len(self.seats) >= SEATS or not job.spec.tft.arf or job.spec.join:
             return
         if self._asked is not None and now - self._asked[1] < job.spec.heartbeat_timeout:
             return
         local = {a.node for a in job.members.agents.values() if not isinstance(a, RemoteAgent)}
+        seated = {s.node for s in self.seats}
         for node in sorted(job.members.agents):
             agent = job.members.agents[node]
-            if node not in local and agent.connected():
+            if node not in local and node not in seated and agent.connected():
                 agent.ask_to_stand_by()
                 self._asked = (node, now)
                 return
 
     def announce(self, r: Any) -> None:
         """Tell a rank that said hello where to go if this coordinator dies or falls silent for
-        ``timeout`` seconds (told again at every beat: these are the beats a rank hears); with no
-        standby (its node was lost), an empty ``control``: nowhere."""
-        if (self.node is not None or self._announced) and r.connected():
+        ``timeout`` seconds (told again at every beat: these are the beats a rank hears): the
+        first standby (``control``, ``store``) and the whole line (``seats``: [control, node],
+        first first); with no standby (its node was lost), an empty ``control``: nowhere."""
+        if (self.seats or self._announced) and r.connected():
             self._announced = True
-            self.job.send(r, MsgType.STANDBY, control=self.control if self.node is not None else "",
-                          store=self.store if self.node is not None else "", epoch=self.job.epoch,
-                          timeout=float(silence_timeout(self.job.spec)))
+            first = self.seats[0] if self.seats else None
+            self.job.send(r, MsgType.STANDBY, control=first.control if first else "", store=first.store if first else "",
+                          epoch=self.job.epoch, timeout=float(silence_timeout(self.job.spec)),
+                          seats=[[s.control, s.node] for s in self.seats])
 
     def beat_ranks(self, now: float) -> None:
         """Once a heartbeat interval, once a standby was announced: announce it again (or that
@@ -195,19 +241,22 @@ class Replication:
             self.announce(r)
 
     def replicate(self, now: float, force: bool = False) -> None:
-        """Send the hard state to the standby when it changed (``force``: now, before what it
-        decided is sent to anyone), and at every beat."""
+        """Send the hard state to every standby in line when it changed (``force``: now, before
+        what it decided is sent to anyone), and at every beat."""
         job = self.job
         self.beat_ranks(now)
-        agent: AgentHandle | None = job.members.agents.get(self.node) if self.node is not None else None
-        if agent is None or agent is not self.agent or not agent.connected():
-            self.choose(now)
+        self.choose(now)
+        if not self.seats:
             return
         state = hard_state(job)
-        if not force and _decisions(state) == _decisions(self._sent) and now - self._sent_at < job.spec.heartbeat_interval:
-            return  # only committed steps moved: they ride along with the next beat
-        agent.replicate(state)
-        self._sent, self._sent_at = state, now
+        for seat in self.seats:
+            sent = self._sent.get(seat.node)
+            if (not force and _decisions(state) == _decisions(sent)
+                    and now - self._sent_at.get(seat.node, 0.0) < job.spec.heartbeat_interval):
+                continue  # only committed steps moved: they ride along with the next beat
+            assert seat.agent is not None
+            seat.agent.replicate(state)
+            self._sent[seat.node], self._sent_at[seat.node] = state, now
 
 
 def _decisions(state: dict[str, Any] | None) -> Any:
@@ -265,13 +314,14 @@ class StandbySeat:
         agree, electorate = self.votes()
         return electorate >= 3 and 2 * agree > electorate
 
-    def take_over(self, processes: Any, events_addr: str | None, node: int, audience: int, lost: int = 0,
-                  cause: str = "") -> int:
+    def take_over(self, processes: Any, events_addr: str | None, node: int, audience: int,
+                  lost: list[int] | tuple[int, ...] = (0,), cause: str = "") -> int:
         """Run the job's coordinator here, from the last replicated state, as node ``node``, with
         this node's ranks (``processes``, a :class:`ftrun.spawner.RankProcesses`) as its local
         agent's, its events for this node's launcher (which knows it as node ``audience``: a
-        standby node's keeps its first index); ``cause``: why, in words (default: the
-        coordinator's connection closed); returns the job's exit code."""
+        standby node's keeps its first index); ``lost``: the nodes whose coordinator or standby
+        died (the coordinator's first); ``cause``: why, in words (default: the coordinator's
+        connection closed); returns the job's exit code."""
         import dataclasses
 
         from ..agent import LocalAgent
@@ -287,6 +337,6 @@ class StandbySeat:
         if metrics is not None:
             coordinator.observers.append(metrics.observe)
         try:
-            return coordinator.run(takeover=self.state, lost=lost, cause=cause)
+            return coordinator.run(takeover=self.state, lost=[n for n in lost if n >= 0 and n != node], cause=cause)
         finally:
             self.ctx.term()

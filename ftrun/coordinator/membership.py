@@ -304,7 +304,7 @@ class Membership:
                  f"{len(self.standby_nodes)} standby node(s)", host=msg["host"], pid=msg["pid"], standby_nodes=len(self.standby_nodes))
         self.check_shared_dir(msg, "a standby node")
         if job.failover.node is not None:  # where to go if this coordinator dies
-            agent.announce_standby(job.failover.control, job.failover.store, job.epoch)
+            job.failover.tell(agent)
         for node in sorted(self.waiting_for):
             if self.take_standby_node(node):
                 break
@@ -318,7 +318,7 @@ class Membership:
         if hello is not None and isinstance(hello.get("standby_control"), str) and isinstance(hello.get("standby_store"), str):
             job.failover.on_standby(node, hello["standby_control"], hello["standby_store"])
         elif job.failover.node is not None:
-            agent.announce_standby(job.failover.control, job.failover.store, job.epoch)
+            job.failover.tell(agent)
         for order in self.pending_spawns.pop(node, []):
             job.ranks[order[0]].proc.started_at = job.clock()  # its set-up time counts from now
             agent.spawn(*order)
