@@ -29,6 +29,11 @@ from .errors import describe
 
 BARRIER_NOTE_S = 10.0  # a rank waiting this long for its peers to join a generation says who is missing
 DOWN_BACKEND = "ftrun_down"  # the backend name of the placeholder default group
+STORE_CONNECT_TRY_S = 2.0  # a build's store connection asks between tries whether a newer abort came
+
+
+class Abandoned(Exception):
+    """A wait for the job's store was given up: a newer abort came meanwhile."""
 
 
 class GroupDown(RuntimeError):
@@ -134,21 +139,42 @@ class TrainingGroup:
         self.conns.keep_ports = {p for p in (int(port), control_port()) if p}
         return True
 
-    def store(self) -> Any:
-        """The job's store (a ``TCPStore`` client on ``MASTER_ADDR:MASTER_PORT``), connected once."""
+    def store(self, abandon: Callable[[], bool] | None = None) -> Any:
+        """The job's store (a ``TCPStore`` client on ``MASTER_ADDR:MASTER_PORT``), connected once.
+
+        ``abandon``: while connecting, asked every :data:`STORE_CONNECT_TRY_S` seconds; when it
+        says so, :class:`Abandoned` is raised (the store's host died with the coordinator that
+        named it, and a newer abort came: a client would otherwise retry for the whole
+        ``--cluster_time_out``)."""
         if self._store is None:
-            self._store = self.connect_store()
+            self._store = self.connect_store(abandon)
         return self._store
 
-    def connect_store(self) -> Any:
+    def connect_store(self, abandon: Callable[[], bool] | None = None) -> Any:
         """A new ``TCPStore`` client on the job's store (for another thread: a client is one
-        connection, not to be shared between threads)."""
-        return dist.TCPStore(
-            os.environ.get(contract.MASTER_ADDR) or RankEnv.master_addr,
-            int(os.environ[contract.MASTER_PORT]),
-            is_master=False,
-            timeout=timedelta(seconds=self.cluster_timeout),
-        )
+        connection, not to be shared between threads); ``abandon`` as in :meth:`store`.
+
+        Raises:
+            Abandoned: ``abandon()`` said so while this waited for the store.
+            torch.distributed.DistError: the store did not answer within ``--cluster_time_out``."""
+        addr = os.environ.get(contract.MASTER_ADDR) or RankEnv.master_addr
+        port = int(os.environ[contract.MASTER_PORT])
+        full = timedelta(seconds=self.cluster_timeout)
+        if abandon is None:
+            return dist.TCPStore(addr, port, is_master=False, timeout=full)
+        deadline = time.monotonic() + self.cluster_timeout
+        while True:
+            try:
+                store = dist.TCPStore(addr, port, is_master=False,
+                                      timeout=timedelta(seconds=min(STORE_CONNECT_TRY_S, self.cluster_timeout)))
+            except dist.DistError:
+                if abandon():
+                    raise Abandoned(f"the store at {addr}:{port} did not answer and a newer abort came") from None
+                if time.monotonic() > deadline:
+                    raise
+                continue
+            store.set_timeout(full)
+            return store
 
     def build(self, generation: int, abandon: Callable[[], bool]) -> bool:
         """Build the default process group of ``generation``. False if ``abandon()`` said a newer
@@ -159,7 +185,10 @@ class TrainingGroup:
             if not dist.is_initialized():
                 dist.init_process_group(self.backend, timeout=timedelta(seconds=self.pg_timeout))
             return True
-        store = dist.PrefixStore(contract.generation_prefix(self.attempt, generation), self.store())
+        try:
+            store = dist.PrefixStore(contract.generation_prefix(self.attempt, generation), self.store(abandon))
+        except Abandoned:
+            return False
         if not self._join_barrier(store, generation, abandon):
             return False
         self.remove_placeholder()
@@ -197,6 +226,15 @@ class TrainingGroup:
                 print(f"ftrun: rank {self.rank}: generation {generation}: waited {BARRIER_NOTE_S:g} s for "
                       f"rank(s) {missing} to join", file=sys.stderr, flush=True)
         return True
+
+    def abandon_build(self, generation: int) -> None:
+        """A build of ``generation`` raised (its store or a peer went away): drop what it left (a
+        group, if one was made), forget the store client (a new one connects on next use) and
+        stand on the placeholder group until the next generation."""
+        self.drop(generation)
+        self.conns.forget()
+        self._store = None
+        self.install_placeholder()
 
     def live(self) -> bool:
         """Whether this rank holds a working process group (not the placeholder)."""

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch.distributed as dist
+
 from .errors import describe
 from .policy import INITIAL, NO_STATE
 from .protocol import Message, MsgType
@@ -120,7 +122,17 @@ class Recovery:
                 self.group.move_store(plan["store"])  # a standby coordinator took the job over
             started = time.monotonic()
             progress.stage = "build"
-            if not self.build_group(generation):
+            try:
+                if not self.build_group(generation):
+                    continue
+            except dist.DistError as err:
+                # The store the plan named went away during the build (the coordinator that made
+                # the plan died with its host: the next coordinator in line sends another plan,
+                # with its own store), or a peer left the rendezvous. This plan failed, not this
+                # rank: report it (the coordinator starts the next round) and wait for the next.
+                self.group.abandon_build(generation)
+                self.control.send(MsgType.FAULT, generation=generation, step=plan["step"], committed=progress.committed,
+                                  reason=f"building generation {generation}'s group failed: {describe(err)}", kind="comm")
                 continue
             rebuild_s = time.monotonic() - started
             # A retried step: undo what the failed body did after (or instead of) its update. A

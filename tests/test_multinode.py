@@ -9,6 +9,7 @@ fault-free run, and ranks that did not fault keep their PID.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -437,20 +438,31 @@ def test_node0_partitioned_the_majority_takes_over_and_node0_is_fenced(net_hosts
     assert not [e for e in after if e["kind"] == "job_restarting"], dj.story(after)
 
 
+def _node_of(run: NodeRun) -> int | None:
+    """The index a launcher started without one took (its agent's log is named after it), or None yet."""
+    if (run.log_dir / "supervisor.log").exists():
+        return 0
+    found = [int(m.group(1)) for p in run.log_dir.glob("agent_*.log") if (m := re.fullmatch(r"agent_(\d+)\.log", p.name))]
+    return found[0] if found else None
+
+
+@pytest.mark.parametrize("when", ["together", "after_takeover"])
 def test_node1_lost_while_it_takes_over_the_second_standby_goes_on(net_hosts, long_reference: str,  # noqa: F811
-                                                                     tmp_path: Path) -> None:
+                                                                     tmp_path: Path, when: str) -> None:
     """Issue 24: nodes 0 and 1 lost together (node 1 dies while it takes over from node 0).
     Four nodes of one rank each, every host started with the same command and no index; two more
-    hosts, started once the job trains, wait as standby nodes with hot spares. Node 1 stands first
-    in line as the standby coordinator, node 2 second. Every process of host 0, then at once every
-    process of host 1, is SIGKILLed: node 2's agent finds the coordinator's and node 1's processes
-    dead (connections closed or refused), takes the job over, and the standby nodes take nodes 0
-    and 1, their hot spares ranks 0 and 1, from replicas on nodes 2 and 3. The job ends with the
-    fault-free digest; ranks 2 and 3 keep their processes; nothing is left behind."""
+    hosts, started once the job trains, wait as standby nodes with hot spares. Two nodes' agents
+    stand in line as standby coordinators (node 1's from the start, another asked: the line's order
+    is the order they offered). Every process of host 0 is SIGKILLed, then every process of the
+    first standby's host, at once (``together``) or once it took over (``after_takeover``): the
+    second standby finds the coordinator's and the first standby's processes dead (connections
+    closed or refused), takes the job over, and the standby nodes take the two lost nodes, their
+    hot spares the lost ranks, from replicas on the two other nodes. The job ends with the
+    fault-free digest; the surviving ranks keep their processes; nothing is left behind."""
     hosts = net_hosts(6)
     slow = tmp_path / "slow"  # steps pause while it exists: the job outlasts the standbys' set-up
     slow.write_text("")
-    args = ("--log_every", "10", "--step_pause", "0.3", "--pause_while", str(slow))
+    args = ("--log_every", "10", "--step_pause", "0.6", "--pause_while", str(slow))
     extra = ("--node_wait_timeout", "120", "--cluster_time_out", "200")
     runs = [start_node(host, None, hosts[0].addr, 4, tmp_path, steps=dj.LONG_STEPS, local=1, script_args=args,
                        extra=extra, tag=str(i)) for i, host in enumerate(hosts[:4])]
@@ -462,18 +474,36 @@ def test_node1_lost_while_it_takes_over_the_second_standby_goes_on(net_hosts, lo
         ready = re.compile(r"ftrun: hot spare \(pid \d+\) waits for a rank at the training loop")
         dj.wait_for(lambda: all((r.log_dir / "spares.log").exists()
                                 and ready.search((r.log_dir / "spares.log").read_text()) for r in standbys), timeout=180)
+        # The launchers took their indexes in the order they reached node 0's store: find which is which.
+        dj.wait_for(lambda: all(_node_of(r) is not None for r in runs), timeout=60)
+        runs.sort(key=_node_of)
         status = runs[0].log_dir / "status.json"
-        dj.wait_for(lambda: status.exists() and '"standby_coordinators": [1, 2]' in status.read_text(), timeout=60)
+        line: list[int] = []
+
+        def two_in_line() -> bool:
+            nonlocal line
+            try:
+                line = json.loads(status.read_text()).get("standby_coordinators", [])
+            except (OSError, ValueError):
+                return False
+            return len(line) == 2
+
+        dj.wait_for(two_in_line, timeout=60)  # node 1's from the start; another asked (the order of joining)
+        first, second = line
         time.sleep(1.0)  # a beat: both standbys have the state of a training job
-        for host in hosts[:2]:
-            for pid in host.pids():
+        for run in (runs[0], runs[first]):
+            if run is runs[first] and when == "after_takeover":
+                dj.wait_for(lambda: any(e["kind"] == "coordinator_takeover" for e in dj.events(runs[first].log_dir)),
+                            timeout=60)
+            for pid in run.host.pids():
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        dj.wait_for(lambda: any(e["kind"] == "recovery_finished" for e in dj.events(runs[2].log_dir)), timeout=120)
+        dj.wait_for(lambda: any(e["kind"] == "recovery_finished" for e in dj.events(runs[second].log_dir)), timeout=120)
         slow.unlink()
-        codes = wait_all([*runs[2:], *standbys])
+        survivors = [r for i, r in enumerate(runs) if i not in (0, first)]
+        codes = wait_all([*survivors, *standbys])
         deadline = time.monotonic() + 30
         while any(h.pids() for h in hosts) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -482,21 +512,24 @@ def test_node1_lost_while_it_takes_over_the_second_standby_goes_on(net_hosts, lo
         for run in [*runs, *standbys]:
             if run.proc.poll() is None:
                 os.killpg(run.proc.pid, signal.SIGKILL)
-    everything = "\n---\n".join(r.output()[-3000:] for r in [*runs[2:], *standbys])
+    everything = "\n---\n".join(r.output()[-3000:] for r in [*survivors, *standbys])
     assert codes == [0, 0, 0, 0], everything
     assert left == {}, f"processes left behind: {left}\n{everything}"
     digests = [dj.FINAL.search(r.output()) for r in standbys]
     assert [m.group(3) for m in digests if m] == [long_reference], everything  # rank 0 runs on a standby node now
-    before, after = dj.events(runs[0].log_dir), dj.events(runs[2].log_dir)
+    before = dj.events(runs[0].log_dir) + dj.events(runs[first].log_dir)
+    after = dj.events(runs[second].log_dir)
     takeover = [e for e in after if e["kind"] == "coordinator_takeover"]
-    assert takeover and takeover[0]["detail"]["node"] == 2, dj.story(after)
-    assert sorted([takeover[0]["detail"]["lost"], *takeover[0]["detail"]["lost_standbys"]]) == [0, 1], dj.story(after)
-    assert sorted(e["detail"]["node_lost"] for e in after if e["kind"] == "node_lost") == [0, 1], dj.story(after)
+    assert takeover and takeover[0]["detail"]["node"] == second, dj.story(after)
+    lost = sorted([takeover[0]["detail"]["lost"], *takeover[0]["detail"]["lost_standbys"]])
+    assert lost == sorted([0, first]) or (when == "after_takeover" and lost == [first]), dj.story(after)
+    assert {e["detail"]["node_lost"] for e in before + after if e["kind"] == "node_lost"} == {0, first}, dj.story(after)
     pids = dj.started(before + after)
-    assert len(pids[2]) == 1 and len(pids[3]) == 1, f"a rank of nodes 2 and 3 was restarted: {pids}\n{dj.story(after)}"
-    assert len(pids[0]) == 2 and len(pids[1]) == 2, pids
-    assert not [e for e in after if e["kind"] == "job_restarting"], dj.story(after)
-    respawned = [e for e in after if e["kind"] == "rank_started" and e["rank"] in (0, 1)]
+    kept = [n for n in range(4) if n not in (0, first)]
+    assert all(len(pids[n]) == 1 for n in kept), f"a rank of nodes {kept} was restarted: {pids}\n{dj.story(after)}"
+    assert all(len(pids[n]) >= 2 for n in (0, first)), pids
+    assert not [e for e in before + after if e["kind"] == "job_restarting"], dj.story(after)
+    respawned = [e for e in after if e["kind"] == "rank_started" and e["rank"] in (0, first)]
     assert respawned and all(e["detail"]["hot_spare"] for e in respawned), dj.story(after)
 
 

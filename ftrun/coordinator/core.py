@@ -103,6 +103,7 @@ class Coordinator:
         self.ranks = {rank: Rank(rank=rank, local_rank=rank % local, node=rank // local) for rank in range(spec.worker_num)}
         self.phase = JobPhases(on_change=lambda old, new: log.info("job phase %s -> %s", old.value, new.value))
         self.epoch = 0  # the coordinator epoch: moved on by every takeover (ftrun.coordinator.failover)
+        self.takeover_at = 0.0  # when this coordinator took the job over (its clock), if it did
         self.attempt = 0
         self.generation = 0
         self.restarts_used = 0

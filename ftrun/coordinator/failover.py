@@ -90,6 +90,10 @@ def hard_state(job: "Coordinator") -> dict[str, Any]:
         "restarts_used": job.restarts_used,
         "run_id": job.spawning.run_id,
         "lost_nodes": {str(k): v for k, v in job.members.lost_nodes.items()},
+        # nodes with an agent now (a lost node a launcher or a standby node took again included),
+        # and lost nodes whose replacement is awaited
+        "members": sorted([job.spec.node_rank, *(n for n, a in job.members.agents.items() if a.connected())]),
+        "awaited": {str(k): v for k, v in job.members.waiting_for.items()},
         "electorate": job.members.electorate,
         # the standby coordinators in line, first first: [node, control endpoint, store]
         "seats": [[seat.node, seat.control, seat.store] for seat in job.failover.seats],
@@ -109,8 +113,26 @@ def restore(job: "Coordinator", state: dict[str, Any]) -> None:
     job.generation = int(state["generation"])
     job.restarts_used = int(state["restarts_used"])
     job.spawning.run_id = str(state["run_id"])
+    members = {int(n) for n in state.get("members", [])}
     for node, reason in state["lost_nodes"].items():
+        if int(node) not in members:  # one that was taken again says hello as the node it is
+            job.members.lost_nodes[int(node)] = str(reason)
+    for node, reason in state.get("awaited", {}).items():
         job.members.lost_nodes[int(node)] = str(reason)
+        job.members.await_replacement(int(node), str(reason), now)
+    job.takeover_at = now
+    # The standbys after this one in the line it was in stay in line (their agents come here and
+    # offer again): a rank that a coordinator which died before announcing any started meanwhile
+    # learns where to go from this one's first beat.
+    line = [(int(n), str(c), str(st)) for n, c, st in state.get("seats", [])]
+    mine = [i for i, (n, _, _) in enumerate(line) if n == job.spec.node_rank]
+    for node, control, store in line[mine[0] + 1 if mine else 0:]:
+        if node != job.spec.node_rank and node not in job.members.lost_nodes:
+            job.failover.seats.append(Seat(node, None, control, store))
+    for node in members - {job.spec.node_rank}:
+        # every agent of the job comes here within a silence timeout (it moved on the same loss)
+        job.members.node_deadline[node] = now + 2 * silence_timeout(job.spec)
+        job.members.rejoining.add(node)
     job.members.electorate = int(state.get("electorate", 0))
     for rank, incarnation, pid, library, group, restarts, rank_state, committed, running in state["ranks"]:
         r = job.ranks[int(rank)]
@@ -168,6 +190,8 @@ class Replication:
         known = [i for i, s in enumerate(self.seats) if s.node == node]
         if known:
             self.seats[known[0]] = seat
+        elif len(self.seats) >= SEATS:
+            return  # a late answer (node 1's own offer came meanwhile): the line is full; its seat stays idle
         else:
             self.seats.append(seat)
         self._sent.pop(node, None)
@@ -197,7 +221,8 @@ class Replication:
         standby node took it at once), and ask other nodes' agents, the lowest index first, to
         stand by until :data:`SEATS` do; again after a heartbeat timeout without an answer."""
         job = self.job
-        lost = [s for s in self.seats if job.members.agents.get(s.node) is not s.agent or not s.agent.connected()]
+        lost = [s for s in self.seats if (s.agent is None and s.node in job.members.lost_nodes)
+                or (s.agent is not None and (job.members.agents.get(s.node) is not s.agent or not s.agent.connected()))]
         if lost:
             for seat in lost:
                 log.info("the standby coordinator on node %d was lost; asking another node to stand by", seat.node)
@@ -254,7 +279,8 @@ class Replication:
             if (not force and _decisions(state) == _decisions(sent)
                     and now - self._sent_at.get(seat.node, 0.0) < job.spec.heartbeat_interval):
                 continue  # only committed steps moved: they ride along with the next beat
-            assert seat.agent is not None
+            if seat.agent is None:
+                continue  # kept from the line before a takeover: its agent has not offered here yet
             seat.agent.replicate(state)
             self._sent[seat.node], self._sent_at[seat.node] = state, now
 

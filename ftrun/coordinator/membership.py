@@ -96,6 +96,7 @@ class Membership:
         # The job's agents (standby nodes included) as last counted with every one heard: the
         # electorate of a takeover vote (ftrun.coordinator.failover); a silence does not shrink it.
         self.electorate = 0
+        self.rejoining: set[int] = set()  # after a takeover: nodes whose agent is awaited here (ftrun.coordinator.failover)
 
     def spawn(self, node: int, order: SpawnOrder) -> None:
         """Have ``node``'s agent start a rank, or keep the order until that agent joins."""
@@ -128,6 +129,8 @@ class Membership:
                 self.drop_standby_node(identity, gone)
         for node in range(spec.nnodes):
             agent = self.agents.get(node)
+            if agent is not None:
+                self.rejoining.discard(node)
             remote = agent if isinstance(agent, RemoteAgent) and not agent.lost else None
             if remote is not None and remote.identity in closed:
                 return NodeLoss(node, f"node {node} lost: its agent's connection closed (host {remote.host or '?'}; "
@@ -135,6 +138,10 @@ class Membership:
             if agent is None and node in self.waiting_for and now > self.node_deadline[node]:
                 return NoReplacement(f"{self.waiting_for.pop(node)}; no replacement joined within --node_wait_timeout "
                                      f"{spec.node_wait_timeout:g} s")
+            if agent is None and node in self.rejoining and now > self.node_deadline[node]:
+                self.rejoining.discard(node)
+                return NodeLoss(node, f"node {node} lost: its agent did not come to this coordinator within "
+                                      f"{self.node_deadline[node] - self.job.takeover_at:.1f} s of its takeover", "silent")
             if agent is None and node not in self.lost_nodes and now > self.node_deadline.get(node, float("inf")):
                 return NodeLoss(node, f"node {node} did not join within --cluster_time_out {spec.cluster_time_out:g} s",
                                 "not_joined", replaceable=False)
@@ -171,6 +178,7 @@ class Membership:
     def lose(self, node: int, reason: str) -> None:
         """Record ``node`` as lost: its agent is dropped and its connection fenced; orders for it
         are forgotten."""
+        self.rejoining.discard(node)
         agent = self.agents.pop(node, None)
         if isinstance(agent, RemoteAgent):
             agent.lost = True
@@ -266,8 +274,9 @@ class Membership:
         if node == STANDBY_NODE_INDEX and identity not in self.standby_nodes and identity not in self._took:
             return self.on_standby_node_hello(identity, msg, fd, now)
         # Node 0 is the coordinator's own until a standby took over from it: then a launcher
-        # replaces it like any lost node.
-        if not isinstance(node, int) or not 0 <= node < spec.nnodes or (node == 0 and 0 not in self.waiting_for):
+        # replaces it like any lost node (and after a takeover its agent, there, says hello again).
+        if (not isinstance(node, int) or not 0 <= node < spec.nnodes
+                or (node == 0 and job.epoch == 0 and 0 not in self.waiting_for)):
             job.control.reject(identity, f"agent hello for node {node!r}: not a node of this job")
             return None
         current = self.agents.get(node)
