@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping
 import zmq
 
 from . import procs
-from .contract import STANDBY_NODE_INDEX
+from .contract import STANDBY_LINE, STANDBY_NODE_INDEX
 from .events import Event, EventKind
 from .protocol import (CONTROL, MAX_FRAME_BYTES, Message, MsgType, Receiver, Sender, encode, endpoint_refuses, events_for,
                        receive, standby_line, to_peer)
@@ -565,6 +565,7 @@ class NodeAgent:
 
     def _on_spawn(self, msg: Message) -> None:
         rank_vars = {str(k): str(v) for k, v in msg["vars"].items()}
+        rank_vars[STANDBY_LINE] = ",".join(control for control, _ in self.line)  # see ftrun.control.open_channel
         try:
             pid, spare = self.processes.spawn(msg["rank"], msg["incarnation"], rank_vars, msg["header"], msg["use_spare"])
         except OSError as err:

@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from .channel import Channel
-from .contract import RankEnv
+from .contract import STANDBY_LINE, RankEnv
 from .protocol import Message, MsgType
 
 
@@ -32,6 +32,9 @@ def open_channel(library: bool, replica_group: Sequence[int], generation: int, e
     if not env.control_addr or not env.token:
         return None
     channel = Channel(env.control_addr, env.token, env.rank or 0, env.incarnation or 0, env.heartbeat_interval)
+    # Where to go if that coordinator dies before it announces its standbys to this rank (its
+    # node's agent knew the line when it started the rank).
+    channel.line = [c for c in os.environ.get(STANDBY_LINE, "").split(",") if c.startswith("tcp://")]
     channel.send(
         MsgType.HELLO,
         pid=os.getpid(),
