@@ -810,6 +810,12 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
         return id(old) not in used and old.dtype == like.dtype and old.shape == like.shape
 
     def copy(obj: Any, old: Any, path: str) -> Any:
+        kind = type(obj)
+        if kind in _SCALARS:  # shared, as the last line would (and with no isinstance walk: a step start copies small dicts)
+            return obj
+        if kind is dict:
+            prior = old if isinstance(old, dict) else {}
+            return {k if type(k) is str else _check_key(k, path): copy(v, prior.get(k), _key_path(path, k)) for k, v in obj.items()}
         if isinstance(obj, torch.Tensor):
             if id(obj) in copies:
                 return copies[id(obj)]

@@ -247,10 +247,101 @@ def tensor_refs(skeleton: Any) -> list[dict[str, Any]]:
     return [refs[i] for i in range(len(refs))]
 
 
+class _NotPlain(Exception):
+    """:func:`_plain_flatten` met something only the general walk handles."""
+
+
+def _plain_flatten(state: Any) -> tuple[Any, list[Any]]:
+    """:func:`flatten` and the tensors' bytes of :func:`to_bytes` in one walk, for the plain states
+    a rank's own records hold (exact ``dict``s with str or int keys, lists, tuples, strided tensors,
+    numpy arrays, primitives): the same skeleton, node for node, built without :func:`encode`'s
+    intermediate tree, and each contiguous CPU tensor's bytes as a view of its memory
+    (:func:`_tensor_memory`) instead of five tensor operations and a copy (others are copied to
+    contiguous host memory first, as the general walk does).
+
+    Raises:
+        _NotPlain: anything else (OrderedDict, ``_metadata``, subclasses, sparse, quantized,
+            conjugate views, numpy scalars, complex, dtypes, devices, other keys): the caller
+            takes the general walk, which also names the place of what it refuses.
+    """
+    import numpy as np
+    import torch
+
+    Tensor, ndarray, Size, strided = torch.Tensor, np.ndarray, torch.Size, torch.strided
+    data: list[Any] = []  # bytes-like, in tensor order
+
+    def walk(obj: Any, path: str) -> Any:
+        kind = type(obj)
+        if kind in _PLAIN_SCALARS:
+            return obj
+        if kind is dict:
+            items = []
+            for k, v in obj.items():
+                if type(k) not in _PLAIN_KEYS:
+                    raise _NotPlain
+                items.append([k, walk(v, f"{path}[{k!r}]")])
+            return {"__d": items}
+        if kind is Tensor:
+            if obj.layout != strided or obj.is_quantized or obj.is_conj() or obj.is_neg():
+                raise _NotPlain
+            on_cpu = obj.is_cpu
+            host = obj if on_cpu and obj.is_contiguous() else obj.detach().cpu().contiguous()  # as the general walk
+            data.append(_tensor_memory(host) if obj.numel() else b"")
+            return {"__t": len(data) - 1, "path": path, "dtype": str(obj.dtype), "shape": list(obj.shape),
+                    "device": "cpu" if on_cpu else str(obj.device)}
+        if kind is ndarray:
+            dtype = obj.dtype
+            if dtype.hasobject or dtype.fields is not None or dtype.itemsize == 0:
+                raise _NotPlain  # encode refuses it, naming its place
+            data.append(memoryview(np.ascontiguousarray(obj).reshape(-1).view(np.uint8)) if obj.nbytes else b"")  # encode's view
+            ref = {"__t": len(data) - 1, "path": f"{path}[{NDARRAY!r}]", "dtype": "torch.uint8", "shape": [obj.nbytes], "device": "cpu"}
+            return {"__d": [[NDARRAY, ref], ["dtype", dtype.str], ["shape", {"__l": list(obj.shape)}]]}
+        if kind is list:
+            return {"__l": [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+        if kind is tuple:
+            return {"__tu": [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+        if kind is Size:
+            return {"__size": list(obj)}
+        raise _NotPlain
+
+    return walk(state, "state"), data
+
+
+def _tensor_memory(t: Any) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a view of its memory (no copy: msgpack copies them
+    once, into the record)."""
+    import torch
+
+    if not t.requires_grad:
+        try:
+            return memoryview(t.numpy()).cast("B")
+        except TypeError:  # a dtype numpy lacks (bfloat16, float8...)
+            pass
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+_PLAIN_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})  # msgpack writes them as flatten leaves them
+_PLAIN_KEYS = frozenset({str, int})
+
+
 def to_bytes(state: Any) -> bytes:
-    """The state as one self-contained byte string (msgpack of the skeleton and CPU tensor bytes)."""
+    """The state as one self-contained byte string (msgpack of the skeleton and CPU tensor bytes).
+
+    A plain state (:func:`_plain_flatten`: what a rank's records hold, written twice a step)
+    takes a one-pass walk that gives the same bytes as the general one; anything else the general
+    walk (:func:`flatten`).
+
+    Raises:
+        TypeError: the state holds something :func:`encode` refuses (naming its place).
+    """
     import msgpack
 
+    try:
+        skeleton, data = _plain_flatten(state)
+    except _NotPlain:
+        pass
+    else:
+        return msgpack.packb({"skeleton": skeleton, "data": data}, use_bin_type=True)
     skeleton, tensors = flatten(state)
     data = [t.detach().cpu().contiguous().reshape(-1).view(__import__("torch").uint8).numpy().tobytes() if t.numel() else b""
             for t in tensors]

@@ -105,9 +105,10 @@ class ExactlyOnceChecks:
         rank's record is in the job's store (an integration's snapshot after work between steps
         that drew from the RNG streams: a rank that dies right after must leave that record).
         ``mid_pass``: not a data pass's first step (:meth:`ftrun.rankstate.RankStateStore.put`)."""
-        own = self.registry.snapshot_step_start(self.progress.committed)
-        if self.keeps_rank_records():
-            ticket = self.rank_states.put(self.progress.committed, own, mid_pass=mid_pass)
+        keep = self.keeps_rank_records()
+        own = self.registry.snapshot_step_start(self.progress.committed, encode_rank=keep)
+        if keep and own is not None:
+            ticket = self.rank_states.put_encoded(self.progress.committed, own, mid_pass=mid_pass)
             if wait:
                 self.rank_states.wait(ticket)
 
@@ -137,10 +138,9 @@ class ExactlyOnceChecks:
         self.rank_states.wait(started[1])
 
     def _put_provisional(self, step: int) -> tuple[int, int | None]:
-        """Start writing the provisional record of ``step``: (step, the write's ticket)."""
-        from .checkpoint import snapshot
-
-        return step, self.rank_states.put(step, snapshot(self.registry.state_dict(only=("rank",))), provisional=True)
+        """Start writing the provisional record of ``step``: (step, the write's ticket). The state
+        is encoded at once (:meth:`ftrun.rankstate.RankStateStore.put`), so it needs no copy first."""
+        return step, self.rank_states.put(step, self.registry.state_dict(only=("rank",)), provisional=True)
 
     def record_epoch_boundary(self) -> None:
         """After an epoch's end, before the next epoch's prologue: this rank's own state, labelled
@@ -148,9 +148,7 @@ class ExactlyOnceChecks:
         epoch end is then in it; :class:`ftrun.rankstate.RankRecord`)."""
         if not self.keeps_rank_records():
             return
-        from .checkpoint import snapshot
-
-        self.rank_states.wait(self.rank_states.put(self.progress.committed, snapshot(self.registry.state_dict(only=("rank",))),
+        self.rank_states.wait(self.rank_states.put(self.progress.committed, self.registry.state_dict(only=("rank",)),
                                                    epoch_boundary=True))
 
     def apply_rank_record(self) -> None:

@@ -148,14 +148,24 @@ class RankStateStore:
         """Record ``state`` (``{name: state_dict}``) as the rank's state at committed step ``label``
         (``provisional``: taken at that step's all-reduce; ``epoch_boundary``: after an epoch's end;
         see :class:`RankRecord`). The state is encoded now (it may be a buffer reused later); with a
-        writer, returns the write's ticket (:meth:`RecordWriter.wait`).
+        writer, returns the write's ticket (:meth:`RecordWriter.wait`). :meth:`put_encoded` has the
+        rest.
+
+        Raises:
+            TypeError: a state the codec refuses (naming its place).
+        """
+        return self.put_encoded(label, codec.to_bytes(state), provisional, epoch_boundary, mid_pass)
+
+    def put_encoded(self, label: int, blob: bytes, provisional: bool = False, epoch_boundary: bool = False,
+                    mid_pass: bool = False) -> int | None:
+        """:meth:`put` of a state already encoded (``blob``: :func:`ftrun.codec.to_bytes` of
+        ``{name: state_dict}``).
 
         ``mid_pass``: a step-start record inside a data pass (not its first step). When its state
         is, byte for byte, the provisional record of the same label written last, nothing is
         written: the two differ only in the flag, which a successor reads only at a pass's first
         step (:meth:`ftrun.epochs.EpochLoop.epochs`). The common case: a step's end changes none of
         the rank's own state, so most steps write one record, not two. Returns None then."""
-        blob = codec.to_bytes(state)
         last, self._provisional = self._provisional, (label, blob) if provisional else None
         if mid_pass and not provisional and not epoch_boundary and last is not None and last == (label, blob):
             self._provisional = last  # the store still holds it
@@ -179,8 +189,11 @@ class RankStateStore:
         return RankRecord(label, codec.from_bytes(doc["state"]), bool(doc["provisional"]), bool(doc["epoch_boundary"]))
 
     def put_gradient_digest(self, step: int, digest: str) -> None:
-        """Record the digest of this rank's local gradient (before averaging) of ``step``."""
-        self._set(f"{self.prefix}/grad/{step % 2}", codec.to_bytes({"step": int(step), "digest": str(digest)}))
+        """Record the digest of this rank's local gradient (before averaging) of ``step``: the bytes
+        of :func:`ftrun.codec.to_bytes` of ``{"step": step, "digest": digest}``, packed directly
+        (a fixed shape, every step)."""
+        doc = {"skeleton": {"__d": [["step", int(step)], ["digest", str(digest)]]}, "data": []}
+        self._set(f"{self.prefix}/grad/{step % 2}", msgpack.packb(doc, use_bin_type=True))
 
     def get_gradient_digest(self, step: int) -> str | None:
         """The recorded local-gradient digest of ``step``, or None (never computed, or overwritten)."""

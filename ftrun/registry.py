@@ -16,8 +16,10 @@ Every object with ``state_dict()``/``load_state_dict()`` registered with a worke
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterator
 
+from . import codec
 from .checkpoint import snapshot
 
 KINDS = ("replica", "rank", "committed")
@@ -33,7 +35,7 @@ class StateRegistry:
     def __init__(self) -> None:
         self.objects: dict[str, Any] = {}
         self.kinds: dict[str, str] = {}
-        self._start: tuple[int, dict[str, Any]] | None = None  # (committed step, replica+rank state)
+        self._start: StepStart | None = None  # the copy taken at the last step start
 
     def register(self, name: str, obj: Any, kind: str = "replica") -> Any:
         """Add ``obj`` under ``name`` as ``kind`` (see the module docstring). Returns ``obj``.
@@ -74,21 +76,62 @@ class StateRegistry:
         """Whether objects of kind ``rank`` other than the per-rank RNG streams (``"rng"``) exist."""
         return any(k == "rank" and n != "rng" for n, k in self.kinds.items())
 
-    def snapshot_step_start(self, committed: int) -> dict[str, Any]:
+    def snapshot_step_start(self, committed: int, encode_rank: bool = False) -> bytes | None:
         """Copy the state that work after the update changes (kinds ``replica`` and ``rank``), labelled
-        with the committed step it belongs to; buffers of the previous copy are reused. Returns the
-        copy's ``rank`` entries (for this rank's record in the store)."""
-        reuse = self._start[1] if self._start is not None else None
-        self._start = (committed, snapshot(self.state_dict(exclude=("committed",)), reuse=reuse))
-        return {n: s for n, s in self._start[1].items() if self.kinds[n] == "rank"}
+        with the committed step it belongs to (buffers of the previous copy are reused).
+
+        Args:
+            committed: the committed step the copy belongs to.
+            encode_rank: keep the ``rank`` objects' copy as the bytes of this rank's record
+                (:func:`ftrun.codec.to_bytes` of ``{name: state_dict}``, which :meth:`roll_back`
+                decodes): one walk gives both the copy and the record (issue 27), and bytes are
+                never changed by training. Otherwise every kind is deep-copied
+                (:func:`ftrun.checkpoint.snapshot`).
+
+        Returns:
+            with ``encode_rank``, the record's bytes (for this rank's record in the store); else None.
+
+        Raises:
+            TypeError: a state the codec refuses (naming its place).
+        """
+        reuse = self._start.replica if self._start is not None else None
+        state = self.state_dict(exclude=("committed",))
+        blob = None
+        if encode_rank:
+            blob = codec.to_bytes({n: s for n, s in state.items() if self.kinds[n] == "rank"})
+            state = {n: s for n, s in state.items() if self.kinds[n] != "rank"}
+        copied = snapshot(state, reuse=reuse)
+        self._start = StepStart(committed, copied, blob)
+        return blob
 
     def roll_back(self, step: int, kinds: tuple[str, ...]) -> bool:
         """Restore the ``kinds`` objects to their state at committed ``step`` if the step-start
         snapshot is that step's (a retried step: its scheduler.step(), counters and data position
-        are undone). True if it did."""
-        if self._start is None or self._start[0] != step:
+        are undone), in registration order. True if it did."""
+        if self._start is None or self._start.committed != step:
             return False
-        for name, state in self._start[1].items():
-            if self.kinds.get(name) in kinds:
-                self.objects[name].load_state_dict(snapshot(state))
+        encoded = codec.from_bytes(self._start.rank) if self._start.rank is not None and "rank" in kinds else {}
+        for name, obj in self.objects.items():
+            if self.kinds[name] not in kinds:
+                continue
+            if name in self._start.replica:
+                obj.load_state_dict(snapshot(self._start.replica[name]))
+            elif name in encoded:
+                obj.load_state_dict(encoded[name])  # decoded afresh: nothing else holds it
         return True
+
+
+@dataclass
+class StepStart:
+    """The copy taken at a step's start (:meth:`StateRegistry.snapshot_step_start`).
+
+    Attributes:
+        committed: the committed step it belongs to.
+        replica: ``{name: deep copy of state_dict}`` of the ``replica`` objects, and of the
+            ``rank`` ones when ``rank`` is None.
+        rank: the ``rank`` objects' state as record bytes (:func:`ftrun.codec.to_bytes`), or None.
+    """
+
+    committed: int
+    replica: dict[str, Any]
+    rank: bytes | None = None

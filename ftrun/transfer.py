@@ -20,6 +20,7 @@ unchanged. Measured on gloo (docs/benchmarks.md has later measurements): 200 MB 
 from __future__ import annotations
 
 import random
+import sys
 from typing import Any, Callable, Iterator
 
 import msgpack
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import codec
+from . import codec, rngmemory
 
 CHUNK_BYTES = 16 << 20  # small tensors are coalesced into chunks of up to this many bytes
 ALONE_BYTES = 1 << 20  # tensors of this size or more travel alone, with no copy on either side
@@ -165,31 +166,55 @@ def recv_state(src: int, current: Any, group: Any = None, device: Any = "cpu") -
 class RNGState:
     """The random number generators of torch (CPU and CUDA), numpy and ``random``, as one state_dict.
 
-    Its state is taken twice a step (a rank's own records, :mod:`ftrun.rankstate`). Python's
-    ``random`` is rarely drawn from in a training loop, and turning its 625 words into a tensor
-    costs more than comparing them: the tensor of an unchanged state (the whole ``getstate()``
-    tuple equal) is reused. Callers copy it (:func:`ftrun.checkpoint.snapshot`) and never write it.
+    Its state is taken twice a step (a rank's own records, :mod:`ftrun.rankstate`), so the two
+    Mersenne Twisters are read in place (:mod:`ftrun.rngmemory`: 2,500 bytes each, instead of
+    numpy's ``get_state()`` and ``random.getstate()``, which copy word by word; the public getters
+    where the readers could not confirm the layout), and an unchanged generator's words (the read
+    bytes equal) give the same array or tensor as the previous call: Python's ``random`` is rarely
+    drawn from in a training loop. numpy's gaussian cache (``has_gauss``, ``cached``) is read at
+    every call, since a draw can change it without touching the words. Callers copy the arrays and
+    tensors (:func:`ftrun.checkpoint.snapshot`, :func:`ftrun.codec.to_bytes`) and never write them.
     """
 
     def __init__(self) -> None:
-        self._py: tuple[Any, torch.Tensor] | None = None  # (random.getstate(), its words as a tensor)
+        self._py: tuple[Any, torch.Tensor] | None = None  # (random's read bytes or getstate(), its words as a tensor)
+        self._np: tuple[bytes, np.ndarray, int] | None = None  # (numpy's read bytes, its key words, pos)
 
-    def _python_words(self, py_state: Any) -> torch.Tensor:
-        if self._py is None or self._py[0] != py_state:
-            self._py = (py_state, torch.tensor([*py_state[1], py_state[0]], dtype=torch.int64))
+    def _python_words(self, key: Any, words: Any) -> torch.Tensor:
+        if self._py is None or type(self._py[0]) is not type(key) or self._py[0] != key:
+            self._py = (key, torch.as_tensor(words() if callable(words) else words, dtype=torch.int64))
         return self._py[1]
 
+    def _numpy(self) -> dict[str, Any]:
+        reader = rngmemory.readers()[1]
+        raw = reader.read() if reader is not None else None
+        if raw is None:
+            np_state = np.random.get_state()
+            return {"name": np_state[0], "keys": np_state[1], "pos": int(np_state[2]),
+                    "has_gauss": int(np_state[3]), "cached": float(np_state[4])}
+        words, has_gauss, gauss = raw
+        if self._np is None or self._np[0] != words:
+            keys = np.frombuffer(words, dtype=np.uint32, count=rngmemory.MT_WORDS).copy()
+            self._np = (words, keys, int.from_bytes(words[-4:], sys.byteorder, signed=True))
+        return {"name": "MT19937", "keys": self._np[1], "pos": self._np[2], "has_gauss": int(has_gauss), "cached": float(gauss)}
+
     def state_dict(self) -> dict[str, Any]:
-        np_state = np.random.get_state()
-        py_state = random.getstate()
+        reader = rngmemory.readers()[0]
+        if reader is not None:
+            raw = reader.read()
+            words = self._python_words(raw, lambda: reader.as_words(raw))
+            gauss = reader.inst.gauss_next
+        else:
+            py_state = random.getstate()
+            words = self._python_words(py_state, lambda: [*py_state[1], py_state[0]])
+            gauss = py_state[2]
         state: dict[str, Any] = {
             "torch": torch.get_rng_state(),
-            "numpy": {"name": np_state[0], "keys": np_state[1], "pos": int(np_state[2]),
-                      "has_gauss": int(np_state[3]), "cached": float(np_state[4])},
-            # One int64 tensor (Mersenne Twister's 625 words, then the version), not a list of 626
-            # ints: copied and encoded at every step start and all-reduce, a list cost ~10x more.
-            "random": self._python_words(py_state),
-            "random_gauss": py_state[2],
+            "numpy": self._numpy(),
+            # One int64 tensor (Mersenne Twister's 624 words, its index, then the version), not a
+            # list of 626 ints: copied and encoded at every step start and all-reduce, a list cost ~10x more.
+            "random": words,
+            "random_gauss": gauss,
         }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda"] = torch.cuda.get_rng_state_all()

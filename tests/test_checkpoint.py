@@ -388,3 +388,20 @@ def test_a_shard_that_does_not_load_marks_its_checkpoint_unusable(tmp_path: Path
     assert skipped == [(shard, skipped[0][1])] and "does not load" in skipped[0][1]
     with pytest.raises(CheckpointError, match="does not load"):
         ckpt.verify(directory)
+
+
+def test_snapshot_of_plain_dicts_rebuilds_them_and_shares_primitives() -> None:
+    """Issue 27: plain dicts and primitives take a short path (a step start copies small replica
+    dicts); the copy is what the general path gives: new dicts, numpy keys as Python scalars."""
+    import numpy as np
+
+    from ftrun.checkpoint import snapshot
+
+    inner = {"lr": 20.0, "name": "x", "on": True, "none": None, np.int64(3): b"b"}
+    state = {"annealing": inner, "t": torch.ones(2)}
+    copy = snapshot(state)
+    assert copy == {"annealing": {"lr": 20.0, "name": "x", "on": True, "none": None, 3: b"b"}, "t": copy["t"]}
+    assert copy["annealing"] is not inner and type(next(reversed(copy["annealing"]))) is int
+    assert copy["t"] is not state["t"] and torch.equal(copy["t"], state["t"])
+    with pytest.raises(TypeError, match=r"state\['annealing'\]\['bad'\]"):
+        snapshot({"annealing": {"bad": object()}})

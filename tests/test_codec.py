@@ -122,3 +122,42 @@ def test_rng_state_reuses_python_randoms_words_only_while_unchanged():
     rng.load_state_dict(first)
     random.gauss(0, 1)
     assert rng.state_dict()["random"] is not first["random"]
+
+
+def _general_to_bytes(state: Any) -> bytes:
+    """codec.to_bytes as it was before its plain-state walk (issue 27): the reference bytes."""
+    import msgpack
+
+    skeleton, tensors = codec.flatten(state)
+    data = [t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"" for t in tensors]
+    return msgpack.packb({"skeleton": skeleton, "data": data}, use_bin_type=True)
+
+
+PLAIN_STATES = [
+    {"rng": RNGState().state_dict(), "hidden": {"h": torch.randn(2, 3, 4), "c": torch.randn(2, 3, 4)}, "data": {"epoch": 1, "position": 5}},
+    {"a": [1, 2.5, None, "x", b"y", True, [torch.arange(5)[1:], (torch.zeros(()),)]], 3: torch.Size([2, 3]),
+     "empty": torch.empty(0), "empty_array": np.zeros((0, 3)), "row": np.arange(3.0).reshape(3, 1)[1], "zero_d": np.array(5.0)},
+    {"strided": torch.ones(2, 3)[:, 1], "bf16": torch.ones(3, dtype=torch.bfloat16), "grad": torch.ones(2, requires_grad=True),
+     "complex": torch.tensor([1 + 2j]), "bool": torch.tensor([True, False]), "big_endian": np.arange(6, dtype=">i4").reshape(2, 3).T},
+]
+
+
+@pytest.mark.parametrize("index", range(len(PLAIN_STATES)))
+def test_plain_states_take_the_one_pass_walk_and_give_the_same_bytes(index: int) -> None:
+    """Issue 27: a rank's records (twice a step) take a one-pass walk; a record must read back as
+    it did, so its bytes are those of the general walk, byte for byte."""
+    state = PLAIN_STATES[index]
+    codec._plain_flatten(state)  # it is plain: no fallback taken
+    blob = codec.to_bytes(state)
+    assert blob == _general_to_bytes(state)
+    assert codec.to_bytes(codec.from_bytes(blob)) == blob
+
+
+def test_other_states_take_the_general_walk() -> None:
+    for state in ({"od": OrderedDict(a=torch.ones(1))}, {"scalar": np.float32(0.5)}, {"p": torch.nn.Parameter(torch.ones(2))},
+                  {"dtype": torch.float16, "c": 1 + 2j}, {True: 3}):
+        with pytest.raises(codec._NotPlain):
+            codec._plain_flatten(state)
+        assert codec.to_bytes(state) == _general_to_bytes(state)
+    with pytest.raises(TypeError, match=r"state\['bad'\]"):
+        codec.to_bytes({"bad": object()})

@@ -157,3 +157,57 @@ def test_check_names_the_first_step_and_tensor_and_the_likely_cause() -> None:
     # A recomputed step with another gradient: carried state in the forward pass.
     why = explain(diff, [{"rank": 0, "step": 5, "check": "gradient", "reason": "..."}], scenario, reference)
     assert "rank 0 computed step 5 again" in why and "hidden state" in why
+
+
+class _Position:
+    def __init__(self) -> None:
+        self.position = 0
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seen": torch.tensor([self.position])}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
+def test_the_step_start_copy_of_rank_state_is_its_record_and_rolls_back() -> None:
+    """Issue 27: at a step start one walk gives both the copy a retried step rolls back to and the
+    rank's record (the same bytes as encoding the state alone); replica objects keep a deep copy."""
+    import random
+
+    import numpy as np
+
+    from ftrun import codec
+    from ftrun.registry import StateRegistry
+    from ftrun.transfer import RNGState
+
+    registry = StateRegistry()
+    registry.register("rng", RNGState(), kind="rank")
+    registry.register("data", _Position(), kind="rank")
+    registry.register("epochs", _Position())  # replica
+    np.random.seed(1)
+    np.random.standard_normal()  # a cached gaussian in the state
+    registry["data"].position = registry["epochs"].position = 3
+    blob = registry.snapshot_step_start(5, encode_rank=True)
+    assert blob == codec.to_bytes(registry.state_dict(only=("rank",)))
+    draws = (torch.rand(2), np.random.standard_normal(2), random.random())
+    registry["data"].position = registry["epochs"].position = 4
+    assert not registry.roll_back(4, ("rank", "replica"))  # another step's copy
+    assert registry.roll_back(5, ("rank",))
+    assert (registry["data"].position, registry["epochs"].position) == (3, 4)
+    assert torch.equal(torch.rand(2), draws[0]) and np.array_equal(np.random.standard_normal(2), draws[1]) and random.random() == draws[2]
+    assert registry.roll_back(5, ("rank", "replica"))  # again: decoded afresh
+    assert (registry["data"].position, registry["epochs"].position) == (3, 3)
+    assert torch.equal(torch.rand(2), draws[0])
+    assert registry.snapshot_step_start(6) is None  # no record kept: every kind deep-copied
+    registry["data"].position = 9
+    assert registry.roll_back(6, ("rank",)) and registry["data"].position == 3
+
+
+def test_the_gradient_record_has_the_codecs_bytes() -> None:
+    from ftrun import codec
+
+    store = dist.HashStore()
+    records = RankStateStore(store, attempt=0, rank=1)
+    records.put_gradient_digest(8, "ab" * 16)
+    assert bytes(store.get(f"{records.prefix}/grad/0")) == codec.to_bytes({"step": 8, "digest": "ab" * 16})

@@ -1,0 +1,96 @@
+"""Reading the random generators' state in place (ftrun.rngmemory, issue 27): RNGState must give
+what the public getters give, for every kind of change, including numpy's cached gaussian, which
+changes while the Mersenne Twister words do not."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+
+from ftrun import codec, rngmemory
+from ftrun.transfer import RNGState
+
+
+def _public() -> dict[str, Any]:
+    """RNGState's state dict as it was built from the public getters before the readers."""
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    return {"torch": torch.get_rng_state(),
+            "numpy": {"name": np_state[0], "keys": np_state[1], "pos": int(np_state[2]),
+                      "has_gauss": int(np_state[3]), "cached": float(np_state[4])},
+            "random": torch.tensor([*py_state[1], py_state[0]], dtype=torch.int64), "random_gauss": py_state[2]}
+
+
+def _same_numpy_words_other_gauss() -> None:
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    np.random.set_state((name, keys, pos, 1 - has_gauss, 0.75 if not has_gauss else 0.0))
+
+
+CHANGES: list[tuple[str, Callable[[], Any]]] = [
+    ("nothing", lambda: None),
+    ("numpy gaussian: a pair drawn, one kept", np.random.standard_normal),
+    ("numpy gaussian: the kept one taken, words unchanged", np.random.standard_normal),
+    ("numpy uniform", lambda: np.random.rand(3)),
+    ("numpy seed", lambda: np.random.seed(4)),
+    ("numpy set_state: same words, another gauss", _same_numpy_words_other_gauss),
+    ("numpy set_state: same words, the gauss back", _same_numpy_words_other_gauss),
+    ("random gauss: a pair drawn", lambda: random.gauss(0, 1)),
+    ("random gauss: the kept one taken", lambda: random.gauss(0, 1)),
+    ("random seed", lambda: random.seed(3)),
+    ("random draw", random.random),
+    ("torch draw", lambda: torch.rand(2)),
+]
+
+
+def test_the_readers_are_calibrated_on_this_interpreter() -> None:
+    py, npy = rngmemory.readers()
+    assert py is not None and npy is not None
+    assert py.read() == py.read() and len(py.read()) == 4 + 4 * rngmemory.MT_WORDS
+
+
+@pytest.mark.parametrize("readers", ["in place", "public getters"])
+def test_rng_state_is_what_the_public_getters_give_after_every_change(readers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if readers == "public getters":
+        monkeypatch.setattr(rngmemory, "_readers", (None, None))  # as where the layout is not confirmed
+    rng = RNGState()
+    np.random.seed(1)
+    random.seed(2)
+    for _ in range(2):
+        for what, change in CHANGES:
+            change()
+            mine, public = rng.state_dict(), _public()
+            assert codec.to_bytes(mine) == codec.to_bytes(public), what  # the same record, byte for byte
+            assert type(mine["numpy"]["keys"]) is np.ndarray and mine["numpy"]["keys"].flags.writeable
+
+
+def test_numpy_cached_gaussian_is_seen_while_the_words_stay() -> None:
+    """The brief's trap: a gaussian drawn from numpy's cache changes ``has_gauss`` and ``cached``
+    but no word, so the state cannot be cached on its words; the records differ, and loading the
+    earlier one gives the earlier draws back."""
+    rng = RNGState()
+    np.random.seed(5)
+    np.random.standard_normal()  # a pair drawn, one kept
+    kept = rng.state_dict()
+    blob = codec.to_bytes(kept)
+    taken = np.random.standard_normal()  # the kept one: no word drawn
+    after = rng.state_dict()
+    assert np.array_equal(after["numpy"]["keys"], kept["numpy"]["keys"]) and after["numpy"]["pos"] == kept["numpy"]["pos"]
+    assert (kept["numpy"]["has_gauss"], after["numpy"]["has_gauss"]) == (1, 0)
+    assert codec.to_bytes(after) != blob
+    rng.load_state_dict(codec.from_bytes(blob))
+    assert np.random.standard_normal() == taken
+
+
+def test_numpy_words_unchanged_give_the_same_array_changed_a_new_one() -> None:
+    rng = RNGState()
+    np.random.seed(6)
+    first = rng.state_dict()["numpy"]["keys"]
+    assert rng.state_dict()["numpy"]["keys"] is first
+    np.random.rand()
+    second = rng.state_dict()["numpy"]["keys"]
+    assert second is not first and not np.array_equal(second, first)
+    assert np.array_equal(first, codec.from_bytes(codec.to_bytes({"k": first}))["k"])  # the earlier one untouched
