@@ -33,6 +33,14 @@ endpoint and hosts a c10d store of its own, and says so in its hello. Then:
   incarnation) and are told the new generation; the recovery plan names the new store, on which
   the next generation's process group is built.
 
+- **A line of two standbys** (:data:`SEATS`): the coordinator asks another node's agent too and
+  announces the line (``seats``: control endpoint and node, first first) to ranks and agents. The
+  second takes over only once the coordinator's and the first standby's processes are found dead
+  (a closed connection, or a refused one: :func:`ftrun.protocol.endpoint_refuses`), never on
+  silence, so it never competes with the first's majority: node 1 lost while it takes over.
+  The line only grows at its end or loses a lost node's entry, so no two agents disagree on
+  who is next.
+
 What is lost with node 0: the records of node 0's ranks' own state (RNG, data position) that
 lived in its store; a script seeded per step (``init(seed=...)``) needs none, another one reports
 the difference with its exactly-once checks. A decision the old coordinator made in the last
