@@ -97,6 +97,30 @@ def test_a_takeover_recovers_the_dead_coordinators_node_from_replicas(tmp_path: 
     assert new.rounds.current is not None and new.rounds.current.reports == {2: 40, 3: 40}
 
 
+def test_a_rank_that_never_says_hello_after_a_takeover_is_replaced(tmp_path: Path, store: int) -> None:
+    """A rank whose channel stayed on a dead coordinator (nobody told it where to go) would hold
+    every round of the new one: after two silence timeouts it is killed and respawned."""
+    clock = Clock()
+    new = _standby_of(tmp_path, store, clock)
+    state = {"epoch": 0, "attempt": 0, "generation": 2, "restarts_used": 0, "run_id": "job", "lost_nodes": {},
+             "ranks": [[r, 0, 100 + r, True, [0, 1, 2, 3], 0, "healthy", 40, True] for r in range(4)]}
+    new.take_over(state, lost=[0])
+    new.agents[1].running.update({2: (0, 102), 3: (0, 103)})  # node 1's ranks, this process's children
+    new.handle(ident(2, 0), msg(MsgType.HELLO, rank=2, incarnation=0, pid=102, generation=2,
+                                replica_group=[0, 1, 2, 3], library=True, rejoin=True, seen=2))
+    send(new, 2, MsgType.FAULT, generation=3, step=41, committed=40, reason="abort", kind="abort")
+    deadline = 1000.0 + 2 * silence_timeout(new.spec)
+    while clock.now + 1.0 < deadline:
+        clock.now += 1.0
+        send(new, 2, MsgType.HEARTBEAT)  # rank 2 beats; rank 3 (node 1's, this process's child) never came
+        new.check_hangs()
+        assert new.agents[1].hung == [], clock.now
+    clock.now = deadline + 0.5
+    send(new, 2, MsgType.HEARTBEAT)
+    new.check_hangs()
+    assert new.agents[1].hung == [(3, True)]
+
+
 def test_a_rank_that_heard_of_a_newer_generation_moves_the_round_beyond_it(tmp_path: Path, store: int) -> None:
     """The dead coordinator sent an abort for generation 3 that the standby was not told of: the
     rank that saw it says so (``seen``), and the round goes to generation 4 (an abort at or below

@@ -146,7 +146,7 @@ def restore(job: "Coordinator", state: dict[str, Any]) -> None:
         r = job.ranks[int(rank)]
         r.proc = Incarnation(number=int(incarnation), started_at=now, pid=int(pid) or None, running=bool(running),
                              state=RankState(rank_state), committed=int(committed), last_heartbeat=now,
-                             last_progress=now)
+                             last_progress=now, rejoin_by=now + 2 * silence_timeout(job.spec))
         r.library, r.replica_group, r.restarts = bool(library), tuple(int(x) for x in group), int(restarts)
 
 

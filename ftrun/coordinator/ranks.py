@@ -61,6 +61,7 @@ class Incarnation:
     in_dist: bool | None = None  # its last heartbeat: training thread inside torch.distributed (None: unknown)
     stage: str = "setup"  # its last heartbeat: where in ftrun's flow (ftrun.recovery.RankProgress.stage)
     stage_bytes: int = 0  # the bytes that stage moves (a transfer's state)
+    rejoin_by: float | None = None  # after a takeover: it says hello to the new coordinator by then, or is hung
     outside_since: float | None = None  # first heartbeat of this stage seeing it outside torch.distributed
     section: str | None = None  # a named section it is in (evaluation, checkpoint writing): ft.section()
     section_timeout: float | None = None  # that section's own bound, seconds (None: unbounded)

@@ -126,7 +126,7 @@ class Watchdog:
         if self.unrepaired is not None and now - self.unrepaired[0] > UNREPAIRED_GRACE_S:
             reason, self.unrepaired = self.unrepaired[1], None
             return Unrepaired(reason)
-        for find in (self.heartbeats, self.sections):
+        for find in (self.heartbeats, self.sections, self.rejoins):
             found = find(ranks, now)
             if found:
                 return found[:1]
@@ -146,6 +146,17 @@ class Watchdog:
         return [Hung(r.rank, "no_heartbeat", f"no heartbeat for {now - r.proc.last_heartbeat:.1f} s "
                                              f"(--heartbeat_timeout {timeout:g})", r.proc.last_heartbeat)
                 for r in ranks if r.connected() and not r.proc.finished and now - r.proc.last_heartbeat > timeout]
+
+    @staticmethod
+    def rejoins(ranks: Sequence[Rank], now: float) -> list[Hung]:
+        """After a takeover, running ranks that have not said hello to this coordinator by their
+        ``rejoin_by`` (two silence timeouts: every live rank moves within one): their channel is
+        stuck on a dead coordinator (none told it where to go), so they are killed and respawned
+        rather than waited for by every round."""
+        return [Hung(r.rank, "no_heartbeat", f"did not say hello to this coordinator within "
+                                             f"{r.proc.rejoin_by - r.proc.started_at:.0f} s of its takeover", r.proc.started_at)
+                for r in ranks if r.alive() and r.proc.identity is None and r.proc.kill_reason is None
+                and r.proc.rejoin_by is not None and now > r.proc.rejoin_by]
 
     @staticmethod
     def sections(ranks: Sequence[Rank], now: float) -> list[Hung]:
