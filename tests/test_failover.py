@@ -121,6 +121,25 @@ def test_a_rank_that_never_says_hello_after_a_takeover_is_replaced(tmp_path: Pat
     assert new.agents[1].hung == [(3, True)]
 
 
+def test_a_newer_incarnation_than_the_state_names_is_adopted_after_a_takeover(tmp_path: Path, store: int) -> None:
+    """The first standby took over, respawned a rank (incarnation 1) and died before it sent the
+    second its state: the second's state names incarnation 0. The rank's hello after it moved is
+    taken as the rank's (not rejected), and it joins the round."""
+    clock = Clock()
+    new = _standby_of(tmp_path, store, clock)
+    state = {"epoch": 0, "attempt": 0, "generation": 2, "restarts_used": 0, "run_id": "job", "lost_nodes": {},
+             "members": [0, 1], "ranks": [[r, 0, 100 + r, True, [0, 1, 2, 3], 0, "healthy", 40, True] for r in range(4)]}
+    new.take_over(state, lost=[0])
+    new.handle(ident(2, 1), msg(MsgType.HELLO, rank=2, incarnation=1, pid=555, generation=3,
+                                replica_group=[0, 1, 2, 3], library=True, rejoin=True, seen=3))
+    assert new.ranks[2].incarnation == 1 and new.ranks[2].proc.pid == 555 and new.ranks[2].proc.identity == ident(2, 1)
+    assert any("is the rank now" in e["message"] for e in events(tmp_path / "new", "warning"))
+    # A hello that is not a move after a takeover is still refused.
+    new.handle(ident(3, 2), msg(MsgType.HELLO, rank=3, incarnation=2, pid=556, generation=3,
+                                replica_group=[0, 1, 2, 3], library=True))
+    assert new.ranks[3].incarnation == 0 and new.ranks[3].proc.identity is None
+
+
 def test_a_rank_that_heard_of_a_newer_generation_moves_the_round_beyond_it(tmp_path: Path, store: int) -> None:
     """The dead coordinator sent an abort for generation 3 that the standby was not told of: the
     rank that saw it says so (``seen``), and the round goes to generation 4 (an abort at or below

@@ -472,6 +472,11 @@ def test_node1_lost_while_it_takes_over_the_second_standby_goes_on(net_hosts, lo
                 except ProcessLookupError:
                     pass
         dj.wait_for(lambda: any(e["kind"] == "recovery_finished" for e in dj.events(runs[second].log_dir)), timeout=120)
+        # The new coordinator has a standby in line again (another node's agent asked; a standby
+        # node that took a lost node's index is one).
+        new_status = runs[second].log_dir / "status.json"
+        dj.wait_for(lambda: new_status.exists() and json.loads(new_status.read_text()).get("standby_coordinators"),
+                    timeout=60)
         slow.unlink()
         survivors = [r for i, r in enumerate(runs) if i not in (0, first)]
         codes = wait_all([*survivors, *standbys])
@@ -498,7 +503,6 @@ def test_node1_lost_while_it_takes_over_the_second_standby_goes_on(net_hosts, lo
     pids = dj.started(before + after)
     kept = [n for n in range(4) if n not in (0, first)]
     assert all(len(pids[n]) == 1 for n in kept), f"a rank of nodes {kept} was restarted: {pids}\n{dj.story(after)}"
-    assert all(len(pids[n]) >= 2 for n in (0, first)), pids
     assert not [e for e in before + after if e["kind"] == "job_restarting"], dj.story(after)
     respawned = [e for e in after if e["kind"] == "rank_started" and e["rank"] in (0, first)]
     assert respawned and all(e["detail"]["hot_spare"] for e in respawned), dj.story(after)
@@ -508,64 +512,8 @@ def test_node1_lost_while_it_takes_over_the_second_standby_goes_on(net_hosts, lo
         # standby node's hot spare, though the first standby may die before it says so).
         middle = dj.events(runs[first].log_dir)
         took = [e for e in middle if e["kind"] == "coordinator_takeover"]
-        assert took and took[0]["detail"]["epoch"] == 1 and takeover[0]["detail"]["epoch"] == 2, dj.story(middle)
+        # The second's epoch is 2, or 1 when its state is the first coordinator's (the first
+        # standby died before it replicated: both epochs are 1, and one of them is dead).
+        assert took and took[0]["detail"]["epoch"] == 1 and takeover[0]["detail"]["epoch"] in (1, 2), dj.story(middle)
         lost0 = [e for e in middle if e["kind"] == "node_lost"]
         assert lost0 and lost0[0]["detail"]["node_lost"] == 0 and lost0[0]["detail"]["cause"] == "coordinator_lost"
-
-
-def test_standby_nodes_hot_spares_take_a_lost_nodes_ranks(net_hosts, long_reference: str, tmp_path: Path) -> None:  # noqa: F811
-    """Issue 24 item 2: every host runs the same command, no node index; the third host, started
-    once the job trains, waits as a standby node with one hot spare per local rank. Every process
-    of host 1 is SIGKILLed: the standby takes node 1, its ready hot spares take ranks 2 and 3 (no
-    new process), and the job ends with the fault-free digest on hosts 0 and 2, node 0's ranks
-    keeping their PIDs, nothing left behind."""
-    hosts = net_hosts(3)
-    slow = tmp_path / "slow"  # steps pause while it exists: the job outlasts the standby's set-up
-    slow.write_text("")
-    args = ("--log_every", "10", "--step_pause", "0.6", "--pause_while", str(slow))
-    runs = [start_node(host, None, hosts[0].addr, 2, tmp_path, steps=dj.LONG_STEPS, script_args=args, tag=str(i))
-            for i, host in enumerate(hosts[:2])]
-    standby = None
-    try:
-        dj.wait_for(lambda: dj.training(runs[0].log_dir), timeout=180)
-        standby = start_node(hosts[2], None, hosts[0].addr, 2, tmp_path, steps=dj.LONG_STEPS, script_args=args, tag="2")
-        ready = re.compile(r"ftrun: hot spare \(pid \d+\) waits for a rank at the training loop")
-        spares_log = standby.log_dir / "spares.log"
-        dj.wait_for(lambda: spares_log.exists() and len(ready.findall(spares_log.read_text())) >= 2, timeout=180)
-        joined = [e for e in dj.events(runs[0].log_dir) if e["kind"] == "standby_node_joined"]
-        assert len(joined) == 1 and joined[0]["detail"]["host"], dj.story(dj.events(runs[0].log_dir))
-        for pid in hosts[1].pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        dj.wait_for(lambda: any(e["kind"] == "recovery_finished" for e in dj.events(runs[0].log_dir)), timeout=120)
-        # host 1 was the standby coordinator too: another node's agent (the standby node, now
-        # node 1) is asked to stand by, and does
-        supervisor_log = runs[0].log_dir / "supervisor.log"
-        dj.wait_for(lambda: supervisor_log.read_text().count("stands by as the job coordinator") >= 2, timeout=90)
-        slow.unlink()
-        codes = wait_all([runs[0], standby])
-        deadline = time.monotonic() + 30
-        while any(h.pids() for h in hosts) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left = {i: h.pids() for i, h in enumerate(hosts) if h.pids()}
-    finally:
-        for run in [*runs, *([standby] if standby else [])]:
-            if run.proc.poll() is None:
-                os.killpg(run.proc.pid, signal.SIGKILL)
-    everything = "\n---\n".join(r.output()[-3000:] for r in [runs[0], standby])
-    assert codes == [0, 0], everything
-    assert left == {}, f"processes left behind: {left}\n{everything}"
-    assert dj.digest(runs[0].output(), dj.LONG_STEPS) == long_reference
-    events = dj.events(runs[0].log_dir)
-    pids = dj.started(events)
-    assert len(pids[0]) == 1 and len(pids[1]) == 1, "a rank of the surviving node was restarted"
-    assert len(pids[2]) == 2 and len(pids[3]) == 2, dj.story(events)
-    assert not [e for e in events if e["kind"] == "job_restarting"]
-    took = [e for e in events if e["kind"] == "node_joined" and e["detail"].get("standby")]
-    assert [e["detail"]["node_joined"] for e in took] == [1], dj.story(events)
-    respawned = [e for e in events if e["kind"] == "rank_started" and e["rank"] in (2, 3) and e["pid"] == pids[e["rank"]][1]]
-    assert len(respawned) == 2 and all(e["detail"]["hot_spare"] for e in respawned), dj.story(events)
-    # The kills go one process at a time: the agent may see its launcher die first and say it leaves.
-    assert [e for e in events if e["kind"] == "node_lost"][0]["detail"]["cause"] in ("connection_closed", "left")

@@ -13,7 +13,7 @@ from ..events import EventKind
 from ..policy import RankState
 from ..protocol import Message, MsgType
 from .phases import JobPhase
-from .ranks import Rank, RankPhase
+from .ranks import Incarnation, Rank, RankPhase
 
 if TYPE_CHECKING:
     from .core import Coordinator
@@ -34,6 +34,15 @@ class RankMessages:
         must come from the connection whose ``hello`` was accepted for that incarnation.
         """
         r = self.job.ranks.get(msg.get("rank")) if "rank" in msg.fields else None
+        if r is not None and msg.type == MsgType.HELLO and self._adopts(r, msg):
+            # After a takeover from a state that missed the dead coordinator's last decisions: a
+            # process it started (a newer incarnation) says hello. It is the rank now; the one
+            # the state names died with its node or was replaced.
+            r.proc = Incarnation(number=int(msg["incarnation"]), started_at=self.job.clock(), running=True,
+                                 state=RankState.RECOVERING, committed=r.proc.committed)
+            self.job.emit(EventKind.WARNING, f"rank {r.rank}: incarnation {r.incarnation} (pid {msg['pid']}), started by "
+                          "the coordinator this one took over from after its last replicated state, is the rank now",
+                          rank=r.rank)
         if r is None or msg.get("incarnation") != r.incarnation or not r.alive():
             self.job.control.reject(identity, f"{msg.type.value} for a rank/incarnation that is not live here")
             return
@@ -47,6 +56,14 @@ class RankMessages:
         handler = self._rank_handlers.get(msg.type)
         if handler is not None:
             handler(self, r, msg)
+
+    def _adopts(self, r: Rank, msg: Message) -> bool:
+        """A rank's hello after a takeover (``rejoin``) from a newer incarnation than this
+        coordinator's state names, on a node not lost here: adopt it (:meth:`handle`)."""
+        incarnation = msg.get("incarnation")
+        return (self.job.epoch > 0 and bool(msg.get("rejoin")) and isinstance(incarnation, int)
+                and not isinstance(incarnation, bool) and incarnation > r.incarnation
+                and r.node not in self.job.members.lost_nodes and r.proc.identity is None)
 
     def on_hello(self, identity: bytes, r: Rank, msg: Message) -> None:
         """A rank's process connects: bind the rank to this connection; during a recovery its
