@@ -152,6 +152,9 @@ def test_a_rank_that_heard_of_a_newer_generation_moves_the_round_beyond_it(tmp_p
     new.handle(ident(2, 0), msg(MsgType.HELLO, rank=2, incarnation=0, pid=102, generation=2, replica_group=[0, 1, 2, 3],
                                 library=True, rejoin=True, seen=3))
     assert new.generation == 4 and new.rounds.current is not None and new.rounds.current.generation == 4
+    # The restarted round names why (no rank failed in it).
+    restarted = [e["message"] for e in events(tmp_path / "new", "recovery_started") if "restarted" in e["message"]]
+    assert restarted and "had heard of generation 3" in restarted[-1] and "rank(s) []" not in restarted[-1]
 
 
 def test_the_standby_is_sent_decisions_at_once_and_committed_steps_with_the_beat(tmp_path: Path) -> None:

@@ -63,9 +63,9 @@ class RecoveryRounds:
             rec.recovered.clear()
             rec.rounds += 1
             rec.round_started = now
-            job.emit(EventKind.RECOVERY_STARTED,
-                     f"recovery restarted (round {rec.rounds}): rank(s) {sorted(failed)} failed during recovery; "
-                     f"generation {job.generation}", failed=sorted(failed), reason=reason, round=rec.rounds, fault=kind)
+            why = f"rank(s) {sorted(failed)} failed during recovery" if failed else reason
+            job.emit(EventKind.RECOVERY_STARTED, f"recovery restarted (round {rec.rounds}): {why}; generation {job.generation}",
+                     failed=sorted(failed), reason=reason, round=rec.rounds, fault=kind)
         for rank in sorted(failed):
             r = job.ranks[rank]
             job.restarts_used += 1
