@@ -26,6 +26,7 @@ pytest.importorskip("accelerate", reason="accelerate (pip install 'ftrun[hf]') i
 import digits_job as dj  # noqa: E402
 from once import shared_once  # noqa: E402
 from test_hf import _assert_recovered_in_place, _env, _events  # noqa: E402
+from reference_runs import run_torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "accelerate_loop.py"
@@ -67,9 +68,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, str]:
     """The loop as written (``main``: accelerate's own DDP and DataLoader) under torchrun, 4 ranks."""
     def run() -> tuple[int, str, str]:
         cwd = tmp_path_factory.mktemp("accelerate_torchrun")
-        torchrun = Path(sys.executable).with_name("torchrun")
-        proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT), *ARGS],
-                              env=_env(), capture_output=True, text=True, timeout=280, cwd=cwd)
+        proc = run_torchrun(["--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT), *ARGS], env=_env(), cwd=cwd)
         _assert_torchrun_ok(proc)
         return _final(proc.stdout)
 

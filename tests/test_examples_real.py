@@ -19,6 +19,7 @@ from pathlib import Path
 import digits_job as dj
 from once import shared_once
 import pytest
+from reference_runs import run_torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -75,9 +76,7 @@ def _assert_recovered_in_place(events: list[dict], faulted: set[int]) -> None:
 
 def _torchrun_digest(cwd: Path, script: str, args: list[str]) -> str:
     """The parameters' digest of ``script`` under plain torchrun on 2 ranks (DDP, no ftrun)."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(EXAMPLES / script), *args],
-                          env=_env(), capture_output=True, text=True, timeout=280, cwd=cwd)
+    proc = run_torchrun(["--standalone", "--nproc_per_node", "2", str(EXAMPLES / script), *args], env=_env(), cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return _digest(proc.stdout)
 

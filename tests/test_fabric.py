@@ -25,6 +25,7 @@ pytest.importorskip("lightning", reason="the lightning extra (pip install 'ftrun
 import digits_job as dj  # noqa: E402
 import framework_helpers as fh  # noqa: E402
 from once import shared_once  # noqa: E402
+from reference_runs import run_torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "fabric_loop.py"
@@ -55,9 +56,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ...]:
     """The loop as written (``main``: Fabric's own DDP strategy) under torchrun, 4 ranks."""
     def run() -> tuple[str, ...]:
         cwd = tmp_path_factory.mktemp("fabric_torchrun")
-        torchrun = Path(sys.executable).with_name("torchrun")
-        proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT), *ARGS],
-                              env=fh.env(), capture_output=True, text=True, timeout=280, cwd=cwd)
+        proc = run_torchrun(["--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT), *ARGS], env=fh.env(), cwd=cwd)
         fh.assert_torchrun_ok(proc, FINAL)
         final = _final(proc.stdout)
         assert final[0] == "12" and len(final) == 4 + 2, final  # 12 steps, evaluations after steps 5 and 10

@@ -22,6 +22,7 @@ from pathlib import Path
 import digits_job as dj
 from once import shared_once
 import pytest
+from reference_runs import run_torchrun
 
 pytest.importorskip("transformers", reason="the hf extra (pip install 'ftrun[hf]') is not installed")
 pytest.importorskip("accelerate", reason="the hf extra (pip install 'ftrun[hf]') is not installed")
@@ -78,10 +79,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, str, 
     """The plain ``Trainer`` (``--no_ftrun``: accelerate's own DDP) under torchrun, 4 ranks."""
     def run() -> tuple[int, str, str, str]:
         cwd = tmp_path_factory.mktemp("hf_torchrun")
-        torchrun = Path(sys.executable).with_name("torchrun")
-        proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT),
-                               "--output_dir", str(cwd / "out"), "--no_ftrun", *ARGS],
-                              env=_env(), capture_output=True, text=True, timeout=280, cwd=cwd)
+        proc = run_torchrun(["--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT),
+                             "--output_dir", str(cwd / "out"), "--no_ftrun", *ARGS], env=_env(), cwd=cwd)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return _final(proc.stdout)
 
@@ -206,10 +205,8 @@ def test_hf_trainer_gpt2_bf16_sigkill_mid_epoch(tmp_path: Path) -> None:
     autocast on CPU: rank 1 SIGKILLed mid-epoch ends bitwise equal to the plain Trainer under
     torchrun (its own reference: this job's parameters differ from the others')."""
     args = [*ARGS, "--model", "gpt2", "--bf16"]
-    torchrun = Path(sys.executable).with_name("torchrun")
-    ref = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT),
-                          "--output_dir", str(tmp_path / "ref"), "--no_ftrun", *args],
-                         env=_env(), capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    ref = run_torchrun(["--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT),
+                        "--output_dir", str(tmp_path / "ref"), "--no_ftrun", *args], env=_env(), cwd=tmp_path)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     final, events = _kill_when(tmp_path, "pause step_end step=1", rank=1, args=[*args, "--pause_on", "step_end:1"])
     assert final == _final(ref.stdout)

@@ -23,6 +23,7 @@ from pathlib import Path
 import digits_job as dj
 from once import shared_once
 import pytest
+from reference_runs import run_torchrun
 
 pytest.importorskip("lightning", reason="the lightning extra (pip install 'ftrun[lightning]') is not installed")
 
@@ -74,10 +75,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ...]:
     """Lightning's own ``DDPStrategy`` (``--no_ftrun``) under torchrun, 4 ranks."""
     def run() -> tuple[str, ...]:
         cwd = tmp_path_factory.mktemp("lightning_torchrun")
-        torchrun = Path(sys.executable).with_name("torchrun")
-        proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT),
-                               "--output_dir", str(cwd / "out"), "--no_ftrun", *ARGS],
-                              env=_env(), capture_output=True, text=True, timeout=280, cwd=cwd)
+        proc = run_torchrun(["--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT),
+                             "--output_dir", str(cwd / "out"), "--no_ftrun", *ARGS], env=_env(), cwd=cwd)
         assert proc.returncode == 0, proc.stdout[-3000:] + _first_errors(proc.stderr) + proc.stderr[-3000:]
         final = _final(proc.stdout)
         assert final[0] == "12" and len(final) == 6 + 6, final  # 12 steps, a validation every 2

@@ -23,6 +23,7 @@ from typing import Any
 import digits_job as dj
 import psutil
 import pytest
+from reference_runs import TORCH_ABORT
 from nethosts import NetHost, net_hosts  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(360)]
@@ -217,8 +218,11 @@ def test_torchrun_script_restarts_on_every_node(net_hosts, tmp_path: Path) -> No
     assert codes == [0, 0], "\n---\n".join(r.output()[-3000:] for r in runs)
     assert dj.digest(runs[0].output()) == clean
     restarts = [e for e in events if e["kind"] == "job_restarting"]
-    assert len(restarts) == 1
-    assert all(len(p) == 2 for p in dj.started(events).values()), "every rank on every node restarts once"
+    # torch's own abort of a gloo rank (tests/reference_runs.py) is one more whole-job restart of a
+    # plain script, as it would be under torchrun (seen once in CI: at the restarted attempt's start).
+    torch_aborts = [p for run in runs for p in Path(run.log_dir).glob("worker_*.log") if TORCH_ABORT in p.read_text(errors="replace")]
+    assert 1 <= len(restarts) <= 1 + len(torch_aborts), [e["message"] for e in events if e["kind"] == "rank_failed"]
+    assert all(len(p) == 1 + len(restarts) for p in dj.started(events).values()), "every rank on every node restarts"
 
 
 @pytest.mark.parametrize("node", [1, 0])

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from reference_runs import run_torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -57,10 +58,8 @@ def _ftrun_cmd(log_dir: Path, args: list[str], ftrun_args: tuple[str, ...] = (),
 @pytest.fixture(scope="module")
 def twin_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
     """word_lm_torchrun.py's parameters (plain DDP under torchrun, no ftrun)."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(EXAMPLES / "word_lm_torchrun.py")],
-                          env=_env(), capture_output=True, text=True, timeout=280,
-                          cwd=tmp_path_factory.mktemp("word_lm_torchrun"))
+    proc = run_torchrun(["--standalone", "--nproc_per_node", "2", str(EXAMPLES / "word_lm_torchrun.py")], env=_env(),
+                        cwd=tmp_path_factory.mktemp("word_lm_torchrun"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return _digest(proc.stdout)
 
