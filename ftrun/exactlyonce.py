@@ -68,7 +68,6 @@ class ExactlyOnceChecks:
         self.local_gradient: tuple[int, str] | None = None  # (step, fingerprint) of the step last computed
         self.rank_states: Any = None  # ftrun.rankstate.RankStateStore, once records are kept
         self._store_moves = 0  # the group's store_moves when rank_states was made
-        self._provisional: tuple[int, int | None] | None = None  # (step, write ticket) started at backward
         self.rank = -1
         self.attempt = 0
         self.device = torch.device("cpu")
@@ -91,56 +90,34 @@ class ExactlyOnceChecks:
         if self.rank_states is not None and self._store_moves != getattr(self.group, "store_moves", 0):
             self.rank_states = None  # the job's store moved (a coordinator takeover): write to the new one
         if self.rank_states is None:
-            from .rankstate import RankStateStore, RecordWriter
+            from .rankstate import RankStateStore
 
             self._store_moves = getattr(self.group, "store_moves", 0)
-
-            self.rank_states = RankStateStore(self.group.store(), self.attempt, self.rank,
-                                              writer=RecordWriter(self.group.connect_store))
+            self.rank_states = RankStateStore(self.group.store(), self.attempt, self.rank)
         return True
 
-    def snapshot_step_start(self, wait: bool = False, mid_pass: bool = False) -> None:
+    def snapshot_step_start(self, mid_pass: bool = False) -> None:
         """Copy the state that work after the update changes (kinds ``replica`` and ``rank``) at the
-        start of a step, labelled with the committed step it belongs to. ``wait``: return once this
-        rank's record is in the job's store (an integration's snapshot after work between steps
-        that drew from the RNG streams: a rank that dies right after must leave that record).
-        ``mid_pass``: not a data pass's first step (:meth:`ftrun.rankstate.RankStateStore.put`)."""
+        start of a step, labelled with the committed step it belongs to, and write this rank's
+        record of it to the job's store (:class:`ftrun.rankstate.RankStateStore`: a send, done
+        when this returns). ``mid_pass``: not a data pass's first step
+        (:meth:`ftrun.rankstate.RankStateStore.put_encoded`)."""
         keep = self.keeps_rank_records()
         own = self.registry.snapshot_step_start(self.progress.committed, encode_rank=keep)
         if keep and own is not None:
-            ticket = self.rank_states.put_encoded(self.progress.committed, own, mid_pass=mid_pass)
-            if wait:
-                self.rank_states.wait(ticket)
-
-    def start_provisional(self) -> None:
-        """At the start of the step's synced backward: take the rank state after its batch and
-        forward (backward changes none of it) and start writing it, so the write overlaps the
-        backward (:meth:`record_provisional` waits for it)."""
-        self._provisional = None
-        step = self.progress.current_step
-        if step is None or self.progress.committed != step - 1 or not self.keeps_rank_records():
-            return
-        try:
-            self._provisional = self._put_provisional(step)
-        except Exception:  # a state the codec refuses: record_provisional raises it on the training path
-            self._provisional = None
+            self.rank_states.put_encoded(self.progress.committed, own, mid_pass=mid_pass)
 
     def record_provisional(self) -> None:
-        """At the step's all-reduce, before its first bucket leaves: the rank state after its batch
-        and backward, labelled with the step, is in the store (what a respawned rank needs if its
-        peers commit the step and this rank dies)."""
+        """At the step's all-reduce, before its first bucket leaves: write the rank state after
+        its batch and backward, labelled with the step (what a respawned rank needs if its peers
+        commit the step and this rank dies before its next step start).
+
+        Raises:
+            TypeError: a rank state the codec refuses (naming its place)."""
         step = self.progress.current_step
         if step is None or self.progress.committed != step - 1 or not self.keeps_rank_records():
             return
-        started, self._provisional = self._provisional, None
-        if started is None or started[0] != step:
-            started = self._put_provisional(step)
-        self.rank_states.wait(started[1])
-
-    def _put_provisional(self, step: int) -> tuple[int, int | None]:
-        """Start writing the provisional record of ``step``: (step, the write's ticket). The state
-        is encoded at once (:meth:`ftrun.rankstate.RankStateStore.put`), so it needs no copy first."""
-        return step, self.rank_states.put(step, self.registry.state_dict(only=("rank",)), provisional=True)
+        self.rank_states.put(step, self.registry.state_dict(only=("rank",)), provisional=True)
 
     def record_epoch_boundary(self) -> None:
         """After an epoch's end, before the next epoch's prologue: this rank's own state, labelled
@@ -148,8 +125,7 @@ class ExactlyOnceChecks:
         epoch end is then in it; :class:`ftrun.rankstate.RankRecord`)."""
         if not self.keeps_rank_records():
             return
-        self.rank_states.wait(self.rank_states.put(self.progress.committed, self.registry.state_dict(only=("rank",)),
-                                                   epoch_boundary=True))
+        self.rank_states.put(self.progress.committed, self.registry.state_dict(only=("rank",)), epoch_boundary=True)
 
     def apply_rank_record(self) -> None:
         """Load the predecessor's record of this rank's own state, if a recovery fetched one and it

@@ -101,7 +101,6 @@ class GradientSync:
             on_local_gradient=self.checks.check_local_gradient if check_gradients else None,
             hold_for_check=self.checks.holds_for_check,
             layout=layout,
-            on_pass_start=self.checks.start_provisional,
         )
         self.reducers.append(reducer)
         reducer.attach()

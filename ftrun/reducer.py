@@ -164,8 +164,6 @@ class GradientReducer:
             backend to fail an all-reduce whose peer is gone (seen in CI: a future that never
             completed after the connections were cut).
         layout: DDP's bucket layout for the keywords the model was wrapped with.
-        on_pass_start: called on the training thread at a synced backward's first ready gradient
-            (the worker starts writing the step's provisional rank record there).
     """
 
     def __init__(
@@ -182,11 +180,9 @@ class GradientReducer:
         on_local_gradient: Callable[[str], bool] | None = None,
         hold_for_check: Callable[[], bool] = lambda: False,
         layout: BucketLayout = BucketLayout(),
-        on_pass_start: Callable[[], None] = lambda: None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.layout = layout
-        self._on_pass_start = on_pass_start
         self._fixed = layout.initial(self.params)  # the first backward's buckets (every one's if never rebuilt)
         self._used: set[int] = set()  # parameters with a gradient since the last synced backward
         self.world_size = world_size
@@ -325,7 +321,6 @@ class GradientReducer:
         self._callback_queued = True
         self.error = None
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        self._on_pass_start()
 
     def _end_of_backward(self) -> None:
         self._finish_pass()

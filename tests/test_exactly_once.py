@@ -49,6 +49,47 @@ def test_rank_records_say_where_they_were_taken_and_keep_the_gradient_fingerprin
     assert records.get_gradient_digest(9) is None
 
 
+_KILLED_WRITER = """
+import os, signal, sys
+from datetime import timedelta
+import torch.distributed as dist
+from ftrun.rankstate import RankStateStore
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30))
+records = RankStateStore(store, attempt=0, rank=1)
+records.put(7, {"hidden": {"h": bytes(range(256)) * 32}}, provisional=True)
+os.kill(os.getpid(), signal.SIGKILL)  # right after the send, as a rank killed before its first bucket leaves
+"""
+
+
+def test_a_record_sent_right_before_a_sigkill_reaches_the_store() -> None:
+    """Records are written on the training thread by ``TCPStore.set``, one request with no reply:
+    what :mod:`ftrun.rankstate` rests on is that a record whose ``put`` has returned is in the
+    store even if the rank is SIGKILLed the next instant."""
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(server.port)], timeout=60)
+        assert proc.returncode == -9
+        got = RankStateStore(server, attempt=0, rank=1).get(7)
+        assert got is not None and got.provisional and got.state["hidden"]["h"] == bytes(range(256)) * 32
+        server.delete_key(f"{RankStateStore(server, 0, 1).prefix}/1")
+
+
+def test_a_failed_record_write_is_reported_once_and_does_not_stop_the_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    class Gone:
+        def set(self, key: str, value: bytes) -> None:
+            raise dist.DistNetworkError("Broken pipe")
+
+    records = RankStateStore(Gone(), attempt=0, rank=1)
+    records.put(7, {"hidden": {"h": torch.ones(2)}}, provisional=True)
+    records.put(8, {"hidden": {"h": torch.ones(2)}}, provisional=True)
+    records.put_gradient_digest(8, "abc")
+    assert capsys.readouterr().err.count("could not write this rank's records") == 1
+
+
 def test_a_step_start_record_equal_to_the_provisional_one_is_not_written_again() -> None:
     """Issue 27: most steps change none of the rank's own state after their all-reduce, so the
     next step start would write the same bytes again. Inside a pass it is left out; at a pass's
@@ -60,7 +101,8 @@ def test_a_step_start_record_equal_to_the_provisional_one_is_not_written_again()
     records._set = lambda key, value: writes.append(key) or real_set(key, value)  # type: ignore[method-assign]
     state = {"data": {"position": torch.tensor(3)}}
     records.put(7, state, provisional=True)
-    assert records.put(7, {"data": {"position": torch.tensor(3)}}, mid_pass=True) is None and len(writes) == 1
+    records.put(7, {"data": {"position": torch.tensor(3)}}, mid_pass=True)
+    assert len(writes) == 1
     assert records.get(7).provisional  # what the store holds: the same state
     records.put(8, state, provisional=True)
     records.put(8, {"data": {"position": torch.tensor(4)}}, mid_pass=True)  # the step's end moved it

@@ -139,7 +139,7 @@ class RecoverableWork:
         if self._ft_pass is None:
             return fn(*args)  # outside the training pass (a final evaluation): a fault restarts the job
         self._ft_marker.pending = {"work": key, "args": list(args), "step": ft.committed}
-        self._snapshot(wait=True)  # what a fault in the work rolls back to, and this rank's record in the store
+        self._snapshot()  # what a fault in the work rolls back to, and this rank's record in the store
         begun = self._work_begins()
         with ft.section(name):
             while True:
@@ -156,8 +156,8 @@ class RecoverableWork:
                 self._recover_in_work()
         self._ft_marker.pending = None
         # Its end: a rank that dies after it is replaced by one that starts here (the work's
-        # draws made), so the record is in the store before the loop goes on.
-        self._snapshot(wait=True)
+        # draws made): its record, sent before the loop goes on.
+        self._snapshot()
         return result
 
     def _recover_in_work(self) -> None:
@@ -178,7 +178,7 @@ class RecoverableWork:
             raise RuntimeError(f"ftrun.integrations.{self._ft_label}: recovered at step {ft.committed}, not at the "
                                "step the work followed")
 
-    def _snapshot(self, wait: bool = False) -> None:
+    def _snapshot(self) -> None:
         """ftrun's step-start snapshot (and record) of this rank's state now. When the next step
         was already begun (its micro-batches fetched by a recovery), the pass's position is taken
         as it was before that fetch, so a retry of that step gets them again."""
@@ -188,7 +188,7 @@ class RecoverableWork:
         if cursor is not None:
             cursor.position -= 1
         try:
-            ft.checks.snapshot_step_start(wait=wait)
+            ft.checks.snapshot_step_start()
         finally:
             if cursor is not None:
                 cursor.position += 1

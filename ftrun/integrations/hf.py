@@ -487,10 +487,10 @@ class FTTrainer(Trainer):
             self._guarded(work, redo_step=False)
         self._ft_post_update = None
         # And its end: a rank that dies after this work (its replicas finish it too) is replaced by
-        # one that starts from here: the logged loss reset, the evaluation's draws made. After an
-        # evaluation or a save, the record is in the store before the loop goes on (a rank killed
-        # right after it would leave its successor the record from before its draws).
-        ft.checks.snapshot_step_start(wait=long_work)
+        # one that starts from here: the logged loss reset, the evaluation's draws made (the
+        # record is sent before the loop goes on: a rank killed right after an evaluation leaves
+        # its successor the record with its draws).
+        ft.checks.snapshot_step_start()
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:

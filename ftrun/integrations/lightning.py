@@ -371,9 +371,9 @@ class FTStrategy(DDPStrategy):
                 trainer.validating = True
         self._mid_eval = False
         # And its end: a rank replaced after it is replaced by one whose streams made its draws
-        # (the record is in the store before the loop goes on); a recovery at the next step's
+        # (its record is sent before the loop goes on); a recovery at the next step's
         # start rolls back no further than here (see _begin_step).
-        ft.checks.snapshot_step_start(wait=True)
+        ft.checks.snapshot_step_start()
         self._validated = True
         return result
 
