@@ -40,6 +40,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -130,8 +131,9 @@ class BucketLayout:
 
 # After an abort, how long a pending all-reduce gets to fail by itself (the abort's connection cut
 # fails it within milliseconds). Leaving one in flight is safe: its group is never destructed
-# (ftrun.group.TrainingGroup.drop) and a late failure cannot touch a later pass (see launch). It must stay
-# well inside the coordinator's deadline for answering the abort (REPORT_DEADLINE_S, 10 s).
+# (ftrun.group.TrainingGroup.drop) and a late failure cannot touch a later pass (no callback is
+# attached to it: see launch). It must stay well inside the coordinator's deadline for answering
+# the abort (REPORT_DEADLINE_S, 10 s).
 ABANDON_GRACE_S = 1.0
 ABANDON_POLL_S = 0.02  # how often a wait for an all-reduce looks at the abandon flag
 
@@ -217,8 +219,8 @@ class GradientReducer:
         # Which backward pass this is: an all-reduce abandoned in an earlier pass (its group torn
         # down under it) may fail long after, and must not mark a later, healthy pass failed.
         self._pass = getattr(self, "_pass", 0) + 1
-        self._pending: list[tuple[list[int], torch.Tensor, torch.futures.Future]] = []
-        self._side: list[torch.futures.Future] = []  # other all-reduces of the pass (the used map)
+        self._pending: list[tuple[list[int], torch.Tensor, Any]] = []  # (bucket, flat copy, its all-reduce's work or None)
+        self._side: list[Any] = []  # the works of other all-reduces of the pass (the used map)
         self._ready: set[int] = set()
         self._next_bucket = 0
         self._started = False
@@ -284,12 +286,12 @@ class GradientReducer:
         if self.layout.find_unused_parameters:  # DDP's local_used_map, summed over the world
             local_used = torch.zeros(len(self.params), dtype=torch.int32, device=self.params[0].device)
             local_used[sorted(self._used)] = 1
-            used_everywhere = self.launch(local_used, average=False)
-            self._side.append(used_everywhere)
+            self._side.append(self.launch(local_used, average=False))
+            used_everywhere = local_used  # summed in place
         if not self._held and self._on_local_gradient is not None:
             self._on_local_gradient(self.local_fingerprint())  # while the all-reduces run
         self.wait()
-        used = used_everywhere.value().tolist() if used_everywhere is not None and self.error is None else None
+        used = used_everywhere.tolist() if used_everywhere is not None and self.error is None else None
         for bucket, flat, _ in self._pending:
             if self.error is not None:
                 break
@@ -328,10 +330,15 @@ class GradientReducer:
             error, self.error = self.error, None
             self._on_failure(f"gradient all-reduce failed: {error}")
 
-    def launch(self, flat: torch.Tensor, average: bool = True) -> torch.futures.Future[torch.Tensor]:
-        """Divide ``flat`` by the world size (unless not ``average``) and all-reduce it
-        asynchronously; the future resolves to ``flat`` (reduced, or local if the all-reduce failed:
-        then :attr:`error` is set)."""
+    def launch(self, flat: torch.Tensor, average: bool = True) -> Any:
+        """Divide ``flat`` by the world size (unless not ``average``) and start its all-reduce, in
+        place; returns its ``Work`` for :meth:`wait`, or None when nothing was started (the pass
+        already failed, or the group is broken: then :attr:`error` is set).
+
+        No Python callback is attached to the work: one would run on the backend's thread and need
+        the GIL while the training thread holds it (in backward, or recording the step), and a
+        gloo rank's next bucket waits behind it. :meth:`wait` collects results and errors on the
+        training thread instead."""
         if not self._started:
             self._started = True
             try:
@@ -339,48 +346,45 @@ class GradientReducer:
             except Exception as err:
                 if not self._on_hook_error(err):
                     raise
-        done: torch.futures.Future[torch.Tensor]
         if self.error is not None or self._is_failed():
-            done = torch.futures.Future()
-            done.set_result(flat)
-            return done
+            return None
         if average:
             flat.div_(self.world_size)
-        failure: str | None = None
         try:
-            work = dist.all_reduce(flat, async_op=True)
+            return dist.all_reduce(flat, async_op=True)
         except Exception as err:  # the group is already broken
-            failure = describe(err)
-        if failure is not None:
-            self.error = failure
-            done = torch.futures.Future()
-            done.set_result(flat)
-            return done
-
-        def settle(fut: torch.futures.Future, out: torch.Tensor = flat, pass_: int = self._pass) -> torch.Tensor:
-            try:
-                fut.wait()
-            except Exception as err:  # recorded, never raised through autograd
-                if self.error is None and self._pass == pass_:
-                    self.error = describe(err)
-            return out
-
-        return work.get_future().then(settle)
+            self.error = describe(err)
+            return None
 
     def wait(self) -> None:
-        """Wait for every bucket launched in this backward (the heartbeat probe sees the wait)."""
+        """Wait for every all-reduce launched in this backward (the heartbeat probe sees the wait);
+        the first failure is kept in :attr:`error`.
+
+        ``Work.wait(timeout)`` releases the GIL and raises on timeout without touching the work
+        (torch 2.13, gloo: "Operation timed out!", ``is_completed()`` still False), so the abort
+        flag is looked at every :data:`ABANDON_POLL_S` s between waits; a failed all-reduce raises
+        with ``is_completed()`` True. A work can complete between its timeout and that check, so
+        a completed work is waited on once more, which returns or raises its own error."""
         self._waiting.set()
+        poll = timedelta(seconds=ABANDON_POLL_S)
         try:
-            for fut in [f for _, _, f in self._pending] + self._side:
-                if self._abandon is None:
-                    fut.wait()
+            for work in [w for _, _, w in self._pending] + self._side:
+                if work is None:
                     continue
-                # Blocked, not spinning (a spin takes the CPU the peers' backward needs when ranks
-                # outnumber cores), woken by the future's completion; the abort is looked at between.
-                done = threading.Event()
-                fut.add_done_callback(lambda _fut, done=done: done.set())
                 abandoned_at = None
-                while not done.wait(ABANDON_POLL_S):
+                while True:
+                    try:
+                        if self._abandon is None:
+                            work.wait()
+                        else:
+                            work.wait(poll)
+                        break
+                    except Exception:
+                        if self._abandon is None or work.is_completed():
+                            # It failed, or it completed right after the timeout was raised (a
+                            # race seen under load): a wait on a completed work says which.
+                            self._collect(work)
+                            break
                     if self._abandon.is_set():
                         # The abort's connection cut normally fails the all-reduce at once; give it
                         # that chance, then stop waiting (see ABANDON_GRACE_S).
@@ -390,6 +394,14 @@ class GradientReducer:
                             return
         finally:
             self._waiting.clear()
+
+    def _collect(self, work: Any) -> None:
+        """The outcome of a completed ``work``: its failure, if any, is kept in :attr:`error`
+        (recorded, never raised through autograd)."""
+        try:
+            work.wait()
+        except Exception as err:
+            self.error = self.error or describe(err)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

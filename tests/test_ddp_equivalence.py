@@ -44,7 +44,7 @@ def test_every_accepted_ddp_keyword_gives_ddps_bits(tmp_path: Path) -> None:
                 p.kill()
                 p.wait()
     for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r}:\n{out[-3000:]}"
+        assert p.returncode == 0, "\n".join(f"=== rank {q}:\n{o[-2500:]}" for q, o in enumerate(outs))
         assert [line for line in out.splitlines() if line.startswith("ok ")] == [f"ok {c} 8" for c in CASES], out[-3000:]
 
 
@@ -78,3 +78,42 @@ def test_layouts_follow_ddps_keywords() -> None:
     assert unused.initial(params) == [[3, 4, 5], [0, 1, 2]]
     capped = BucketLayout.from_ddp_kwargs({"bucket_cap_mb": small})
     assert capped.rebuilt(params, [5, 4, 3, 2, 1, 0]) == [[5, 4, 3], [2, 1, 0]]
+
+
+class _Work:
+    """A ``Work`` whose ``wait(timeout)`` times out ``timeouts`` times, completing (``fails``: with
+    an error) as the last timeout is raised: the race between a timeout and ``is_completed()``."""
+
+    def __init__(self, timeouts: int, fails: bool = False) -> None:
+        self.timeouts, self.fails, self.completed = timeouts, fails, False
+
+    def wait(self, timeout: object = None) -> bool:
+        if self.completed or timeout is None:
+            self.completed = True
+            if self.fails:
+                raise RuntimeError("Connection closed by peer")
+            return True
+        self.timeouts -= 1
+        if self.timeouts == 0:
+            self.completed = True  # completes right after its timeout was raised
+        raise RuntimeError("Operation timed out!")
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_work_that_completes_right_after_a_timed_out_wait_is_taken_for_what_it_did(fails: bool) -> None:
+    """Seen under load with the twin above: an all-reduce that completed between its timed-out
+    wait and the ``is_completed()`` check was taken for failed, and the local gradients were left
+    unaveraged (DDP's bits lost)."""
+    import threading
+
+    from ftrun.reducer import GradientReducer
+
+    reducer = GradientReducer([torch.nn.Parameter(torch.ones(2))], 2, before_first_bucket=lambda: None,
+                              is_failed=lambda: False, on_hook_error=lambda err: False, on_failure=lambda error: None,
+                              waiting=threading.Event(), abandon=threading.Event())
+    reducer._pending = [([0], torch.ones(2), _Work(3, fails=fails))]
+    reducer.wait()
+    assert (reducer.error is not None and "Connection closed" in reducer.error) if fails else reducer.error is None
