@@ -90,38 +90,43 @@ def test_recovery_uses_a_plan_taken_with_its_abort():
 
 def test_an_abandoned_all_reduce_failing_late_leaves_later_passes_alone(monkeypatch):
     """An all-reduce abandoned after an abort can fail long after its pass ended (its group was
-    retired, not joined); that failure must not mark a later, healthy pass failed."""
+    retired, not joined); that failure must not mark a later, healthy pass failed (nothing is
+    attached to a work: a pass looks only at its own works, in :meth:`GradientReducer.wait`)."""
     import threading
 
     import torch
 
     from ftrun import reducer as reducer_mod
 
-    futures = []
+    works = []
 
     class Work:
         def __init__(self):
-            self.fut = torch.futures.Future()
-            futures.append(self.fut)
+            self.error = None
+            works.append(self)
 
-        def get_future(self):
-            return self.fut
+        def wait(self, timeout=None):
+            if self.error is not None:
+                raise self.error
+            return True
+
+        def is_completed(self):
+            return True
 
     monkeypatch.setattr(reducer_mod.dist, "all_reduce", lambda flat, async_op: Work())
     param = torch.nn.Parameter(torch.ones(3))
     red = reducer_mod.GradientReducer([param], 2, before_first_bucket=lambda: None, is_failed=lambda: False,
                                       on_hook_error=lambda err: False, on_failure=lambda reason: None,
-                                      waiting=threading.Event())
-    red.launch(torch.ones(3))  # pass 1: abandoned, still in flight
+                                      waiting=threading.Event(), abandon=threading.Event())
+    red._pending.append(([0], torch.ones(3), red.launch(torch.ones(3))))  # pass 1: abandoned, still in flight
     red._reset_pass()  # pass 2 begins
-    late = red.launch(torch.ones(3))
-    futures[0].set_exception(RuntimeError("Connection reset by peer"))  # pass 1's work fails now
-    futures[1].set_result([torch.ones(3)])
-    late.wait()
+    red._pending.append(([0], torch.ones(3), red.launch(torch.ones(3))))
+    works[0].error = RuntimeError("Connection reset by peer")  # pass 1's work fails now
+    red.wait()
     assert red.error is None
-    futures_before = len(futures)
-    red.launch(torch.ones(3))
-    futures[futures_before].set_exception(RuntimeError("peer gone"))  # a failure of this pass counts
+    red._pending.append(([0], torch.ones(3), red.launch(torch.ones(3))))
+    works[-1].error = RuntimeError("peer gone")  # a failure of this pass counts
+    red.wait()
     assert red.error and "peer gone" in red.error
 
 
