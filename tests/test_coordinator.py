@@ -505,6 +505,33 @@ def test_a_plain_rank_failing_after_every_other_rank_finished_is_not_restarted(t
     assert "after every other rank had finished successfully" in events(tmp_path, "job_finished")[-1]["message"]
 
 
+def test_a_library_rank_crashing_at_its_exit_after_every_other_rank_finished_is_not_respawned(tmp_path: Path) -> None:
+    """torch's gloo abort at a rank's exit, after ``ft.finish()`` on every rank and the others'
+    exits with code 0: a respawned rank had no peer to recover from, waited for the collective
+    timeout (300 s), and the whole job ran again (seen once in an interleaved bench series)."""
+    coord, agent, clock = make(tmp_path, max_restarts=3)
+    hello_all(coord)
+    for rank in range(4):
+        send(coord, rank, MsgType.DONE, committed=99)
+    for rank in (0, 1, 3):
+        agent.exit(rank, 0, at=clock.now)
+    assert coord.check_processes() is None
+    agent.exit(2, -signal.SIGABRT, at=clock.now)
+    assert coord.check_processes() == 128 + signal.SIGABRT
+    assert not events(tmp_path, "recovery_started") and not events(tmp_path, "job_restarting")
+    assert "after every other rank had finished successfully" in events(tmp_path, "job_finished")[-1]["message"]
+
+
+def test_a_library_rank_crashing_before_it_finished_is_respawned(tmp_path: Path) -> None:
+    coord, agent, clock = make(tmp_path, max_restarts=3)
+    hello_all(coord)
+    for rank in (0, 1, 3):
+        send(coord, rank, MsgType.DONE, committed=99)
+    agent.exit(2, -signal.SIGABRT, at=clock.now)  # in its last step: the others hold the state
+    assert coord.check_processes() is None
+    assert events(tmp_path, "recovery_started")
+
+
 @pytest.mark.parametrize("others_done, code", [(False, -signal.SIGABRT), (True, -signal.SIGKILL), (True, 1)])
 def test_a_plain_rank_failing_otherwise_restarts_the_job(tmp_path: Path, others_done: bool, code: int) -> None:
     """While others still run, or killed (an OOM kill mid-work), or with an error code: a restart."""

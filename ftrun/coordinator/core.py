@@ -488,11 +488,14 @@ class Coordinator:
             return self.restart_job(f"rank(s) {sorted(failed)} failed")
         others = [r for r in self.ranks.values() if r.rank not in failed]
         if (others and all(r.proc.state == RankState.SUCCEEDED for r in others)
-                and all(not self.ranks[f].library and self.ranks[f].proc.exit_code in TEARDOWN_CRASH_CODES for f in failed)):
+                and all((not self.ranks[f].library or self.ranks[f].proc.finished)
+                        and self.ranks[f].proc.exit_code in TEARDOWN_CRASH_CODES for f in failed)):
             # A plain script whose rank crashes in its teardown after every other rank finished (seen
             # with Hugging Face Trainer: "terminate called without an active exception", SIGABRT, at
             # exit). The job's work is done on the others; a whole-job restart would train again from
             # the start. Any other failure (an error code, SIGKILL: an OOM kill mid-work) restarts.
+            # The same for a library rank that had said done: no peer is left to recover it from (a
+            # respawn waited for the collective timeout, then restarted the whole job).
             return self.finish_failed(
                 f"rank(s) {sorted(failed)} crashed ({self.ranks[failed[0]].proc.exit_desc}) after every other rank had "
                 "finished successfully (exit code 0): not restarted (a restart would run the whole script again); "
