@@ -39,26 +39,53 @@ def tensor_sums(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([bits.sum(), (bits * bits).sum()])
 
 
-def fingerprint(tensors: Iterable[torch.Tensor | None]) -> str:
-    """The fingerprint (32 hex digits) of a sequence of tensors, in order; None counts as absent."""
-    h = xxhash.xxh3_128()
-    sums = []
-    for t in tensors:
+class Fingerprint:
+    """A fingerprint built piece by piece (:func:`fingerprint` is one over a sequence): XXH3-128 of
+    each CPU tensor's bytes, read in place, and of the per-tensor sums of the others (hashed once,
+    at :meth:`hexdigest`: one device sync).
+
+    Args:
+        describe: hash each tensor's shape and dtype before its bytes (and None as absent), so that
+            the same bytes in another shape differ; without it, only the bytes count (the gradient
+            reducer's flattened buckets: one update each, no per-tensor overhead).
+    """
+
+    def __init__(self, describe: bool = True) -> None:
+        self._h = xxhash.xxh3_128()
+        self._sums: list[torch.Tensor] = []
+        self._describe = describe
+
+    def update(self, t: torch.Tensor | None) -> None:
+        """Add ``t`` (any shape, dtype, device; None: absent)."""
         if t is None:
-            h.update(b"none;")
-            continue
-        h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
+            self._h.update(b"none;")
+            return
+        if self._describe:
+            self._h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
         if t.device.type == "cpu":
             flat = t.detach().contiguous().reshape(-1)
             if flat.numel():
                 if flat.is_complex():
                     flat = torch.view_as_real(flat).reshape(-1)
-                h.update(flat.view(torch.uint8).numpy())
+                self._h.update(flat.view(torch.uint8).numpy())
         else:
-            sums.append(tensor_sums(t))
-    if sums:
-        h.update(torch.stack(sums).cpu().numpy().tobytes())
-    return h.hexdigest()
+            self._sums.append(tensor_sums(t))
+
+    def hexdigest(self) -> str:
+        """The fingerprint so far (32 hex digits)."""
+        if self._sums:
+            h = self._h.copy()
+            h.update(torch.stack(self._sums).cpu().numpy().tobytes())
+            return h.hexdigest()
+        return self._h.hexdigest()
+
+
+def fingerprint(tensors: Iterable[torch.Tensor | None]) -> str:
+    """The fingerprint (32 hex digits) of a sequence of tensors, in order; None counts as absent."""
+    f = Fingerprint()
+    for t in tensors:
+        f.update(t)
+    return f.hexdigest()
 
 
 def first_difference(names: list[str], a: list[torch.Tensor], b: list[torch.Tensor]) -> str | None:

@@ -13,6 +13,8 @@ connections, so the collective fails at once instead of after the process group'
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
@@ -22,12 +24,13 @@ from .errors import describe
 from .exactlyonce import ExactlyOnceChecks
 from .faults import FaultInjector
 from .group import TrainingGroup
-from .protocol import MsgType
 from .recovery import RankProgress
 from .reducer import (BUCKET_CAP_BYTES, BucketLayout, GradientReducer, all_reduce_in_buckets, broadcast_buffers,
                       broadcast_module, local_gradients_hook, one_rank_group)
 from .workerstate import Phase, WorkerState
 
+
+SETTLE_S = 5.0  # how long an abandoned in-place all-reduce gets to finish before the rank is replaced
 
 class GradientSync:
     """One rank's collectives and what their faults do.
@@ -103,8 +106,8 @@ class GradientSync:
             layout=layout,
         )
         self.reducers.append(reducer)
-        reducer.attach()
         if not ddp:
+            reducer.attach()
             return model
         from torch.nn.parallel import DistributedDataParallel
 
@@ -115,6 +118,7 @@ class GradientSync:
             self._private_group = one_rank_group(device, self.pg_timeout)
         wrapped = DistributedDataParallel(model, process_group=self._private_group, **ddp_kwargs)
         wrapped.register_comm_hook(None, local_gradients_hook)
+        reducer.attach(after_ddp=True)
 
         def before_forward(module: Any, _args: Any) -> None:
             # DDP's no_sync() (not only ft.no_sync()) keeps the next backward local, as under DDP.
@@ -126,6 +130,21 @@ class GradientSync:
 
         wrapped.register_forward_pre_hook(before_forward)
         return wrapped
+
+    def settle(self) -> None:
+        """Before a step's forward: make sure no all-reduce given up on in an earlier pass (an
+        abort) can still write into this rank's gradients (:meth:`ftrun.reducer.GradientReducer.settle`:
+        in-place buckets are DDP's bucket views, which the next backward fills again). Such a work
+        normally failed within milliseconds of the abort's connection cut; one still in flight
+        after :data:`SETTLE_S` seconds leaves the memory unsafe, and the process exits (code 1) to
+        be replaced by a respawned rank, which takes its state from a replica: slower, never wrong.
+        """
+        for reducer in self.reducers:
+            if reducer.unsettled and not reducer.settle(SETTLE_S):
+                print(f"ftrun: rank {self.group.rank}: an all-reduce abandoned in an aborted step is still in flight "
+                      f"after {SETTLE_S:.0f} s and may yet write into this rank's gradients; the rank exits to be "
+                      "replaced (its state comes back from a replica)", file=sys.stderr, flush=True)
+                os._exit(1)
 
     def sync_buffers(self, module: torch.nn.Module) -> None:
         """Broadcast rank 0's buffers of ``module`` before a forward (DDP's ``broadcast_buffers``);

@@ -6,14 +6,15 @@ between backward and step see what they would see under DDP. The idea is TorchFT
 DDP's bucketing and comm hook, with the all-reduce issued on a group that can be rebuilt after a
 fault, and a failed all-reduce recorded as state instead of raised through autograd.
 
-One engine (:class:`GradientReducer`) for both ways in: a post-accumulate-grad hook on each
-parameter marks it ready; a bucket whose gradients are all ready is flattened, divided by the world
-size and all-reduced asynchronously (overlapping with the rest of backward); a callback queued at
-the end of backward waits for every bucket and copies the averages back into ``.grad``. With
-``wrap_model(model, ddp=True)`` the model is also wrapped in DDP over a private one-rank group (for
-``no_sync()``, ``model.module``, DDP's hooks) with ``gradient_as_bucket_view=True`` and a comm hook
-that communicates nothing: its bucket views are the ``.grad`` tensors this reducer averages in
-place. So the two paths run the same all-reduces on the same layout: the same bits. (A DDP comm hook
+One engine (:class:`GradientReducer`) for both ways in: a hook on each parameter marks it ready; a
+bucket whose gradients are all ready is flattened, divided by the world size and all-reduced
+asynchronously (overlapping with the rest of backward); a callback queued at the end of backward
+waits for every bucket and copies the averages back into ``.grad``. With ``wrap_model(model,
+ddp=True)`` the model is also wrapped in DDP over a private one-rank group (for ``no_sync()``,
+``model.module``, DDP's hooks) with ``gradient_as_bucket_view=True`` and a comm hook that
+communicates nothing: its bucket views are the ``.grad`` tensors, end to end in the bucket's order,
+so this reducer all-reduces them in place, with no flat copy and no copy back (issue 27: the two
+copies were a tenth of a larger model's extra step time). So the two paths run the same all-reduces on the same layout: the same bits. (A DDP comm hook
 doing the all-reduce itself would inherit DDP's per-process bucket history: a respawned rank's DDP
 starts with one bucket while its peers' have been rebuilt, and gloo fails on the size mismatch.)
 
@@ -30,8 +31,11 @@ an order that depends on where it sits in the buffer, so the same layout is what
 path, the DDP path and a plain DDP run under torchrun bitwise equal.
 
 Errors: an all-reduce that raises (a dead peer, a connection cut by an abort) is recorded with
-:attr:`GradientReducer.error`; the remaining buckets of that backward are not communicated and keep
-their local gradients; ``backward()`` returns normally and the optimizer wrapper skips the update.
+:attr:`GradientReducer.error`; the remaining buckets of that backward are not communicated;
+``backward()`` returns normally and the optimizer wrapper skips the update (the step is computed
+again from its forward, so a bucket reduced in place, part averaged, is never used). An in-place
+all-reduce given up on while still in flight could write into a later step's gradients: the next
+step waits for it to end (:meth:`GradientReducer.settle`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from .digest import Fingerprint
 from .errors import describe
 
 BUCKET_CAP_BYTES = 25 << 20  # DDP's default bucket_cap_mb (25 MiB)
@@ -155,9 +160,9 @@ class GradientReducer:
         waiting: a flag the worker's heartbeat probe reads (set while this thread waits for an
             all-reduce, so the watchdog knows the rank waits in torch.distributed).
         on_local_gradient: called at the end of every synced backward with the fingerprint of the
-            local gradients (before averaging; :func:`ftrun.digest.fingerprint`, parameter order)
-            while the all-reduces run; returns False to fail the step instead (see
-            ``hold_for_check``). The worker keeps and compares it (exactly-once check, issue 20).
+            local gradients (before averaging: :class:`ftrun.digest.Fingerprint` of each bucket's
+            flat tensor as it leaves, in the layout's order) while the all-reduces run; returns
+            False to fail the step instead (see ``hold_for_check``). The worker keeps and compares it (exactly-once check, issue 20).
         hold_for_check: whether this pass must not communicate before ``on_local_gradient`` has
             seen the fingerprint (a recomputed step under ``--on_divergence fail``): every bucket
             is then launched at the end of backward, after the check.
@@ -207,19 +212,39 @@ class GradientReducer:
         self._rebuilt: list[list[int]] | None = None  # buckets by ready order, once known
         self._ready_order: list[int] = []  # recorded until the rebuilt layout is known
         self._hooks: list[Any] = []
+        # Works of in-place buckets that a pass gave up on while they ran (an abort): until each has
+        # completed or failed, gloo may still write into the .grad tensors (see settle).
+        self._unsettled: list[Any] = []
+        self._views = False  # whether .grad may be DDP's bucket views (attach(after_ddp=True))
         self._reset_pass()
 
     # ---------------------------------------------------------------- plain-model path
-    def attach(self) -> None:
-        """Install the post-accumulate-grad hooks (the plain-model path)."""
-        for p in self.params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+    def attach(self, after_ddp: bool = False) -> None:
+        """Install the hooks that mark each parameter's gradient ready.
+
+        ``after_ddp``: the parameters were just wrapped in DDP (``wrap_model(ddp=True)``). The
+        hooks then go on the gradient accumulators, after DDP's own: DDP's hook makes a new
+        ``.grad`` one of its bucket views (a copy), and a bucket whose gradients are all views
+        already is reduced in place (:meth:`_flatten`). A post-accumulate-grad hook would run
+        before DDP's, on the gradient not yet moved."""
+        self._views = after_ddp
+        if not after_ddp:
+            for p in self.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+            return
+        with torch.enable_grad():
+            for p in self.params:
+                accumulator = p.view_as(p).grad_fn.next_functions[0][0]
+                self._hooks.append(accumulator)  # kept alive: a new one would have no hook
+                accumulator.register_hook(lambda _inputs, _outputs, p=p: self._on_grad_ready(p))
 
     def _reset_pass(self) -> None:
         # Which backward pass this is: an all-reduce abandoned in an earlier pass (its group torn
         # down under it) may fail long after, and must not mark a later, healthy pass failed.
         self._pass = getattr(self, "_pass", 0) + 1
-        self._pending: list[tuple[list[int], torch.Tensor, Any]] = []  # (bucket, flat copy, its all-reduce's work or None)
+        # (bucket, its flat buffer, its all-reduce's work or None, whether the buffer is the .grad
+        # tensors themselves: DDP's bucket views, reduced in place)
+        self._pending: list[tuple[list[int], torch.Tensor, Any, bool]] = []
         self._side: list[Any] = []  # the works of other all-reduces of the pass (the used map)
         self._ready: set[int] = set()
         self._next_bucket = 0
@@ -228,6 +253,10 @@ class GradientReducer:
         self._buckets: list[list[int]] | None = None  # chosen at the pass's first ready gradient
         self._deferred = False
         self._held = False  # this pass launches nothing before the local gradient is checked
+        # The local gradient's fingerprint: each bucket's flat copy as it is launched, before it is
+        # divided (buckets launch in their layout's order, which every computation of a step shares:
+        # the all-reduces of all ranks must match, so a recomputed step gets the same fingerprint).
+        self._fingerprint = Fingerprint(describe=False) if self._on_local_gradient is not None else None
 
     def _choose_layout(self) -> None:
         """DDP's layout for this pass: one bucket on the job's first step; the rebuilt buckets after;
@@ -259,13 +288,52 @@ class GradientReducer:
             self._launch_bucket(self._buckets[self._next_bucket])
             self._next_bucket += 1
 
-    def _launch_bucket(self, bucket: list[int]) -> None:
+    def _flatten(self, bucket: list[int]) -> tuple[torch.Tensor, bool]:
+        """``bucket``'s gradients as one flat tensor, in order, and whether it is the ``.grad``
+        tensors themselves: when they lie end to end in one storage, in the bucket's order (DDP's
+        bucket views under ``wrap_model(ddp=True)``), a view of them, reduced in place as DDP
+        does; else a new copy (zeros for a parameter without a gradient)."""
         grads = [self.params[j].grad for j in bucket]
-        flat = torch.cat([
+        view = self._bucket_view(grads)
+        if view is not None:
+            return view, True
+        if len(bucket) == 1:
+            only = grads[0] if grads[0] is not None else torch.zeros_like(self.params[bucket[0]])
+            return only.reshape(-1).clone(), False
+        return torch.cat([
             (g if g is not None else torch.zeros_like(self.params[j])).reshape(-1)
             for j, g in zip(bucket, grads)
-        ]) if len(bucket) > 1 else (grads[0].reshape(-1).clone() if grads[0] is not None else torch.zeros_like(self.params[bucket[0]]).reshape(-1))
-        self._pending.append((bucket, flat, self.launch(flat)))
+        ]), False
+
+    def _bucket_view(self, grads: list[torch.Tensor | None]) -> torch.Tensor | None:
+        """One flat view of ``grads`` if they lie end to end in one storage, in order; else None.
+        Only for DDP's bucket views (a plain model's gradients are separate tensors: a bucket of
+        one would gain little); not with ``find_unused_parameters`` (a gradient no rank produced
+        must stay untouched), nor while an all-reduce of an earlier pass may still write into them
+        (:meth:`settle`)."""
+        if not self._views or self.layout.find_unused_parameters or self._unsettled:
+            return None
+        first = grads[0]
+        if first is None:
+            return None
+        storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+        for g in grads:
+            if (g is None or not g.is_contiguous() or g.dtype != first.dtype or g.device != first.device
+                    or g.untyped_storage().data_ptr() != storage or g.storage_offset() != offset):
+                return None
+            offset += g.numel()
+        return first.as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())
+
+    def _launch_bucket(self, bucket: list[int], flat: tuple[torch.Tensor, bool] | None = None) -> None:
+        """Flatten ``bucket`` (unless ``flat`` is given: the held pass flattened it already), add
+        it to the local gradient's fingerprint, and start its all-reduce."""
+        if flat is None:
+            flat, in_place = self._flatten(bucket)
+            if self._fingerprint is not None:
+                self._fingerprint.update(flat)  # before launch() divides it in place
+        else:
+            flat, in_place = flat
+        self._pending.append((bucket, flat, self.launch(flat), in_place))
 
     def _finish_pass(self) -> None:
         """End of backward: launch what is left, wait for every bucket, copy averages into .grad."""
@@ -276,25 +344,35 @@ class GradientReducer:
                 self._buckets = self._fixed
             else:
                 self._buckets = self._rebuilt or self._fixed
-        if self._held and self._on_local_gradient is not None:
-            if not self._on_local_gradient(self.local_fingerprint()) and self.error is None:
+        remaining = self._buckets[self._next_bucket:]  # parameters that got no gradient this pass, or held
+        self._next_bucket = len(self._buckets)
+        if self._held and self._fingerprint is not None and self._on_local_gradient is not None:
+            flats = [self._flatten(bucket) for bucket in remaining]
+            for flat, _ in flats:
+                self._fingerprint.update(flat)
+            if not self._on_local_gradient(self._fingerprint.hexdigest()) and self.error is None:
                 self.error = "held back: this rank's recomputed step diverged (--on_divergence fail)"
-        while self._next_bucket < len(self._buckets):  # parameters that got no gradient this pass
-            self._launch_bucket(self._buckets[self._next_bucket])
-            self._next_bucket += 1
+            for bucket, flat in zip(remaining, flats):
+                self._launch_bucket(bucket, flat)
+        else:
+            for bucket in remaining:
+                self._launch_bucket(bucket)
         used_everywhere = None
         if self.layout.find_unused_parameters:  # DDP's local_used_map, summed over the world
             local_used = torch.zeros(len(self.params), dtype=torch.int32, device=self.params[0].device)
             local_used[sorted(self._used)] = 1
             self._side.append(self.launch(local_used, average=False))
             used_everywhere = local_used  # summed in place
-        if not self._held and self._on_local_gradient is not None:
-            self._on_local_gradient(self.local_fingerprint())  # while the all-reduces run
+        if not self._held and self._fingerprint is not None and self._on_local_gradient is not None:
+            self._on_local_gradient(self._fingerprint.hexdigest())  # while the all-reduces run
         self.wait()
         used = used_everywhere.tolist() if used_everywhere is not None and self.error is None else None
-        for bucket, flat, _ in self._pending:
-            if self.error is not None:
-                break
+        for _, flat, work, in_place in self._pending:
+            if in_place and work is not None and not work.is_completed():
+                self._unsettled.append(work)  # abandoned: it may still write into the .grad tensors
+        for bucket, flat, _, in_place in self._pending:
+            if self.error is not None or in_place:
+                continue
             offset = 0
             for j in bucket:
                 p = self.params[j]
@@ -308,13 +386,6 @@ class GradientReducer:
                 offset += n
         self._used.clear()
         self._reset_pass()
-
-    def local_fingerprint(self) -> str:
-        """The fingerprint of this rank's local gradients (``.grad``, not averaged yet: the
-        all-reduces work on flattened copies until :meth:`_finish_pass` copies them back)."""
-        from .digest import fingerprint
-
-        return fingerprint(p.grad for p in self.params)
 
     # ---------------------------------------------------------------- the engine
     def _begin_pass(self) -> None:
@@ -368,7 +439,7 @@ class GradientReducer:
         self._waiting.set()
         poll = timedelta(seconds=ABANDON_POLL_S)
         try:
-            for work in [w for _, _, w in self._pending] + self._side:
+            for work in [w for _, _, w, _ in self._pending] + self._side:
                 if work is None:
                     continue
                 abandoned_at = None
@@ -402,6 +473,25 @@ class GradientReducer:
             work.wait()
         except Exception as err:
             self.error = self.error or describe(err)
+
+    @property
+    def unsettled(self) -> bool:
+        """Whether an earlier pass gave up on an in-place all-reduce that had not finished."""
+        return bool(self._unsettled)
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds for the all-reduces an earlier pass abandoned while
+        they reduced ``.grad`` in place (an abort; the group's connections are cut by then, which
+        fails them within milliseconds). True once none is in flight; False if one still is: it
+        may yet write into the gradient tensors (DDP's bucket views, which every later backward
+        reuses), so this process must not compute another gradient (:meth:`ftrun.gradsync.GradientSync.settle`)."""
+        deadline = time.monotonic() + timeout_s
+        while self._unsettled and not all(work.is_completed() for work in self._unsettled):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(ABANDON_POLL_S)
+        self._unsettled.clear()
+        return True
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

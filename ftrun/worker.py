@@ -658,6 +658,7 @@ class Worker:
                     batch = cursor.next()
                 except StopIteration:
                     break
+            self.sync.settle()  # no abandoned all-reduce can write into this step's gradients
             yield Step(step, self, cursor.position - 1 if cursor is not None else None), batch
             self.sync.in_collective = False
             if self.state.phase is Phase.PENDING_REPAIR:  # raised in backward, and no opt.step() followed

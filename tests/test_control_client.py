@@ -118,13 +118,13 @@ def test_an_abandoned_all_reduce_failing_late_leaves_later_passes_alone(monkeypa
     red = reducer_mod.GradientReducer([param], 2, before_first_bucket=lambda: None, is_failed=lambda: False,
                                       on_hook_error=lambda err: False, on_failure=lambda reason: None,
                                       waiting=threading.Event(), abandon=threading.Event())
-    red._pending.append(([0], torch.ones(3), red.launch(torch.ones(3))))  # pass 1: abandoned, still in flight
+    red._pending.append(([0], torch.ones(3), red.launch(torch.ones(3)), False))  # pass 1: abandoned, still in flight
     red._reset_pass()  # pass 2 begins
-    red._pending.append(([0], torch.ones(3), red.launch(torch.ones(3))))
+    red._pending.append(([0], torch.ones(3), red.launch(torch.ones(3)), False))
     works[0].error = RuntimeError("Connection reset by peer")  # pass 1's work fails now
     red.wait()
     assert red.error is None
-    red._pending.append(([0], torch.ones(3), red.launch(torch.ones(3))))
+    red._pending.append(([0], torch.ones(3), red.launch(torch.ones(3)), False))
     works[-1].error = RuntimeError("peer gone")  # a failure of this pass counts
     red.wait()
     assert red.error and "peer gone" in red.error

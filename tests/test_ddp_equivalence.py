@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -114,6 +115,198 @@ def test_a_work_that_completes_right_after_a_timed_out_wait_is_taken_for_what_it
     reducer = GradientReducer([torch.nn.Parameter(torch.ones(2))], 2, before_first_bucket=lambda: None,
                               is_failed=lambda: False, on_hook_error=lambda err: False, on_failure=lambda error: None,
                               waiting=threading.Event(), abandon=threading.Event())
-    reducer._pending = [([0], torch.ones(2), _Work(3, fails=fails))]
+    reducer._pending = [([0], torch.ones(2), _Work(3, fails=fails), False)]
     reducer.wait()
     assert (reducer.error is not None and "Connection closed" in reducer.error) if fails else reducer.error is None
+
+
+def test_the_local_gradient_fingerprint_is_the_same_however_the_pass_launches_its_buckets() -> None:
+    """The local gradient's fingerprint is taken from each bucket's flat copy as it is launched
+    (issue 27: no per-tensor pass over ``.grad`` after backward). The same gradients must give the
+    same fingerprint whether the buckets leave during backward (a running rank), all at its end
+    (a respawned rank's first pass, which learns the layout from it), or only after the check (a
+    recomputed step held under ``--on_divergence fail``); other gradients another one."""
+    import threading
+
+    from ftrun.reducer import BucketLayout, GradientReducer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    events: list[str] = []
+    digests: list[str] = []
+    hold = {"on": False}
+
+    def on_local_gradient(digest: str) -> bool:
+        events.append("checked")
+        digests.append(digest)
+        return True
+
+    reducer = GradientReducer(list(model.parameters()), 2, before_first_bucket=lambda: events.append("first bucket"),
+                              is_failed=lambda: False, on_hook_error=lambda err: False, on_failure=lambda error: None,
+                              waiting=threading.Event(), is_first_step=lambda: False,
+                              on_local_gradient=on_local_gradient, hold_for_check=lambda: hold["on"],
+                              layout=BucketLayout(first_cap=16, cap=16))
+    reducer.attach()
+    launched: list[int] = []
+
+    def launch(flat: torch.Tensor, average: bool = True) -> None:  # no group: note the bucket
+        events.append("launched")
+        launched.append(flat.numel())
+
+    reducer.launch = launch
+
+    def backward(x: torch.Tensor) -> None:
+        model.zero_grad(set_to_none=True)
+        events.clear()
+        launched.clear()
+        model(x).sum().backward()
+
+    x = torch.randn(3, 4)
+    backward(x)  # no layout known yet: every bucket at the end
+    layout = list(launched)
+    assert len(layout) > 1 and sum(layout) == 30 and events == ["launched"] * len(layout) + ["checked"]
+    backward(x)  # the rebuilt layout: buckets leave during backward
+    assert launched == layout and events[-1] == "checked"
+    hold["on"] = True
+    backward(x)  # held: checked before anything leaves
+    assert launched == layout and events == ["checked"] + ["launched"] * len(layout)
+    hold["on"] = False
+    backward(x + 1)
+    assert digests[0] == digests[1] == digests[2] != digests[3]
+
+
+class _DoneWork:
+    """A finished all-reduce (the fake group below did its work at launch)."""
+
+    def wait(self, timeout=None) -> bool:  # type: ignore[no-untyped-def]
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _StuckWork(_DoneWork):
+    """An all-reduce that never finishes by itself (a peer gone silent)."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def wait(self, timeout=None) -> bool:  # type: ignore[no-untyped-def]
+        if self.done:
+            return True
+        raise RuntimeError("Operation timed out!")
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def _ddp_reducer(model: torch.nn.Module, launch: Any, abandon: Any = None) -> tuple[Any, Any]:
+    """``model`` wrapped as ``wrap_model(ddp=True)`` does, with a reducer for a world of 2 whose
+    all-reduces ``launch(flat)`` fakes (no process group)."""
+    import threading
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ftrun.reducer import GradientReducer, local_gradients_hook, one_rank_group
+
+    reducer = GradientReducer(list(model.parameters()), 2, before_first_bucket=lambda: None, is_failed=lambda: False,
+                              on_hook_error=lambda err: False, on_failure=lambda error: None,
+                              waiting=threading.Event(), is_first_step=lambda: False, abandon=abandon)
+    ddp = DistributedDataParallel(model, process_group=one_rank_group(torch.device("cpu"), 30.0), gradient_as_bucket_view=True)
+    ddp.register_comm_hook(None, local_gradients_hook)
+    reducer.attach(after_ddp=True)
+    reducer.launch = launch
+    return ddp, reducer
+
+
+def test_ddp_bucket_views_are_reduced_in_place_with_the_bits_of_a_copy() -> None:
+    """Issue 27: under ``wrap_model(ddp=True)`` the gradients are DDP's bucket views, end to end in
+    bucket order; once the layout is known every bucket is reduced in place (no flat copy, no copy
+    back) and ``.grad`` ends as the copying path leaves it, bit for bit (the plain model here)."""
+    import threading
+
+    from ftrun.reducer import GradientReducer
+
+    def fake_all_reduce(flat: torch.Tensor, average: bool = True) -> _DoneWork:
+        in_place.append(any(flat.untyped_storage().data_ptr() == p.grad.untyped_storage().data_ptr()
+                            for p in model.parameters()))
+        flat.div_(2).add_(torch.arange(flat.numel(), dtype=flat.dtype) / 7)  # another rank's half
+        return _DoneWork()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    plain = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    plain.load_state_dict(model.state_dict())
+    in_place: list[bool] = []
+    ddp, _ = _ddp_reducer(model, fake_all_reduce)
+    copying = GradientReducer(list(plain.parameters()), 2, before_first_bucket=lambda: None, is_failed=lambda: False,
+                              on_hook_error=lambda err: False, on_failure=lambda error: None,
+                              waiting=threading.Event(), is_first_step=lambda: False)
+    copying.attach()
+    copying.launch = fake_all_reduce
+    for step in range(3):
+        x = torch.randn(4, 6)
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        in_place.clear()
+        ddp(x).sum().backward()
+        assert in_place and all(in_place) == (step > 0), in_place  # the first pass learns the layout (copies)
+        in_place.clear()
+        plain(x).sum().backward()
+        assert in_place and not any(in_place)
+        for a, b in zip(model.parameters(), plain.parameters()):
+            assert torch.equal(a.grad, b.grad)
+
+
+def test_an_in_place_all_reduce_given_up_on_blocks_the_next_step_until_it_settles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An aborted pass gives up on an all-reduce still in flight. Reduced in place, it could yet
+    write into DDP's bucket views, which the next backward fills: the reducer keeps it, copies
+    meanwhile, and the step loop's gate (``GradientSync.settle``) waits for it to fail or finish;
+    one still in flight after ``SETTLE_S`` ends the process, to be respawned, rather than let it
+    write into a later step's gradients."""
+    import threading
+    from types import SimpleNamespace
+
+    from ftrun import gradsync, reducer as reducer_mod
+
+    monkeypatch.setattr(reducer_mod, "ABANDON_GRACE_S", 0.0)
+    stuck: list[_StuckWork] = []
+    copies: list[bool] = []
+
+    def launch(flat: torch.Tensor, average: bool = True) -> _DoneWork:
+        copies.append(not any(flat.untyped_storage().data_ptr() == p.grad.untyped_storage().data_ptr()
+                              for p in model.parameters()))
+        if abandon.is_set():
+            stuck.append(_StuckWork())
+            return stuck[-1]
+        return _DoneWork()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    abandon = threading.Event()
+    ddp, reducer = _ddp_reducer(model, launch, abandon)
+    x = torch.randn(4, 6)
+    for _ in range(2):  # the layout is known; in place from the second pass
+        ddp(x).sum().backward()
+    assert not copies[-1] and not reducer.unsettled
+    abandon.set()  # an abort: the pass gives up on its all-reduces
+    ddp(x).sum().backward()
+    assert stuck and reducer.unsettled and not reducer.settle(0.05)
+    abandon.clear()
+    copies.clear()
+    ddp(x).sum().backward()  # not settled yet: a copy, never the views that work may write into
+    assert copies and all(copies)
+
+    exits: list[int] = []
+    monkeypatch.setattr(gradsync, "SETTLE_S", 0.05)
+    monkeypatch.setattr(gradsync.os, "_exit", exits.append)
+    sync = SimpleNamespace(reducers=[reducer], group=SimpleNamespace(rank=1))
+    gradsync.GradientSync.settle(sync)  # type: ignore[arg-type]
+    assert exits == [1]
+    for work in stuck:
+        work.done = True  # it failed at last (the abort's connection cut)
+    gradsync.GradientSync.settle(sync)  # type: ignore[arg-type]
+    assert exits == [1] and not reducer.unsettled
+    copies.clear()
+    ddp(x).sum().backward()
+    assert copies and not any(copies)  # in place again
