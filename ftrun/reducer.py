@@ -215,6 +215,8 @@ class GradientReducer:
         # Works of in-place buckets that a pass gave up on while they ran (an abort): until each has
         # completed or failed, gloo may still write into the .grad tensors (see settle).
         self._unsettled: list[Any] = []
+        self._bucket_of: dict[int, int] = {}  # parameter index -> its bucket in _bucket_of_layout
+        self._bucket_of_layout: list[list[int]] | None = None
         self._views = False  # whether .grad may be DDP's bucket views (attach(after_ddp=True))
         self._reset_pass()
 
@@ -247,6 +249,7 @@ class GradientReducer:
         self._pending: list[tuple[list[int], torch.Tensor, Any, bool]] = []
         self._side: list[Any] = []  # the works of other all-reduces of the pass (the used map)
         self._ready: set[int] = set()
+        self._missing: list[int] = []  # per bucket of this pass's layout, its gradients not ready yet
         self._next_bucket = 0
         self._started = False
         self._callback_queued = False
@@ -270,6 +273,12 @@ class GradientReducer:
             self._buckets = self._rebuilt
         else:
             self._buckets, self._deferred = [], True
+        # Per bucket, how many of its gradients are not ready yet (a count, not a scan of the
+        # bucket at every hook: that was quadratic in a bucket's parameters).
+        if self._bucket_of_layout is not self._buckets:
+            self._bucket_of_layout = self._buckets
+            self._bucket_of = {j: b for b, bucket in enumerate(self._buckets) for j in bucket}
+        self._missing = [len(bucket) for bucket in self._buckets]
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         i = self._index[id(param)]
@@ -280,11 +289,16 @@ class GradientReducer:
         self._begin_pass()
         if self._buckets is None:
             self._choose_layout()
+        if i in self._ready:  # accumulated twice in one backward (reentrant checkpointing)
+            return
         if self._rebuilt is None and self.layout.rebuilds:
             self._ready_order.append(i)
         self._ready.add(i)
         assert self._buckets is not None
-        while self._next_bucket < len(self._buckets) and all(j in self._ready for j in self._buckets[self._next_bucket]):
+        if not self._buckets:
+            return  # deferred or held: every bucket leaves at the end of backward
+        self._missing[self._bucket_of[i]] -= 1
+        while self._next_bucket < len(self._buckets) and self._missing[self._next_bucket] == 0:
             self._launch_bucket(self._buckets[self._next_bucket])
             self._next_bucket += 1
 
