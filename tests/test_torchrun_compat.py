@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from reference_runs import run_torchrun
+
 from ftrun.cli import parse_command_line
 from ftrun.config import ConfigError
 
@@ -131,7 +133,10 @@ def _env() -> dict[str, str]:
 
 
 def _final(cmd: list[str], cwd: Path) -> tuple[str, str, str]:
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=220, cwd=cwd)
+    return _final_line(subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=220, cwd=cwd))
+
+
+def _final_line(proc: subprocess.CompletedProcess) -> tuple[str, str, str]:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     match = FINAL.search(proc.stdout)
     assert match, proc.stdout[-3000:]
@@ -142,9 +147,9 @@ def _final(cmd: list[str], cwd: Path) -> tuple[str, str, str]:
 @pytest.mark.timeout(240)
 def test_same_result_as_torchrun(tmp_path: Path) -> None:
     args = [str(SCRIPT), "--steps", "24"]
-    under_torchrun = _final(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", *args], tmp_path
-    )
+    # Plain torchrun, made again only if torch 2.13 aborts one of its gloo ranks (reference_runs.py;
+    # CI saw it here once: exit -6 of a plain rank, no ftrun code in any process).
+    under_torchrun = _final_line(run_torchrun(["--standalone", "--nproc_per_node", "4", *args], _env(), tmp_path, timeout=220))
     under_ftrun = _final(
         [sys.executable, "-m", "ftrun", "--worker_num", "4", "--master_port", "0", "--plain",
          "--log_dir", str(tmp_path / "logs"), "--tail_worker_log", "0", *args],
