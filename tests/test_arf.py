@@ -96,7 +96,15 @@ def test_second_rank_dies_during_recovery(reference: str, tmp_path: Path) -> Non
     dj.assert_survivors_kept_pids(events, {1, 2})
     finished = [e for e in events if e["kind"] == "recovery_finished"]
     assert len(finished) == 1
-    assert finished[0]["detail"]["failed"] == [1, 2] and finished[0]["detail"]["rounds"] == 2
+    # One round a death. A survivor's all-reduce with the killed rank fails ("Connection reset by
+    # peer"), and its report can reach the coordinator before the agent's SIGCHLD does (seen once in
+    # CI, reproduced 1 in 6 under load): that starts a round for a communication error first, which
+    # the death restarts at once. It respawns nothing and delays no respawn, so it is accepted, and
+    # only as the first round.
+    started = [e for e in events if e["kind"] == "recovery_started"]
+    early = int(bool(started) and started[0]["detail"]["fault"] == "comm_error" and not started[0]["detail"]["failed"])
+    assert [e["detail"]["failed"] for e in started[early:]] == [[1], [2]], dj.story(events)
+    assert finished[0]["detail"]["failed"] == [1, 2] and finished[0]["detail"]["rounds"] == 2 + early
 
 
 @pytest.mark.parametrize("fault", ["rank=2,step=0,kind=kill", "rank=2,point=init,kind=kill"])
