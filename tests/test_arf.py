@@ -35,8 +35,16 @@ def test_kill_at_each_point_is_exactly_once(reference: str, tmp_path: Path, rank
     dj.assert_survivors_kept_pids(events, {rank})
     assert [e["rank"] for e in events if e["kind"] == "rank_failed"] == [rank] * len(POINTS), dj.story(events)
     finished = [e["detail"] for e in events if e["kind"] == "recovery_finished"]
+    planned = [e["detail"] for e in events if e["kind"] == "recovery_planned"]
     for step in steps:
-        assert [d for d in finished if d["resume_step"] in (step, step + 1) and d["bytes"] > 0], dj.story(events)
+        # Resumed at the killed step or the next. One step earlier only when no survivor had
+        # committed the step before it: the killed rank had finished that step's all-reduce and
+        # committed it, and its death cut the connections before its peers finished theirs (seen
+        # in CI28 under load: rank 0 killed before step 4's forward, every survivor at step 2).
+        behind = any(p["step"] == step - 2 and all(c <= step - 2 for r, c in p["committed"].items() if int(r) != rank)
+                     for p in planned)
+        allowed = (step - 1, step, step + 1) if behind else (step, step + 1)
+        assert [d for d in finished if d["resume_step"] in allowed and d["bytes"] > 0], dj.story(events)
 
 
 def test_rank_killed_after_its_last_step_recovers_from_ranks_that_finished(reference: str, tmp_path: Path) -> None:
