@@ -133,9 +133,10 @@ def claim_node_rank(
     replacement for, see ``Coordinator.publish_vacancies``) and claims one with ``compare_set`` on
     ``ftrun/claim/<node>/<epoch>``, so that two launchers never take the same vacancy. While the
     claimed node is still listed as vacant (its agent has not joined yet) a thread beats on
-    ``<claim>/beats``; once it is not, the thread moves ``ftrun/claim_epoch/<node>`` on, so a
+    ``<claim>/beats`` for up to ``--cluster_time_out`` seconds; once it is not, the thread moves
+    ``ftrun/claim_epoch/<node>`` on (also when the node was joined after the beats stopped), so a
     later loss of the same node is a new claim key. A claim whose beats stop for ``stale_after``
-    seconds while the node is still vacant (its launcher died before joining) is taken over. With
+    seconds while the node is still vacant (its launcher died or took too long to join) is taken over. With
     nothing vacant it polls until ``--cluster_time_out``, or, with ``standby_node``, returns
     :data:`ftrun.contract.STANDBY_NODE_INDEX` at once: the launcher waits as a standby node, which the
     coordinator hands the next lost node (``take_node``, :mod:`ftrun.coordinator.membership`).
@@ -173,10 +174,11 @@ def claim_node_rank(
         def beat() -> None:
             try:
                 while node in vacant(watch):
-                    if clock() > until:
-                        return  # the node was never joined: let another launcher take the claim over
-                    watch.add(key + "/beats", 1)
-                    time.sleep(poll_interval)
+                    if clock() <= until:
+                        watch.add(key + "/beats", 1)
+                        time.sleep(poll_interval)
+                    else:  # not joined in time: the beats stop, so another launcher may take the claim over,
+                        time.sleep(max(poll_interval, 1.0))  # but whoever joins, the epoch must still move on
                 watch.compare_set(contract.claim_epoch_key(node), str(epoch), str(epoch + 1))
             except Exception:  # node 0's store is gone: the job is over
                 pass

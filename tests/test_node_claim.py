@@ -99,6 +99,28 @@ def test_a_second_loss_of_the_same_node_is_claimed_again(master):
     assert (master.get("ftrun/claim/1/0"), master.get("ftrun/claim/1/1")) == (b"first", b"second")
 
 
+def test_a_node_joined_after_its_claims_beats_stopped_still_moves_the_epoch(master):
+    # CI29: under load, the replacement "joined" more than --cluster_time_out after its claim. The
+    # claim's thread had stopped beating and returned without moving the epoch, so a second loss
+    # of the node would have waited for the stale claim's take-over. Time is injected here.
+    now = [0.0]
+    spec = spec_for(nnodes=2, cluster_time_out=5.0)
+    claim_node_rank(spec, client(master), **FAST)
+    master.set("ftrun/vacant", "1")
+    assert claim_node_rank(spec, client(master), claimant="first", clock=lambda: now[0], **FAST) == 1
+    wait_for(lambda: master.add("ftrun/claim/1/0/beats", 0) > 0)
+    now[0] = 6.0  # past --cluster_time_out, not joined: the beats stop
+    time.sleep(0.2)
+    beats = master.add("ftrun/claim/1/0/beats", 0)
+    time.sleep(0.2)
+    assert master.add("ftrun/claim/1/0/beats", 0) == beats
+    master.set("ftrun/vacant", "")  # joined late, still by this claim's launcher or one that took it over
+    wait_for(lambda: master.add("ftrun/claim_epoch/1", 0) == 1)
+    master.set("ftrun/vacant", "1")
+    assert claim_node_rank(spec, client(master), claimant="second", **FAST) == 1
+    assert master.get("ftrun/claim/1/1") == b"second"
+
+
 @pytest.mark.parametrize("vacant, expected", [("1", [1]), ("1,2", [1, 2])])
 def test_racing_claimants_never_share_an_index(master, vacant, expected):
     spec = spec_for(nnodes=3, cluster_time_out=0.5)
