@@ -689,6 +689,7 @@ def main() -> None:
     from .config import JobSpec
 
     spec = JobSpec.from_json(json.loads(os.environ["FTRUN_AGENT_SPEC"]))
+    procs.dump_stacks_on_sigusr1()  # into its log, its stderr
     log_dir = Path(spec.log_dir)
     logging.basicConfig(filename=log_dir / agent_log_name(spec.node_rank), level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

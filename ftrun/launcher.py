@@ -485,3 +485,4 @@ class Launcher:
 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
+        procs.dump_stacks_on_sigusr1()

@@ -122,6 +122,17 @@ def become_subreaper() -> bool:
     return _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
+def dump_stacks_on_sigusr1() -> None:
+    """Write the Python stacks of every thread of this process to its stderr on SIGUSR1
+    (``faulthandler``): ``kill -USR1 <pid>`` on a launcher, supervisor or agent that seems stuck
+    shows where, as it does for a rank (the launcher's stderr is the terminal; the supervisor's
+    and agents' are their logs)."""
+    import faulthandler
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def kill_descendants() -> int:
     """SIGKILL every live descendant of this process; returns how many there were."""
     import psutil

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import procs
 from .agent import LocalAgent
 from .config import JobSpec
 from .coordinator import Coordinator
@@ -32,6 +33,7 @@ log = logging.getLogger("ftrun.supervisor")
 def main() -> None:
     """Entry point of ``python -m ftrun.supervisor`` (started by the launcher, not by users)."""
     spec = JobSpec.from_json(json.loads(os.environ["FTRUN_SUPERVISOR_SPEC"]))
+    procs.dump_stacks_on_sigusr1()  # into supervisor.log, its stderr
     log_dir = Path(spec.log_dir)
     logging.basicConfig(
         filename=log_dir / "supervisor.log",

@@ -119,8 +119,26 @@ class FtrunProc:
         try:
             code = self.popen.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"ftrun did not exit within {timeout} s\nstdout:\n{self.stdout()}\nstderr:\n{self.stderr()}")
+            pytest.fail(f"ftrun did not exit within {timeout} s\nstdout:\n{self.stdout()}\nstderr:\n{self.stderr()}"
+                        f"{self.dump_stacks()}")
         return Result(code, self.stdout(), self.stderr())
+
+    def dump_stacks(self) -> str:
+        """The Python stacks of the launcher (in its stderr) and of its supervisor or agent (in its
+        log's tail), asked for with SIGUSR1 (``ftrun.procs.dump_stacks_on_sigusr1``): where a
+        launcher that did not exit was stuck."""
+        try:
+            launcher = psutil.Process(self.pid)
+            for proc in [launcher, *launcher.children()]:
+                proc.send_signal(signal.SIGUSR1)
+        except psutil.Error:
+            return ""
+        time.sleep(1.0)
+        args = list(self.popen.args)
+        logs = Path(args[args.index("--log_dir") + 1]) if "--log_dir" in args else None
+        own = sorted(logs.glob("supervisor.log")) + sorted(logs.glob("agent_*.log")) if logs else []
+        tails = "".join(f"\n{p.name} (tail):\n" + "\n".join(p.read_text(errors="replace").splitlines()[-60:]) for p in own)
+        return f"\nstderr after SIGUSR1:\n{self.stderr()}{tails}"
 
     def stdout(self) -> str:
         return self.stdout_path.read_text(errors="replace")

@@ -259,6 +259,15 @@ def test_second_sigint_leaves_no_grandchild(ftrun_proc, tmp_path, out):
     ready = proc.wait_for_files(ready_files(out, 1))
     grandchildren = procs_of(ready, "grandchild")
     ranks = procs_of(ready)
+    # SIGUSR1 makes the launcher and its supervisor write their stacks, and nothing else.
+    supervisor = supervisor_of(proc.pid)
+    for target in (proc.pid, supervisor.pid):
+        os.kill(target, signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while not ("ftrun/launcher.py" in proc.stderr()
+               and "ftrun/coordinator/core.py" in (tmp_path / "logs" / "supervisor.log").read_text(errors="replace")):
+        assert time.monotonic() < deadline, f"no stacks after SIGUSR1:\n{proc.stderr()}"
+        time.sleep(0.05)
     os.kill(proc.pid, signal.SIGINT)
     wait_for_event(tmp_path / "logs", "stop_requested", proc)
     os.kill(proc.pid, signal.SIGINT)
