@@ -126,6 +126,36 @@ def test_watchdog_verdicts_follow_the_clock_it_is_given() -> None:
     assert [(h.rank, h.kind) for h in found] == [(1, "no_progress")] and "outside the collective" in found[0].evidence
 
 
+def stalled_after_a_node_loss(quiet_rank: bool) -> tuple[Watchdog, list[Rank]]:
+    """Four ranks, 1 s steps: ranks 0, 2 and 3 wait in step 25's collective, rank 1 in step 24's,
+    cut short by the loss of ranks 2 and 3 (CI30); with ``quiet_rank``, rank 3's heartbeats stopped."""
+    dog = Watchdog(BOUNDS)
+    ranks = table(4, 0.0)
+    for r in ranks:
+        step = 24 if r.rank == 1 else 25
+        r.on_board({"phase": "compute", "phase_age": 0.0, "step": step, "committed": step - 1, "samples": 2,
+                    "step_times": [3.0, 1.0]}, 2.0, BOUNDS.warmup_steps)
+        r.on_board({"phase": "collective", "phase_age": 0.0, "step": step}, 2.5, BOUNDS.warmup_steps)
+        r.on_heartbeat(True, "loop", 0, 12.0)
+        r.proc.last_heartbeat = 9.0 if quiet_rank and r.rank == 3 else 12.0
+    dog.observe(1.0)
+    return dog, ranks
+
+
+def test_a_stalled_step_is_blamed_on_no_rank_while_a_node_is_quiet() -> None:
+    dog, ranks = stalled_after_a_node_loss(quiet_rank=False)
+    found = dog.inspect(ranks, None, False, {0, 1}, 12.6)
+    assert [(h.rank, h.kind) for h in found] == [(1, "no_progress")]  # with every node heard: rank 1 is behind
+    assert dog.inspect(ranks, None, False, {0, 1}, 12.6, quiet_nodes={1}) is None  # node 1's loss comes first
+    assert dog.inspect(ranks, None, False, {0, 1}, 12.6, quiet_nodes=()) == found  # heard again: the verdict stands
+
+
+def test_a_rank_gone_quiet_is_blamed_before_one_a_step_behind() -> None:
+    dog, ranks = stalled_after_a_node_loss(quiet_rank=True)
+    found = dog.inspect(ranks, None, False, {0, 1}, 12.6)
+    assert [(h.rank, h.kind) for h in found] == [(3, "no_progress")] and "heartbeats stopped" in found[0].evidence
+
+
 def test_an_unrepaired_fault_waits_its_grace_unless_a_death_explains_it() -> None:
     dog = Watchdog(BOUNDS)
     dog.note_unrepaired(0.0, "rank 1 reported X and HCCE is off")

@@ -613,7 +613,7 @@ class Coordinator:
         """Act on what the watchdog finds (:meth:`Watchdog.inspect`)."""
         spec = self.spec
         found = self.watchdog.inspect(self.ranks.values(), self.rounds.current, bool(self.round_failures),
-                                      set(self.agents), self.clock())
+                                      set(self.agents), self.clock(), self.members.quiet_nodes(self.clock()))
         if isinstance(found, Unrepaired):
             self.finish_with(self.restart_job(found.reason))
         elif isinstance(found, CommHang):

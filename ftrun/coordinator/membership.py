@@ -152,6 +152,14 @@ class Membership:
                                       f"(host {remote.host or '?'})", "silent", evidence_age=now - remote.last_seen)
         return None
 
+    def quiet_nodes(self, now: float) -> set[int]:
+        """The nodes whose agents have been silent for more than two heartbeat intervals (each
+        agent answers every beat): nodes that may be lost, which :meth:`check` declares lost at the
+        silence timeout. The watchdog blames no rank for a stalled step meanwhile."""
+        limit = 2 * self.job.spec.heartbeat_interval
+        return {node for node, agent in self.agents.items()
+                if isinstance(agent, RemoteAgent) and not agent.lost and now - agent.last_seen > limit}
+
     def quorum(self, closed: set[bytes], now: float) -> QuorumLost | None:
         """Count the agents heard (within the silence timeout less a heartbeat interval, so that a
         partition's silent agents all count as unheard before the first of them is found lost);

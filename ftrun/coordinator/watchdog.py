@@ -106,7 +106,7 @@ class Watchdog:
         return max(STALL_BASE_S, 3 * self.bounds.heartbeat_interval) + r.proc.stage_bytes / STALL_MIN_BYTES_PER_S
 
     def inspect(self, ranks: Iterable[Rank], recovery: Recovery | None, failures_in_round: bool,
-                nodes_joined: Collection[int], now: float) -> Finding:
+                nodes_joined: Collection[int], now: float, quiet_nodes: Collection[int] = ()) -> Finding:
         """What the watchdog finds now, in order: an unrepaired fault past its grace; a rank without
         heartbeats; a section past its bound; a stall inside a recovery or the initial broadcast;
         an overdue set-up; a recovery round past its deadlines; no step progress. The first kind
@@ -119,6 +119,8 @@ class Watchdog:
                 failed collective).
             nodes_joined: the nodes whose agents are connected (ranks elsewhere are not started).
             now: the coordinator's clock, seconds.
+            quiet_nodes: the nodes whose agents have gone quiet (a node that may be lost): no step
+                progress is then blamed on any rank (:meth:`progress`).
         """
         ranks = list(ranks)
         if self.unrepaired is not None and (recovery is not None or failures_in_round):
@@ -137,6 +139,12 @@ class Watchdog:
                 return found
         if recovery is not None or any(r.alive() and r.proc.kill_reason is not None for r in ranks):
             return None  # recovering ranks wait for each other (set-up and heartbeats still apply); or a kill is pending
+        if quiet_nodes:
+            # A node whose agent went quiet is the likelier cause of a stalled step: its ranks'
+            # collectives cut short can leave a live rank elsewhere a step behind its peers, which
+            # is no hang of its own. The node's loss is found within the silence timeout (or it is
+            # heard again), so the wait is bounded (CI30: a rank of node 0 was killed so).
+            return None
         return self.progress(ranks, now)
 
     def heartbeats(self, ranks: Sequence[Rank], now: float) -> list[Hung]:
@@ -262,6 +270,11 @@ class Watchdog:
         quiet = 2.5 * self.bounds.heartbeat_interval
         culprits = [r for r in live if r.proc.phase != RankPhase.COLLECTIVE or r.proc.in_dist is False
                     or (r.proc.step or 0) < newest or now - r.proc.last_heartbeat > quiet]
+        silent = [r for r in culprits if now - r.proc.last_heartbeat > quiet]
+        if silent:
+            # A rank gone quiet (frozen, or dying) explains its peers' stall, and one a step behind
+            # may only be waiting for it (a collective it cut short): the quiet ones are blamed.
+            culprits = silent
         if not culprits:
             return CommHang(f"{stalled}; every rank waits in the collective of step {max(r.proc.step or 0 for r in live)}")
         out = []
