@@ -103,21 +103,33 @@ class ExactlyOnceChecks:
         when this returns). ``mid_pass``: not a data pass's first step
         (:meth:`ftrun.rankstate.RankStateStore.put_encoded`)."""
         keep = self.keeps_rank_records()
-        own = self.registry.snapshot_step_start(self.progress.committed, encode_rank=keep)
+        committed = self.progress.committed
+        own = self.registry.snapshot_step_start(committed, encode_rank=keep)
         if keep and own is not None:
-            self.rank_states.put_encoded(self.progress.committed, own, mid_pass=mid_pass)
+            self.rank_states.put_encoded(committed, own, mid_pass=mid_pass, gradient=self._gradient_of(committed))
+
+    def _gradient_of(self, step: int) -> str | None:
+        """The fingerprint of this rank's local gradient of ``step``, if it computed one: every
+        record labelled ``step`` carries it, for a successor that recomputes the step."""
+        return self.local_gradient[1] if self.local_gradient is not None and self.local_gradient[0] == step else None
 
     def record_provisional(self) -> None:
-        """At the step's all-reduce, before its first bucket leaves: write the rank state after
-        its batch and backward, labelled with the step (what a respawned rank needs if its peers
-        commit the step and this rank dies before its next step start).
+        """At the step's all-reduce, before its last bucket leaves (no peer can commit the step
+        before that bucket arrives): write the rank state after its batch and backward, labelled
+        with the step (what a respawned rank needs if its peers commit the step and this rank dies
+        before its next step start), with the local gradient's fingerprint when
+        :meth:`check_local_gradient` has it: one write to the job's store a step.
 
         Raises:
             TypeError: a rank state the codec refuses (naming its place)."""
         step = self.progress.current_step
-        if step is None or self.progress.committed != step - 1 or not self.keeps_rank_records():
+        if step is None:
             return
-        self.rank_states.put(step, self.registry.state_dict(only=("rank",)), provisional=True)
+        gradient = self._gradient_of(step)
+        if self.progress.committed == step - 1 and self.keeps_rank_records():
+            self.rank_states.put(step, self.registry.state_dict(only=("rank",)), provisional=True, gradient=gradient)
+        elif gradient is not None and self.keeps_rank_records(gradient=True):
+            self.rank_states.put_gradient_digest(step, gradient)  # a failed write is reported there, once
 
     def record_epoch_boundary(self) -> None:
         """After an epoch's end, before the next epoch's prologue: this rank's own state, labelled
@@ -125,7 +137,9 @@ class ExactlyOnceChecks:
         epoch end is then in it; :class:`ftrun.rankstate.RankRecord`)."""
         if not self.keeps_rank_records():
             return
-        self.rank_states.put(self.progress.committed, self.registry.state_dict(only=("rank",)), epoch_boundary=True)
+        committed = self.progress.committed
+        self.rank_states.put(committed, self.registry.state_dict(only=("rank",)), epoch_boundary=True,
+                             gradient=self._gradient_of(committed))
 
     def apply_rank_record(self) -> None:
         """Load the predecessor's record of this rank's own state, if a recovery fetched one and it
@@ -153,10 +167,11 @@ class ExactlyOnceChecks:
         return self.on_divergence == "fail" and self.expected_gradient() is not None
 
     def check_local_gradient(self, digest: str) -> bool:
-        """At each synced backward (:class:`ftrun.reducer.GradientReducer`): keep the fingerprint of
-        the local gradient of the step (in memory, and in the job's store next to the rank state,
-        for a respawned successor) and, if the step was computed before, compare. A difference
-        means state outside what ftrun restores; it is reported (a ``divergence`` event). Returns
+        """At each synced backward, before its last bucket leaves (:class:`ftrun.reducer.GradientReducer`):
+        keep the fingerprint of the local gradient of the step (in memory, and in the job's store
+        with the provisional record, :meth:`record_provisional`, for a respawned successor) and,
+        if the step was computed before, compare. A difference means state outside what ftrun
+        restores; it is reported (a ``divergence`` event). Returns
         False only under ``--on_divergence fail``: the step is then held back (never
         communicated) until the coordinator's abort for the dying gasp arrives."""
         step = self.progress.current_step
@@ -166,8 +181,6 @@ class ExactlyOnceChecks:
         self.local_gradient = (step, digest)
         if self.recovery.predecessor_gradient is not None and self.recovery.predecessor_gradient[0] <= step:
             self.recovery.predecessor_gradient = None
-        if self.keeps_rank_records(gradient=True):
-            self.rank_states.put_gradient_digest(step, digest)  # a failed write is reported there, once
         if expected is None or expected[0] == digest:
             return True
         reason = (f"step {step} computed again gave another local gradient than {expected[1]} "

@@ -104,6 +104,7 @@ class GradientSync:
             on_local_gradient=self.checks.check_local_gradient if check_gradients else None,
             hold_for_check=self.checks.holds_for_check,
             layout=layout,
+            before_last_bucket=self.checks.record_provisional,
         )
         self.reducers.append(reducer)
         if not ddp:
@@ -197,6 +198,7 @@ class GradientSync:
         grads = [p.grad for p in params if p.grad is not None]
         failure: str | None = None
         recoverable: str | None = None
+        self.checks.record_provisional()  # before anything leaves: see ExactlyOnceChecks.record_provisional
         self.control.board.collective()
         self.in_collective = True
         self.release_if_aborted()
@@ -251,7 +253,6 @@ class GradientSync:
 
     # Callbacks of the gradient reducer (called on the training thread, inside backward).
     def _before_first_bucket(self) -> None:
-        self.checks.record_provisional()
         self.control.board.collective()
         self.in_collective = True
         self.release_if_aborted()

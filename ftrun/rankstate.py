@@ -96,7 +96,7 @@ class RankStateStore:
                       file=sys.stderr, flush=True)
 
     def put(self, label: int, state: dict[str, Any], provisional: bool = False, epoch_boundary: bool = False,
-            mid_pass: bool = False) -> None:
+            mid_pass: bool = False, gradient: str | None = None) -> None:
         """Record ``state`` (``{name: state_dict}``) as the rank's state at committed step ``label``
         (``provisional``: taken at that step's all-reduce; ``epoch_boundary``: after an epoch's end;
         see :class:`RankRecord`). :meth:`put_encoded` has the rest.
@@ -104,10 +104,10 @@ class RankStateStore:
         Raises:
             TypeError: a state the codec refuses (naming its place).
         """
-        self.put_encoded(label, codec.to_bytes(state), provisional, epoch_boundary, mid_pass)
+        self.put_encoded(label, codec.to_bytes(state), provisional, epoch_boundary, mid_pass, gradient)
 
     def put_encoded(self, label: int, blob: bytes, provisional: bool = False, epoch_boundary: bool = False,
-                    mid_pass: bool = False) -> None:
+                    mid_pass: bool = False, gradient: str | None = None) -> None:
         """:meth:`put` of a state already encoded (``blob``: :func:`ftrun.codec.to_bytes` of
         ``{name: state_dict}``).
 
@@ -115,12 +115,18 @@ class RankStateStore:
         is, byte for byte, the provisional record of the same label written last, nothing is
         written: the two differ only in the flag, which a successor reads only at a pass's first
         step (:meth:`ftrun.epochs.EpochLoop.epochs`). The common case: a step's end changes none of
-        the rank's own state, so most steps write one record, not two."""
-        last, self._provisional = self._provisional, (label, blob) if provisional else None
-        if mid_pass and not provisional and not epoch_boundary and last is not None and last == (label, blob):
+        the rank's own state, so most steps write one record, not two.
+
+        ``gradient``: the fingerprint of the rank's local gradient of step ``label``, when it
+        computed one (:meth:`get_gradient_digest` reads it): the provisional record carries it,
+        so a step costs one write, and so does any later record of the same label."""
+        last, self._provisional = self._provisional, (label, blob, gradient) if provisional else None
+        if mid_pass and not provisional and not epoch_boundary and last is not None and last == (label, blob, gradient):
             self._provisional = last  # the store still holds it
             return
         doc = {"label": int(label), "state": blob, "provisional": bool(provisional), "epoch_boundary": bool(epoch_boundary)}
+        if gradient is not None:
+            doc["gradient"] = str(gradient)
         self._set(f"{self.prefix}/{label % 2}", msgpack.packb(doc, use_bin_type=True))
 
     def get(self, label: int) -> RankRecord | None:
@@ -134,14 +140,21 @@ class RankStateStore:
         return RankRecord(label, codec.from_bytes(doc["state"]), bool(doc["provisional"]), bool(doc["epoch_boundary"]))
 
     def put_gradient_digest(self, step: int, digest: str) -> None:
-        """Record the digest of this rank's local gradient (before averaging) of ``step``: the bytes
+        """Record the digest of this rank's local gradient (before averaging) of ``step`` alone,
+        when no record of its state is kept (:meth:`put_encoded` carries it otherwise): the bytes
         of :func:`ftrun.codec.to_bytes` of ``{"step": step, "digest": digest}``, packed directly
-        (a fixed shape, every step)."""
+        (a fixed shape)."""
         doc = {"skeleton": {"__d": [["step", int(step)], ["digest", str(digest)]]}, "data": []}
         self._set(f"{self.prefix}/grad/{step % 2}", msgpack.packb(doc, use_bin_type=True))
 
     def get_gradient_digest(self, step: int) -> str | None:
-        """The recorded local-gradient digest of ``step``, or None (never computed, or overwritten)."""
+        """The recorded local-gradient digest of ``step``, or None (never computed, or overwritten):
+        the one the record labelled ``step`` carries, else the one recorded alone."""
+        key = f"{self.prefix}/{step % 2}"
+        if self.store.check([key]):
+            doc = msgpack.unpackb(bytes(self.store.get(key)), raw=False)
+            if int(doc["label"]) == step and isinstance(doc.get("gradient"), str):
+                return doc["gradient"]
         key = f"{self.prefix}/grad/{step % 2}"
         if not self.store.check([key]):
             return None

@@ -152,17 +152,22 @@ class GradientReducer:
             bucket (the worker marks its step board ``collective`` and fires the ``allreduce`` fault
             point there); an exception it raises is handled by ``on_hook_error``.
         is_failed: whether the step has already failed (nothing more is communicated).
-        on_hook_error: called with an exception raised by ``before_first_bucket``; returns True if
-            it was recorded (a recoverable error), False to let it propagate out of ``backward()``.
+        on_hook_error: called with an exception raised by ``before_first_bucket`` or
+            ``before_last_bucket``; returns True if it was recorded (a recoverable error), False to
+            let it propagate out of ``backward()``.
         on_failure: called at the end of a backward whose all-reduce failed, with the error.
         is_first_step: whether the current step is the job's first (DDP's one-bucket iteration);
             a rank that starts later (respawned, resumed) must use the rebuilt layout its peers use.
         waiting: a flag the worker's heartbeat probe reads (set while this thread waits for an
             all-reduce, so the watchdog knows the rank waits in torch.distributed).
-        on_local_gradient: called at the end of every synced backward with the fingerprint of the
-            local gradients (before averaging: :class:`ftrun.digest.Fingerprint` of each bucket's
-            flat tensor as it leaves, in the layout's order) while the all-reduces run; returns
-            False to fail the step instead (see ``hold_for_check``). The worker keeps and compares it (exactly-once check, issue 20).
+        on_local_gradient: called once per synced backward, before its last bucket leaves, with
+            the fingerprint of the local gradients (before averaging: :class:`ftrun.digest.Fingerprint`
+            of each bucket's flat tensor as it leaves, in the layout's order); returns False to
+            fail the step instead (see ``hold_for_check``). The worker keeps and compares it
+            (exactly-once check, issue 20).
+        before_last_bucket: called on the training thread right before a backward's last bucket
+            leaves, after ``on_local_gradient``: the worker writes the rank's provisional record
+            there, with the fingerprint (no peer can commit the step before that bucket arrives).
         hold_for_check: whether this pass must not communicate before ``on_local_gradient`` has
             seen the fingerprint (a recomputed step under ``--on_divergence fail``): every bucket
             is then launched at the end of backward, after the check.
@@ -187,6 +192,7 @@ class GradientReducer:
         on_local_gradient: Callable[[str], bool] | None = None,
         hold_for_check: Callable[[], bool] = lambda: False,
         layout: BucketLayout = BucketLayout(),
+        before_last_bucket: Callable[[], None] = lambda: None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.layout = layout
@@ -194,6 +200,7 @@ class GradientReducer:
         self._used: set[int] = set()  # parameters with a gradient since the last synced backward
         self.world_size = world_size
         self._before_first_bucket = before_first_bucket
+        self._before_last_bucket = before_last_bucket
         self._is_failed = is_failed
         self._on_hook_error = on_hook_error
         self._on_failure = on_failure
@@ -256,6 +263,7 @@ class GradientReducer:
         self._buckets: list[list[int]] | None = None  # chosen at the pass's first ready gradient
         self._deferred = False
         self._held = False  # this pass launches nothing before the local gradient is checked
+        self._checked = False  # on_local_gradient has seen this pass's fingerprint
         # The local gradient's fingerprint: each bucket's flat copy as it is launched, before it is
         # divided (buckets launch in their layout's order, which every computation of a step shares:
         # the all-reduces of all ranks must match, so a recomputed step gets the same fingerprint).
@@ -340,14 +348,40 @@ class GradientReducer:
 
     def _launch_bucket(self, bucket: list[int], flat: tuple[torch.Tensor, bool] | None = None) -> None:
         """Flatten ``bucket`` (unless ``flat`` is given: the held pass flattened it already), add
-        it to the local gradient's fingerprint, and start its all-reduce."""
+        it to the local gradient's fingerprint, and start its all-reduce; before the pass's last
+        bucket, hand the fingerprint on and call ``before_last_bucket``."""
+        self._start_collectives()
         if flat is None:
             flat, in_place = self._flatten(bucket)
             if self._fingerprint is not None:
                 self._fingerprint.update(flat)  # before launch() divides it in place
         else:
             flat, in_place = flat
+        if self._buckets and bucket is self._buckets[-1]:
+            self._check_local_gradient()
+            self._guarded(self._before_last_bucket)
         self._pending.append((bucket, flat, self.launch(flat), in_place))
+
+    def _check_local_gradient(self) -> None:
+        """Hand the pass's local-gradient fingerprint to ``on_local_gradient``, once."""
+        if self._checked or self._fingerprint is None or self._on_local_gradient is None:
+            return
+        self._checked = True
+        if not self._on_local_gradient(self._fingerprint.hexdigest()) and self._held and self.error is None:
+            self.error = "held back: this rank's recomputed step diverged (--on_divergence fail)"
+
+    def _start_collectives(self) -> None:
+        """Before the pass's first all-reduce: ``before_first_bucket``, once."""
+        if not self._started:
+            self._started = True
+            self._guarded(self._before_first_bucket)
+
+    def _guarded(self, callback: Callable[[], None]) -> None:
+        try:
+            callback()
+        except Exception as err:
+            if not self._on_hook_error(err):
+                raise
 
     def _finish_pass(self) -> None:
         """End of backward: launch what is left, wait for every bucket, copy averages into .grad."""
@@ -364,8 +398,7 @@ class GradientReducer:
             flats = [self._flatten(bucket) for bucket in remaining]
             for flat, _ in flats:
                 self._fingerprint.update(flat)
-            if not self._on_local_gradient(self._fingerprint.hexdigest()) and self.error is None:
-                self.error = "held back: this rank's recomputed step diverged (--on_divergence fail)"
+            self._check_local_gradient()  # before anything leaves
             for bucket, flat in zip(remaining, flats):
                 self._launch_bucket(bucket, flat)
         else:
@@ -377,8 +410,6 @@ class GradientReducer:
             local_used[sorted(self._used)] = 1
             self._side.append(self.launch(local_used, average=False))
             used_everywhere = local_used  # summed in place
-        if not self._held and self._fingerprint is not None and self._on_local_gradient is not None:
-            self._on_local_gradient(self._fingerprint.hexdigest())  # while the all-reduces run
         self.wait()
         used = used_everywhere.tolist() if used_everywhere is not None and self.error is None else None
         for _, flat, work, in_place in self._pending:
@@ -424,13 +455,7 @@ class GradientReducer:
         the GIL while the training thread holds it (in backward, or recording the step), and a
         gloo rank's next bucket waits behind it. :meth:`wait` collects results and errors on the
         training thread instead."""
-        if not self._started:
-            self._started = True
-            try:
-                self._before_first_bucket()
-            except Exception as err:
-                if not self._on_hook_error(err):
-                    raise
+        self._start_collectives()
         if self.error is not None or self._is_failed():
             return None
         if average:

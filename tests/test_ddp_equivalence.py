@@ -125,7 +125,9 @@ def test_the_local_gradient_fingerprint_is_the_same_however_the_pass_launches_it
     (issue 27: no per-tensor pass over ``.grad`` after backward). The same gradients must give the
     same fingerprint whether the buckets leave during backward (a running rank), all at its end
     (a respawned rank's first pass, which learns the layout from it), or only after the check (a
-    recomputed step held under ``--on_divergence fail``); other gradients another one."""
+    recomputed step held under ``--on_divergence fail``); other gradients another one. The check
+    and the provisional record (``before_last_bucket``) come before the last bucket leaves: no peer
+    can commit the step without it, and the record carries the fingerprint (one write a step)."""
     import threading
 
     from ftrun.reducer import BucketLayout, GradientReducer
@@ -145,7 +147,8 @@ def test_the_local_gradient_fingerprint_is_the_same_however_the_pass_launches_it
                               is_failed=lambda: False, on_hook_error=lambda err: False, on_failure=lambda error: None,
                               waiting=threading.Event(), is_first_step=lambda: False,
                               on_local_gradient=on_local_gradient, hold_for_check=lambda: hold["on"],
-                              layout=BucketLayout(first_cap=16, cap=16))
+                              layout=BucketLayout(first_cap=16, cap=16),
+                              before_last_bucket=lambda: events.append("last bucket"))
     reducer.attach()
     launched: list[int] = []
 
@@ -164,12 +167,14 @@ def test_the_local_gradient_fingerprint_is_the_same_however_the_pass_launches_it
     x = torch.randn(3, 4)
     backward(x)  # no layout known yet: every bucket at the end
     layout = list(launched)
-    assert len(layout) > 1 and sum(layout) == 30 and events == ["launched"] * len(layout) + ["checked"]
+    last = ["checked", "last bucket", "launched"]
+    assert len(layout) > 1 and sum(layout) == 30
+    assert events == ["first bucket"] + ["launched"] * (len(layout) - 1) + last
     backward(x)  # the rebuilt layout: buckets leave during backward
-    assert launched == layout and events[-1] == "checked"
+    assert launched == layout and events == ["first bucket"] + ["launched"] * (len(layout) - 1) + last
     hold["on"] = True
     backward(x)  # held: checked before anything leaves
-    assert launched == layout and events == ["checked"] + ["launched"] * len(layout)
+    assert launched == layout and events == ["checked", "first bucket"] + ["launched"] * (len(layout) - 1) + last[1:]
     hold["on"] = False
     backward(x + 1)
     assert digests[0] == digests[1] == digests[2] != digests[3]

@@ -49,6 +49,27 @@ def test_rank_records_say_where_they_were_taken_and_keep_the_gradient_fingerprin
     assert records.get_gradient_digest(9) is None
 
 
+def test_the_provisional_record_carries_the_gradient_fingerprint_in_the_same_write() -> None:
+    """Issue 27: one write to the job's store a step. The fingerprint of the local gradient rides
+    on the provisional record, and on any later record of the same label; alone only when no
+    record of the rank's state is kept."""
+    store = dist.HashStore()
+    records = RankStateStore(store, attempt=0, rank=1)
+    writes: list[str] = []
+    real_set = store.set
+    records._set = lambda key, value: writes.append(key) or real_set(key, value)  # type: ignore[method-assign]
+    state = {"data": {"position": torch.tensor(3)}}
+    records.put(7, state, provisional=True, gradient="d7")
+    assert writes == [f"{records.prefix}/1"] and records.get_gradient_digest(7) == "d7"
+    records.put(7, {"data": {"position": torch.tensor(3)}}, mid_pass=True, gradient="d7")  # equal: not written
+    records.put(7, {"data": {"position": torch.tensor(4)}}, mid_pass=True, gradient="d7")  # moved after the update
+    assert len(writes) == 2 and records.get_gradient_digest(7) == "d7" and not records.get(7).provisional
+    records.put(8, state, provisional=True)  # no fingerprint (checks off): none is made up
+    assert records.get_gradient_digest(8) is None and records.get_gradient_digest(6) is None
+    records.put_gradient_digest(8, "d8")  # kept alone
+    assert records.get_gradient_digest(8) == "d8"
+
+
 _KILLED_WRITER = """
 import os, signal, sys
 from datetime import timedelta
