@@ -274,3 +274,26 @@ def test_the_gradient_record_has_the_codecs_bytes() -> None:
     records = RankStateStore(store, attempt=0, rank=1)
     records.put_gradient_digest(8, "ab" * 16)
     assert bytes(store.get(f"{records.prefix}/grad/0")) == codec.to_bytes({"step": 8, "digest": "ab" * 16})
+
+
+def test_the_unwrapped_models_all_reduce_writes_the_provisional_record_before_anything_leaves(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model averaged by the optimizer wrapper (no ``wrap_model``) writes its provisional record
+    too, before its gradients leave: without it, a rank that died after its peers committed the
+    step left its successor no record of its own state at that step."""
+    from types import SimpleNamespace
+
+    from ftrun import gradsync
+
+    order: list[str] = []
+    monkeypatch.setattr(gradsync, "all_reduce_in_buckets", lambda grads, world, cap: order.append("all-reduce"))
+    sync = SimpleNamespace(
+        world_size=2, state=SimpleNamespace(error=None), in_collective=False,
+        checks=SimpleNamespace(record_provisional=lambda: order.append("provisional")),
+        control=SimpleNamespace(board=SimpleNamespace(collective=lambda: order.append("board"))),
+        release_if_aborted=lambda: None, progress=SimpleNamespace(current_step=5),
+        faults=SimpleNamespace(point=lambda where, step: order.append(where)))
+    param = torch.nn.Parameter(torch.ones(2))
+    param.grad = torch.ones(2)
+    assert gradsync.GradientSync.all_reduce(sync, [param])  # type: ignore[arg-type]
+    assert order == ["provisional", "board", "allreduce", "all-reduce"]
