@@ -104,11 +104,11 @@ class RankStateStore:
         Raises:
             TypeError: a state the codec refuses (naming its place).
         """
-        self.put_encoded(label, codec.to_bytes(state), provisional, epoch_boundary, mid_pass, gradient)
+        self.put_encoded(label, codec.to_record(state), provisional, epoch_boundary, mid_pass, gradient)
 
     def put_encoded(self, label: int, blob: bytes, provisional: bool = False, epoch_boundary: bool = False,
                     mid_pass: bool = False, gradient: str | None = None) -> None:
-        """:meth:`put` of a state already encoded (``blob``: :func:`ftrun.codec.to_bytes` of
+        """:meth:`put` of a state already encoded (``blob``: :func:`ftrun.codec.to_record` of
         ``{name: state_dict}``).
 
         ``mid_pass``: a step-start record inside a data pass (not its first step). When its state
@@ -137,7 +137,7 @@ class RankStateStore:
         doc = msgpack.unpackb(bytes(self.store.get(key)), raw=False)
         if int(doc["label"]) != label:
             return None
-        return RankRecord(label, codec.from_bytes(doc["state"]), bool(doc["provisional"]), bool(doc["epoch_boundary"]))
+        return RankRecord(label, codec.from_record(doc["state"]), bool(doc["provisional"]), bool(doc["epoch_boundary"]))
 
     def put_gradient_digest(self, step: int, digest: str) -> None:
         """Record the digest of this rank's local gradient (before averaging) of ``step`` alone,

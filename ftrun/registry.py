@@ -83,7 +83,7 @@ class StateRegistry:
         Args:
             committed: the committed step the copy belongs to.
             encode_rank: keep the ``rank`` objects' copy as the bytes of this rank's record
-                (:func:`ftrun.codec.to_bytes` of ``{name: state_dict}``, which :meth:`roll_back`
+                (:func:`ftrun.codec.to_record` of ``{name: state_dict}``, which :meth:`roll_back`
                 decodes): one walk gives both the copy and the record (issue 27), and bytes are
                 never changed by training. Otherwise every kind is deep-copied
                 (:func:`ftrun.checkpoint.snapshot`).
@@ -98,7 +98,7 @@ class StateRegistry:
         state = self.state_dict(exclude=("committed",))
         blob = None
         if encode_rank:
-            blob = codec.to_bytes({n: s for n, s in state.items() if self.kinds[n] == "rank"})
+            blob = codec.to_record({n: s for n, s in state.items() if self.kinds[n] == "rank"})
             state = {n: s for n, s in state.items() if self.kinds[n] != "rank"}
         copied = snapshot(state, reuse=reuse)
         self._start = StepStart(committed, copied, blob)
@@ -110,7 +110,7 @@ class StateRegistry:
         are undone), in registration order. True if it did."""
         if self._start is None or self._start.committed != step:
             return False
-        encoded = codec.from_bytes(self._start.rank) if self._start.rank is not None and "rank" in kinds else {}
+        encoded = codec.from_record(self._start.rank) if self._start.rank is not None and "rank" in kinds else {}
         for name, obj in self.objects.items():
             if self.kinds[name] not in kinds:
                 continue
@@ -129,7 +129,7 @@ class StepStart:
         committed: the committed step it belongs to.
         replica: ``{name: deep copy of state_dict}`` of the ``replica`` objects, and of the
             ``rank`` ones when ``rank`` is None.
-        rank: the ``rank`` objects' state as record bytes (:func:`ftrun.codec.to_bytes`), or None.
+        rank: the ``rank`` objects' state as record bytes (:func:`ftrun.codec.to_record`), or None.
     """
 
     committed: int

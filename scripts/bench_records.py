@@ -87,4 +87,6 @@ print(f"  step-start copy and record (the record left out: equal to the provisio
 print(f"  RNGState.state_dict: {best(reg['rng'].state_dict):.1f} us")
 state = reg.state_dict(only=("rank",))
 print(f"  codec.to_bytes(rank state): {best(lambda: codec.to_bytes(state)):.1f} us")
+if hasattr(codec, "to_record"):
+    print(f"  codec.to_record(rank state), what the records use: {best(lambda: codec.to_record(state)):.1f} us")
 print(f"  put_gradient_digest: {best(lambda: rs.put_gradient_digest(5, 'ab' * 16)):.1f} us")
