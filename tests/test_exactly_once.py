@@ -49,15 +49,21 @@ def test_rank_records_say_where_they_were_taken_and_keep_the_gradient_fingerprin
     assert records.get_gradient_digest(9) is None
 
 
-def test_the_provisional_record_carries_the_gradient_fingerprint_in_the_same_write() -> None:
-    """Issue 27: one write to the job's store a step. The fingerprint of the local gradient rides
-    on the provisional record, and on any later record of the same label; alone only when no
-    record of the rank's state is kept."""
+def counted_records() -> tuple[RankStateStore, list[str]]:
+    """A rank's records on an in-memory store, and the keys of its writes, in order."""
     store = dist.HashStore()
     records = RankStateStore(store, attempt=0, rank=1)
     writes: list[str] = []
     real_set = store.set
     records._set = lambda key, value: writes.append(key) or real_set(key, value)  # type: ignore[method-assign]
+    return records, writes
+
+
+def test_the_provisional_record_carries_the_gradient_fingerprint_in_the_same_write() -> None:
+    """Issue 27: one write to the job's store a step. The fingerprint of the local gradient rides
+    on the provisional record, and on any later record of the same label; alone only when no
+    record of the rank's state is kept."""
+    records, writes = counted_records()
     state = {"data": {"position": torch.tensor(3)}}
     records.put(7, state, provisional=True, gradient="d7")
     assert writes == [f"{records.prefix}/1"] and records.get_gradient_digest(7) == "d7"
@@ -115,11 +121,7 @@ def test_a_step_start_record_equal_to_the_provisional_one_is_not_written_again()
     """Issue 27: most steps change none of the rank's own state after their all-reduce, so the
     next step start would write the same bytes again. Inside a pass it is left out; at a pass's
     first step (where a successor reads the flag), after a change, or after another write it is not."""
-    store = dist.HashStore()
-    records = RankStateStore(store, attempt=0, rank=1)
-    writes: list[str] = []
-    real_set = store.set
-    records._set = lambda key, value: writes.append(key) or real_set(key, value)  # type: ignore[method-assign]
+    records, writes = counted_records()
     state = {"data": {"position": torch.tensor(3)}}
     records.put(7, state, provisional=True)
     records.put(7, {"data": {"position": torch.tensor(3)}}, mid_pass=True)
