@@ -34,7 +34,7 @@ Metric names (all ``ftrun_``; per-rank ones carry ``rank`` and ``node`` labels):
 ``ftrun_wall_seconds``            gauge      wall time so far
 ``ftrun_lost_seconds``            gauge      wall time lost to faults so far
 ``ftrun_startup_seconds``         gauge      wall time before the first step
-``ftrun_recoveries_total``        counter    recoveries started, by ``fault`` (death, hang, comm_error, recoverable_error)
+``ftrun_recoveries_total``        counter    recoveries, by the ``fault`` that began them (death, hang, comm_error, recoverable_error)
 ``ftrun_rank_failures_total``     counter    rank processes that failed
 ``ftrun_job_restarts_total``      counter    whole-job restarts
 ``ftrun_recovery_seconds``        histogram  a recovery's time from the fault to training again
@@ -109,6 +109,10 @@ class JobMetrics:
         r = self.registry
         self.recoveries = Counter("ftrun_recoveries", "Recoveries started, by the fault that started them.",
                                   ["fault"], registry=r)
+        # A recovery begun on a communication error whose next round respawns ranks was begun by
+        # their death (the survivors' report can beat the SIGCHLD by milliseconds): its kind is
+        # counted once its next round or its end says which.
+        self._open_fault: str | None = None
         self.failures = Counter("ftrun_rank_failures", "Rank processes that failed (died, or killed as hung).",
                                 registry=r)
         self.restarts = Counter("ftrun_job_restarts", "Whole-job restarts.", registry=r)
@@ -137,6 +141,18 @@ class JobMetrics:
         r.register(StatusCollector(self))
 
     # ---------------------------------------------------------------- events
+    def _on_round(self, detail: dict[str, Any]) -> None:
+        """A recovery round: count its recovery's fault, at once unless it respawns nothing."""
+        fault = str(detail.get("fault") or "death")
+        if "round" not in detail:
+            if fault in ("comm_error", "recoverable_error") and not detail.get("failed"):
+                self._open_fault = fault
+            else:
+                self.recoveries.labels(fault=fault).inc()
+        elif self._open_fault is not None and detail.get("failed"):
+            self.recoveries.labels(fault=fault).inc()  # a death (or hang) restarted it: that began it
+            self._open_fault = None
+
     def observe(self, event: Any) -> None:
         """The coordinator's event observer: takes an :class:`~ftrun.events.Event` or its JSON dict."""
         data = event.to_json() if hasattr(event, "to_json") else event
@@ -144,9 +160,12 @@ class JobMetrics:
         detail = data.get("detail") or {}
         with self.lock:
             self.timeline.add(data)
-        if kind == "recovery_started" and "round" not in detail:
-            self.recoveries.labels(fault=str(detail.get("fault") or "death")).inc()
-        elif kind == "rank_failed":
+        if kind == "recovery_started":
+            self._on_round(detail)
+        elif kind in ("recovery_finished", "job_restarting", "job_finished") and self._open_fault is not None:
+            self.recoveries.labels(fault=self._open_fault).inc()
+            self._open_fault = None
+        if kind == "rank_failed":
             self.failures.inc()
             if _number(detail.get("detection_seconds")):
                 self.detection_seconds.observe(float(detail["detection_seconds"]))

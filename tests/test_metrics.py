@@ -91,6 +91,27 @@ def test_events_and_status_become_metrics():
     assert not [m for m in REGISTRY.collect() if m.name.startswith("ftrun_")]
 
 
+def test_a_communication_error_that_a_death_follows_counts_as_a_death():
+    """CI31: a survivor's "connection closed by peer" reached the coordinator before the killed
+    rank's SIGCHLD, so the recovery began as a communication error (HCCE, no respawn) and was
+    restarted by the death 10 ms later. The recovery is counted once, as the death that began it;
+    a communication error that no death follows counts as one when its recovery ends."""
+    metrics = JobMetrics(Path("."), status_source=lambda: None, clock=lambda: T0 + 30.0)
+
+    def count(fault: str) -> float:
+        return values(metrics.render().decode())[("ftrun_recoveries_total", (("fault", fault),))]
+
+    metrics.observe(ev("recovery_started", 1.0, failed=[], fault="comm_error"))
+    assert count("comm_error") == count("death") == 0  # not known yet
+    metrics.observe(ev("recovery_started", 1.01, failed=[1], fault="death", round=2))
+    metrics.observe(ev("recovery_finished", 3.0, total_seconds=2.0))
+    assert (count("death"), count("comm_error")) == (1, 0)
+    metrics.observe(ev("recovery_started", 5.0, failed=[], fault="comm_error"))  # a real one
+    metrics.observe(ev("recovery_started", 5.5, failed=[], fault="comm_error", round=2))
+    metrics.observe(ev("recovery_finished", 6.0, total_seconds=1.0))
+    assert (count("death"), count("comm_error")) == (1, 1)
+
+
 def test_endpoint_serves_and_refuses_a_taken_port():
     metrics = JobMetrics(Path("."), status_source=lambda: None)
     server = metrics.serve(0, "127.0.0.1")
