@@ -12,7 +12,7 @@ from test_coordinator import events, hello_all, make, send, step
 from ftrun.coordinator.phases import TRANSITIONS, IllegalTransition, JobPhase, JobPhases
 from ftrun.coordinator.ranks import Rank, RankPhase
 from ftrun.coordinator.watchdog import CommHang, Hung, Unrepaired, Watchdog, WatchdogBounds
-from ftrun.protocol import MsgType
+from ftrun.protocol import Message, MsgType
 
 ILLEGAL = [(a, b) for a in JobPhase for b in JobPhase if b not in TRANSITIONS[a]]
 
@@ -193,3 +193,23 @@ def test_warm_and_hot_spares_are_kept_together(tmp_path: Path) -> None:
     clock.now += 2.0
     coord.spawning.keep_spares()
     assert agent.spares is None  # not while a recovery runs
+
+
+def test_a_shard_reported_right_before_a_death_still_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI31: two ranks reported shards of periodic checkpoints and were SIGKILLed; the coordinator
+    handled the deaths first and refused the reports, so four whole checkpoints never completed.
+    A ``saved`` report of a dead incarnation, on the connection it said hello on, counts; one on
+    another connection, or any other late message, does not."""
+    coord, agent, _ = make(tmp_path)
+    coord.ttp.report_wait = 0.0
+    saved: list[int] = []
+    monkeypatch.setattr(coord.ttp, "on_saved", lambda m: saved.append(m["step"]))
+    hello_all(coord)
+    step(coord, 0)
+    agent.exit(2, -signal.SIGKILL, at=0.0)
+    assert coord.check_processes() is None and coord.ranks[2].incarnation == 1  # respawned
+    report = {"rank": 2, "incarnation": 0, "step": 9, "shard": 0, "reason": "periodic"}
+    coord.handle(b"conn-2-0", Message(MsgType.SAVED, report))  # its own connection: counted
+    coord.handle(b"conn-3-0", Message(MsgType.SAVED, report))  # another one: refused
+    coord.handle(b"conn-2-0", Message(MsgType.PROGRESS, {"rank": 2, "incarnation": 0, "step": 9}))
+    assert saved == [9]

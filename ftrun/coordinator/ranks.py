@@ -88,6 +88,7 @@ class Rank:
     total_steps: int | None = None  # the number of steps its loop runs (ft.steps(n)), when known
     last_step_seconds: float | None = None  # its latest step time (for stragglers)
     compute_seconds: float | None = None  # its latest step's start to its collective (its own work)
+    previous: Incarnation | None = None  # the incarnation before this one (its late reports, see Messages.handle)
 
     @property
     def incarnation(self) -> int:
@@ -96,6 +97,7 @@ class Rank:
 
     def respawned(self, now: float) -> Incarnation:
         """Start its next incarnation (a fresh record, running from ``now``) and return it."""
+        self.previous = self.proc
         self.proc = Incarnation(number=self.proc.number + 1, started_at=now, running=True)
         return self.proc
 
