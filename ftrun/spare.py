@@ -126,7 +126,7 @@ def run_script(argv: list[str], module: bool) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
-def main() -> None:
+def _import_libraries() -> None:
     # What a respawned rank would otherwise import after its start (the slow part).
     import numpy  # noqa: F401
     import torch  # noqa: F401
@@ -134,6 +134,78 @@ def main() -> None:
 
     from . import worker  # noqa: F401
 
+
+def _set_policy(tid: int, policy: int) -> bool:
+    """Set thread ``tid``'s scheduling policy (Linux: per thread); False where it cannot be."""
+    try:
+        os.sched_setscheduler(tid, policy, os.sched_param(0))
+        return True
+    except (AttributeError, OSError):  # not Linux, or no right to raise a thread's priority back
+        return False
+
+
+def import_at_idle_priority(poll_s: float = 0.05) -> bool:
+    """Import what a rank needs (numpy, torch, torch.distributed, the worker library) on a helper
+    thread scheduled ``SCHED_IDLE``, so a spare started while the ranks train takes only CPU time
+    they leave unused (issue 27: on 2 cores, a warm spare's 1.5 s of imports overlapped the first
+    seconds of a job's training and slowed those steps). Nothing else runs at that priority: the
+    helper thread ends with the imports, and this (main) thread, which runs the script, keeps its
+    policy. Imported modules are shared by every thread, so the script finds them loaded.
+
+    If the spare's standard input becomes readable before the imports end (its assignment: a rank
+    is waiting for it, and its peers wait in the recovery), the helper is put back to the normal
+    policy where this process may do so (root, or ``CAP_SYS_NICE``); elsewhere it finishes at
+    idle priority, on cores the waiting peers leave free.
+
+    Args:
+        poll_s: seconds between looks at standard input while the imports run.
+
+    Returns:
+        True if the imports started at idle priority (False: they ran at the normal one, where
+        ``SCHED_IDLE`` does not exist or was refused).
+
+    Raises:
+        whatever the imports raise (re-raised on this thread).
+    """
+    import select
+    import threading
+
+    idle_policy = getattr(os, "SCHED_IDLE", None)
+    failure: list[BaseException] = []
+    started = threading.Event()
+    tid: list[int] = []
+    idle: list[bool] = []
+
+    def run() -> None:
+        tid.append(threading.get_native_id())
+        idle.append(idle_policy is not None and _set_policy(0, idle_policy))
+        started.set()
+        try:
+            _import_libraries()
+        except BaseException as err:  # re-raised on the main thread
+            failure.append(err)
+
+    helper = threading.Thread(target=run, name="ftrun-spare-import", daemon=True)
+    helper.start()
+    started.wait()
+    ran_idle = idle[0]
+    while helper.is_alive():
+        helper.join(poll_s)
+        if idle[0] and helper.is_alive():
+            try:
+                readable = select.select([sys.stdin], [], [], 0)[0]
+            except (OSError, ValueError):  # no standard input to watch
+                readable = []
+            if readable:
+                _set_policy(tid[0], os.SCHED_OTHER)
+                idle[0] = False
+    if failure:
+        raise failure[0]
+    return ran_idle
+
+
+def main() -> None:
+    import_at_idle_priority()
     if "--hot" in sys.argv[1:]:
         # A hot spare: the script runs now, without a rank; ftrun.init() gives it none until
         # take_assignment() returns (called by the worker library at the training loop, or when

@@ -7,7 +7,8 @@ than that between runs minutes apart.
     .venv/bin/python scripts/bench_ab.py --base /tmp/old-clone --new . --rounds 6 --size small
 
 ``--base``/``--new`` are put first on the ranks' PYTHONPATH (a clone of the repository at another
-commit); ``--base ''`` runs only the new tree and torchrun. Figures in milliseconds.
+commit); ``--base ''`` runs only the new tree and torchrun; ``--base-flags``/``--new-flags`` add ftrun flags
+to each side's runs (the same tree twice: ``--base . --new-flags '--warm_spares 0'``). Figures in milliseconds.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -26,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LARGE = ["--emsize", "128", "--nhid", "128", "--bptt", "35", "--batch_size", "8"]
 
 
-def median_step_ms(kind: str, tree: str | None, size: str, epochs: int, workdir: Path) -> float:
+def median_step_ms(kind: str, tree: str | None, size: str, epochs: int, workdir: Path, flags: str = "") -> float:
     """One run: the median gap between rank 0's step lines, in ms (NaN if it printed none)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTRUN_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
@@ -42,7 +44,7 @@ def median_step_ms(kind: str, tree: str | None, size: str, epochs: int, workdir:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--standalone", *common]
     else:
         cmd = [sys.executable, "-m", "ftrun", "--worker_num", "4", "--master_port", "0", "--plain",
-               "--tail_worker_log", "0", "--log_dir", str(logs), *common]
+               "--tail_worker_log", "0", "--log_dir", str(logs), *shlex.split(flags), *common]
     out = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True).stdout
     if kind != "torchrun":
         out = (logs / "worker_0.log").read_text(errors="replace")
@@ -59,15 +61,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--size", choices=("small", "large"), default="small")
     parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--base-flags", default="", help="ftrun flags of the base runs (e.g. '--warm_spares 0')")
+    parser.add_argument("--new-flags", default="", help="ftrun flags of the new runs")
     args = parser.parse_args()
     kinds = [("base", args.base), ("new", args.new), ("torchrun", None)]
+    flags = {"base": args.base_flags, "new": args.new_flags, "torchrun": ""}
     if not args.base:
         kinds = kinds[1:]
     results: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="ftrun-ab-") as tmp:
         for r in range(args.rounds):
             for kind, tree in kinds:
-                results.setdefault(kind, []).append(median_step_ms(kind, tree, args.size, args.epochs, Path(tmp)))
+                results.setdefault(kind, []).append(median_step_ms(kind, tree, args.size, args.epochs, Path(tmp), flags[kind]))
             print(r, {k: f"{v[-1]:.2f}" for k, v in results.items()}, flush=True)
     for kind, values in results.items():
         print(f"{kind:9s} median {statistics.median(values):.2f} ms  all {[round(x, 2) for x in values]}")

@@ -78,3 +78,46 @@ def test_each_rank_shows_on_exactly_one_process(tmp_path: Path, spares: str) -> 
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+# A spare's imports at idle priority (issue 27): a stand-in for the imports records the scheduling
+# policy its thread ran with, in a fresh process whose standard input is given or withheld.
+_PRIORITY_PROBE = """
+import os, sys, time
+import ftrun.spare as spare
+seen = []
+def imports():
+    time.sleep(float(sys.argv[1]))
+    seen.append(os.sched_getscheduler(0))
+spare._import_libraries = imports
+before = os.sched_getscheduler(0)
+ran_idle = spare.import_at_idle_priority(poll_s=0.01)
+print(ran_idle, seen[0], before, os.sched_getscheduler(0))
+"""
+
+
+def _probe(sleep_s: float, stdin: bytes | None) -> list[str]:
+    proc = subprocess.Popen([os.sys.executable, "-c", _PRIORITY_PROBE, str(sleep_s)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=False)
+    if stdin is not None:
+        proc.stdin.write(stdin)
+        proc.stdin.flush()
+    out = proc.stdout.read()  # the input stays open (an EOF is readable too), as a waiting spare's does
+    proc.stdin.close()
+    assert proc.wait(timeout=60) == 0
+    return out.decode().split()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_a_spare_imports_at_idle_priority_and_its_script_thread_keeps_the_normal_one() -> None:
+    ran_idle, during, before, after = _probe(0.3, None)
+    assert (ran_idle, during) == ("True", str(os.SCHED_IDLE))
+    assert before == after == str(os.SCHED_OTHER)  # the thread that runs the script never changes
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or os.geteuid() != 0,
+                    reason="putting a thread back from SCHED_IDLE needs root or CAP_SYS_NICE")
+def test_a_spare_assigned_before_its_imports_end_finishes_them_at_the_normal_priority() -> None:
+    ran_idle, during, before, after = _probe(2.0, b'{"env": {}}')  # an assignment waits on its input
+    assert (ran_idle, during) == ("True", str(os.SCHED_OTHER))
+    assert before == after == str(os.SCHED_OTHER)
