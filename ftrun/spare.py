@@ -3,7 +3,8 @@
 Respawning a rank costs a new interpreter and its imports (about 1.2 s for torch alone on an idle
 machine, several seconds on a busy one; docs/benchmarks.md), and that is most of an ARF recovery. The
 supervisor therefore keeps ``--warm_spares`` processes started with ``python -m ftrun.spare``: each
-imports torch, torch.distributed, numpy and the worker library, then blocks reading its standard
+imports torch, torch.distributed, numpy and the worker library (at idle priority: it is started
+while the ranks train, :func:`import_at_idle_priority`), then blocks reading its standard
 input. To replace a failed rank, the supervisor writes one JSON object there and closes it::
 
     {"env": {...the rank's environment...}, "argv": [script, args...], "module": false,
@@ -146,8 +147,8 @@ def _set_policy(tid: int, policy: int) -> bool:
 
 def import_at_idle_priority(poll_s: float = 0.05) -> bool:
     """Import what a rank needs (numpy, torch, torch.distributed, the worker library) on a helper
-    thread scheduled ``SCHED_IDLE``, so a spare started while the ranks train takes only CPU time
-    they leave unused (issue 27: on 2 cores, a warm spare's 1.5 s of imports overlapped the first
+    thread scheduled ``SCHED_IDLE``, so a warm spare started while the ranks train takes only CPU
+    time they leave unused (issue 27: on 2 cores, a warm spare's 1.5 s of imports overlapped the first
     seconds of a job's training and slowed those steps). Nothing else runs at that priority: the
     helper thread ends with the imports, and this (main) thread, which runs the script, keeps its
     policy. Imported modules are shared by every thread, so the script finds them loaded.
@@ -205,7 +206,13 @@ def import_at_idle_priority(poll_s: float = 0.05) -> bool:
 
 
 def main() -> None:
-    import_at_idle_priority()
+    if "--hot" in sys.argv[1:]:
+        # A hot spare is there to be past its set-up before the next fault (the user asked for
+        # one): on a node whose ranks keep every core busy, an idle-priority import could wait
+        # until that fault. A warm spare's import is promoted with its assignment.
+        _import_libraries()
+    else:
+        import_at_idle_priority()
     if "--hot" in sys.argv[1:]:
         # A hot spare: the script runs now, without a rank; ftrun.init() gives it none until
         # take_assignment() returns (called by the worker library at the training loop, or when
