@@ -145,25 +145,50 @@ def _set_policy(tid: int, policy: int) -> bool:
         return False
 
 
+def _can_leave_idle(idle_policy: int) -> bool:
+    """Whether a thread of this process may go from ``SCHED_IDLE`` back to the normal policy
+    (root, ``CAP_SYS_NICE``, or an ``RLIMIT_NICE`` that allows it), tried on a throwaway thread."""
+    import threading
+
+    ok: list[bool] = []
+    probe = threading.Thread(target=lambda: ok.append(_set_policy(0, idle_policy) and _set_policy(0, os.SCHED_OTHER)))
+    probe.start()
+    probe.join()
+    return bool(ok and ok[0])
+
+
+def _leave_idle(idle_policy: int, keep: int) -> None:
+    """Put every thread of this process but ``keep`` that is scheduled ``SCHED_IDLE`` back to the
+    normal policy (the import's helper, and any pool a library started while it imported)."""
+    for name in os.listdir("/proc/self/task"):
+        tid = int(name)
+        try:
+            if tid != keep and os.sched_getscheduler(tid) == idle_policy:
+                _set_policy(tid, os.SCHED_OTHER)
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
 def import_at_idle_priority(poll_s: float = 0.05) -> bool:
     """Import what a rank needs (numpy, torch, torch.distributed, the worker library) on a helper
     thread scheduled ``SCHED_IDLE``, so a warm spare started while the ranks train takes only CPU
-    time they leave unused (issue 27: on 2 cores, a warm spare's 1.5 s of imports overlapped the first
-    seconds of a job's training and slowed those steps). Nothing else runs at that priority: the
-    helper thread ends with the imports, and this (main) thread, which runs the script, keeps its
-    policy. Imported modules are shared by every thread, so the script finds them loaded.
+    time they leave unused (issue 27: on 2 cores, a warm spare's 1.5 s of imports overlapped the
+    first seconds of a job's training and slowed those steps).
 
-    If the spare's standard input becomes readable before the imports end (its assignment: a rank
-    is waiting for it, and its peers wait in the recovery), the helper is put back to the normal
-    policy where this process may do so (root, or ``CAP_SYS_NICE``); elsewhere it finishes at
-    idle priority, on cores the waiting peers leave free.
+    A thread that a library starts during its import inherits the policy (OpenBLAS starts its
+    pool when numpy is imported), so once the imports end, every thread left at ``SCHED_IDLE`` is
+    put back to the normal policy; the thread that runs the script never leaves it. Leaving
+    ``SCHED_IDLE`` needs root, ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` that allows it: where this
+    process has none of them, the imports run at the normal priority, as they always did. If the
+    spare's standard input becomes readable before the imports end (its assignment: a rank waits
+    for it), they are put back to the normal policy at once.
 
     Args:
         poll_s: seconds between looks at standard input while the imports run.
 
     Returns:
-        True if the imports started at idle priority (False: they ran at the normal one, where
-        ``SCHED_IDLE`` does not exist or was refused).
+        True if the imports started at idle priority (False: at the normal one, where
+        ``SCHED_IDLE`` does not exist or could not be left again).
 
     Raises:
         whatever the imports raise (re-raised on this thread).
@@ -172,15 +197,14 @@ def import_at_idle_priority(poll_s: float = 0.05) -> bool:
     import threading
 
     idle_policy = getattr(os, "SCHED_IDLE", None)
+    if idle_policy is None or not os.path.isdir("/proc/self/task") or not _can_leave_idle(idle_policy):
+        _import_libraries()
+        return False
+    main_tid = threading.get_native_id()
     failure: list[BaseException] = []
-    started = threading.Event()
-    tid: list[int] = []
-    idle: list[bool] = []
 
     def run() -> None:
-        tid.append(threading.get_native_id())
-        idle.append(idle_policy is not None and _set_policy(0, idle_policy))
-        started.set()
+        _set_policy(0, idle_policy)
         try:
             _import_libraries()
         except BaseException as err:  # re-raised on the main thread
@@ -188,21 +212,21 @@ def import_at_idle_priority(poll_s: float = 0.05) -> bool:
 
     helper = threading.Thread(target=run, name="ftrun-spare-import", daemon=True)
     helper.start()
-    started.wait()
-    ran_idle = idle[0]
+    watching = True
     while helper.is_alive():
         helper.join(poll_s)
-        if idle[0] and helper.is_alive():
+        if watching and helper.is_alive():
             try:
                 readable = select.select([sys.stdin], [], [], 0)[0]
             except (OSError, ValueError):  # no standard input to watch
                 readable = []
-            if readable:
-                _set_policy(tid[0], os.SCHED_OTHER)
-                idle[0] = False
+            if readable:  # assigned (or no longer needed): finish at the normal priority
+                _leave_idle(idle_policy, main_tid)
+                watching = False
+    _leave_idle(idle_policy, main_tid)
     if failure:
         raise failure[0]
-    return ran_idle
+    return True
 
 
 def main() -> None:

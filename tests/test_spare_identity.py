@@ -80,19 +80,21 @@ def test_each_rank_shows_on_exactly_one_process(tmp_path: Path, spares: str) -> 
             proc.wait()
 
 
-# A spare's imports at idle priority (issue 27): a stand-in for the imports records the scheduling
-# policy its thread ran with, in a fresh process whose standard input is given or withheld.
+# A spare's imports at idle priority (issue 27): a stand-in for the imports starts a thread that
+# stays (as OpenBLAS starts its pool when numpy is imported) and records the scheduling policy its
+# own thread ran with, in a fresh process whose standard input is given or withheld.
 _PRIORITY_PROBE = """
-import os, sys, time
+import os, sys, threading, time
 import ftrun.spare as spare
-seen = []
+seen, pool, stop = [], [], threading.Event()
 def imports():
+    threading.Thread(target=lambda: (pool.append(threading.get_native_id()), stop.wait()), daemon=True).start()
     time.sleep(float(sys.argv[1]))
     seen.append(os.sched_getscheduler(0))
 spare._import_libraries = imports
 before = os.sched_getscheduler(0)
 ran_idle = spare.import_at_idle_priority(poll_s=0.01)
-print(ran_idle, seen[0], before, os.sched_getscheduler(0))
+print(ran_idle, seen[0], before, os.sched_getscheduler(0), os.sched_getscheduler(pool[0]))
 """
 
 
@@ -108,16 +110,30 @@ def _probe(sleep_s: float, stdin: bytes | None) -> list[str]:
     return out.decode().split()
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
-def test_a_spare_imports_at_idle_priority_and_its_script_thread_keeps_the_normal_one() -> None:
-    ran_idle, during, before, after = _probe(0.3, None)
+_ROOT_ONLY = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or os.geteuid() != 0,
+                                reason="leaving SCHED_IDLE needs root or CAP_SYS_NICE (Linux)")
+
+
+@_ROOT_ONLY
+def test_a_spare_imports_at_idle_priority_and_leaves_no_thread_there() -> None:
+    ran_idle, during, before, after, pool = _probe(0.3, None)
     assert (ran_idle, during) == ("True", str(os.SCHED_IDLE))
     assert before == after == str(os.SCHED_OTHER)  # the thread that runs the script never changes
+    assert pool == str(os.SCHED_OTHER)  # a thread a library started while importing is put back
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or os.geteuid() != 0,
-                    reason="putting a thread back from SCHED_IDLE needs root or CAP_SYS_NICE")
+@_ROOT_ONLY
 def test_a_spare_assigned_before_its_imports_end_finishes_them_at_the_normal_priority() -> None:
-    ran_idle, during, before, after = _probe(2.0, b'{"env": {}}')  # an assignment waits on its input
-    assert (ran_idle, during) == ("True", str(os.SCHED_OTHER))
+    ran_idle, during, before, after, pool = _probe(2.0, b'{"env": {}}')  # an assignment waits on its input
+    assert (ran_idle, during, pool) == ("True", str(os.SCHED_OTHER), str(os.SCHED_OTHER))
     assert before == after == str(os.SCHED_OTHER)
+
+
+def test_a_spare_that_could_not_leave_idle_priority_imports_at_the_normal_one(monkeypatch) -> None:
+    import ftrun.spare as spare
+
+    seen = []
+    monkeypatch.setattr(spare, "_can_leave_idle", lambda _policy: False)
+    monkeypatch.setattr(spare, "_import_libraries", lambda: seen.append(os.sched_getscheduler(0)))
+    assert spare.import_at_idle_priority() is False
+    assert seen == [os.sched_getscheduler(0)]  # on this thread, at its own priority
