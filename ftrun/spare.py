@@ -212,17 +212,15 @@ def import_at_idle_priority(poll_s: float = 0.05) -> bool:
 
     helper = threading.Thread(target=run, name="ftrun-spare-import", daemon=True)
     helper.start()
-    watching = True
     while helper.is_alive():
         helper.join(poll_s)
-        if watching and helper.is_alive():
-            try:
-                readable = select.select([sys.stdin], [], [], 0)[0]
-            except (OSError, ValueError):  # no standard input to watch
-                readable = []
-            if readable:  # assigned (or no longer needed): finish at the normal priority
-                _leave_idle(idle_policy, main_tid)
-                watching = False
+        try:
+            readable = select.select([sys.stdin], [], [], 0)[0]
+        except (OSError, ValueError):  # no standard input to watch
+            readable = []
+        if readable and helper.is_alive():  # assigned (or no longer needed): finish at the normal priority
+            _leave_idle(idle_policy, main_tid)
+            helper.join()
     _leave_idle(idle_policy, main_tid)
     if failure:
         raise failure[0]
@@ -233,19 +231,14 @@ def main() -> None:
     if "--hot" in sys.argv[1:]:
         # A hot spare is there to be past its set-up before the next fault (the user asked for
         # one): on a node whose ranks keep every core busy, an idle-priority import could wait
-        # until that fault. A warm spare's import is promoted with its assignment.
+        # until that fault. So it imports at the normal priority, then runs the script now,
+        # without a rank; ftrun.init() gives it none until take_assignment() returns (called by
+        # the worker library at the training loop, or when the script first asks for its rank).
         _import_libraries()
-    else:
-        import_at_idle_priority()
-    if "--hot" in sys.argv[1:]:
-        # A hot spare: the script runs now, without a rank; ftrun.init() gives it none until
-        # take_assignment() returns (called by the worker library at the training loop, or when
-        # the script first asks for its rank).
         job = json.loads(os.environ[SPARE_JOB])
-        os.chdir(job["cwd"])
-        run_script([str(a) for a in job["argv"]], bool(job["module"]))
-        return
-    job = take_assignment(hot=False)
+    else:
+        import_at_idle_priority()  # a warm spare's imports are promoted with its assignment
+        job = take_assignment(hot=False)
     os.chdir(job["cwd"])
     run_script([str(a) for a in job["argv"]], bool(job["module"]))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import digits_job as dj
@@ -99,7 +100,7 @@ print(ran_idle, seen[0], before, os.sched_getscheduler(0), os.sched_getscheduler
 
 
 def _probe(sleep_s: float, stdin: bytes | None) -> list[str]:
-    proc = subprocess.Popen([os.sys.executable, "-c", _PRIORITY_PROBE, str(sleep_s)], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", _PRIORITY_PROBE, str(sleep_s)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=False)
     if stdin is not None:
         proc.stdin.write(stdin)
