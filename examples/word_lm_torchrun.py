@@ -40,7 +40,7 @@ parser.add_argument("--seed", type=int, default=1111)
 parser.add_argument("--log-interval", type=int, default=4, metavar="N")
 parser.add_argument("--eval-pause", type=float, default=0.0, help="extra seconds each evaluation takes")
 parser.add_argument("--train-lines", type=int, default=200, help="sentences of generated training text")
-parser.add_argument("--step-times", action="store_true", help="rank 0 prints 'step N loss L time T' after every step (scripts/bench.py)")
+parser.add_argument("--step-times", action="store_true", help="rank 0 prints 'step N loss L time T cpu C' after every step (T: wall clock, C: this thread's CPU time, s; scripts/bench.py)")
 args = parser.parse_args()
 
 if "OMP_NUM_THREADS" not in os.environ:
@@ -87,7 +87,7 @@ def train(epoch):
         optimizer.step()
         total_loss += loss.item()
         if rank == 0 and args.step_times:
-            print(f"step {step} loss {loss.item():.4f} time {time.time():.6f}", flush=True)
+            print(f"step {step} loss {loss.item():.4f} time {time.time():.6f} cpu {time.thread_time():.6f}", flush=True)
         if rank == 0 and batch % args.log_interval == 0 and batch > 0:
             cur_loss = total_loss / args.log_interval
             elapsed = time.time() - start_time

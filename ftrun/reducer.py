@@ -461,7 +461,7 @@ class GradientReducer:
         if average:
             flat.div_(self.world_size)
         try:
-            return dist.all_reduce(flat, async_op=True)
+            return start_all_reduce(flat)
         except Exception as err:  # the group is already broken
             self.error = describe(err)
             return None
@@ -540,6 +540,28 @@ class GradientReducer:
             yield
         finally:
             self.sync = previous
+
+
+def start_all_reduce(tensor: torch.Tensor) -> Any:
+    """Start a summing all-reduce of ``tensor``, in place, on the default group; returns its
+    ``Work``. What ``dist.all_reduce(tensor, async_op=True)`` does for a dense tensor outside a
+    coalescing context, without that function's Python wrapper (its logging decorators, checks and
+    options object cost a rank about as much CPU as the collective's own launch: issue 27, a
+    bucket a backward). Anything else (a complex or sparse tensor, no default group, a coalescing
+    context, a torch function mode) takes ``dist.all_reduce`` itself.
+
+    Raises:
+        RuntimeError: the backend failed to start it (a broken group)."""
+    group = dist.group.WORLD
+    if (group is None or tensor.is_complex() or tensor.layout != torch.strided or torch.overrides.has_torch_function((tensor,))
+            or group in dist.distributed_c10d._world.pg_coalesce_state):
+        return dist.all_reduce(tensor, async_op=True)
+    return group.allreduce([tensor], _ASYNC_SUM)
+
+
+_ASYNC_SUM = dist.AllreduceOptions()
+_ASYNC_SUM.reduceOp = dist.ReduceOp.SUM
+_ASYNC_SUM.asyncOp = True
 
 
 # ---------------------------------------------------------------------------- without hooks

@@ -216,7 +216,7 @@ class RNGState:
             "random": words,
             "random_gauss": gauss,
         }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():  # CUDA in use (it cannot be without being available); the cheaper test first
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
 

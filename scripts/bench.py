@@ -90,6 +90,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"step (\d+) loss \S+ time (\d+\.\d+)")
+CPU = re.compile(r"step (\d+) loss \S+ time \d+\.\d+ cpu (\d+\.\d+)")  # word_lm: rank 0's training thread, CPU s
 FINAL = re.compile(r"final step=(\d+) loss=\S+ test_accuracy=(\S+) params_sha256=([0-9a-f]{64})")
 STATE_MB = re.compile(r"state_mb=(\S+)")
 LAUNCHERS = ("ftrun", "torchrun")
@@ -166,6 +167,7 @@ class Run:
     exit_codes: list[int] = field(default_factory=list)  # multinode: each node's launcher
     pids: dict[str, Any] = field(default_factory=dict)  # nodeloss: rank pids before the kill and after recovery
     first_epoch_s: float | None = None  # wordlm: the median step of the first epoch (step_s leaves it out)
+    cpu_s: float | None = None  # wordlm: the median CPU time of rank 0's training thread a step, after the first epoch
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -333,6 +335,7 @@ def _run_in(launcher: str, case: Case, workdir: Path, timeout: float) -> Run:
     proc = subprocess.Popen(cmd, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     lines: list[tuple[int, float]] = []
+    cpu_lines: list[tuple[int, float]] = []  # (step, rank 0's training-thread CPU time, s) where printed
     tail: list[str] = []
     kill: dict[str, float] = {}
 
@@ -346,6 +349,9 @@ def _run_in(launcher: str, case: Case, workdir: Path, timeout: float) -> Run:
                 continue
             step, stamp = int(match.group(1)), float(match.group(2))
             lines.append((step, stamp))
+            cpu = CPU.search(line)
+            if cpu:
+                cpu_lines.append((step, float(cpu.group(2))))
             if case.kill_step is not None and step >= case.kill_step and "time" not in kill and (
                     step == case.kill_step or (case.hot and not case.early)) and (
                     launcher != "ftrun" or not case.hot or case.early or hot_ready(workdir)):
@@ -382,6 +388,7 @@ def _run_in(launcher: str, case: Case, workdir: Path, timeout: float) -> Run:
         per_epoch = (max(s for s, _ in lines) + 1) // case.steps
         run.step_s = steady_step_time(lines, warmup=per_epoch)
         run.first_epoch_s = steady_step_time([x for x in lines if x[0] < per_epoch])
+        run.cpu_s = steady_step_time(cpu_lines, warmup=per_epoch)
         return run
     if case.kill_step is None:
         run.step_s = steady_step_time(lines)
@@ -1143,16 +1150,21 @@ def nodeloss_pid_notes(runs: list[dict[str, Any]]) -> list[str]:
 def overhead_table(runs: list[dict[str, Any]]) -> list[str]:
     """Fault-free step time of ftrun against plain torchrun DDP, ratio pair by pair."""
     out = [f"{'case':<18} {'ftrun_ms':>8} {'torchrun_ms':>11} {'spread_ft':>9} {'spread_tr':>9} {'overhead':>8}"
-           f" {'first_epoch':>11}"]
+           f" {'first_epoch':>11} {'cpu_ft_ms':>9} {'cpu_tr_ms':>9} {'cpu_extra':>9}"]
     for key, group in _groups(runs).items():
         ft, tr = [r["step_s"] for r in group["ftrun"]], [r["step_s"] for r in group["torchrun"]]
         ratio = _pair_ratio(group, "step_s", "ftrun", "torchrun")
         first = _pair_ratio(group, "first_epoch_s", "ftrun", "torchrun") if all(
             r.get("first_epoch_s") for rows in group.values() for r in rows) else None
+        cpu = all(r.get("cpu_s") for rows in group.values() for r in rows)
+        cpu_ft, cpu_tr = (_med([r["cpu_s"] for r in group[k]]) if cpu else None for k in ("ftrun", "torchrun"))
+        cpu_ratio = _pair_ratio(group, "cpu_s", "ftrun", "torchrun") if cpu else None
         out.append(f"{_label(key):<18} {_fmt((_med(ft) or 0) * 1e3, 2):>8} {_fmt((_med(tr) or 0) * 1e3, 2):>11} "
                    f"{_fmt((_spread(ft) or 0) * 1e3, 2):>9} {_fmt((_spread(tr) or 0) * 1e3, 2):>9} "
                    f"{_fmt((ratio - 1) * 100 if ratio else None, 1) + '%':>8}"
-                   f" {(_fmt((first - 1) * 100, 1) + '%') if first else '-':>11}")
+                   f" {(_fmt((first - 1) * 100, 1) + '%') if first else '-':>11}"
+                   f" {_fmt(cpu_ft * 1e3, 2) if cpu_ft else '-':>9} {_fmt(cpu_tr * 1e3, 2) if cpu_tr else '-':>9}"
+                   f" {(_fmt((cpu_ratio - 1) * 100, 1) + '%') if cpu_ratio else '-':>9}")
     return out
 
 
@@ -1222,7 +1234,8 @@ def report(results: dict[str, Any]) -> str:
     if "overhead-real" in parts:
         lines += ["", "== overhead-real: fault-free step time of examples/word_lm.py (4 ranks) against its plain-DDP "
                       "twin under torchrun (pairwise median; steady state after the first epoch, the first epoch's "
-                      "own pairwise overhead in first_epoch)"]
+                      "own pairwise overhead in first_epoch; cpu_*: rank 0's training thread, CPU ms a step, and "
+                      "ftrun's extra, pairwise)"]
         lines += overhead_table(parts["overhead-real"])
     if results.get("transfer"):
         lines += ["", "== transfer: ftrun.transfer between two otherwise idle processes over gloo, no training "
