@@ -147,6 +147,33 @@ def test_a_broken_gloo_group_is_retired_and_a_clean_one_destroyed():
         assert group_mod.retired_groups - before == retired
 
 
+def test_a_bucket_all_reduce_started_directly_is_dist_all_reduce():
+    """Issue 27: the reducer starts a bucket's all-reduce on the default group without
+    ``dist.all_reduce``'s wrapper; it must give the same result in place (a complex tensor takes
+    ``dist.all_reduce`` itself), and fail like it between generations (the placeholder group)."""
+    import torch
+    import torch.distributed as dist
+
+    from ftrun.group import GroupDown, TrainingGroup
+    from ftrun.reducer import start_all_reduce
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = TrainingGroup("gloo", world_size=4, pg_timeout=30, cluster_timeout=30)
+    group.bind(rank=1, incarnation=0, attempt=0, managed=True)
+    try:
+        for tensor in (torch.arange(5.0), torch.ones(3, dtype=torch.complex64), torch.arange(6).reshape(2, 3)[:, 1]):
+            expected = tensor.clone()
+            dist.all_reduce(expected)
+            start_all_reduce(tensor).wait()
+            assert torch.equal(tensor, expected)
+        group.drop(generation=1, broken=True)  # the placeholder stands in
+        with pytest.raises(GroupDown, match="process group is down"):
+            start_all_reduce(torch.ones(2))
+    finally:
+        group.drop(generation=1, broken=False)
+    assert not dist.is_initialized()
+
+
 def test_between_generations_the_default_group_knows_its_rank_and_fails_collectives():
     """Issue 11 item 6: while a rank has no live group, a placeholder default group answers
     get_rank()/get_world_size() and fails every collective at once; a broken drop keeps it, a
