@@ -217,3 +217,21 @@ def test_a_rank_record_keeps_every_value_and_type_bit_for_bit() -> None:
         assert blob == to_bytes(other) and _same(from_record(blob), from_bytes(blob))
     with pytest.raises(TypeError, match="at state"):
         to_record({"bad": object()})
+
+
+def test_a_record_takes_the_common_tensor_by_a_short_path_with_the_same_bytes() -> None:
+    """Issue 27: a contiguous CPU tensor of a dtype numpy can view, with no gradient, is recorded
+    with a third of the calls (a record is made twice a step); its bytes must be those of the
+    general path, which a strided view or a tensor that requires grad takes."""
+    from ftrun.codec import from_record, to_record
+
+    for dtype in (torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64,
+                  torch.uint8, torch.bool):
+        for shape in ((2, 3), (0, 4), ()):
+            t = (torch.randn(shape) * 50).to(dtype)
+            strided = torch.stack([t, t], dim=-1)[..., 0]  # not contiguous (for a 0-d tensor: the tensor itself)
+            assert to_record({"t": t}) == to_record({"t": strided}), (dtype, shape)
+            if dtype.is_floating_point:
+                assert to_record({"t": t}) == to_record({"t": t.clone().requires_grad_()}), (dtype, shape)
+            back = from_record(to_record({"t": t}))["t"]
+            assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
