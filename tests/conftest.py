@@ -273,6 +273,7 @@ def _order(item: pytest.Item) -> tuple[int, int]:
     return (1 if item.get_closest_marker("integration") is not None else 2), 0
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Multi-process tests get one rerun (see :data:`RERUNS`): they run real ranks on a busy 2-core
     machine, where a rare interleaving the suite has not met before must not sink the whole run

@@ -170,3 +170,34 @@ def test_readme_options_table_names_every_option_and_only_real_flags() -> None:
     flags = {flag for param in typer.main.get_command(app).params for flag in param.opts}
     assert named <= flags, sorted(named - flags)
     assert [opt.name for opt in OPTIONS if f"--{opt.name}" not in named] == []
+
+
+def test_the_suites_serial_groups_reach_pytest_xdist(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The files of ``conftest.SERIAL_GROUPS`` must run on one worker under ``--dist loadgroup``
+    (the Slurm cluster is one per machine; a costly module fixture is made once per worker). xdist
+    groups by a suffix it adds to each test's node id; pytest 9.2 stopped reading the attribute
+    xdist 3.8 writes (the groups silently stopped grouping: scripts/constraints.txt pins pytest
+    below it), and the conftest's markers must be there before xdist's hook reads them."""
+    import shutil
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    shutil.copy(here / "conftest.py", tmp_path / "conftest.py")
+    probe = ("import os, pathlib\n"
+             "def _note(request, name):\n"
+             "    pathlib.Path(os.environ['PROBE_OUT'], name).write_text("
+             "request.node.nodeid + ' ' + os.environ.get('PYTEST_XDIST_WORKER', '-'))\n")
+    for module in ("test_slurm", "test_other"):
+        (tmp_path / f"{module}.py").write_text(probe + "".join(
+            f"def test_{i}(request):\n    _note(request, '{module}_{i}')\n" for i in range(4)))
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider"],
+                          cwd=tmp_path, env={**__import__("os").environ, "PROBE_OUT": str(out)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    seen = {p.name: p.read_text().split() for p in out.iterdir()}
+    slurm = [seen[f"test_slurm_{i}"] for i in range(4)]
+    assert all(nodeid.endswith("@slurm") for nodeid, _ in slurm), slurm
+    assert len({worker for _, worker in slurm}) == 1, slurm
+    assert not any(nodeid.endswith("@slurm") for nodeid, _ in (seen[f"test_other_{i}"] for i in range(4)))
