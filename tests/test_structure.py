@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -172,14 +173,14 @@ def test_readme_options_table_names_every_option_and_only_real_flags() -> None:
     assert [opt.name for opt in OPTIONS if f"--{opt.name}" not in named] == []
 
 
-def test_the_suites_serial_groups_reach_pytest_xdist(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_suites_serial_groups_reach_pytest_xdist(tmp_path: Path) -> None:
     """The files of ``conftest.SERIAL_GROUPS`` must run on one worker under ``--dist loadgroup``
     (the Slurm cluster is one per machine; a costly module fixture is made once per worker). xdist
     groups by a suffix it adds to each test's node id; pytest 9.2 stopped reading the attribute
     xdist 3.8 writes (the groups silently stopped grouping: scripts/constraints.txt pins pytest
     below it), and the conftest's markers must be there before xdist's hook reads them."""
+    import os
     import shutil
-    from pathlib import Path
 
     here = Path(__file__).parent
     shutil.copy(here / "conftest.py", tmp_path / "conftest.py")
@@ -193,7 +194,7 @@ def test_the_suites_serial_groups_reach_pytest_xdist(tmp_path) -> None:  # type:
     out = tmp_path / "out"
     out.mkdir()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider"],
-                          cwd=tmp_path, env={**__import__("os").environ, "PROBE_OUT": str(out)},
+                          cwd=tmp_path, env={**os.environ, "PROBE_OUT": str(out)},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     seen = {p.name: p.read_text().split() for p in out.iterdir()}
