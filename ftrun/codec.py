@@ -343,8 +343,9 @@ def to_bytes(state: Any) -> bytes:
     else:
         return msgpack.packb({"skeleton": skeleton, "data": data}, use_bin_type=True)
     skeleton, tensors = flatten(state)
-    data = [t.detach().cpu().contiguous().reshape(-1).view(__import__("torch").uint8).numpy().tobytes() if t.numel() else b""
-            for t in tensors]
+    # A lazy negation or conjugation (torch._neg_view, .conj()) is applied first: the bytes are the values'.
+    data = [t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1).view(__import__("torch").uint8).numpy().tobytes()
+            if t.numel() else b"" for t in tensors]
     return msgpack.packb({"skeleton": skeleton, "data": data}, use_bin_type=True)
 
 

@@ -32,7 +32,7 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def tensor_sums(t: torch.Tensor) -> torch.Tensor:
     """``[sum, sum of squares]`` (int64, wrapping) of the bit patterns of ``t``'s elements."""
-    flat = t.detach().reshape(-1)
+    flat = t.detach().resolve_conj().resolve_neg().reshape(-1)  # the values, not a lazy view's base
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     bits = flat.view(_INT_OF_SIZE[flat.element_size()]).to(torch.int64)
@@ -63,7 +63,7 @@ class Fingerprint:
         if self._describe:
             self._h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
         if t.device.type == "cpu":
-            flat = t.detach().contiguous().reshape(-1)
+            flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
             if flat.numel():
                 if flat.is_complex():
                     flat = torch.view_as_real(flat).reshape(-1)

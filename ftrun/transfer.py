@@ -51,7 +51,7 @@ def state_bytes(state: Any) -> int:
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
+    t = t.detach().resolve_conj().resolve_neg()  # a lazy negation or conjugation applied: the values' bytes
     if t.dim() == 0:
         t = t.reshape(1)
     return t.contiguous().view(-1).view(torch.uint8)
@@ -139,6 +139,7 @@ def recv_state(src: int, current: Any, group: Any = None, device: Any = "cpu") -
             and mine.dtype == dtype
             and list(mine.shape) == ref["shape"]
             and mine.is_contiguous()
+            and not (mine.is_neg() or mine.is_conj())  # a lazy view's bytes are not its values: a new tensor
             and mine.device == device
         ):
             targets.append(mine.detach())

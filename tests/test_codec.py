@@ -235,3 +235,30 @@ def test_a_record_takes_the_common_tensor_by_a_short_path_with_the_same_bytes() 
                 assert to_record({"t": t}) == to_record({"t": t.clone().requires_grad_()}), (dtype, shape)
             back = from_record(to_record({"t": t}))["t"]
             assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+def test_a_lazily_negated_or_conjugated_tensor_is_kept_as_its_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor with the negative or conjugate bit (``torch._neg_view``, ``.conj()`` of a complex
+    one) is a lazy view: its memory holds the base's values. A record, a byte form, a fingerprint
+    and a transfer keep its values (they raised a RuntimeError from ``view(torch.uint8)``), and a
+    transfer never receives into such a tensor's memory (the values would come out negated)."""
+    import torch.distributed as dist
+
+    from ftrun.digest import fingerprint
+    from ftrun.transfer import recv_state, send_state
+
+    base, complex_base = torch.tensor([1.5, -2.0, 0.0]), torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
+    lazy = {"neg": torch._neg_view(base), "conj": complex_base.conj()}
+    values = {"neg": torch.tensor([-1.5, 2.0, -0.0]), "conj": torch.tensor([1 - 2j, 3 + 1j], dtype=torch.complex64)}
+    for back in (codec.from_record(codec.to_record({"x": lazy}))["x"], codec.from_bytes(codec.to_bytes(lazy))):
+        assert all(_same(back[k], values[k]) for k in values), back
+    assert fingerprint(list(lazy.values())) == fingerprint(list(values.values()))
+
+    wire: list[torch.Tensor] = []
+    monkeypatch.setattr(dist, "send", lambda t, dst, group=None: wire.append(t.clone()))
+    monkeypatch.setattr(dist, "recv", lambda t, src, group=None: t.copy_(wire.pop(0)))
+    send_state(lazy, dst=1)
+    current = {"neg": torch._neg_view(torch.zeros(3)), "conj": torch.zeros(2, dtype=torch.complex64).conj()}
+    received, _ = recv_state(0, current)
+    assert all(_same(received[k], values[k]) for k in values), received
+    assert not wire
