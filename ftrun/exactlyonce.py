@@ -106,7 +106,9 @@ class ExactlyOnceChecks:
         committed = self.progress.committed
         own = self.registry.snapshot_step_start(committed, encode_rank=keep)
         if keep and own is not None:
-            self.rank_states.put_encoded(committed, own, mid_pass=mid_pass, gradient=self._gradient_of(committed))
+            # No gradient fingerprint: the step's own write keeps it (record_gradient), and a
+            # record equal to the provisional one, flag aside, is then not written again.
+            self.rank_states.put_encoded(committed, own, mid_pass=mid_pass)
 
     def _gradient_of(self, step: int) -> str | None:
         """The fingerprint of this rank's local gradient of ``step``, if it computed one: every
@@ -114,21 +116,36 @@ class ExactlyOnceChecks:
         return self.local_gradient[1] if self.local_gradient is not None and self.local_gradient[0] == step else None
 
     def record_provisional(self) -> None:
-        """At the step's all-reduce, before its last bucket leaves (no peer can commit the step
-        before that bucket arrives): write the rank state after its batch and backward, labelled
-        with the step (what a respawned rank needs if its peers commit the step and this rank dies
-        before its next step start), with the local gradient's fingerprint when
-        :meth:`check_local_gradient` has it: one write to the job's store a step.
+        """When the step's synced backward starts (its first gradient is ready; before any bucket
+        leaves, and no peer can commit the step before this rank's last bucket arrives): write
+        the rank state after its batch and forward, labelled with the step (what a respawned rank
+        needs if its peers commit the step and this rank dies before its next step start): one
+        write to the job's store. The backward changes no rank state, so this is the state at the
+        all-reduce too; the local gradient's fingerprint follows in its own write once the last
+        bucket has left (:meth:`record_gradient`). Also called by the optimizer wrapper's
+        all-reduce of a model not given to ``wrap_model``, before its gradients leave.
 
         Raises:
             TypeError: a rank state the codec refuses (naming its place)."""
         step = self.progress.current_step
         if step is None:
             return
-        gradient = self._gradient_of(step)
         if self.progress.committed == step - 1 and self.keeps_rank_records():
-            self.rank_states.put(step, self.registry.state_dict(only=("rank",)), provisional=True, gradient=gradient)
-        elif gradient is not None and self.keeps_rank_records(gradient=True):
+            self.rank_states.put(step, self.registry.state_dict(only=("rank",)), provisional=True)
+
+    def record_gradient(self) -> None:
+        """Right after the step's last bucket left, while its all-reduce runs (a moment this rank
+        waits anyway): write the fingerprint of the step's local gradient, which
+        :meth:`check_local_gradient` has just kept, for a successor that computes the step again
+        (its peers did not commit it). Issue 27: carried by the provisional record before, it
+        made every rank wait for that record at the step's most expensive moment. A rank killed
+        between its last bucket and this write leaves no fingerprint of the step: its successor's
+        recomputation is then not checked (nothing is reported), never wrongly flagged."""
+        step = self.progress.current_step
+        if step is None:
+            return
+        gradient = self._gradient_of(step)
+        if gradient is not None and self.keeps_rank_records(gradient=True):
             self.rank_states.put_gradient_digest(step, gradient)  # a failed write is reported there, once
 
     def record_epoch_boundary(self) -> None:
@@ -169,7 +186,7 @@ class ExactlyOnceChecks:
     def check_local_gradient(self, digest: str) -> bool:
         """At each synced backward, before its last bucket leaves (:class:`ftrun.reducer.GradientReducer`):
         keep the fingerprint of the local gradient of the step (in memory, and in the job's store
-        with the provisional record, :meth:`record_provisional`, for a respawned successor) and,
+        once the last bucket has left, :meth:`record_gradient`, for a respawned successor) and,
         if the step was computed before, compare. A difference means state outside what ftrun
         restores; it is reported (a ``divergence`` event). Returns
         False only under ``--on_divergence fail``: the step is then held back (never

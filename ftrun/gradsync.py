@@ -104,7 +104,8 @@ class GradientSync:
             on_local_gradient=self.checks.check_local_gradient if check_gradients else None,
             hold_for_check=self.checks.holds_for_check,
             layout=layout,
-            before_last_bucket=self.checks.record_provisional,
+            at_pass_start=self.checks.record_provisional,
+            after_last_bucket=self.checks.record_gradient,
         )
         self.reducers.append(reducer)
         if not ddp:

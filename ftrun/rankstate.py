@@ -6,10 +6,14 @@ job's c10d TCPStore (the one at ``MASTER_ADDR:MASTER_PORT``, hosted by the launc
 every rank), labelled with the committed step they belong to:
 
 - at each step start, the state before the step (label: the step before, committed);
-- provisionally when the step's gradient all-reduce starts, the state after its batch and its
-  forward/backward (label: the step itself). If peers commit that step and this rank dies before
-  its next step start, the recovery step is that step, and this is its state; the next step
-  start's record replaces it.
+- provisionally when the step's synced backward starts, before any of its gradients leaves, the
+  state after its batch and its forward (label: the step itself; the backward changes no rank
+  state). If peers commit that step and this rank dies before its next step start, the recovery
+  step is that step, and this is its state; the next step start's record replaces it (only when
+  it differs: most steps write one record).
+
+The fingerprint of the step's local gradient is written apart (:meth:`RankStateStore.put_gradient_digest`),
+right after the step's last bucket left, while its all-reduce runs.
 
 Two slots per rank (label parity), so the record of the recovery step S and the one of S + 1
 never overwrite each other. A respawned rank reads the slot of S and checks its label.
@@ -117,9 +121,10 @@ class RankStateStore:
         step (:meth:`ftrun.epochs.EpochLoop.epochs`). The common case: a step's end changes none of
         the rank's own state, so most steps write one record, not two.
 
-        ``gradient``: the fingerprint of the rank's local gradient of step ``label``, when it
-        computed one (:meth:`get_gradient_digest` reads it): the provisional record carries it,
-        so a step costs one write, and so does any later record of the same label."""
+        ``gradient``: the fingerprint of the rank's local gradient of step ``label``, when the
+        record is made after it was computed (an epoch boundary's; :meth:`get_gradient_digest`
+        reads it there first). A step's own fingerprint is written apart, once its last bucket
+        has left (:meth:`put_gradient_digest`)."""
         last, self._provisional = self._provisional, (label, blob, gradient) if provisional else None
         if mid_pass and not provisional and not epoch_boundary and last is not None and last == (label, blob, gradient):
             self._provisional = last  # the store still holds it
@@ -140,8 +145,8 @@ class RankStateStore:
         return RankRecord(label, codec.from_record(doc["state"]), bool(doc["provisional"]), bool(doc["epoch_boundary"]))
 
     def put_gradient_digest(self, step: int, digest: str) -> None:
-        """Record the digest of this rank's local gradient (before averaging) of ``step`` alone,
-        when no record of its state is kept (:meth:`put_encoded` carries it otherwise): the bytes
+        """Record the digest of this rank's local gradient (before averaging) of ``step`` alone
+        (written once the step's last bucket has left, while its all-reduce runs): the bytes
         of :func:`ftrun.codec.to_bytes` of ``{"step": step, "digest": digest}``, packed directly
         (a fixed shape)."""
         doc = {"skeleton": {"__d": [["step", int(step)], ["digest", str(digest)]]}, "data": []}

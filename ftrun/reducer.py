@@ -153,7 +153,7 @@ class GradientReducer:
             point there); an exception it raises is handled by ``on_hook_error``.
         is_failed: whether the step has already failed (nothing more is communicated).
         on_hook_error: called with an exception raised by ``before_first_bucket`` or
-            ``before_last_bucket``; returns True if it was recorded (a recoverable error), False to
+            ``at_pass_start`` or ``after_last_bucket``; returns True if it was recorded (a recoverable error), False to
             let it propagate out of ``backward()``.
         on_failure: called at the end of a backward whose all-reduce failed, with the error.
         is_first_step: whether the current step is the job's first (DDP's one-bucket iteration);
@@ -165,9 +165,15 @@ class GradientReducer:
             of each bucket's flat tensor as it leaves, in the layout's order); returns False to
             fail the step instead (see ``hold_for_check``). The worker keeps and compares it
             (exactly-once check, issue 20).
-        before_last_bucket: called on the training thread right before a backward's last bucket
-            leaves, after ``on_local_gradient``: the worker writes the rank's provisional record
-            there, with the fingerprint (no peer can commit the step before that bucket arrives).
+        at_pass_start: called on the training thread when a synced backward's first gradient is
+            ready, before any bucket leaves: the worker writes the rank's provisional record there
+            (no peer can commit the step before this rank's last bucket arrives). Issue 27: made
+            right before the last bucket instead, the same record cost a small step 4 to 7% of its
+            time against 2 to 4% here (``scripts/ablate_steps.py``): there every rank waits for it.
+        after_last_bucket: called on the training thread right after a backward's last bucket was
+            launched, while the all-reduce runs: the worker writes the local gradient's
+            fingerprint (``on_local_gradient`` has it by then) for a successor that recomputes
+            the step.
         hold_for_check: whether this pass must not communicate before ``on_local_gradient`` has
             seen the fingerprint (a recomputed step under ``--on_divergence fail``): every bucket
             is then launched at the end of backward, after the check.
@@ -192,7 +198,8 @@ class GradientReducer:
         on_local_gradient: Callable[[str], bool] | None = None,
         hold_for_check: Callable[[], bool] = lambda: False,
         layout: BucketLayout = BucketLayout(),
-        before_last_bucket: Callable[[], None] = lambda: None,
+        at_pass_start: Callable[[], None] = lambda: None,
+        after_last_bucket: Callable[[], None] = lambda: None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.layout = layout
@@ -200,7 +207,8 @@ class GradientReducer:
         self._used: set[int] = set()  # parameters with a gradient since the last synced backward
         self.world_size = world_size
         self._before_first_bucket = before_first_bucket
-        self._before_last_bucket = before_last_bucket
+        self._at_pass_start = at_pass_start
+        self._after_last_bucket = after_last_bucket
         self._is_failed = is_failed
         self._on_hook_error = on_hook_error
         self._on_failure = on_failure
@@ -225,6 +233,9 @@ class GradientReducer:
         self._bucket_of: dict[int, int] = {}  # parameter index -> its bucket in _bucket_of_layout
         self._bucket_of_layout: list[list[int]] | None = None
         self._views = False  # whether .grad may be DDP's bucket views (attach(after_ddp=True))
+        # id of a bucket's first .grad -> (its .grad tensors, their flat view, their data_ptr, the
+        # first's parameter) when they were found end to end (:meth:`_bucket_view`)
+        self._views_seen: dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor, tuple[int, ...], int]] = {}
         self._reset_pass()
 
     # ---------------------------------------------------------------- plain-model path
@@ -316,7 +327,7 @@ class GradientReducer:
         bucket views under ``wrap_model(ddp=True)``), a view of them, reduced in place as DDP
         does; else a new copy (zeros for a parameter without a gradient)."""
         grads = [self.params[j].grad for j in bucket]
-        view = self._bucket_view(grads)
+        view = self._bucket_view(grads, bucket[0])
         if view is not None:
             return view, True
         if len(bucket) == 1:
@@ -327,29 +338,41 @@ class GradientReducer:
             for j, g in zip(bucket, grads)
         ]), False
 
-    def _bucket_view(self, grads: list[torch.Tensor | None]) -> torch.Tensor | None:
+    def _bucket_view(self, grads: list[torch.Tensor | None], first_index: int) -> torch.Tensor | None:
         """One flat view of ``grads`` if they lie end to end in one storage, in order; else None.
         Only for DDP's bucket views (a plain model's gradients are separate tensors: a bucket of
         one would gain little); not with ``find_unused_parameters`` (a gradient no rank produced
         must stay untouched), nor while an all-reduce of an earlier pass may still write into them
-        (:meth:`settle`)."""
+        (:meth:`settle`). ``first_index``: the first gradient's parameter."""
         if not self._views or self.layout.find_unused_parameters or self._unsettled:
             return None
         first = grads[0]
         if first is None:
             return None
+        # The same .grad tensors as a pass before (DDP's views: the same objects every step, this
+        # cache holding them; new ones after DDP rebuilds its buckets), each still at the same
+        # address: the same view, with 1 call a gradient instead of 7, at the moment the step
+        # waits for most (between its last gradient and its all-reduce).
+        known = self._views_seen.get(id(first))
+        if (known is not None and len(known[0]) == len(grads)
+                and all(g is k and g.data_ptr() == at for g, k, at in zip(grads, known[0], known[2]))):
+            return known[1]
         storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
         for g in grads:
             if (g is None or not g.is_contiguous() or g.dtype != first.dtype or g.device != first.device
                     or g.untyped_storage().data_ptr() != storage or g.storage_offset() != offset):
                 return None
             offset += g.numel()
-        return first.as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())
+        view = first.as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())
+        # Forget the views of buckets DDP has replaced (they would keep its old buckets' memory).
+        self._views_seen = {k: v for k, v in self._views_seen.items() if self.params[v[3]].grad is v[0][0]}
+        self._views_seen[id(first)] = (tuple(grads), view, tuple(g.data_ptr() for g in grads), first_index)
+        return view
 
     def _launch_bucket(self, bucket: list[int], flat: tuple[torch.Tensor, bool] | None = None) -> None:
         """Flatten ``bucket`` (unless ``flat`` is given: the held pass flattened it already), add
         it to the local gradient's fingerprint, and start its all-reduce; before the pass's last
-        bucket, hand the fingerprint on and call ``before_last_bucket``."""
+        bucket, hand the fingerprint on, and call ``after_last_bucket`` once it has left."""
         self._start_collectives()
         if flat is None:
             flat, in_place = self._flatten(bucket)
@@ -357,10 +380,12 @@ class GradientReducer:
                 self._fingerprint.update(flat)  # before launch() divides it in place
         else:
             flat, in_place = flat
-        if self._buckets and bucket is self._buckets[-1]:
+        last = bool(self._buckets) and bucket is self._buckets[-1]
+        if last:
             self._check_local_gradient()
-            self._guarded(self._before_last_bucket)
         self._pending.append((bucket, flat, self.launch(flat), in_place))
+        if last:
+            self._guarded(self._after_last_bucket)
 
     def _check_local_gradient(self) -> None:
         """Hand the pass's local-gradient fingerprint to ``on_local_gradient``, once."""
@@ -439,6 +464,7 @@ class GradientReducer:
         self._callback_queued = True
         self.error = None
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._guarded(self._at_pass_start)
 
     def _end_of_backward(self) -> None:
         self._finish_pass()

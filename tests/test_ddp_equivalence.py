@@ -125,9 +125,10 @@ def test_the_local_gradient_fingerprint_is_the_same_however_the_pass_launches_it
     (issue 27: no per-tensor pass over ``.grad`` after backward). The same gradients must give the
     same fingerprint whether the buckets leave during backward (a running rank), all at its end
     (a respawned rank's first pass, which learns the layout from it), or only after the check (a
-    recomputed step held under ``--on_divergence fail``); other gradients another one. The check
-    and the provisional record (``before_last_bucket``) come before the last bucket leaves: no peer
-    can commit the step without it, and the record carries the fingerprint (one write a step)."""
+    recomputed step held under ``--on_divergence fail``); other gradients another one. The
+    provisional record (``at_pass_start``) comes at the pass's first gradient, before anything
+    leaves (no peer can commit the step without it); the check before the last bucket leaves, and
+    the fingerprint's write (``after_last_bucket``) right after it left, while the all-reduce runs."""
     import threading
 
     from ftrun.reducer import BucketLayout, GradientReducer
@@ -148,7 +149,8 @@ def test_the_local_gradient_fingerprint_is_the_same_however_the_pass_launches_it
                               waiting=threading.Event(), is_first_step=lambda: False,
                               on_local_gradient=on_local_gradient, hold_for_check=lambda: hold["on"],
                               layout=BucketLayout(first_cap=16, cap=16),
-                              before_last_bucket=lambda: events.append("last bucket"))
+                              at_pass_start=lambda: events.append("pass start"),
+                              after_last_bucket=lambda: events.append("after last bucket"))
     reducer.attach()
     launched: list[int] = []
 
@@ -167,14 +169,14 @@ def test_the_local_gradient_fingerprint_is_the_same_however_the_pass_launches_it
     x = torch.randn(3, 4)
     backward(x)  # no layout known yet: every bucket at the end
     layout = list(launched)
-    last = ["checked", "last bucket", "launched"]
+    last = ["checked", "launched", "after last bucket"]
     assert len(layout) > 1 and sum(layout) == 30
-    assert events == ["first bucket"] + ["launched"] * (len(layout) - 1) + last
+    assert events == ["pass start", "first bucket"] + ["launched"] * (len(layout) - 1) + last
     backward(x)  # the rebuilt layout: buckets leave during backward
-    assert launched == layout and events == ["first bucket"] + ["launched"] * (len(layout) - 1) + last
+    assert launched == layout and events == ["pass start", "first bucket"] + ["launched"] * (len(layout) - 1) + last
     hold["on"] = True
     backward(x)  # held: checked before anything leaves
-    assert launched == layout and events == ["checked", "first bucket"] + ["launched"] * (len(layout) - 1) + last[1:]
+    assert launched == layout and events == ["pass start", "checked", "first bucket"] + ["launched"] * (len(layout) - 1) + last[1:]
     hold["on"] = False
     backward(x + 1)
     assert digests[0] == digests[1] == digests[2] != digests[3]
@@ -315,3 +317,39 @@ def test_an_in_place_all_reduce_given_up_on_blocks_the_next_step_until_it_settle
     copies.clear()
     ddp(x).sum().backward()
     assert copies and not any(copies)  # in place again
+
+
+def test_a_bucket_view_is_found_once_and_reused_while_its_gradients_stay_where_they_were() -> None:
+    """Issue 27: a bucket's flat view of DDP's bucket views is checked gradient by gradient (7
+    calls each) once, then reused while ``.grad`` holds the same tensors at the same place, the
+    moment before a step's all-reduce being its most expensive. A gradient replaced or moved is
+    seen, and the views of a bucket DDP has replaced are forgotten (they would keep its memory)."""
+    import threading
+
+    from ftrun.reducer import GradientReducer
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 4, 2)]
+    reducer = GradientReducer(params, 2, before_first_bucket=lambda: None, is_failed=lambda: False,
+                              on_hook_error=lambda err: False, on_failure=lambda error: None, waiting=threading.Event())
+    reducer._views = True  # as attach(after_ddp=True) sets it
+
+    def bucket(storage: torch.Tensor) -> list[torch.Tensor]:
+        for p, (start, n) in zip(params, ((0, 3), (3, 4), (7, 2))):
+            p.grad = storage[start:start + n]
+        return [p.grad for p in params]
+
+    storage = torch.arange(9.0)
+    grads = bucket(storage)
+    view = reducer._bucket_view(grads, 0)
+    assert view is not None and view.data_ptr() == storage.data_ptr() and torch.equal(view, storage)
+    assert reducer._bucket_view([p.grad for p in params], 0) is view  # the same tensors: reused
+    params[1].grad = params[1].grad.clone()  # replaced: no longer end to end
+    assert reducer._bucket_view([p.grad for p in params], 0) is None
+    params[1].grad = grads[1]
+    assert reducer._bucket_view([p.grad for p in params], 0) is view
+    params[1].grad.set_(torch.zeros(4))  # the same tensor object, moved elsewhere
+    assert reducer._bucket_view([p.grad for p in params], 0) is None
+    newer = torch.arange(9.0) * 2  # DDP rebuilt its buckets: new views, the old ones forgotten
+    renewed = reducer._bucket_view(bucket(newer), 0)
+    assert renewed is not None and renewed.data_ptr() == newer.data_ptr()
+    assert len(reducer._views_seen) == 1 and next(iter(reducer._views_seen.values()))[1] is renewed

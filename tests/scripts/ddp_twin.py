@@ -87,7 +87,7 @@ def ftrun_sync() -> GradientSync:
     control = SimpleNamespace(abandon=threading.Event(), io_aborted_beyond=lambda generation: False,
                               board=StepBoard(progress))
     checks = SimpleNamespace(check_local_gradient=lambda fp: True, holds_for_check=lambda: False,
-                             record_provisional=lambda: None)
+                             record_provisional=lambda: None, record_gradient=lambda: None)
     sync = GradientSync(world, 30.0, WorkerState(managed=True), progress, SimpleNamespace(cut=lambda: None), control,
                         checks, send=lambda *a, **k: None, record_error=failures.append,
                         repair_in_place=lambda error, drop: failures.append(error), is_recoverable=lambda err: False)
