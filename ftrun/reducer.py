@@ -168,8 +168,9 @@ class GradientReducer:
         at_pass_start: called on the training thread when a synced backward's first gradient is
             ready, before any bucket leaves: the worker writes the rank's provisional record there
             (no peer can commit the step before this rank's last bucket arrives). Issue 27: made
-            right before the last bucket instead, the same record cost a small step 4 to 7% of its
-            time against 2 to 4% here (``scripts/ablate_steps.py``): there every rank waits for it.
+            right before the last bucket instead, the same record cost word_lm's small steps 4 to 7%
+            of their time against 2 to 3.5% here (``scripts/ablate_steps.py``): there every rank
+            waits for it.
         after_last_bucket: called on the training thread right after a backward's last bucket was
             launched, while the all-reduce runs: the worker writes the local gradient's
             fingerprint (``on_local_gradient`` has it by then) for a successor that recomputes
@@ -233,9 +234,6 @@ class GradientReducer:
         self._bucket_of: dict[int, int] = {}  # parameter index -> its bucket in _bucket_of_layout
         self._bucket_of_layout: list[list[int]] | None = None
         self._views = False  # whether .grad may be DDP's bucket views (attach(after_ddp=True))
-        # id of a bucket's first .grad -> (its .grad tensors, their flat view, their data_ptr, the
-        # first's parameter) when they were found end to end (:meth:`_bucket_view`)
-        self._views_seen: dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor, tuple[int, ...], int]] = {}
         self._reset_pass()
 
     # ---------------------------------------------------------------- plain-model path
@@ -327,7 +325,7 @@ class GradientReducer:
         bucket views under ``wrap_model(ddp=True)``), a view of them, reduced in place as DDP
         does; else a new copy (zeros for a parameter without a gradient)."""
         grads = [self.params[j].grad for j in bucket]
-        view = self._bucket_view(grads, bucket[0])
+        view = self._bucket_view(grads)
         if view is not None:
             return view, True
         if len(bucket) == 1:
@@ -338,36 +336,24 @@ class GradientReducer:
             for j, g in zip(bucket, grads)
         ]), False
 
-    def _bucket_view(self, grads: list[torch.Tensor | None], first_index: int) -> torch.Tensor | None:
+    def _bucket_view(self, grads: list[torch.Tensor | None]) -> torch.Tensor | None:
         """One flat view of ``grads`` if they lie end to end in one storage, in order; else None.
         Only for DDP's bucket views (a plain model's gradients are separate tensors: a bucket of
         one would gain little); not with ``find_unused_parameters`` (a gradient no rank produced
         must stay untouched), nor while an all-reduce of an earlier pass may still write into them
-        (:meth:`settle`). ``first_index``: the first gradient's parameter."""
+        (:meth:`settle`)."""
         if not self._views or self.layout.find_unused_parameters or self._unsettled:
             return None
         first = grads[0]
         if first is None:
             return None
-        # The same .grad tensors as a pass before (DDP's views: the same objects every step, this
-        # cache holding them; new ones after DDP rebuilds its buckets), each still at the same
-        # address: the same view, with 1 call a gradient instead of 7, at the moment the step
-        # waits for most (between its last gradient and its all-reduce).
-        known = self._views_seen.get(id(first))
-        if (known is not None and len(known[0]) == len(grads)
-                and all(g is k and g.data_ptr() == at for g, k, at in zip(grads, known[0], known[2]))):
-            return known[1]
         storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
         for g in grads:
             if (g is None or not g.is_contiguous() or g.dtype != first.dtype or g.device != first.device
                     or g.untyped_storage().data_ptr() != storage or g.storage_offset() != offset):
                 return None
             offset += g.numel()
-        view = first.as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())
-        # Forget the views of buckets DDP has replaced (they would keep its old buckets' memory).
-        self._views_seen = {k: v for k, v in self._views_seen.items() if self.params[v[3]].grad is v[0][0]}
-        self._views_seen[id(first)] = (tuple(grads), view, tuple(g.data_ptr() for g in grads), first_index)
-        return view
+        return first.as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())
 
     def _launch_bucket(self, bucket: list[int], flat: tuple[torch.Tensor, bool] | None = None) -> None:
         """Flatten ``bucket`` (unless ``flat`` is given: the held pass flattened it already), add

@@ -318,38 +318,3 @@ def test_an_in_place_all_reduce_given_up_on_blocks_the_next_step_until_it_settle
     ddp(x).sum().backward()
     assert copies and not any(copies)  # in place again
 
-
-def test_a_bucket_view_is_found_once_and_reused_while_its_gradients_stay_where_they_were() -> None:
-    """Issue 27: a bucket's flat view of DDP's bucket views is checked gradient by gradient (7
-    calls each) once, then reused while ``.grad`` holds the same tensors at the same place, the
-    moment before a step's all-reduce being its most expensive. A gradient replaced or moved is
-    seen, and the views of a bucket DDP has replaced are forgotten (they would keep its memory)."""
-    import threading
-
-    from ftrun.reducer import GradientReducer
-
-    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 4, 2)]
-    reducer = GradientReducer(params, 2, before_first_bucket=lambda: None, is_failed=lambda: False,
-                              on_hook_error=lambda err: False, on_failure=lambda error: None, waiting=threading.Event())
-    reducer._views = True  # as attach(after_ddp=True) sets it
-
-    def bucket(storage: torch.Tensor) -> list[torch.Tensor]:
-        for p, (start, n) in zip(params, ((0, 3), (3, 4), (7, 2))):
-            p.grad = storage[start:start + n]
-        return [p.grad for p in params]
-
-    storage = torch.arange(9.0)
-    grads = bucket(storage)
-    view = reducer._bucket_view(grads, 0)
-    assert view is not None and view.data_ptr() == storage.data_ptr() and torch.equal(view, storage)
-    assert reducer._bucket_view([p.grad for p in params], 0) is view  # the same tensors: reused
-    params[1].grad = params[1].grad.clone()  # replaced: no longer end to end
-    assert reducer._bucket_view([p.grad for p in params], 0) is None
-    params[1].grad = grads[1]
-    assert reducer._bucket_view([p.grad for p in params], 0) is view
-    params[1].grad.set_(torch.zeros(4))  # the same tensor object, moved elsewhere
-    assert reducer._bucket_view([p.grad for p in params], 0) is None
-    newer = torch.arange(9.0) * 2  # DDP rebuilt its buckets: new views, the old ones forgotten
-    renewed = reducer._bucket_view(bucket(newer), 0)
-    assert renewed is not None and renewed.data_ptr() == newer.data_ptr()
-    assert len(reducer._views_seen) == 1 and next(iter(reducer._views_seen.values()))[1] is renewed
