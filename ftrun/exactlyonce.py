@@ -13,8 +13,8 @@ happens (:mod:`ftrun.digest`):
 
 A difference is a ``divergence`` event; under ``--on_divergence fail`` the step is held back and
 the coordinator stops the job. The rank records (:mod:`ftrun.rankstate`) are this rank's own state
-(kind ``rank``: a data position, RNG streams) at each step start, at each all-reduce and at each
-epoch boundary, kept in the store next to the gradient's fingerprint.
+(kind ``rank``: a data position, RNG streams) at each step start, when each synced backward
+starts and at each epoch boundary, kept in the store next to the gradient's fingerprint.
 """
 
 from __future__ import annotations

@@ -152,9 +152,9 @@ class GradientReducer:
             bucket (the worker marks its step board ``collective`` and fires the ``allreduce`` fault
             point there); an exception it raises is handled by ``on_hook_error``.
         is_failed: whether the step has already failed (nothing more is communicated).
-        on_hook_error: called with an exception raised by ``before_first_bucket`` or
-            ``at_pass_start`` or ``after_last_bucket``; returns True if it was recorded (a recoverable error), False to
-            let it propagate out of ``backward()``.
+        on_hook_error: called with an exception raised by ``before_first_bucket``,
+            ``at_pass_start`` or ``after_last_bucket``; returns True if it was recorded (a
+            recoverable error), False to let it propagate out of ``backward()``.
         on_failure: called at the end of a backward whose all-reduce failed, with the error.
         is_first_step: whether the current step is the job's first (DDP's one-bucket iteration);
             a rank that starts later (respawned, resumed) must use the rebuilt layout its peers use.
