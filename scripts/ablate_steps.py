@@ -129,8 +129,7 @@ def phase_medians(log: str, phase: int, skip: int) -> tuple[float, float, float,
             continue
         block = (s1 // phase) % (1 << 19)
         gaps[(BITS[block >> 3] >> (block & 7)) & 1 == 0].append((t1 - t0, c1 - c0))  # as the ranks' _off()
-    walls = {side: sorted(g[0] for g in gaps[side]) for side in gaps}
-    cutoff = {side: 3 * statistics.median(walls[side]) for side in walls}  # evaluations, epoch ends
+    cutoff = {side: 3 * statistics.median(g[0] for g in gaps[side]) for side in gaps}  # evaluations, epoch ends
     med = {side: [statistics.median(x[i] for x in gaps[side] if x[0] < cutoff[side]) * 1000 for i in (0, 1)] for side in gaps}
     return med[True][0], med[False][0], med[True][1], med[False][1], min(len(gaps[True]), len(gaps[False]))
 
@@ -157,7 +156,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="none,start,provisional", help=f"comma-separated, of {','.join(PARTS)}")
     parser.add_argument("--epochs", type=int, default=20, help="word_lm's epochs (126 small steps each)")
-    parser.add_argument("--phase", type=int, default=10, help="steps on, then as many off")
+    parser.add_argument("--phase", type=int, default=10, help="steps a block (each block on or off, at random)")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each part, in turn")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--size", choices=("small", "large"), default="small")
