@@ -3,9 +3,10 @@
 Respawning a rank costs a new interpreter and its imports (about 1.2 s for torch alone on an idle
 machine, several seconds on a busy one; docs/benchmarks.md), and that is most of an ARF recovery. The
 supervisor therefore keeps ``--warm_spares`` processes started with ``python -m ftrun.spare``: each
-imports torch, torch.distributed, numpy and the worker library (at idle priority: it is started
-while the ranks train, :func:`import_at_idle_priority`), then blocks reading its standard
-input. To replace a failed rank, the supervisor writes one JSON object there and closes it::
+imports torch, torch.distributed, numpy, the worker library and ``torch._dynamo``, which the
+first ``torch.optim`` optimizer imports (at idle priority: it is started while the ranks train,
+:func:`import_at_idle_priority`), then blocks reading its standard input. To replace a failed
+rank, the supervisor writes one JSON object there and closes it::
 
     {"env": {...the rank's environment...}, "argv": [script, args...], "module": false,
      "log": "/path/worker_<rank>.log", "cwd": "/path"}
@@ -134,6 +135,14 @@ def _import_libraries() -> None:
     import torch.distributed  # noqa: F401
 
     from . import worker  # noqa: F401
+
+    # torch.optim's first optimizer imports torch._dynamo (torch._compile._disable_dynamo, torch
+    # 2.x): 1.3 s of CPU on this project's machines, as much again as torch itself, which a rank
+    # respawned from this spare would pay inside the recovery.
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception:  # a build without it: the script imports what it needs itself
+        pass
 
 
 def _set_policy(tid: int, policy: int) -> bool:

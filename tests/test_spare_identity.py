@@ -138,3 +138,13 @@ def test_a_spare_that_could_not_leave_idle_priority_imports_at_the_normal_one(mo
     monkeypatch.setattr(spare, "_import_libraries", lambda: seen.append(os.sched_getscheduler(0)))
     assert spare.import_at_idle_priority() is False
     assert seen == [os.sched_getscheduler(0)]  # on this thread, at its own priority
+
+
+def test_a_warm_spare_imports_what_the_first_optimizer_would() -> None:
+    """The first ``torch.optim`` optimizer imports ``torch._dynamo`` (1.3 s of CPU here, as much as
+    torch): a warm spare imports it too, so a rank respawned in it does not pay it in the recovery."""
+    probe = ("import sys, ftrun.spare as spare; spare._import_libraries(); "
+             "print(sorted(m for m in ('numpy', 'torch', 'torch.distributed', 'torch._dynamo', 'ftrun.worker') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=dj.env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[0] == "['ftrun.worker', 'numpy', 'torch', 'torch._dynamo', 'torch.distributed']", done.stdout
