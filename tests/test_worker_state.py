@@ -91,14 +91,14 @@ def test_a_rank_freezes_the_collector_at_exit() -> None:
     """``ftrun.init`` registers ``gc.freeze`` with atexit: it has run by the time the handlers
     registered before ``init`` run (last-registered first), and not before the exit: the
     interpreter's final collections then skip every object alive (1.3 to 2 s of a rank's exit)."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
+    import digits_job as dj
+
     script = Path(__file__).resolve().parent / "scripts" / "exit_freeze.py"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FTRUN_", "TORCHELASTIC_"))}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, str(script)], env=dj.env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = dict(line.split(": ") for line in done.stdout.splitlines() if line.startswith("frozen"))
     assert lines["frozen before exit"] == "0" and lines["frozen after init"] == "0", done.stdout
