@@ -133,8 +133,18 @@ def test_shard_without_live_replica_writes_nothing_partial(reference: str, tmp_p
     script = ("--replica_groups", "0,2;1,3")
     proc = _job(tmp_path, *flags, fault="rank=0,step=13,kind=kill; rank=2,step=13,kind=kill", script_args=script)
     warnings = [e["message"] for e in _kinds(proc, "warning")]
-    assert any("TTP: no dying-gasp checkpoint" in w and "0,2" in w for w in warnings), (warnings, proc.stdout[-3000:])
-    assert not [e for e in _kinds(proc, "checkpoint_saved") if "dying gasp" in e["detail"]["reason"]]
+    gasps = [e for e in _kinds(proc, "checkpoint_saved") if "dying gasp" in e["detail"]["reason"]]
+    if any("TTP: no dying-gasp checkpoint" in w and "0,2" in w for w in warnings):
+        assert not gasps, gasps
+    else:
+        # A third order (CI saw it on a loaded machine): one victim died, was respawned and
+        # recovered from its replica before the other reached its kill, so at the dying gasp
+        # shard 0 had a live replica again. It writes the last committed step, or says a
+        # periodic checkpoint already holds it; the rerun below resumes from that step.
+        recovered = _kinds(proc, "rank_recovered")
+        deaths = [e for e in _kinds(proc, "rank_failed") if e["rank"] in (0, 2)]
+        assert recovered and len(deaths) == 2 and recovered[0]["time"] < deaths[1]["time"], (warnings, proc.stdout[-3000:])
+        assert gasps or any(re.search(r"TTP: step \d+ is already in checkpoint .*; nothing to write", w) for w in warnings), warnings
     if proc.returncode == 0:
         # The two deaths were seen in one pass (CI saw it): respawning both needs two restarts and
         # the budget has one, so the whole job restarted, with no dying gasp possible, from the
