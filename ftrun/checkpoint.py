@@ -809,13 +809,19 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
     def reusable(old: Any, like: Any) -> bool:
         return id(old) not in used and old.dtype == like.dtype and old.shape == like.shape
 
-    def copy(obj: Any, old: Any, path: str) -> Any:
+    def where(path: Any) -> str:
+        """A place in the state; a plain dict's children get theirs as (parent, key), written out
+        only where it is used (a message, or below a container other than a dict)."""
+        return path if type(path) is str else _key_path(where(path[0]), path[1])
+
+    def copy(obj: Any, old: Any, path: Any) -> Any:
         kind = type(obj)
         if kind in _SCALARS:  # shared, as the last line would (and with no isinstance walk: a step start copies small dicts)
             return obj
         if kind is dict:
             prior = old if isinstance(old, dict) else {}
-            return {k if type(k) is str else _check_key(k, path): copy(v, prior.get(k), _key_path(path, k)) for k, v in obj.items()}
+            return {k if type(k) is str else _check_key(k, where(path)): copy(v, prior.get(k), (path, k)) for k, v in obj.items()}
+        path = where(path)
         if isinstance(obj, torch.Tensor):
             if id(obj) in copies:
                 return copies[id(obj)]

@@ -415,11 +415,12 @@ class _RecordTags:
         kind = type(obj)
         if kind is torch.Tensor:
             name = self._viewable.get(obj.dtype)
-            if (name is not None and obj.layout is torch.strided and obj.is_cpu and not obj.requires_grad
-                    and obj.is_contiguous() and not obj.is_neg()):
+            if name is not None and obj.layout is torch.strided and obj.is_cpu and obj.is_contiguous() and not obj.is_neg():
                 # The common case (a rank's RNG streams, carried tensors: issue 27), the same bytes
-                # as below with a third of the calls: a record is made twice a step.
-                return [self.tensor, name, list(obj.shape), memoryview(obj.numpy())]
+                # as below with a third of the calls: a record is made twice a step. A carried
+                # tensor often still requires grad (a forward's output, before it is detached).
+                return [self.tensor, name, list(obj.shape),
+                        memoryview((obj.detach() if obj.requires_grad else obj).numpy())]
             if obj.layout != torch.strided or obj.is_quantized or obj.is_conj() or obj.is_neg():
                 raise _NotPlain
             host = obj if obj.is_cpu and obj.is_contiguous() else obj.detach().cpu().contiguous()

@@ -15,7 +15,8 @@ Two kinds of state make that exact (issue 11, item 2):
   its replicas are in and does not repeat end-of-epoch work they already did.
 - :class:`LoaderCursor` is *rank* state (registered as ``"data"``): how many batches of this epoch
   this rank's loader has given, the state of the generator ``iter(loader)`` draws its seeds from
-  at the epoch's start, and a ``StatefulDataLoader``'s own ``state_dict()``. It is snapshotted at
+  at the epoch's start (none for a list, tuple or range, which draw nothing), and a
+  ``StatefulDataLoader``'s own ``state_dict()``. It is snapshotted at
   every step start and rolled back when a step is retried; a respawned rank gets its
   predecessor's from the job's store (:mod:`ftrun.rankstate`), never from another rank.
 
@@ -79,6 +80,9 @@ class LoaderCursor:
         self.epoch = epoch
         self.position = 0  # batches given in this pass
         self.stateful = _is_stateful(loader)
+        # Iterating a list, tuple or range draws from no generator: no generator state is kept
+        # or compared for it (a record a step start and a provisional one carry it: issue 27).
+        self._draws = type(loader) not in (list, tuple, range)
         self._it: Any = None
         self._it_position = 0  # batches the live iterator has given
         self._iter_rng: torch.Tensor | None = None  # the seed generator's state before iter()
@@ -131,15 +135,15 @@ class LoaderCursor:
                     gen.set_state(after)
                 self.position += 1
                 return batch
-        before = gen.get_state()
+        before = gen.get_state() if self._draws else None
         if self._it is None or self._it_position != self.position:
             self._reposition()
         if self._prefetched is not None:
             batch, self._prefetched = self._prefetched, None
         else:
             batch = next(self._it)
-        after = gen.get_state()
-        moved = not torch.equal(before, after)
+        after = gen.get_state() if self._draws else None
+        moved = self._draws and not torch.equal(before, after)
         self._cache = (self.position, batch, before if moved else None, after if moved else None)
         self.position += 1
         self._it_position += 1
@@ -150,7 +154,7 @@ class LoaderCursor:
         if self.position == 0:
             # The pass's start (the seed generator is where it was before the pass's first batch
             # then, too): iter() and the first batch draw their seeds exactly as the plain loop does.
-            self._iter_rng = gen.get_state()
+            self._iter_rng = gen.get_state() if self._draws else None
             self._it, self._it_position, self._prefetched = iter(self.loader), 0, None
             return
         # Seeds are drawn lazily (a sampler draws at its first index), so everything up to the

@@ -87,6 +87,10 @@ class RankStateStore:
     def __init__(self, store: Any, attempt: int, rank: int) -> None:
         self.store = store
         self.prefix = f"{PREFIX}/attempt{attempt}/rank{rank}"
+        # Written once or twice a step: the keys made once, the packer's buffer reused.
+        self._keys = (f"{self.prefix}/0", f"{self.prefix}/1")  # by label parity
+        self._gradient_keys = (f"{self.prefix}/grad/0", f"{self.prefix}/grad/1")
+        self._packer = msgpack.Packer(use_bin_type=True)
         self._provisional: tuple[int, bytes] | None = None  # (label, encoded state) of the last write, if provisional
         self._failed = False  # a write failed (reported once)
 
@@ -132,11 +136,11 @@ class RankStateStore:
         doc = {"label": int(label), "state": blob, "provisional": bool(provisional), "epoch_boundary": bool(epoch_boundary)}
         if gradient is not None:
             doc["gradient"] = str(gradient)
-        self._set(f"{self.prefix}/{label % 2}", msgpack.packb(doc, use_bin_type=True))
+        self._set(self._keys[label % 2], self._packer.pack(doc))
 
     def get(self, label: int) -> RankRecord | None:
         """The record of committed step ``label``, or None if there is none."""
-        key = f"{self.prefix}/{label % 2}"
+        key = self._keys[label % 2]
         if not self.store.check([key]):
             return None
         doc = msgpack.unpackb(bytes(self.store.get(key)), raw=False)
@@ -150,17 +154,17 @@ class RankStateStore:
         of :func:`ftrun.codec.to_bytes` of ``{"step": step, "digest": digest}``, packed directly
         (a fixed shape)."""
         doc = {"skeleton": {"__d": [["step", int(step)], ["digest", str(digest)]]}, "data": []}
-        self._set(f"{self.prefix}/grad/{step % 2}", msgpack.packb(doc, use_bin_type=True))
+        self._set(self._gradient_keys[step % 2], self._packer.pack(doc))
 
     def get_gradient_digest(self, step: int) -> str | None:
         """The recorded local-gradient digest of ``step``, or None (never computed, or overwritten):
         the one the record labelled ``step`` carries, else the one recorded alone."""
-        key = f"{self.prefix}/{step % 2}"
+        key = self._keys[step % 2]
         if self.store.check([key]):
             doc = msgpack.unpackb(bytes(self.store.get(key)), raw=False)
             if int(doc["label"]) == step and isinstance(doc.get("gradient"), str):
                 return doc["gradient"]
-        key = f"{self.prefix}/grad/{step % 2}"
+        key = self._gradient_keys[step % 2]
         if not self.store.check([key]):
             return None
         doc = codec.from_bytes(bytes(self.store.get(key)))

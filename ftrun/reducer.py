@@ -40,6 +40,7 @@ step waits for it to end (:meth:`GradientReducer.settle`).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from contextlib import contextmanager
@@ -254,7 +255,7 @@ class GradientReducer:
             for p in self.params:
                 accumulator = p.view_as(p).grad_fn.next_functions[0][0]
                 self._hooks.append(accumulator)  # kept alive: a new one would have no hook
-                accumulator.register_hook(lambda _inputs, _outputs, p=p: self._on_grad_ready(p))
+                accumulator.register_hook(functools.partial(self._mark_ready, self._index[id(p)]))
 
     def _reset_pass(self) -> None:
         # Which backward pass this is: an all-reduce abandoned in an earlier pass (its group torn
@@ -298,12 +299,17 @@ class GradientReducer:
         self._missing = [len(bucket) for bucket in self._buckets]
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        i = self._index[id(param)]
+        self._mark_ready(self._index[id(param)])
+
+    def _mark_ready(self, i: int, *_hook_args: Any) -> None:
+        """Parameter ``i``'s gradient is ready (the accumulator hook's inputs and outputs ignored).
+        Runs once per parameter and backward, so it makes as few calls as it can."""
         if self.layout.find_unused_parameters:
             self._used.add(i)  # no_sync passes count too, as in DDP's local_used_map
         if not (self.sync and self.forward_sync) or self.world_size == 1:
             return
-        self._begin_pass()
+        if not self._callback_queued:
+            self._begin_pass()
         if self._buckets is None:
             self._choose_layout()
         if i in self._ready:  # accumulated twice in one backward (reentrant checkpointing)

@@ -76,3 +76,22 @@ def test_retried_first_step_of_a_pass_replays_the_iterators_draw(name: str, make
     torch.set_rng_state(at_start[1])  # ftrun rolls the rank's RNG back with the step
     assert torch.equal(cursor.next()[0], batch[0])
     assert torch.equal(torch.rand(4), first_try)
+
+
+@pytest.mark.parametrize("loader", [list(range(0, 40, 4)), tuple(range(10)), range(10)])
+def test_a_pass_over_a_sequence_keeps_no_generator_state(loader) -> None:
+    """Iterating a list, tuple or range draws from no generator (word_lm's ``ft.batches(batches)``):
+    its records carry no generator state (two records a step, issue 27: 5 KB each), and a
+    respawned cursor and a retried step still get the right batches."""
+    torch.manual_seed(5)
+    cursor = LoaderCursor(loader, epoch=1)
+    given = [cursor.next() for _ in range(3)]
+    at_start = snapshot(cursor.state_dict())
+    fourth = cursor.next()
+    assert "iter_rng" not in at_start and given == list(loader)[:3]
+    assert len(codec.to_record(at_start)) < 100
+    cursor.load_state_dict(at_start)  # a retried step
+    assert cursor.next() == fourth and cursor.position == 4
+    respawned = LoaderCursor(loader, epoch=1)
+    respawned.load_state_dict(codec.from_record(codec.to_record(at_start)))
+    assert [respawned.next() for _ in range(3)] == list(loader)[3:6]
