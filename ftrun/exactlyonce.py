@@ -131,7 +131,7 @@ class ExactlyOnceChecks:
         if step is None:
             return
         if self.progress.committed == step - 1 and self.keeps_rank_records():
-            self.rank_states.put(step, self.registry.state_dict(only=("rank",)), provisional=True)
+            self.rank_states.put(step, self.registry.record_state(), provisional=True)
 
     def record_gradient(self) -> None:
         """Right after the step's last bucket left, while its all-reduce runs (a moment this rank
@@ -155,7 +155,7 @@ class ExactlyOnceChecks:
         if not self.keeps_rank_records():
             return
         committed = self.progress.committed
-        self.rank_states.put(committed, self.registry.state_dict(only=("rank",)), epoch_boundary=True,
+        self.rank_states.put(committed, self.registry.record_state(), epoch_boundary=True,
                              gradient=self._gradient_of(committed))
 
     def apply_rank_record(self) -> None:

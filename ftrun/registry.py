@@ -65,6 +65,17 @@ class StateRegistry:
         """``{name: obj.state_dict()}`` for the objects whose kind is in ``only`` and not in ``exclude``."""
         return {n: o.state_dict() for n, o in self.objects.items() if self.kinds[n] in only and self.kinds[n] not in exclude}
 
+    def record_state(self) -> dict[str, Any]:
+        """``{name: state}`` of the ``rank`` objects, for this rank's record (twice a step): an
+        object's ``record_state()`` where it has one (ftrun's ``RNGState``: the same state in a
+        form cheaper to encode, which its ``load_state_dict`` also takes), else its ``state_dict()``."""
+        out = {}
+        for name, obj in self.objects.items():
+            if self.kinds[name] == "rank":
+                record_state = getattr(obj, "record_state", None)
+                out[name] = record_state() if record_state is not None else obj.state_dict()
+        return out
+
     def load(self, state: dict[str, Any], kinds: tuple[str, ...] = KINDS) -> None:
         """``load_state_dict`` each registered object of a kind in ``kinds`` that ``state`` names;
         names ``state`` has but the registry lacks are ignored."""
@@ -83,7 +94,7 @@ class StateRegistry:
         Args:
             committed: the committed step the copy belongs to.
             encode_rank: keep the ``rank`` objects' copy as the bytes of this rank's record
-                (:func:`ftrun.codec.to_record` of ``{name: state_dict}``, which :meth:`roll_back`
+                (:func:`ftrun.codec.to_record` of :meth:`record_state`, which :meth:`roll_back`
                 decodes): one walk gives both the copy and the record (issue 27), and bytes are
                 never changed by training. Otherwise every kind is deep-copied
                 (:func:`ftrun.checkpoint.snapshot`).
@@ -95,12 +106,8 @@ class StateRegistry:
             TypeError: a state the codec refuses (naming its place).
         """
         reuse = self._start.replica if self._start is not None else None
-        state = self.state_dict(exclude=("committed",))
-        blob = None
-        if encode_rank:
-            blob = codec.to_record({n: s for n, s in state.items() if self.kinds[n] == "rank"})
-            state = {n: s for n, s in state.items() if self.kinds[n] != "rank"}
-        copied = snapshot(state, reuse=reuse)
+        blob = codec.to_record(self.record_state()) if encode_rank else None
+        copied = snapshot(self.state_dict(exclude=("committed", "rank") if encode_rank else ("committed",)), reuse=reuse)
         self._start = StepStart(committed, copied, blob)
         return blob
 

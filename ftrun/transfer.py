@@ -221,7 +221,31 @@ class RNGState:
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
 
+    def record_state(self) -> dict[str, Any]:
+        """The state as a rank's record keeps it (:meth:`ftrun.registry.StateRegistry.record_state`,
+        twice a step): the three generators' bytes as read, which the record's encoder copies as
+        they are, where :meth:`state_dict`'s tensors and arrays each cost it a callback and a
+        dozen calls. :meth:`load_state_dict` takes either. :meth:`state_dict` itself where an
+        in-place reader could not confirm its layout (``rngmemory``)."""
+        py_reader, np_reader = rngmemory.readers()
+        np_raw = np_reader.read() if np_reader is not None else None
+        if py_reader is None or np_raw is None:
+            return self.state_dict()
+        inst = py_reader.inst
+        words, has_gauss, gauss = np_raw
+        state: dict[str, Any] = {
+            "torch_bytes": torch.get_rng_state().numpy().tobytes(),
+            "numpy_words": words, "numpy_has_gauss": int(has_gauss), "numpy_cached": float(gauss),
+            "random_words": py_reader.read(), "random_version": inst.VERSION, "random_gauss": inst.gauss_next,
+        }
+        if torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "numpy_words" in state:  # record_state's form
+            self._load_record(state)
+            return
         torch.set_rng_state(state["torch"])
         np_state = state["numpy"]
         np.random.set_state((np_state["name"], np_state["keys"], np_state["pos"], np_state["has_gauss"], np_state["cached"]))
@@ -229,5 +253,19 @@ class RNGState:
         if isinstance(words, torch.Tensor):
             words = words.tolist()
         random.setstate((words[-1], tuple(words[:-1]), state["random_gauss"]))  # a list in older checkpoints
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+    def _load_record(self, state: dict[str, Any]) -> None:
+        mt = rngmemory.MT_WORDS
+        torch.set_rng_state(torch.frombuffer(bytearray(state["torch_bytes"]), dtype=torch.uint8))
+        raw = state["numpy_words"]
+        keys = np.frombuffer(raw, dtype=np.uint32, count=mt).copy()
+        pos = int.from_bytes(raw[4 * mt:], sys.byteorder, signed=True)
+        np.random.set_state(("MT19937", keys, pos, int(state["numpy_has_gauss"]), float(state["numpy_cached"])))
+        raw = state["random_words"]
+        index = int.from_bytes(raw[:4], sys.byteorder, signed=True)
+        words = tuple(int(w) for w in np.frombuffer(raw, dtype=np.uint32, count=mt, offset=4))
+        random.setstate((int(state["random_version"]), (*words, index), state["random_gauss"]))
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])

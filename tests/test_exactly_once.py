@@ -254,7 +254,7 @@ def test_the_step_start_copy_of_rank_state_is_its_record_and_rolls_back() -> Non
     np.random.standard_normal()  # a cached gaussian in the state
     registry["data"].position = registry["epochs"].position = 3
     blob = registry.snapshot_step_start(5, encode_rank=True)
-    assert blob == codec.to_record(registry.state_dict(only=("rank",))) and blob[0] == 0x92  # the fast record format
+    assert blob == codec.to_record(registry.record_state()) and blob[0] == 0x92  # the fast record format
     draws = (torch.rand(2), np.random.standard_normal(2), random.random())
     registry["data"].position = registry["epochs"].position = 4
     assert not registry.roll_back(4, ("rank", "replica"))  # another step's copy
