@@ -121,3 +121,22 @@ def test_a_record_of_the_streams_gives_the_same_draws_after_every_change(readers
         assert draws() == expected, what
         if readers == "in place":
             assert "numpy_words" in codec.from_record(blob)["rng"], what
+
+
+def test_a_new_global_bit_generator_is_read_or_left_to_the_public_getter() -> None:
+    """numpy's reader keeps views of the global generator's memory; another MT19937 bit generator
+    put in its place (``np.random.set_bit_generator``) is read through new views, and the record
+    still loads back to the same draws."""
+    rng = RNGState()
+    original = np.random.get_bit_generator()
+    try:
+        for bit_generator in (np.random.MT19937(11), np.random.MT19937(13)):
+            np.random.set_bit_generator(bit_generator)
+            np.random.standard_normal()  # a gaussian kept in the cache
+            assert codec.to_bytes(rng.state_dict()) == codec.to_bytes(_public()), type(bit_generator).__name__
+            blob = codec.to_record({"rng": rng.record_state()})
+            expected = (np.random.standard_normal(3).tolist(), np.random.standard_normal())
+            rng.load_state_dict(codec.from_record(blob)["rng"])
+            assert (np.random.standard_normal(3).tolist(), np.random.standard_normal()) == expected
+    finally:
+        np.random.set_bit_generator(original)
