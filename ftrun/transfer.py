@@ -164,6 +164,32 @@ def recv_state(src: int, current: Any, group: Any = None, device: Any = "cpu") -
     return unflatten(skeleton, targets), received + meta.numel() + 8
 
 
+_BIG_INT = "__ftrun_int__"  # an integer beyond 64 bits, kept as its decimal text
+
+
+def _big_ints_as_text(value: Any) -> Any:
+    """``value`` (nested dicts and lists) with every int outside [-2**63, 2**64) as
+    ``{_BIG_INT: its decimal text}``: the state codec takes integers of up to 64 bits."""
+    if isinstance(value, dict):
+        return {k: _big_ints_as_text(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_big_ints_as_text(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and not -(1 << 63) <= value < (1 << 64):
+        return {_BIG_INT: str(value)}
+    return value
+
+
+def _text_as_big_ints(value: Any) -> Any:
+    """Inverse of :func:`_big_ints_as_text`."""
+    if isinstance(value, dict):
+        if set(value) == {_BIG_INT}:
+            return int(value[_BIG_INT])
+        return {k: _text_as_big_ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_text_as_big_ints(v) for v in value]
+    return value
+
+
 class RNGState:
     """The random number generators of torch (CPU and CUDA), numpy and ``random``, as one state_dict.
 
@@ -190,6 +216,11 @@ class RNGState:
         reader = rngmemory.readers()[1]
         raw = reader.read() if reader is not None else None
         if raw is None:
+            get_bit_generator = getattr(np.random, "get_bit_generator", None)  # numpy >= 1.25, with set_bit_generator
+            if get_bit_generator is not None and not isinstance(get_bit_generator(), np.random.MT19937):
+                # Another bit generator put in the global one's place (np.random.set_bit_generator):
+                # numpy's dict of its state, whose integers may not fit 64 bits (PCG64's 128-bit state).
+                return {"name": "dict", "state": _big_ints_as_text(np.random.get_state(legacy=False))}
             np_state = np.random.get_state()
             return {"name": np_state[0], "keys": np_state[1], "pos": int(np_state[2]),
                     "has_gauss": int(np_state[3]), "cached": float(np_state[4])}
@@ -248,7 +279,10 @@ class RNGState:
             return
         torch.set_rng_state(state["torch"])
         np_state = state["numpy"]
-        np.random.set_state((np_state["name"], np_state["keys"], np_state["pos"], np_state["has_gauss"], np_state["cached"]))
+        if np_state["name"] == "dict":
+            np.random.set_state(_text_as_big_ints(np_state["state"]))
+        else:
+            np.random.set_state((np_state["name"], np_state["keys"], np_state["pos"], np_state["has_gauss"], np_state["cached"]))
         words = state["random"]
         if isinstance(words, torch.Tensor):
             words = words.tolist()

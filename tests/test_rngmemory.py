@@ -140,3 +140,22 @@ def test_a_new_global_bit_generator_is_read_or_left_to_the_public_getter() -> No
             assert (np.random.standard_normal(3).tolist(), np.random.standard_normal()) == expected
     finally:
         np.random.set_bit_generator(original)
+
+
+@pytest.mark.parametrize("bit_generator", ["PCG64", "PCG64DXSM", "Philox", "SFC64"])
+def test_a_global_generator_other_than_mt19937_is_kept_too(bit_generator: str) -> None:
+    """A script that puts another bit generator in numpy's global one's place
+    (``np.random.set_bit_generator``; PCG64's state is a 128-bit integer) still has its streams
+    in the checkpoint codec's bytes and in a rank's record, and both load back to the same draws."""
+    rng = RNGState()
+    original = np.random.get_bit_generator()
+    try:
+        np.random.set_bit_generator(getattr(np.random, bit_generator)(21))
+        np.random.standard_normal()  # a gaussian kept in the cache
+        checkpoint, record = codec.to_bytes(rng.state_dict()), codec.to_record({"rng": rng.record_state()})
+        expected = (np.random.standard_normal(3).tolist(), np.random.standard_normal(), np.random.randint(0, 1 << 62))
+        for state in (codec.from_bytes(checkpoint), codec.from_record(record)["rng"]):
+            rng.load_state_dict(state)
+            assert (np.random.standard_normal(3).tolist(), np.random.standard_normal(), np.random.randint(0, 1 << 62)) == expected
+    finally:
+        np.random.set_bit_generator(original)
