@@ -97,15 +97,24 @@ def _kill_when(tmp_path: Path, line: str, rank: int, args: list[str]) -> tuple[t
 
 def _assert_recovered_in_place(events: list[dict], faulted: int) -> None:
     """Only ``faulted`` was restarted (the survivors' PIDs never changed), once, by a rank-level
-    recovery (no whole-job restart), and no exactly-once check reported a divergence."""
+    recovery (no whole-job restart), and no exactly-once check reported a divergence.
+
+    One order is allowed besides (CI saw it on a loaded machine): a survivor still in the
+    previous step's all-reduce when the victim died, which failed for it while its replicas'
+    completed (a ring's ranks finish at different moments). Its replicas committed that step, so
+    the integration ends it on purpose (``retry_step``: the Trainer cannot run the step's logging
+    and callbacks twice) and ARF replaces it, once."""
     pids: dict[int, list[int]] = {}
     for ev in events:
         if ev["kind"] == "rank_started":
             pids.setdefault(ev["rank"], []).append(ev["pid"])
     assert sorted(pids) == list(range(WORLD))
+    failed = {e["rank"]: e for e in events if e["kind"] == "rank_failed"}
+    behind = {rank for rank, ev in failed.items() if rank != faulted
+              and any("which its replicas committed; it resumes at step" in line for line in ev["detail"].get("log_tail", []))}
     for rank, started in pids.items():
-        assert len(started) == (2 if rank == faulted else 1), f"rank {rank}: {started}"
-    assert [e["rank"] for e in events if e["kind"] == "rank_failed"] == [faulted]
+        assert len(started) == (2 if rank == faulted or rank in behind else 1), f"rank {rank}: {started}"
+    assert sorted(failed) == sorted({faulted} | behind)
     assert not [e for e in events if e["kind"] == "job_restarting"], "fell back to a whole-job restart"
     assert [e for e in events if e["kind"] == "recovery_finished"], "no recovery finished"
     assert not [e.get("message") for e in events if e["kind"] == "divergence"]
