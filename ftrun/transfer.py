@@ -164,6 +164,13 @@ def recv_state(src: int, current: Any, group: Any = None, device: Any = "cpu") -
     return unflatten(skeleton, targets), received + meta.numel() + 8
 
 
+def _mt_keys(words: bytes) -> tuple[np.ndarray, int]:
+    """numpy's MT19937 state as read in place (the 624 key words, then ``pos``) as
+    ``get_state()`` gives it: (a new array of the keys, pos)."""
+    keys = np.frombuffer(words, dtype=np.uint32, count=rngmemory.MT_WORDS).copy()
+    return keys, int.from_bytes(words[4 * rngmemory.MT_WORDS:], sys.byteorder, signed=True)
+
+
 _BIG_INT = "__ftrun_int__"  # an integer beyond 64 bits, kept as its decimal text
 
 
@@ -226,8 +233,7 @@ class RNGState:
                     "has_gauss": int(np_state[3]), "cached": float(np_state[4])}
         words, has_gauss, gauss = raw
         if self._np is None or self._np[0] != words:
-            keys = np.frombuffer(words, dtype=np.uint32, count=rngmemory.MT_WORDS).copy()
-            self._np = (words, keys, int.from_bytes(words[-4:], sys.byteorder, signed=True))
+            self._np = (words, *_mt_keys(words))
         return {"name": "MT19937", "keys": self._np[1], "pos": self._np[2], "has_gauss": int(has_gauss), "cached": float(gauss)}
 
     def state_dict(self) -> dict[str, Any]:
@@ -275,8 +281,7 @@ class RNGState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "numpy_words" in state:  # record_state's form
-            self._load_record(state)
-            return
+            state = self._from_record(state)
         torch.set_rng_state(state["torch"])
         np_state = state["numpy"]
         if np_state["name"] == "dict":
@@ -290,16 +295,18 @@ class RNGState:
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
 
-    def _load_record(self, state: dict[str, Any]) -> None:
-        mt = rngmemory.MT_WORDS
-        torch.set_rng_state(torch.frombuffer(bytearray(state["torch_bytes"]), dtype=torch.uint8))
-        raw = state["numpy_words"]
-        keys = np.frombuffer(raw, dtype=np.uint32, count=mt).copy()
-        pos = int.from_bytes(raw[4 * mt:], sys.byteorder, signed=True)
-        np.random.set_state(("MT19937", keys, pos, int(state["numpy_has_gauss"]), float(state["numpy_cached"])))
-        raw = state["random_words"]
+    @staticmethod
+    def _from_record(state: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`record_state`'s form as :meth:`state_dict`'s (a record is loaded only when a step
+        is retried or a rank respawned)."""
+        keys, pos = _mt_keys(state["numpy_words"])
+        raw = state["random_words"]  # int index, then the 624 words
+        words = np.frombuffer(raw, dtype=np.uint32, count=rngmemory.MT_WORDS, offset=4).tolist()
         index = int.from_bytes(raw[:4], sys.byteorder, signed=True)
-        words = tuple(int(w) for w in np.frombuffer(raw, dtype=np.uint32, count=mt, offset=4))
-        random.setstate((int(state["random_version"]), (*words, index), state["random_gauss"]))
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
+        out = {"torch": torch.frombuffer(bytearray(state["torch_bytes"]), dtype=torch.uint8),
+               "numpy": {"name": "MT19937", "keys": keys, "pos": pos, "has_gauss": int(state["numpy_has_gauss"]),
+                         "cached": float(state["numpy_cached"])},
+               "random": [*words, index, int(state["random_version"])], "random_gauss": state["random_gauss"]}
+        if "cuda" in state:
+            out["cuda"] = state["cuda"]
+        return out
