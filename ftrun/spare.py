@@ -38,6 +38,7 @@ import json
 import os
 import runpy
 import sys
+import time
 from typing import Mapping
 
 from .contract import HOT_SPARE, IDENTITY_PAD, IDENTITY_VARS, SPARE_JOB
@@ -246,7 +247,12 @@ def main() -> None:
         _import_libraries()
         job = json.loads(os.environ[SPARE_JOB])
     else:
-        import_at_idle_priority()  # a warm spare's imports are promoted with its assignment
+        started = time.monotonic()
+        idle = import_at_idle_priority()  # a warm spare's imports are promoted with its assignment
+        # Into spares.log: when the spare can take a rank (its imports are the job's one-time
+        # cost on a busy node: scripts/bench.py measures a steady state from this moment on).
+        print(f"ftrun: warm spare (pid {os.getpid()}) ready at {time.time():.3f}: its imports took "
+              f"{time.monotonic() - started:.2f} s{' at idle priority' if idle else ''}", flush=True)
         job = take_assignment(hot=False)
     os.chdir(job["cwd"])
     run_script([str(a) for a in job["argv"]], bool(job["module"]))

@@ -93,6 +93,7 @@ STEP = re.compile(r"step (\d+) loss \S+ time (\d+\.\d+)")
 CPU = re.compile(r"step (\d+) loss \S+ time \d+\.\d+ cpu (\d+\.\d+)")  # word_lm: rank 0's training thread, CPU s
 FINAL = re.compile(r"final step=(\d+) loss=\S+ test_accuracy=(\S+) params_sha256=([0-9a-f]{64})")
 STATE_MB = re.compile(r"state_mb=(\S+)")
+SPARE_READY = re.compile(r"warm spare \(pid \d+\) ready at (\d+\.\d+)")
 LAUNCHERS = ("ftrun", "torchrun")
 PARTS = ("recovery", "scaling-world", "scaling-state", "overhead", "overhead-real", "memory", "transfer", "multinode",
          "nodeloss", "hf")
@@ -167,7 +168,11 @@ class Run:
     exit_codes: list[int] = field(default_factory=list)  # multinode: each node's launcher
     pids: dict[str, Any] = field(default_factory=dict)  # nodeloss: rank pids before the kill and after recovery
     first_epoch_s: float | None = None  # wordlm: the median step of the first epoch (step_s leaves it out)
-    cpu_s: float | None = None  # wordlm: the median CPU time of rank 0's training thread a step, after the first epoch
+    cpu_s: float | None = None  # wordlm: the median CPU time of rank 0's training thread a step, in the steady state
+    # wordlm: the first step of the steady state: after the first epoch, and (ftrun) once its warm spare's imports
+    # ended; a torchrun run takes its ftrun pair's, so both are measured over the same steps
+    steady_from: int | None = None
+    spare_window_s: float | None = None  # wordlm: the median step after the first epoch, before steady_from
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -314,9 +319,10 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
-def run_job(launcher: str, case: Case, timeout: float = 1200) -> Run:
+def run_job(launcher: str, case: Case, timeout: float = 1200, steady_from: int | None = None) -> Run:
     """Run ``case`` under ``launcher`` in a fresh directory, kill ``case.victim`` when rank 0 prints
-    ``case.kill_step``, and measure.
+    ``case.kill_step``, and measure (a fault-free word_lm run: its steady state from ``steady_from``
+    at the earliest, the step its ftrun pair's began at; see :func:`steady_start`).
 
     Raises:
         RuntimeError: the job failed, gave no final line, or the kill did not happen (the message
@@ -324,12 +330,39 @@ def run_job(launcher: str, case: Case, timeout: float = 1200) -> Run:
     """
     workdir = Path(tempfile.mkdtemp(prefix=f"bench-{launcher}-"))
     try:
-        return _run_in(launcher, case, workdir, timeout)
+        return _run_in(launcher, case, workdir, timeout, steady_from)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _run_in(launcher: str, case: Case, workdir: Path, timeout: float) -> Run:
+def warm_spare_ready(workdir: Path) -> float | None:
+    """When ftrun's first warm spare had imported what it imports (its line in ``spares.log``, Unix
+    time), or None (no warm spare, or not ready before the job ended)."""
+    try:
+        match = SPARE_READY.search((workdir / "logs" / "spares.log").read_text())
+    except OSError:
+        return None
+    return float(match.group(1)) if match else None
+
+
+def steady_start(lines: list[tuple[int, float]], per_epoch: int, spare_ready: float | None, launcher: str,
+                 pair_from: int | None) -> int:
+    """The first step of a fault-free run's steady state: after the first epoch (DDP's bucket
+    rebuild, the first optimizer's imports) and, under ftrun, after the first step that began once
+    the warm spare was ready. The spare's imports (about 2.5 s of CPU, at idle priority) are paid
+    once a job; on 2 cores shared by 4 ranks they spill well past the first epoch. A torchrun run
+    starts where its ftrun pair did (``pair_from``), so a pair compares the same steps. Under ftrun
+    with no ready line (``--warm_spares 0``, or the job ended first) the steady state is the
+    first epoch's end, or the last step when a spare was expected but never became ready."""
+    start = per_epoch
+    if launcher == "ftrun" and spare_ready is not None:
+        start = max(start, next((s for s, t in lines if t >= spare_ready), lines[-1][0] if lines else start))
+    if launcher != "ftrun" and pair_from is not None:
+        start = max(start, pair_from)
+    return start
+
+
+def _run_in(launcher: str, case: Case, workdir: Path, timeout: float, steady_from: int | None = None) -> Run:
     cmd, env, script = command(launcher, case, workdir)
     started = time.time()
     proc = subprocess.Popen(cmd, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -383,12 +416,14 @@ def _run_in(launcher: str, case: Case, workdir: Path, timeout: float) -> Run:
               final=final.group(0), peak_rss_mb={k: round(v, 1) for k, v in memory.peaks.items()},
               exit_codes=[proc.returncode])
     if case.kill_step is None and case.workload == "wordlm" and case.steps > 1:
-        # The steady state after the first epoch, which holds the job's one-time costs (ftrun's warm
-        # spare imports torch then, at idle priority; DDP rebuilds its buckets): reported apart.
+        # The steady state, after the job's one-time costs: the first epoch (DDP's bucket rebuild)
+        # and ftrun's warm spare's imports (see steady_start); both reported apart.
         per_epoch = (max(s for s, _ in lines) + 1) // case.steps
-        run.step_s = steady_step_time(lines, warmup=per_epoch)
+        run.steady_from = steady_start(lines, per_epoch, warm_spare_ready(workdir), launcher, steady_from)
+        run.step_s = steady_step_time(lines, warmup=run.steady_from)
         run.first_epoch_s = steady_step_time([x for x in lines if x[0] < per_epoch])
-        run.cpu_s = steady_step_time(cpu_lines, warmup=per_epoch)
+        run.spare_window_s = steady_step_time([x for x in lines if x[0] <= run.steady_from], warmup=per_epoch)
+        run.cpu_s = steady_step_time(cpu_lines, warmup=run.steady_from)
         return run
     if case.kill_step is None:
         run.step_s = steady_step_time(lines)
@@ -886,10 +921,11 @@ def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
     if "overhead-real" in args.parts:
         # pytorch/examples' word language model as ported (issue 20): its own small steps, and larger.
         lines = ("--train-lines", "600" if q else "3000")
-        # Epochs: about 500 small steps and 170 large ones (a large epoch is 22 steps), the first
-        # epoch reported apart from the steady state (see _run_in).
-        parts["overhead-real"] = [Case("wordlm", "small", 4, 2 if q else 4, None, args=lines),
-                                  Case("wordlm", "large", 4, 2 if q else 8, None, args=lines)]
+        # Epochs: about 750 small steps and 260 large ones (a large epoch is 22 steps): the warm
+        # spare's imports end about 3 s into training here (small step 220, large step 80), and the
+        # steady state starts there (steady_start), with several seconds of it left.
+        parts["overhead-real"] = [Case("wordlm", "small", 4, 2 if q else 6, None, args=lines),
+                                  Case("wordlm", "large", 4, 2 if q else 12, None, args=lines)]
     if "memory" in args.parts:
         worlds = [2, 4] if q else [int(w) for w in args.worlds.split(",")]
         parts["memory"] = [Case("charlm", "tiny", w, 30, 15, victim=1, ckpt_every=10, args=charlm_small) for w in worlds]
@@ -937,10 +973,12 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             repeats = args.scaling_repeats
         for repeat in range(repeats):
             for case in cases:
+                pair_from = None  # overhead-real: where the ftrun run's steady state began (see steady_start)
                 for launcher in PART_LAUNCHERS.get(part, LAUNCHERS):
                     print(f"[{part}] {case.label()} {launcher} repeat {repeat + 1}/{repeats} ...", file=sys.stderr, flush=True)
                     try:
-                        run = job(launcher, case)
+                        run = job(launcher, case, steady_from=pair_from) if part == "overhead-real" else job(launcher, case)
+                        pair_from = run.steady_from if launcher == "ftrun" else pair_from
                     except RuntimeError as err:  # keep the rest of the benchmark; the error is in the JSON
                         print(f"    FAILED: {err}", file=sys.stderr, flush=True)
                         results.setdefault("errors", []).append(str(err)[-3000:])
@@ -1150,12 +1188,15 @@ def nodeloss_pid_notes(runs: list[dict[str, Any]]) -> list[str]:
 def overhead_table(runs: list[dict[str, Any]]) -> list[str]:
     """Fault-free step time of ftrun against plain torchrun DDP, ratio pair by pair."""
     out = [f"{'case':<18} {'ftrun_ms':>8} {'torchrun_ms':>11} {'spread_ft':>9} {'spread_tr':>9} {'overhead':>8}"
-           f" {'first_epoch':>11} {'cpu_ft_ms':>9} {'cpu_tr_ms':>9} {'cpu_extra':>9}"]
+           f" {'first_epoch':>11} {'from':>5} {'spare_window':>12} {'cpu_ft_ms':>9} {'cpu_tr_ms':>9} {'cpu_extra':>9}"]
     for key, group in _groups(runs).items():
         ft, tr = [r["step_s"] for r in group["ftrun"]], [r["step_s"] for r in group["torchrun"]]
         ratio = _pair_ratio(group, "step_s", "ftrun", "torchrun")
         first = _pair_ratio(group, "first_epoch_s", "ftrun", "torchrun") if all(
             r.get("first_epoch_s") for rows in group.values() for r in rows) else None
+        window = _pair_ratio(group, "spare_window_s", "ftrun", "torchrun") if all(
+            r.get("spare_window_s") for rows in group.values() for r in rows) else None
+        start = _med([r["steady_from"] for r in group["ftrun"] if r.get("steady_from") is not None])
         cpu = all(r.get("cpu_s") for rows in group.values() for r in rows)
         cpu_ft, cpu_tr = (_med([r["cpu_s"] for r in group[k]]) if cpu else None for k in ("ftrun", "torchrun"))
         cpu_ratio = _pair_ratio(group, "cpu_s", "ftrun", "torchrun") if cpu else None
@@ -1163,6 +1204,8 @@ def overhead_table(runs: list[dict[str, Any]]) -> list[str]:
                    f"{_fmt((_spread(ft) or 0) * 1e3, 2):>9} {_fmt((_spread(tr) or 0) * 1e3, 2):>9} "
                    f"{_fmt((ratio - 1) * 100 if ratio else None, 1) + '%':>8}"
                    f" {(_fmt((first - 1) * 100, 1) + '%') if first else '-':>11}"
+                   f" {_fmt(start, 0) if start is not None else '-':>5}"
+                   f" {(_fmt((window - 1) * 100, 1) + '%') if window else '-':>12}"
                    f" {_fmt(cpu_ft * 1e3, 2) if cpu_ft else '-':>9} {_fmt(cpu_tr * 1e3, 2) if cpu_tr else '-':>9}"
                    f" {(_fmt((cpu_ratio - 1) * 100, 1) + '%') if cpu_ratio else '-':>9}")
     return out
@@ -1233,9 +1276,10 @@ def report(results: dict[str, Any]) -> str:
         lines += overhead_table(parts["overhead"])
     if "overhead-real" in parts:
         lines += ["", "== overhead-real: fault-free step time of examples/word_lm.py (4 ranks) against its plain-DDP "
-                      "twin under torchrun (pairwise median; steady state after the first epoch, the first epoch's "
-                      "own pairwise overhead in first_epoch; cpu_*: rank 0's training thread, CPU ms a step, and "
-                      "ftrun's extra, pairwise)"]
+                      "twin under torchrun (pairwise median; steady state from step `from`: after the first epoch "
+                      "and once ftrun's warm spare had imported torch, the same steps in each pair; the first "
+                      "epoch's own pairwise overhead in first_epoch, the steps between it and `from` in "
+                      "spare_window; cpu_*: rank 0's training thread, CPU ms a step, and ftrun's extra, pairwise)"]
         lines += overhead_table(parts["overhead-real"])
     if results.get("transfer"):
         lines += ["", "== transfer: ftrun.transfer between two otherwise idle processes over gloo, no training "

@@ -6,9 +6,11 @@ was promoted to a failed rank's identity; a spare still waiting shows none."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import digits_job as dj
@@ -148,3 +150,18 @@ def test_a_warm_spare_imports_what_the_first_optimizer_would() -> None:
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=dj.env())
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[0] == "['ftrun.worker', 'numpy', 'torch', 'torch._dynamo', 'torch.distributed']", done.stdout
+
+
+def test_a_warm_spare_says_when_it_is_ready() -> None:
+    """A warm spare's imports are a job's one-time cost: it says in ``spares.log`` (its output)
+    when they ended, as a Unix time (``scripts/bench.py`` starts its steady state there), and a
+    spare whose input closes without an assignment exits 0."""
+    started = time.time()
+    done = subprocess.run([sys.executable, "-u", "-m", "ftrun.spare"], input=b"", capture_output=True, timeout=120,
+                          env=dj.env())
+    ended = time.time()
+    assert done.returncode == 0, done.stderr[-2000:]
+    match = re.search(rb"ftrun: warm spare \(pid (\d+)\) ready at (\d+\.\d+): its imports took (\d+\.\d+) s", done.stdout)
+    assert match, done.stdout[-2000:]
+    assert started <= float(match.group(2)) <= ended
+    assert 0 < float(match.group(3)) <= ended - started
