@@ -10,9 +10,11 @@ manifest once every shard is in; every attempt starts from the newest complete c
 from __future__ import annotations
 
 import logging
+import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .. import checkpoint as ckpt
 from ..events import EventKind
@@ -39,6 +41,25 @@ class DyingGasp:
     writers: dict[int, int] = field(default_factory=dict)  # shard -> rank
     saved: dict[int, Message] = field(default_factory=dict)  # shard -> its SAVED report
     failed: str | None = None  # a writer's error
+
+
+def job_command(spec: Any) -> dict[str, Any]:
+    """The command a job's checkpoints are written by, kept in each manifest's ``extra``: the
+    script (or module, or program) as given and its arguments."""
+    return {"script": str(spec.script), "module": bool(spec.module), "args": [str(a) for a in spec.script_args]}
+
+
+def program(command: Mapping[str, Any]) -> tuple[bool, str]:
+    """What a recorded command runs: a module's name, or a script's file name (the same script
+    given by another path, from another directory, is the same program)."""
+    script = str(command.get("script", ""))
+    return (True, script) if command.get("module") else (False, os.path.basename(script))
+
+
+def command_line(command: Mapping[str, Any]) -> str:
+    """A recorded command as one line (``-m module args`` or ``script args``)."""
+    head = ["-m", str(command.get("script", ""))] if command.get("module") else [str(command.get("script", ""))]
+    return shlex.join(head + [str(a) for a in command.get("args") or []])
 
 
 class Checkpoints:
@@ -79,12 +100,37 @@ class Checkpoints:
         if manifest is not None and manifest.world_size != spec.worker_num:
             skipped(manifest.directory, f"written by {manifest.world_size} ranks, this job has {spec.worker_num}")
             manifest = None
+        if manifest is not None and attempt == 0 and choice == "auto":
+            manifest = self._own(manifest, skipped)
         if manifest is not None:
             job.emit(EventKind.RESUMED,
                      f"starting from checkpoint {manifest.directory} (step {manifest.step}; training resumes at step {manifest.step + 1})",
                      path=str(manifest.directory), step=manifest.step)
         self.resume_from = manifest
         self.pending_saves.clear()
+        return manifest
+
+    def _own(self, manifest: ckpt.Manifest, skipped: ckpt.OnSkip) -> ckpt.Manifest | None:
+        """``manifest`` if ``--resume auto`` may start from it: a checkpoint another program wrote
+        (the command its manifest names runs another script or module) is skipped, and one this
+        program wrote with other arguments is used with a warning naming them (a longer run
+        resumed is what a user rerunning with more epochs means; a checkpoint past the end of a
+        shorter run is not, and the warning says why its loop then runs no step). A manifest that
+        names no command (written by an older ftrun, or by the ranks after the supervisor died)
+        is used as before."""
+        recorded, ours = manifest.extra.get("command"), job_command(self.job.spec)
+        if not isinstance(recorded, dict):
+            return manifest
+        theirs = command_line(recorded)
+        if program(recorded) != program(ours):
+            skipped(manifest.directory, f"written by another program ({theirs}) than this job's ({command_line(ours)}); "
+                                        f"give --resume {manifest.directory} to start from it anyway")
+            return None
+        if list(recorded.get("args") or []) != ours["args"]:
+            self.job.emit(EventKind.WARNING,
+                          f"checkpoint {manifest.directory} (step {manifest.step}) was written by `{theirs}`, this job runs "
+                          f"`{command_line(ours)}`: resuming from it all the same (--resume none starts afresh)",
+                          path=str(manifest.directory), command=theirs)
         return manifest
 
     def unusable(self) -> tuple[Path, str] | None:
@@ -127,6 +173,7 @@ class Checkpoints:
             ckpt.write_manifest(
                 directory, step, spec.worker_num, groups, {k: m["info"] for k, m in saves.items()},
                 reason=reason, torch_version=next(iter(saves.values()))["torch_version"],
+                extra={"command": job_command(spec)},
             )
             removed = ckpt.prune(self.root, spec.keep_checkpoints) if spec.keep_checkpoints else []
         except (OSError, ckpt.CheckpointError) as err:
