@@ -91,9 +91,18 @@ def test_a_manifest_without_a_command_resumes_as_before(tmp_path: Path) -> None:
     assert [kind for kind, _ in job.events] == ["resumed"], job.events
 
 
-def test_an_explicit_path_and_a_whole_job_restart_are_not_checked(tmp_path: Path) -> None:
+def test_an_explicit_path_is_not_checked_and_a_restart_keeps_to_it(tmp_path: Path) -> None:
     written = _write(tmp_path / "ckpt", 40, {"script": "other.py", "module": False, "args": []})
-    keeper, _ = _keeper(tmp_path, "train.py", resume=str(written))
-    assert keeper.choose(0) is not None  # the user named it
-    keeper, _ = _keeper(tmp_path, "train.py")
-    assert keeper.choose(1) is not None  # a later attempt of this job: its own checkpoints by then
+    keeper, job = _keeper(tmp_path, "train.py", resume=str(written))
+    assert keeper.choose(0).directory == written  # the user named it
+    assert keeper.choose(1).directory == written  # a whole-job restart: the newest is still the one named
+    assert [kind for kind, _ in job.events] == ["resumed", "resumed"], job.events
+
+
+def test_a_whole_job_restart_does_not_take_another_program_s_checkpoint_either(tmp_path: Path) -> None:
+    _write(tmp_path / "ckpt", 40, {"script": "other.py", "module": False, "args": []})
+    keeper, job = _keeper(tmp_path, "train.py")
+    assert keeper.choose(0) is None
+    assert keeper.choose(1) is None  # seen: the first attempt failed and its restart resumed the other's
+    own = _write(tmp_path / "ckpt", 50, job_command(job.spec))  # a dying gasp of this job
+    assert keeper.choose(2).directory == own

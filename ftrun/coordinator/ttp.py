@@ -100,8 +100,11 @@ class Checkpoints:
         if manifest is not None and manifest.world_size != spec.worker_num:
             skipped(manifest.directory, f"written by {manifest.world_size} ranks, this job has {spec.worker_num}")
             manifest = None
-        if manifest is not None and attempt == 0 and choice == "auto":
-            manifest = self._own(manifest, skipped)
+        # Another program's checkpoint is not resumed unasked: at the first attempt under 'auto', and
+        # at a whole-job restart unless it is the one the first attempt started from.
+        if manifest is not None and (choice == "auto" if attempt == 0 else
+                                     self.resume_from is None or manifest.directory != self.resume_from.directory):
+            manifest = self._own(manifest, skipped) or (self.resume_from if attempt > 0 else None)
         if manifest is not None:
             job.emit(EventKind.RESUMED,
                      f"starting from checkpoint {manifest.directory} (step {manifest.step}; training resumes at step {manifest.step + 1})",
