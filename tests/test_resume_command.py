@@ -104,5 +104,7 @@ def test_a_whole_job_restart_does_not_take_another_program_s_checkpoint_either(t
     keeper, job = _keeper(tmp_path, "train.py")
     assert keeper.choose(0) is None
     assert keeper.choose(1) is None  # seen: the first attempt failed and its restart resumed the other's
+    assert keeper.resume_hint() == ""  # the failure summary does not offer it either
     own = _write(tmp_path / "ckpt", 50, job_command(job.spec))  # a dying gasp of this job
     assert keeper.choose(2).directory == own
+    assert keeper.resume_hint() == f"; newest checkpoint: step 50 in {own} (the same command resumes from it)"

@@ -194,8 +194,9 @@ class Checkpoints:
         if not self.job.spec.tft.ttp:
             return ""
         newest = ckpt.find_latest(self.root, on_skip=lambda *_: None, checksums=False)
-        if newest is None:
-            return ""
+        recorded = newest.extra.get("command") if newest is not None else None
+        if newest is None or (isinstance(recorded, dict) and program(recorded) != program(job_command(self.job.spec))):
+            return ""  # none, or another program's: the same command would not resume from it
         return f"; newest checkpoint: step {newest.step} in {newest.directory} (the same command resumes from it)"
 
     def dying_gasp(self, reason: str) -> None:
