@@ -121,11 +121,11 @@ class Checkpoints:
         shorter run is not, and the warning says why its loop then runs no step). A manifest that
         names no command (written by an older ftrun, or by the ranks after the supervisor died)
         is used as before."""
-        recorded, ours = manifest.extra.get("command"), job_command(self.job.spec)
-        if not isinstance(recorded, dict):
+        recorded, ours = self._command_of(manifest), job_command(self.job.spec)
+        if recorded is None:
             return manifest
         theirs = command_line(recorded)
-        if program(recorded) != program(ours):
+        if self._another_program(manifest):
             skipped(manifest.directory, f"written by another program ({theirs}) than this job's ({command_line(ours)}); "
                                         f"give --resume {manifest.directory} to start from it anyway")
             return None
@@ -135,6 +135,17 @@ class Checkpoints:
                           f"`{command_line(ours)}`: resuming from it all the same (--resume none starts afresh)",
                           path=str(manifest.directory), command=theirs)
         return manifest
+
+    @staticmethod
+    def _command_of(manifest: ckpt.Manifest) -> dict[str, Any] | None:
+        """The command ``manifest`` names (:func:`job_command`), or None where it names none."""
+        recorded = manifest.extra.get("command")
+        return recorded if isinstance(recorded, dict) else None
+
+    def _another_program(self, manifest: ckpt.Manifest) -> bool:
+        """Whether ``manifest`` names a command that runs another program than this job's."""
+        recorded = self._command_of(manifest)
+        return recorded is not None and program(recorded) != program(job_command(self.job.spec))
 
     def unusable(self) -> tuple[Path, str] | None:
         """(file, problem) when a rank found that the checkpoint this attempt started from does not
@@ -194,8 +205,7 @@ class Checkpoints:
         if not self.job.spec.tft.ttp:
             return ""
         newest = ckpt.find_latest(self.root, on_skip=lambda *_: None, checksums=False)
-        recorded = newest.extra.get("command") if newest is not None else None
-        if newest is None or (isinstance(recorded, dict) and program(recorded) != program(job_command(self.job.spec))):
+        if newest is None or self._another_program(newest):
             return ""  # none, or another program's: the same command would not resume from it
         return f"; newest checkpoint: step {newest.step} in {newest.directory} (the same command resumes from it)"
 
