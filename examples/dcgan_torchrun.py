@@ -1,0 +1,262 @@
+"""pytorch/examples' dcgan/main.py in data-parallel form under plain torchrun (the twin of dcgan.py).
+
+    torchrun --nproc_per_node 4 examples/dcgan_torchrun.py
+
+The upstream script (its Generator and Discriminator with BatchNorm, weights_init, two Adam
+optimizers, the three backward passes of a step: D on real images, D on ``fake.detach()``, G
+through D; ``optimizerD.step()`` then ``optimizerG.step()``) with what data parallelism needs: a
+gloo process group, a DistributedSampler with set_epoch instead of ``shuffle=True``, both nets in
+DistributedDataParallel (whose ``broadcast_buffers`` sends rank 0's BatchNorm buffers before every
+forward). Also changed from upstream:
+
+- data: no torchvision, no download: seeded random 3x64x64 images in [-1, 1] (dcgan_data.py,
+  ``--nimages``) instead of ``--dataset``/``--dataroot``/``--classes``;
+- small defaults so a run is cheap on a CPU (``--ngf 8 --ndf 8 --nz 16 --batchSize 4 --niter 3
+  --workers 0``, 128 images: 8 steps an epoch on 4 ranks);
+- ``--manualSeed`` defaults to 1 (upstream: random), and after the nets are built each rank
+  reseeds with ``manualSeed + rank``, so each draws its own noise (the nets start from rank 0's
+  weights, as DDP broadcasts them);
+- torchvision's sample images (and their ``fixed_noise``) are dropped; the per-epoch checkpoints
+  are written by rank 0, only with ``--outf``; the per-step line is printed by rank 0;
+- rank 0 prints the final line ``final step=<n> loss=<Loss_D> test_accuracy=n/a params_sha256=<digest>``
+  (SHA-256 of netG's then netD's parameters and buffers, dcgan_data.final_line).
+"""
+from __future__ import print_function
+import argparse
+import os
+import random
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.parallel
+import torch.backends.cudnn as cudnn
+import torch.optim as optim
+import torch.utils.data
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data.distributed import DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dcgan_data  # noqa: E402
+
+
+parser = argparse.ArgumentParser()
+parser.add_argument('--nimages', type=int, default=128, help='number of synthetic training images')
+parser.add_argument('--workers', type=int, help='number of data loading workers', default=0)
+parser.add_argument('--batchSize', type=int, default=4, help='input batch size, per rank')
+parser.add_argument('--imageSize', type=int, default=64, help='the height / width of the input image to network')
+parser.add_argument('--nz', type=int, default=16, help='size of the latent z vector')
+parser.add_argument('--ngf', type=int, default=8, help='number of generator filters')
+parser.add_argument('--ndf', type=int, default=8, help='number of discriminator filters')
+parser.add_argument('--niter', type=int, default=3, help='number of epochs to train for')
+parser.add_argument('--lr', type=float, default=0.0002, help='learning rate, default=0.0002')
+parser.add_argument('--beta1', type=float, default=0.5, help='beta1 for adam. default=0.5')
+parser.add_argument('--dry-run', action='store_true', help='check a single training cycle works')
+parser.add_argument('--ngpu', type=int, default=1, help='number of GPUs to use')
+parser.add_argument('--netG', default='', help="path to netG (to continue training)")
+parser.add_argument('--netD', default='', help="path to netD (to continue training)")
+parser.add_argument('--outf', default=None, help='folder to output model checkpoints (default: none written)')
+parser.add_argument('--manualSeed', type=int, default=1, help='manual seed')
+parser.add_argument('--accel', action='store_true', default=False, help='enables accelerator')
+
+opt = parser.parse_args()
+print(opt)
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
+
+dist.init_process_group("gloo")
+
+if opt.outf is not None:
+    os.makedirs(opt.outf, exist_ok=True)
+
+print("Random Seed: ", opt.manualSeed)
+random.seed(opt.manualSeed)
+torch.manual_seed(opt.manualSeed)
+
+cudnn.benchmark = True
+
+if opt.accel and torch.accelerator.is_available():
+    device = torch.accelerator.current_accelerator()
+else:
+    device = torch.device("cpu")
+
+print(f"Using device: {device}")
+
+dataset = dcgan_data.dataset(opt.nimages, opt.imageSize, opt.manualSeed)
+nc=3
+
+sampler = DistributedSampler(dataset, seed=opt.manualSeed)
+dataloader = torch.utils.data.DataLoader(dataset, batch_size=opt.batchSize,
+                                         sampler=sampler, num_workers=int(opt.workers))
+
+ngpu = int(opt.ngpu)
+nz = int(opt.nz)
+ngf = int(opt.ngf)
+ndf = int(opt.ndf)
+
+
+# custom weights initialization called on netG and netD
+def weights_init(m):
+    classname = m.__class__.__name__
+    if classname.find('Conv') != -1:
+        torch.nn.init.normal_(m.weight, 0.0, 0.02)
+    elif classname.find('BatchNorm') != -1:
+        torch.nn.init.normal_(m.weight, 1.0, 0.02)
+        torch.nn.init.zeros_(m.bias)
+
+
+class Generator(nn.Module):
+    def __init__(self, ngpu):
+        super(Generator, self).__init__()
+        self.ngpu = ngpu
+        self.main = nn.Sequential(
+            # input is Z, going into a convolution
+            nn.ConvTranspose2d(     nz, ngf * 8, 4, 1, 0, bias=False),
+            nn.BatchNorm2d(ngf * 8),
+            nn.ReLU(True),
+            # state size. (ngf*8) x 4 x 4
+            nn.ConvTranspose2d(ngf * 8, ngf * 4, 4, 2, 1, bias=False),
+            nn.BatchNorm2d(ngf * 4),
+            nn.ReLU(True),
+            # state size. (ngf*4) x 8 x 8
+            nn.ConvTranspose2d(ngf * 4, ngf * 2, 4, 2, 1, bias=False),
+            nn.BatchNorm2d(ngf * 2),
+            nn.ReLU(True),
+            # state size. (ngf*2) x 16 x 16
+            nn.ConvTranspose2d(ngf * 2,     ngf, 4, 2, 1, bias=False),
+            nn.BatchNorm2d(ngf),
+            nn.ReLU(True),
+            # state size. (ngf) x 32 x 32
+            nn.ConvTranspose2d(    ngf,      nc, 4, 2, 1, bias=False),
+            nn.Tanh()
+            # state size. (nc) x 64 x 64
+        )
+
+    def forward(self, input):
+
+        if (input.is_cuda or input.is_xpu) and self.ngpu > 1:
+            output = nn.parallel.data_parallel(self.main, input, range(self.ngpu))
+        else:
+            output = self.main(input)
+        return output
+
+
+netG = Generator(ngpu).to(device)
+netG.apply(weights_init)
+if opt.netG != '':
+    netG.load_state_dict(torch.load(opt.netG))
+print(netG)
+netG = DistributedDataParallel(netG)
+
+
+class Discriminator(nn.Module):
+    def __init__(self, ngpu):
+        super(Discriminator, self).__init__()
+        self.ngpu = ngpu
+        self.main = nn.Sequential(
+            # input is (nc) x 64 x 64
+            nn.Conv2d(nc, ndf, 4, 2, 1, bias=False),
+            nn.LeakyReLU(0.2, inplace=True),
+            # state size. (ndf) x 32 x 32
+            nn.Conv2d(ndf, ndf * 2, 4, 2, 1, bias=False),
+            nn.BatchNorm2d(ndf * 2),
+            nn.LeakyReLU(0.2, inplace=True),
+            # state size. (ndf*2) x 16 x 16
+            nn.Conv2d(ndf * 2, ndf * 4, 4, 2, 1, bias=False),
+            nn.BatchNorm2d(ndf * 4),
+            nn.LeakyReLU(0.2, inplace=True),
+            # state size. (ndf*4) x 8 x 8
+            nn.Conv2d(ndf * 4, ndf * 8, 4, 2, 1, bias=False),
+            nn.BatchNorm2d(ndf * 8),
+            nn.LeakyReLU(0.2, inplace=True),
+            # state size. (ndf*8) x 4 x 4
+            nn.Conv2d(ndf * 8, 1, 4, 1, 0, bias=False),
+            nn.Sigmoid()
+        )
+
+    def forward(self, input):
+        if (input.is_cuda or input.is_xpu) and self.ngpu > 1:
+            output = nn.parallel.data_parallel(self.main, input, range(self.ngpu))
+        else:
+            output = self.main(input)
+
+        return output.view(-1, 1).squeeze(1)
+
+
+netD = Discriminator(ngpu).to(device)
+netD.apply(weights_init)
+if opt.netD != '':
+    netD.load_state_dict(torch.load(opt.netD))
+print(netD)
+netD = DistributedDataParallel(netD)
+
+criterion = nn.BCELoss()
+
+torch.manual_seed(opt.manualSeed + dist.get_rank())  # each rank draws its own noise
+real_label = 1
+fake_label = 0
+
+# setup optimizer
+optimizerD = optim.Adam(netD.parameters(), lr=opt.lr, betas=(opt.beta1, 0.999))
+optimizerG = optim.Adam(netG.parameters(), lr=opt.lr, betas=(opt.beta1, 0.999))
+
+if opt.dry_run:
+    opt.niter = 1
+
+for epoch in range(opt.niter):
+    sampler.set_epoch(epoch)
+    for i, data in enumerate(dataloader, 0):
+        ############################
+        # (1) Update D network: maximize log(D(x)) + log(1 - D(G(z)))
+        ###########################
+        # train with real
+        netD.zero_grad()
+        real_cpu = data[0].to(device)
+        batch_size = real_cpu.size(0)
+        label = torch.full((batch_size,), real_label,
+                           dtype=real_cpu.dtype, device=device)
+
+        output = netD(real_cpu)
+        errD_real = criterion(output, label)
+        errD_real.backward()
+        D_x = output.mean().item()
+
+        # train with fake
+        noise = torch.randn(batch_size, nz, 1, 1, device=device)
+        fake = netG(noise)
+        label.fill_(fake_label)
+        output = netD(fake.detach())
+        errD_fake = criterion(output, label)
+        errD_fake.backward()
+        D_G_z1 = output.mean().item()
+        errD = errD_real + errD_fake
+        optimizerD.step()
+
+        ############################
+        # (2) Update G network: maximize log(D(G(z)))
+        ###########################
+        netG.zero_grad()
+        label.fill_(real_label)  # fake labels are real for generator cost
+        output = netD(fake)
+        errG = criterion(output, label)
+        errG.backward()
+        D_G_z2 = output.mean().item()
+        optimizerG.step()
+
+        if dist.get_rank() == 0:
+            print('[%d/%d][%d/%d] Loss_D: %.4f Loss_G: %.4f D(x): %.4f D(G(z)): %.4f / %.4f'
+                  % (epoch, opt.niter, i, len(dataloader),
+                     errD.item(), errG.item(), D_x, D_G_z1, D_G_z2), flush=True)
+
+        if opt.dry_run:
+            break
+    # do checkpointing
+    if opt.outf is not None and dist.get_rank() == 0:
+        torch.save(netG.module.state_dict(), '%s/netG_epoch_%d.pth' % (opt.outf, epoch))
+        torch.save(netD.module.state_dict(), '%s/netD_epoch_%d.pth' % (opt.outf, epoch))
+
+if dist.get_rank() == 0:
+    print(dcgan_data.final_line(opt.niter * len(dataloader), errD.item(), netG.module, netD.module), flush=True)
+dist.destroy_process_group()
