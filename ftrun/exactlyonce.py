@@ -4,12 +4,14 @@ job's store for a successor.
 A run with faults must end bitwise equal to the run without. Two fingerprints check that, as it
 happens (:mod:`ftrun.digest`):
 
-- *the local gradient*: at every synced backward the rank fingerprints its local gradient; a
-  step computed again (a retried step, or the step a respawned rank's predecessor computed) must
-  give the same. A difference means state outside what ftrun restores (an unregistered carried
-  tensor, a module-level variable, a random generator of the script's own).
+- *the local gradient*: at every synced backward pass the rank fingerprints its local gradient,
+  keyed by (step, backward pass within the step: a GAN's step has three); a step computed again
+  (a retried step, or the step a respawned rank's predecessor computed) must give the same, pass
+  by pass. A difference means state outside what ftrun restores (an unregistered model or
+  carried tensor, a module-level variable, a random generator of the script's own).
 - *the replicas' parameters*: after a recovery's transfers every rank compares a fingerprint of
-  its parameters with the lowest rank's of its replica group.
+  the parameters of every registered model, and of their buffers that never changed (the others,
+  BatchNorm's statistics, are each rank's own), with the lowest rank's of its replica group.
 
 A difference is a ``divergence`` event; under ``--on_divergence fail`` the step is held back and
 the coordinator stops the job. The rank records (:mod:`ftrun.rankstate`) are this rank's own state
@@ -65,7 +67,12 @@ class ExactlyOnceChecks:
         self.seed = seed
         self.on_divergence = on_divergence
         self.divergences: list[tuple[int, str, str]] = []  # (step, check, reason)
-        self.local_gradient: tuple[int, str] | None = None  # (step, fingerprint) of the step last computed
+        # The fingerprints of the local gradient of each synced backward pass of the current try
+        # of a step: (step, generation it ran in, [fingerprint of pass 1, pass 2, ...]).
+        self.computed: tuple[int, int, list[str]] | None = None
+        # What the passes of the current step must give, if it was computed before:
+        # (step, [fingerprints by pass], who computed them).
+        self.expected: tuple[int, list[str], str] | None = None
         self.rank_states: Any = None  # ftrun.rankstate.RankStateStore, once records are kept
         self._store_moves = 0  # the group's store_moves when rank_states was made
         self.rank = -1
@@ -111,9 +118,11 @@ class ExactlyOnceChecks:
             self.rank_states.put_encoded(committed, own, mid_pass=mid_pass)
 
     def _gradient_of(self, step: int) -> str | None:
-        """The fingerprint of this rank's local gradient of ``step``, if it computed one: every
-        record labelled ``step`` carries it, for a successor that recomputes the step."""
-        return self.local_gradient[1] if self.local_gradient is not None and self.local_gradient[0] == step else None
+        """The fingerprints of this rank's local gradient of ``step``'s passes, comma-separated,
+        if it computed any: every record labelled ``step`` carries them, for a successor that
+        recomputes the step."""
+        computed = self.computed
+        return ",".join(computed[2]) if computed is not None and computed[0] == step and computed[2] else None
 
     def record_provisional(self) -> None:
         """When the step's synced backward starts (its first gradient is ready; before any bucket
@@ -166,44 +175,67 @@ class ExactlyOnceChecks:
             self.registry.load(record.state, kinds=("rank",))
 
     # ------------------------------------------------------------------ fingerprints
+    def _passes(self) -> list[str]:
+        """The fingerprints of the current try's passes so far (a list this rank appends to).
+        A try is a step in one generation: a retried step runs after a recovery, in a newer one;
+        the passes of its earlier try become what this try must give."""
+        step, generation = self.progress.current_step, self.progress.generation
+        computed = self.computed
+        if computed is not None and computed[0] == step and computed[1] == generation:
+            return computed[2]
+        expected = self.expected if self.expected is not None and self.expected[0] == step else None
+        if computed is not None and computed[0] == step and computed[2]:
+            if expected is None or len(computed[2]) >= len(expected[1]):
+                expected = (step, list(computed[2]), "its previous try")
+        predecessor = self.recovery.predecessor_gradient
+        if expected is None and predecessor is not None and predecessor[0] == step:
+            expected = (step, predecessor[1].split(","), "its predecessor (the process this one replaced)")
+        if predecessor is not None and step is not None and predecessor[0] <= step:
+            self.recovery.predecessor_gradient = None
+        self.expected = expected
+        self.computed = (step, generation, [])  # type: ignore[arg-type]
+        return self.computed[2]
+
     def expected_gradient(self) -> tuple[str, str] | None:
-        """What the current step's local gradient must be, if this rank computed it before:
-        (fingerprint, who computed it: "its previous try" or "its predecessor")."""
-        step = self.progress.current_step
-        if step is None:
+        """What the current step's next backward pass must give, if this rank or its predecessor
+        computed that pass before: (fingerprint, who computed it: "its previous try" or "its
+        predecessor")."""
+        if self.progress.current_step is None:
             return None
-        if self.local_gradient is not None and self.local_gradient[0] == step:
-            return self.local_gradient[1], "its previous try"
-        before = self.recovery.predecessor_gradient
-        if before is not None and before[0] == step:
-            return before[1], "its predecessor (the process this one replaced)"
-        return None
+        index = len(self._passes())
+        expected = self.expected
+        if expected is None or index >= len(expected[1]):
+            return None
+        return expected[1][index], expected[2]
 
     def holds_for_check(self) -> bool:
-        """Whether the reducer must hold the step's all-reduce until the local gradient is checked."""
+        """Whether the reducer must hold the pass's all-reduce until the local gradient is checked."""
         return self.on_divergence == "fail" and self.expected_gradient() is not None
 
     def check_local_gradient(self, digest: str) -> bool:
-        """At each synced backward, before its last bucket leaves (:class:`ftrun.reducer.GradientReducer`):
-        keep the fingerprint of the local gradient of the step (in memory, and in the job's store
-        once the last bucket has left, :meth:`record_gradient`, for a respawned successor) and,
-        if the step was computed before, compare. A difference means state outside what ftrun
-        restores; it is reported (a ``divergence`` event). Returns
-        False only under ``--on_divergence fail``: the step is then held back (never
-        communicated) until the coordinator's abort for the dying gasp arrives."""
+        """At each synced backward pass, before its last bucket leaves
+        (:class:`ftrun.reducer.GradientReducer`): keep the fingerprint of the pass's local
+        gradient (in memory, and in the job's store once the last bucket has left,
+        :meth:`record_gradient`, for a respawned successor) and, if the step was computed before,
+        compare it with the same pass's. A difference means state outside what ftrun restores; it
+        is reported (a ``divergence`` event). Passes are counted within a try of a step (each
+        wrapped model's reducer is one pass: a backward through two models is two), so a second
+        backward of a step is never taken for the step computed again. Returns False only under
+        ``--on_divergence fail``: the pass is then held back (never communicated) until the
+        coordinator's abort for the dying gasp arrives."""
         step = self.progress.current_step
         if step is None:
             return True
         expected = self.expected_gradient()
-        self.local_gradient = (step, digest)
-        if self.recovery.predecessor_gradient is not None and self.recovery.predecessor_gradient[0] <= step:
-            self.recovery.predecessor_gradient = None
+        passes = self._passes()
+        passes.append(digest)
         if expected is None or expected[0] == digest:
             return True
-        reason = (f"step {step} computed again gave another local gradient than {expected[1]} "
-                  f"(fingerprint {digest[:12]} != {expected[0][:12]}): the script carries state ftrun does not restore "
-                  "(an unregistered carried tensor, a module-level variable, a random generator "
-                  "of its own); register it (README: Porting a script)")
+        reason = (f"step {step} computed again gave another local gradient in its backward pass {len(passes)} than "
+                  f"{expected[1]} (fingerprint {digest[:12]} != {expected[0][:12]}): the script carries state ftrun does not "
+                  "restore (a model or optimizer not given to ft.wrap_model / ft.wrap_optimizer, an unregistered "
+                  "carried tensor, a module-level variable, a random generator of its own); register it (README: "
+                  "Porting a script)")
         return self.report_divergence(step, "gradient", reason)
 
     def report_divergence(self, step: int, check: str, reason: str, hold: bool = True) -> bool:
@@ -223,19 +255,35 @@ class ExactlyOnceChecks:
 
     def compare_replicas(self, step: int) -> bool:
         """After a recovery's transfers (:class:`ftrun.recovery.Recovery`), on every rank of the new
-        generation: all-gather a fingerprint of the parameters and compare it with the lowest
-        rank's of this rank's replica group; a difference (a transfer that went wrong, a replica
-        that diverged) is reported as a ``divergence``. False if the collective failed (the
-        recovery then goes on as after a failed transfer)."""
+        generation: all-gather fingerprints of the registered models' parameters (one per model)
+        and buffers (one per buffer, with whether it changed since the model was wrapped) and
+        compare them with the lowest rank's of this rank's replica group; a difference (a transfer
+        that went wrong, a replica that diverged) is reported as a ``divergence`` naming the model
+        or buffer. A buffer is compared where it never changed on either rank (BatchNorm's
+        statistics are each rank's own: :class:`ftrun.transaction.ModuleBuffers`). False if the
+        collective failed (the recovery then goes on as after a failed transfer)."""
         if self.world_size == 1:
             return True
         from .digest import fingerprint
 
-        params = [p for name, obj in self.registry.items()
-                  if self.registry.kinds[name] == "committed" and isinstance(obj, torch.nn.Module) for p in obj.parameters()]
-        raw = bytes.fromhex(fingerprint(params))
-        mine = torch.tensor([int.from_bytes(raw[:8], "little", signed=True), int.from_bytes(raw[8:16], "little", signed=True)],
-                            dtype=torch.int64, device=self.device)
+        names: list[str] = []
+        words: list[int] = []  # per entry: two words of its fingerprint and a flag (1: compare it)
+
+        def add(name: str, tensors: list[torch.Tensor], compare: bool) -> None:
+            raw = bytes.fromhex(fingerprint(tensors))
+            names.append(name)
+            words.extend([int.from_bytes(raw[:8], "little", signed=True), int.from_bytes(raw[8:16], "little", signed=True),
+                          int(compare)])
+
+        buffers_of = {id(b.module): b for b in self.registry.module_buffers()}
+        for name, module in self.registry.modules():
+            add(f"{name} (parameters)", list(module.parameters()), True)
+            buffers = buffers_of.get(id(module))
+            if buffers is not None:
+                constant = {n for n, _ in buffers.constant()}
+                for bname, b in module.named_buffers():
+                    add(f"{name}.{bname} (buffer)", [b], bname in constant)
+        mine = torch.tensor(words, dtype=torch.int64, device=self.device)
         gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
         failure = None
         try:
@@ -246,8 +294,13 @@ class ExactlyOnceChecks:
             print(f"ftrun: rank {self.rank}: comparing parameters with its replicas failed: {failure}", file=sys.stderr, flush=True)
             return False
         reference = min(self.replica_group)
-        if reference != self.rank and not torch.equal(gathered[reference], mine):
+        if reference == self.rank:
+            return True
+        theirs = gathered[reference].view(-1, 3).tolist()
+        differ = [name for name, a, b in zip(names, mine.view(-1, 3).tolist(), theirs) if a[2] and b[2] and a[:2] != b[:2]]
+        if differ:
             self.report_divergence(step, "replica_parameters",
-                                   f"after the recovery to step {step} its parameters differ from rank {reference}'s, "
-                                   "a replica's (a transfer that went wrong, or replicas that diverged before)", hold=False)
+                                   f"after the recovery to step {step} its state differs from rank {reference}'s, a "
+                                   f"replica's, in {', '.join(differ[:3])}{' ...' if len(differ) > 3 else ''} (a transfer "
+                                   "that went wrong, or replicas that diverged before)", hold=False)
         return True

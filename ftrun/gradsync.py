@@ -25,6 +25,7 @@ from .exactlyonce import ExactlyOnceChecks
 from .faults import FaultInjector
 from .group import TrainingGroup
 from .recovery import RankProgress
+from .transaction import StepTransaction
 from .reducer import (BUCKET_CAP_BYTES, BucketLayout, GradientReducer, all_reduce_in_buckets, broadcast_buffers,
                       broadcast_module, local_gradients_hook, one_rank_group)
 from .workerstate import Phase, WorkerState
@@ -46,6 +47,7 @@ class GradientSync:
         record_error: records a failed collective (outside any ``except`` block) and drops the group.
         repair_in_place: ``repair_in_place(error, drop)``: repairs a recoverable error (UCE).
         is_recoverable: whether an exception is repaired in place.
+        transaction: the step as a transaction over its updates (:class:`ftrun.transaction.StepTransaction`).
 
     Attributes:
         faults: the fault injector (set when the rank is bound).
@@ -56,7 +58,7 @@ class GradientSync:
     def __init__(self, world_size: int, pg_timeout: float, state: WorkerState, progress: RankProgress,
                  group: TrainingGroup, control: Any, checks: ExactlyOnceChecks, send: Callable[..., None],
                  record_error: Callable[[str], None], repair_in_place: Callable[[str, bool], None],
-                 is_recoverable: Callable[[BaseException], bool]) -> None:
+                 is_recoverable: Callable[[BaseException], bool], transaction: StepTransaction) -> None:
         self.world_size = world_size
         self.pg_timeout = pg_timeout
         self.state = state
@@ -68,6 +70,7 @@ class GradientSync:
         self.record_error = record_error
         self.repair_in_place = repair_in_place
         self.is_recoverable = is_recoverable
+        self.transaction = transaction
         self.faults = FaultInjector([], -1, -1, -1)
         self.in_collective = False
         self.waiting = threading.Event()
@@ -104,12 +107,13 @@ class GradientSync:
             on_local_gradient=self.checks.check_local_gradient if check_gradients else None,
             hold_for_check=self.checks.holds_for_check,
             layout=layout,
-            at_pass_start=self.checks.record_provisional,
+            at_pass_start=self._at_pass_start,
             after_last_bucket=self.checks.record_gradient,
         )
         self.reducers.append(reducer)
         if not ddp:
             reducer.attach()
+            model.register_forward_pre_hook(lambda _module, _args: reducer.on_forward() if torch.is_grad_enabled() else None)
             return model
         from torch.nn.parallel import DistributedDataParallel
 
@@ -125,6 +129,8 @@ class GradientSync:
         def before_forward(module: Any, _args: Any) -> None:
             # DDP's no_sync() (not only ft.no_sync()) keeps the next backward local, as under DDP.
             reducer.forward_sync = bool(module.require_backward_grad_sync)
+            if torch.is_grad_enabled():
+                reducer.on_forward()  # where DDP rebuilds its buckets
             # DDP syncs its buffers over its own (one-rank) group here: do it over ftrun's, when
             # DDP would (its predicate reads the previous forward's state, as DDP's own check does).
             if self.world_size > 1 and module.will_sync_module_buffers():
@@ -132,6 +138,11 @@ class GradientSync:
 
         wrapped.register_forward_pre_hook(before_forward)
         return wrapped
+
+    def begin_step(self) -> None:
+        """A step (or a retry of one) starts (:meth:`ftrun.reducer.GradientReducer.begin_step`)."""
+        for reducer in self.reducers:
+            reducer.begin_step()
 
     def settle(self) -> None:
         """Before a step's forward: make sure no all-reduce given up on in an earlier pass (an
@@ -199,7 +210,7 @@ class GradientSync:
         grads = [p.grad for p in params if p.grad is not None]
         failure: str | None = None
         recoverable: str | None = None
-        self.checks.record_provisional()  # before anything leaves: see ExactlyOnceChecks.record_provisional
+        self._at_pass_start()  # before anything leaves: see ExactlyOnceChecks.record_provisional
         self.control.board.collective()
         self.in_collective = True
         self.release_if_aborted()
@@ -220,12 +231,17 @@ class GradientSync:
         return True
 
     def apply(self, update: Callable[[], Any], optimizer_params: Callable[[], list[Any]],
-              commit: Callable[[int], None]) -> tuple[bool, Any]:
+              commit: Callable[[int], None], optimizer: Any = None, closure: bool = False) -> tuple[bool, Any]:
         """The optimizer wrapper's step (``Worker.apply_update``): run ``update`` if the step's
-        collectives succeeded (the step board in its ``update`` phase meanwhile), and ``commit`` the step.
-        A pending recoverable error is repaired first (the update is skipped); without a wrapped
-        model, the gradients of ``optimizer_params()`` are averaged here. A recoverable error
-        raised by ``update`` is repaired in place; any other propagates. Returns (applied, its result)."""
+        collectives succeeded (the step board in its ``update`` phase meanwhile), keeping an undo
+        copy of what it changes unless it is the step's last change, and ``commit`` the step when it
+        is (:class:`ftrun.transaction.StepTransaction`; otherwise the step loop commits at the
+        body's end). A pending recoverable error is repaired first (the update is skipped); without
+        a wrapped model, the gradients of ``optimizer_params()`` are averaged here. A recoverable
+        error raised by ``update`` is repaired in place; any other propagates. ``optimizer``: the
+        registered optimizer ``update`` steps (None: a hand-written update); ``closure``: it runs
+        forward and backward passes of its own (LBFGS), whose failure makes it not applied.
+        Returns (applied, its result)."""
         if self.state.phase is Phase.PENDING_REPAIR:
             self.repair_in_place(self.state.reason or "", True)
             return False, None
@@ -236,6 +252,7 @@ class GradientSync:
         progress = self.progress
         step = progress.current_step if progress.current_step is not None else progress.committed + 1
         self.control.board.enter("update")
+        self.transaction.before_update(optimizer, closure)
         failed = None
         result = None
         try:
@@ -248,11 +265,17 @@ class GradientSync:
         if failed is not None:  # outside the except block (see Worker._record_error)
             self.repair_in_place(failed, True)
             return False, None
-        commit(step)
+        applied = not self.state.failed  # a closure's collective may have failed inside the update
+        if self.transaction.after_update(applied):
+            commit(step)
         self.control.board.enter("compute")
-        return True, result
+        return applied, result
 
     # Callbacks of the gradient reducer (called on the training thread, inside backward).
+    def _at_pass_start(self) -> None:
+        self.transaction.backward_pass()
+        self.checks.record_provisional()
+
     def _before_first_bucket(self) -> None:
         self.control.board.collective()
         self.in_collective = True

@@ -100,7 +100,7 @@ class FTOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Apply the update if the step's collectives succeeded; see the class docstring."""
-        applied, loss = self._worker.apply_update(lambda: self.optimizer.step(closure))
+        applied, loss = self._worker.apply_update(lambda: self.optimizer.step(closure), self.optimizer, closure is not None)
         if closure is None:
             return applied
         return loss if applied else None

@@ -159,6 +159,11 @@ class GradientReducer:
         on_failure: called at the end of a backward whose all-reduce failed, with the error.
         is_first_step: whether the current step is the job's first (DDP's one-bucket iteration);
             a rank that starts later (respawned, resumed) must use the rebuilt layout its peers use.
+            Within the first step, as in DDP, a model's first synced backward uses the initial
+            layout and its buckets are rebuilt at its next forward with gradients enabled
+            (:meth:`on_forward`), so a step holding several backward passes (a GAN's) uses the
+            rebuilt layout from its second on; a retried first step starts over
+            (:meth:`begin_step`).
         waiting: a flag the worker's heartbeat probe reads (set while this thread waits for an
             all-reduce, so the watchdog knows the rank waits in torch.distributed).
         on_local_gradient: called once per synced backward, before its last bucket leaves, with
@@ -228,6 +233,10 @@ class GradientReducer:
         self._hold_for_check = hold_for_check
         self._rebuilt: list[list[int]] | None = None  # buckets by ready order, once known
         self._ready_order: list[int] = []  # recorded until the rebuilt layout is known
+        # In the job's first step: a synced pass used the initial layout (the rebuild is due at the
+        # next forward), and that forward came (the rest of the step uses the rebuilt layout).
+        self._rebuild_due = False
+        self._left_initial = False
         self._hooks: list[Any] = []
         # Works of in-place buckets that a pass gave up on while they ran (an abort): until each has
         # completed or failed, gloo may still write into the .grad tensors (see settle).
@@ -279,13 +288,28 @@ class GradientReducer:
         # the all-reduces of all ranks must match, so a recomputed step gets the same fingerprint).
         self._fingerprint = Fingerprint(describe=False) if self._on_local_gradient is not None else None
 
+    def begin_step(self) -> None:
+        """A step (or a retry of one) starts: in the job's first step the initial layout holds
+        again until this model's first synced backward and the forward after it."""
+        self._rebuild_due = self._left_initial = False
+
+    def on_forward(self) -> None:
+        """A forward of the model with gradients enabled: DDP rebuilds its buckets here once its
+        first synced backward recorded the order its gradients became ready."""
+        if self._rebuild_due:
+            self._rebuild_due, self._left_initial = False, True
+
+    def _initial_layout(self) -> bool:
+        """Whether this pass uses the initial layout: the job's first step, before the rebuild."""
+        return not self.layout.rebuilds or (self._is_first_step() and not self._left_initial)
+
     def _choose_layout(self) -> None:
         """DDP's layout for this pass: one bucket on the job's first step; the rebuilt buckets after;
         a rank that starts later and has not seen a backward yet defers every bucket to the end of
         this pass, when it knows the ready order (same layout as its peers, no overlap once)."""
         if self._on_local_gradient is not None and self._hold_for_check():
             self._buckets, self._deferred, self._held = [], True, True
-        elif self._is_first_step() or not self.layout.rebuilds:
+        elif self._initial_layout():
             self._buckets = self._fixed
         elif self._rebuilt is not None:
             self._buckets = self._rebuilt
@@ -404,11 +428,11 @@ class GradientReducer:
         """End of backward: launch what is left, wait for every bucket, copy averages into .grad."""
         if self.layout.rebuilds and self._rebuilt is None and self._ready_order:
             self._rebuilt = self.layout.rebuilt(self.params, self._ready_order)
+        initial = self._initial_layout()
         if self._deferred or self._buckets is None:
-            if self._is_first_step() or not self.layout.rebuilds:
-                self._buckets = self._fixed
-            else:
-                self._buckets = self._rebuilt or self._fixed
+            self._buckets = self._fixed if initial else (self._rebuilt or self._fixed)
+        if initial and self.layout.rebuilds:
+            self._rebuild_due = True
         remaining = self._buckets[self._next_bucket:]  # parameters that got no gradient this pass, or held
         self._next_bucket = len(self._buckets)
         if self._held and self._fingerprint is not None and self._on_local_gradient is not None:

@@ -3,9 +3,12 @@
 
 Every object with ``state_dict()``/``load_state_dict()`` registered with a worker has a *kind*:
 
-- ``"committed"``: changed only by the optimizer update (the model, the optimizer). A donor sends
-  it; it is not snapshotted at step start (the update runs only once a step's collectives
-  succeeded, so a retried step never finds it changed).
+- ``"committed"``: changed only by the updates (the model, the optimizer). A donor sends it; it is
+  not copied at step start: an update runs only once a step's collectives succeeded, and one that
+  may not be the step's last change keeps an undo copy until the step commits
+  (:class:`ftrun.transaction.StepTransaction`), so a retried step never finds it changed. A
+  model's buffers, which change in its forward passes, are rank state
+  (:class:`ftrun.transaction.ModuleBuffers`).
 - ``"replica"``: identical on every replica and changed by work after the update (a scheduler, a
   counter, an EMA). A donor sends it; it is snapshotted at every step's start and rolled back when
   the step is retried, so ``scheduler.step()`` never runs twice for one step.
@@ -19,8 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import torch
+
 from . import codec
 from .checkpoint import snapshot
+from .transaction import ModuleBuffers, StepTransaction, UpdateUndo
 
 KINDS = ("replica", "rank", "committed")
 
@@ -36,21 +42,65 @@ class StateRegistry:
         self.objects: dict[str, Any] = {}
         self.kinds: dict[str, str] = {}
         self._start: StepStart | None = None  # the copy taken at the last step start
+        self._undos: dict[int, UpdateUndo] = {}  # by id of the optimizer (0: a hand-written update)
+        # The step as a transaction over its updates (ftrun.transaction).
+        self.transaction = StepTransaction(self.optimizers, self._undo_for)
 
-    def register(self, name: str, obj: Any, kind: str = "replica") -> Any:
+    def register(self, name: str, obj: Any, kind: str = "replica", replace: bool = False) -> Any:
         """Add ``obj`` under ``name`` as ``kind`` (see the module docstring). Returns ``obj``.
+
+        Registering the same object again under its name changes nothing but its kind; another
+        object under a taken name is refused unless ``replace`` (a framework integration putting
+        the real optimizer where a placeholder stood).
 
         Raises:
             TypeError: ``obj`` has no ``state_dict``/``load_state_dict``.
-            ValueError: an unknown ``kind``.
+            ValueError: an unknown ``kind``, or ``name`` is taken by another object (one line
+                naming both).
         """
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise TypeError(f"ftrun.register({name!r}): the object needs state_dict() and load_state_dict()")
         if kind not in KINDS:
             raise ValueError(f"ftrun.register({name!r}): kind must be 'replica', 'rank' or 'committed', not {kind!r}")
+        taken = self.objects.get(name)
+        if taken is not None and taken is not obj and not replace:
+            raise ValueError(f"ftrun.register({name!r}): the name is taken by {describe_object(taken)}; "
+                             f"{describe_object(obj)} needs a name of its own (name=...)")
         self.objects[name] = obj
         self.kinds[name] = kind
         return obj
+
+    def free_name(self, name: str) -> str:
+        """``name`` if no object holds it, else the first of ``name2``, ``name3``... that is free."""
+        if name not in self.objects:
+            return name
+        n = 2
+        while f"{name}{n}" in self.objects:
+            n += 1
+        return f"{name}{n}"
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The registered optimizers (kind ``committed``), in registration order."""
+        return [o for n, o in self.objects.items() if self.kinds[n] == "committed" and isinstance(o, torch.optim.Optimizer)]
+
+    def modules(self, kind: str = "committed") -> list[tuple[str, torch.nn.Module]]:
+        """``(name, module)`` of the registered models (kind ``committed``), in registration order."""
+        return [(n, o) for n, o in self.objects.items() if self.kinds[n] == kind and isinstance(o, torch.nn.Module)]
+
+    def module_buffers(self) -> list[ModuleBuffers]:
+        """The registered modules' buffers (rank state), in registration order."""
+        return [o for o in self.objects.values() if isinstance(o, ModuleBuffers)]
+
+    def _undo_for(self, optimizer: Any) -> UpdateUndo:
+        """The undo copy kept for ``optimizer``'s updates (None: a hand-written update's, which
+        covers the registered models and other ``committed`` objects), made once and reused."""
+        key = id(optimizer) if optimizer is not None else 0
+        undo = self._undos.get(key)
+        if undo is None:
+            others = [o for n, o in self.objects.items() if self.kinds[n] == "committed"
+                      and not isinstance(o, (torch.nn.Module, torch.optim.Optimizer))]
+            undo = self._undos[key] = UpdateUndo(optimizer, [m for _, m in self.modules()], others)
+        return undo
 
     def __getitem__(self, name: str) -> Any:
         return self.objects[name]
@@ -84,8 +134,10 @@ class StateRegistry:
                 obj.load_state_dict(state[name])
 
     def has_own_rank_state(self) -> bool:
-        """Whether objects of kind ``rank`` other than the per-rank RNG streams (``"rng"``) exist."""
-        return any(k == "rank" and n != "rng" for n, k in self.kinds.items())
+        """Whether objects of kind ``rank`` other than the per-rank RNG streams (``"rng"``) exist (a
+        model's buffers count once one of them has changed: until then every replica's are rank 0's)."""
+        return any(k == "rank" and n != "rng" and (not isinstance(self.objects[n], ModuleBuffers) or self.objects[n].changed())
+                   for n, k in self.kinds.items())
 
     def snapshot_step_start(self, committed: int, encode_rank: bool = False) -> bytes | None:
         """Copy the state that work after the update changes (kinds ``replica`` and ``rank``), labelled
@@ -109,7 +161,15 @@ class StateRegistry:
         blob = codec.to_record(self.record_state()) if encode_rank else None
         copied = snapshot(self.state_dict(exclude=("committed", "rank") if encode_rank else ("committed",)), reuse=reuse)
         self._start = StepStart(committed, copied, blob)
+        for buffers in self.module_buffers():
+            buffers.begin_step()
+        self.transaction.begin()
         return blob
+
+    def undo_updates(self) -> bool:
+        """The step failed: undo the updates it applied (:meth:`ftrun.transaction.StepTransaction.abort`).
+        False when the rank's state is a partial step that cannot be undone."""
+        return self.transaction.abort()
 
     def roll_back(self, step: int, kinds: tuple[str, ...]) -> bool:
         """Restore the ``kinds`` objects to their state at committed ``step`` if the step-start
@@ -121,11 +181,21 @@ class StateRegistry:
         for name, obj in self.objects.items():
             if self.kinds[name] not in kinds:
                 continue
-            if name in self._start.replica:
+            if isinstance(obj, ModuleBuffers):
+                obj.roll_back()  # its own copy of every buffer, not only those in the record
+            elif name in self._start.replica:
                 obj.load_state_dict(snapshot(self._start.replica[name]))
             elif name in encoded:
                 obj.load_state_dict(encoded[name])  # decoded afresh: nothing else holds it
         return True
+
+
+def describe_object(obj: Any) -> str:
+    """A short description of a registered object for a message: its class, and for a module its
+    parameter count (``Generator (3,576,704 parameters)``)."""
+    if isinstance(obj, torch.nn.Module):
+        return f"{type(obj).__name__} ({sum(p.numel() for p in obj.parameters()):,} parameters)"
+    return type(obj).__name__
 
 
 @dataclass

@@ -78,9 +78,10 @@ from .protocol import MsgType
 from .recovery import RankProgress, Recovery
 from .gradsync import GradientSync
 from .reducer import BUCKET_CAP_BYTES
-from .registry import StateRegistry
+from .registry import StateRegistry, describe_object
 from .shards import RankCheckpoints
 from .trace import RunTrace
+from .transaction import ModuleBuffers
 from .transfer import RNGState
 from .workerstate import Phase, WorkerState
 
@@ -198,7 +199,8 @@ class Worker:
         # The collectives (initial broadcast, gradient all-reduce) and their faults (ftrun.gradsync).
         self.sync = GradientSync(self.world_size, self.pg_timeout, self.state, self.progress, self.group, self.control,
                                  self.checks, self._send, self._record_error,
-                                 lambda error, drop: self._repair_in_place(error, drop), self.is_recoverable)
+                                 lambda error, drop: self._repair_in_place(error, drop), self.is_recoverable,
+                                 self.registry.transaction)
         self.control.on_io_abort = self.sync.on_io_abort
         # ftrun check (ftrun.check): a trace of this process's run, written at finish().
         self.trace = RunTrace(env.check_trace, self.registry) if env.check_trace else None
@@ -375,11 +377,11 @@ class Worker:
         self.group.drop(self.generation, broken)
 
     # ------------------------------------------------------------------ registration
-    def register(self, name: str, obj: Any, kind: str = "replica") -> Any:
+    def register(self, name: str, obj: Any, kind: str = "replica", replace: bool = False) -> Any:
         """Register an object whose ``state_dict``/``load_state_dict`` is part of the training state.
 
         Args:
-            name: its name in the state (unique).
+            name: its name in the state (unique: another object under a taken name is refused).
             obj: anything with ``state_dict()``/``load_state_dict()``.
             kind: ``"replica"`` (default: a scheduler, a counter, an EMA...): identical on every
                 replica, sent by a donor to a recovering replica; snapshotted at the start of every
@@ -390,17 +392,19 @@ class Worker:
                 store (:mod:`ftrun.rankstate`). ``"committed"``: changed only by the optimizer
                 update (the model and optimizer, registered by :meth:`wrap_model` and
                 :meth:`wrap_optimizer`): sent by donors, not snapshotted.
+            replace: put ``obj`` where another object stood under ``name`` (a framework
+                integration replacing a placeholder).
 
         Returns:
             ``obj``.
 
         Raises:
             TypeError: ``obj`` has no ``state_dict``/``load_state_dict``.
-            ValueError: an unknown ``kind``.
+            ValueError: an unknown ``kind``, or ``name`` taken by another object (one line naming both).
         """
-        return self.registry.register(name, obj, kind)
+        return self.registry.register(name, obj, kind, replace=replace)
 
-    def wrap_model(self, model: torch.nn.Module, name: str = "model", ddp: bool = False, **ddp_kwargs: Any) -> torch.nn.Module:
+    def wrap_model(self, model: torch.nn.Module, name: str | None = None, ddp: bool = False, **ddp_kwargs: Any) -> torch.nn.Module:
         """Register ``model``, make every replica start from rank 0's weights (as DDP does), and
         average its gradients during ``backward()`` over the group ftrun rebuilds after a fault.
 
@@ -413,7 +417,11 @@ class Worker:
 
         Args:
             model: the module; moved to :attr:`device`.
-            name: its name in the registered state.
+            name: its name in the registered state (default ``"model"``; a second model wrapped
+                without a name is ``"model2"``, and so on, said on the rank's log). Its buffers
+                (BatchNorm's running statistics) are registered as ``"<name>.buffers"``: rank
+                state, rolled back with a retried step and kept for a respawned successor
+                (:class:`ftrun.transaction.ModuleBuffers`).
             ddp: return ``DistributedDataParallel(model)`` so code relying on DDP (``no_sync()``,
                 ``model.module``, DDP's forward hooks) keeps working. That DDP is built over a
                 private one-rank process group that survives every regeneration, with a comm hook
@@ -425,7 +433,11 @@ class Worker:
 
         Returns:
             ``model``, or the DDP wrapping it.
+
+        Raises:
+            ValueError: ``name`` is taken by another registered object.
         """
+        name = self._name_for(name, "model", model)
         model.to(self.device)
         self.register(name, model, kind="committed")
         if self.world_size > 1 and not self.joining and self.group.live():
@@ -434,16 +446,39 @@ class Worker:
                 if self.rank != 0:
                     self.committed = NO_STATE  # maybe half received: not rank 0's weights
                 self._record_error(failure)
+        if next(model.buffers(), None) is not None:  # after the broadcast: rank 0's are the initial ones
+            self.register(f"{name}.buffers", ModuleBuffers(model), kind="rank")
         return self.sync.wrap(model, self.device, ddp, ddp_kwargs, check_gradients=self.managed or self.state.phase is Phase.SPARE,
                               is_first_step=lambda: self.progress.current_step == self._first_step)
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, name: str = "optimizer") -> FTOptimizer:
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, name: str | None = None) -> FTOptimizer:
         """Register ``optimizer`` and return a :class:`ftrun.optim.FTOptimizer`: a
         ``torch.optim.Optimizer`` (schedulers, ``GradScaler`` take it) whose ``step()`` applies the
-        update only when the step's collectives succeeded."""
+        update only when the step's collectives succeeded.
+
+        ``name``: its name in the registered state (default ``"optimizer"``; a second optimizer
+        wrapped without a name is ``"optimizer2"``, and so on). Several optimizers may be stepped
+        in one step (a GAN's): the step is committed when its body ends, and an update that is not
+        the step's last keeps an undo copy until then (:mod:`ftrun.transaction`).
+
+        Raises:
+            ValueError: ``name`` is taken by another registered object.
+        """
+        name = self._name_for(name, "optimizer", optimizer)
         wrapped = FTOptimizer(optimizer, self)
         self.register(name, optimizer, kind="committed")
         return wrapped
+
+    def _name_for(self, name: str | None, default: str, obj: Any) -> str:
+        """``name``, or the first free one of ``default``, ``default2``... (said on the log when it
+        is not ``default`` itself: the script wrapped a second object without naming it)."""
+        if name is not None:
+            return name
+        free = self.registry.free_name(default)
+        if free != default:
+            print(f"ftrun: {describe_object(obj)} registered as {free!r} ({default!r} is taken by "
+                  f"{describe_object(self.registry[default])}); pass name=... to choose", file=sys.stderr, flush=True)
+        return free
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -452,12 +487,21 @@ class Worker:
         with self.sync.no_sync():
             yield
 
-    def apply_update(self, update: Callable[[], Any]) -> tuple[bool, Any]:
-        """Run ``update`` (the optimizer's step) if the step's collectives succeeded, and commit the
-        step. Returns (applied, its result)
-        (:meth:`ftrun.gradsync.GradientSync.apply`)."""
-        return self.sync.apply(update, lambda: [p for _, obj in self.registry.items() if isinstance(obj, torch.optim.Optimizer)
-                                                for g in obj.param_groups for p in g["params"]], self.commit)
+    def apply_update(self, update: Callable[[], Any], optimizer: torch.optim.Optimizer | None = None,
+                     closure: bool = False) -> tuple[bool, Any]:
+        """Run ``update`` (an optimizer's step, or a hand-written update) if the step's collectives
+        succeeded; it commits the step when it is the step's last change
+        (:class:`ftrun.transaction.StepTransaction`), else the step commits when its body ends.
+        Returns (applied, its result) (:meth:`ftrun.gradsync.GradientSync.apply`).
+
+        Args:
+            update: the update.
+            optimizer: the registered optimizer it steps (None: a hand-written update, which may
+                change every registered model and ``committed`` object).
+            closure: it calls a closure that runs forward and backward passes (LBFGS).
+        """
+        return self.sync.apply(update, lambda: [p for obj in self.registry.optimizers() for g in obj.param_groups
+                                                for p in g["params"]], self.commit, optimizer, closure)
 
     def state_dict(self) -> dict[str, Any]:
         """The registered state: ``{name: obj.state_dict()}``."""
@@ -661,15 +705,19 @@ class Worker:
                 except StopIteration:
                     break
             self.sync.settle()  # no abandoned all-reduce can write into this step's gradients
+            self.sync.begin_step()
             yield Step(step, self, cursor.position - 1 if cursor is not None else None), batch
             self.sync.in_collective = False
             if self.state.phase is Phase.PENDING_REPAIR:  # raised in backward, and no opt.step() followed
                 self._repair_in_place(self.state.reason or "", drop=True)
             if not self.state.failed and self.committed == step - 1:
-                # The body ended well without an update (GradScaler skipped it, or no step()
-                # was called): the state is that of this step all the same.
+                # The body ended well: its updates are the step's (several optimizers, or an
+                # update before more work), or it made none (GradScaler skipped it, or no step()
+                # was called) and the state is that of this step all the same.
                 self.commit(step)
                 self.control.board.enter("compute")
+            if not self.state.failed:
+                self.registry.transaction.end()
             if self.state.failed or (self.managed and self.control.abort_generation is not None):
                 step = self._recover(self.state.error) + 1
                 if cursor is not None and self.epoch_loop.epoch_moved(cursor):
@@ -690,6 +738,13 @@ class Worker:
         """
         if not self.managed:
             raise GroupFailure(reason or "collective failed")
+        if not self.registry.undo_updates():
+            # Committed at an update, the step then went on with another (its shape grew past
+            # what earlier steps showed): a partial step that nothing can undo.
+            print(f"ftrun: rank {self.rank}: step {self.progress.current_step} failed after it was committed at an update "
+                  "and went on with another update or backward pass; its state is a partial step, so it takes a "
+                  "replica's", file=sys.stderr, flush=True)
+            self.committed = NO_STATE
         kind = self.state.recover()
         step = self.recovery.recover(reason, kind)
         self.state.recovered()

@@ -21,14 +21,16 @@ import torch
 from ftrun.reducer import BucketLayout
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_twin.py"
-CASES = ("lstm", "lstm-unused", "transformer-unused", "transformer-caps", "branchy-unused", "branchy-nobuffers")
+CASES = ("lstm", "lstm-unused", "transformer-unused", "transformer-caps", "branchy-unused", "branchy-nobuffers",
+         "transformer-twopass")
 
 
 @pytest.mark.integration
 def test_every_accepted_ddp_keyword_gives_ddps_bits(tmp_path: Path) -> None:
     """LSTM and Transformer with find_unused_parameters and bucket caps; a model whose heads are
     unused on some ranks only, or on all, with a BatchNorm (buffers broadcast or not); a gradient
-    accumulation under no_sync; evaluation forwards between steps. Parameters, gradients (None
+    accumulation under no_sync; two synced backward passes a step (DDP's buckets rebuilt between
+    the two passes of step 0); evaluation forwards between steps. Parameters, gradients (None
     where DDP leaves None) and buffers are compared after every backward, step and evaluation."""
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), OMP_NUM_THREADS="1")
     for key in [k for k in env if k.startswith(("FTRUN_", "TORCHELASTIC_")) or k in ("RANK", "WORLD_SIZE", "MASTER_PORT")]:

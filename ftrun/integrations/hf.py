@@ -245,7 +245,7 @@ class FTTrainer(Trainer):
         if ft is None or isinstance(optimizer, RetryingOptimizer):
             return optimizer
         self._hold("optimizer")
-        ft.register("optimizer", optimizer, kind="committed")
+        ft.register("optimizer", optimizer, kind="committed", replace=True)  # where the placeholder stood
         self.optimizer = RetryingOptimizer(optimizer, ft, self)
         return self.optimizer
 
@@ -254,7 +254,7 @@ class FTTrainer(Trainer):
         ft = self._ft
         if ft is not None:
             self._hold("scheduler")
-            ft.register("scheduler", scheduler, kind="replica")
+            ft.register("scheduler", scheduler, kind="replica", replace=True)  # where the placeholder stood
         return scheduler
 
     def _hold(self, name: str) -> None:

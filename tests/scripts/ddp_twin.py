@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ftrun.control import StepBoard
 from ftrun.gradsync import GradientSync
+from ftrun.transaction import StepTransaction
 from ftrun.workerstate import WorkerState
 
 rank, world, store_file, cases = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
@@ -77,7 +78,11 @@ CASES = {
     "transformer-caps": (Transformer, {"bucket_cap_mb": 0.02}),
     "branchy-unused": (Branchy, {"find_unused_parameters": True}),
     "branchy-nobuffers": (Branchy, {"find_unused_parameters": True, "broadcast_buffers": False}),
+    # Two synced backward passes a step (a GAN's shape): DDP rebuilds its buckets at the forward
+    # after the first, inside step 0, so the second pass of step 0 already uses the rebuilt ones.
+    "transformer-twopass": (Transformer, {"bucket_cap_mb": 0.02}),
 }
+TWO_PASSES = {"transformer-twopass"}
 
 
 def ftrun_sync() -> GradientSync:
@@ -90,7 +95,8 @@ def ftrun_sync() -> GradientSync:
                              record_provisional=lambda: None, record_gradient=lambda: None)
     sync = GradientSync(world, 30.0, WorkerState(managed=True), progress, SimpleNamespace(cut=lambda: None), control,
                         checks, send=lambda *a, **k: None, record_error=failures.append,
-                        repair_in_place=lambda error, drop: failures.append(error), is_recoverable=lambda err: False)
+                        repair_in_place=lambda error, drop: failures.append(error), is_recoverable=lambda err: False,
+                        transaction=StepTransaction(lambda: [], lambda optimizer: None))
     sync.failures = failures  # type: ignore[attr-defined]
     return sync
 
@@ -127,7 +133,9 @@ def run(case: str) -> int:
         for model, opt in ((theirs, opt_theirs), (mine, opt_mine)):
             opt.zero_grad()
             accumulate = step % 4 == 3  # a gradient accumulation of 2 now and then
-            if accumulate:
+            if case in TWO_PASSES:  # a first synced backward, then the step's own (the gradients add up)
+                nn.functional.cross_entropy(model(x[:3]).flatten(0, 1), y[:3].flatten()).backward()
+            elif accumulate:
                 with model.no_sync():
                     nn.functional.cross_entropy(model(x[:3]).flatten(0, 1), y[:3].flatten()).backward()
             nn.functional.cross_entropy(model(x if not accumulate else x[3:]).flatten(0, 1),
