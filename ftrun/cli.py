@@ -276,13 +276,15 @@ def check(
     keep: Optional[str] = typer.Option(None, "--keep", help="Keep every run's logs and traces in this directory.",
                                        show_default=False),
     scenarios: Optional[str] = typer.Option(None, "--scenarios", help="Only these faulted runs, comma-separated: "
-                                            "allreduce, epoch_end, epoch_start, section (default: all).",
-                                            show_default=False),
+                                            "allreduce, epoch_end, epoch_start, section, backward, update "
+                                            "(default: all).", show_default=False),
 ) -> None:
     """Tell whether SCRIPT is exactly-once under ftrun: a fault-free run, then runs with a rank killed
-    mid-epoch in the all-reduce, after an epoch's last step, before an epoch's first step and inside a
-    section; each must end with the same parameters. If one does not: the step and parameter tensor
-    where it first differs, and the likely cause. Exit code 0: exactly-once; 1: not; 2: it did not run."""
+    mid-epoch in the all-reduce (and, when that step has several, in each of its all-reduces and
+    optimizer updates), after an epoch's last step, before an epoch's first step and inside a
+    section; each must end with the same parameters and buffers. If one does not: the step and the
+    tensor where it first differs (a parameter or buffer, or a module or optimizer not registered
+    with ftrun), and the likely cause. Exit code 0: exactly-once; 1: not; 2: it did not run."""
     from .check import check as run_check, parse_scenarios
 
     try:

@@ -746,6 +746,10 @@ def test_checkpoint_dir_not_writable(tmp_path, script, monkeypatch):
         ("rank=0 step=3", "rank='0 step=3' is not an integer"),
         ("rank=4,step=3", "names rank 4, but the job has ranks 0..3"),
         ("rank=0,step=3; rank=1,kind=oops", "unknown kind 'oops'"),
+        ("rank=0,point=allreduce,nth=2", "nth= needs step="),
+        ("rank=0,step=3,nth=0", "nth=0 is out of range (at least 1)"),
+        ("rank=0,step=3,nth=two", "nth='two' is not an integer"),
+        ("rank=0,step=3,nth=1,nth=2", "nth is given twice"),
     ],
 )
 def test_ftrun_fault_checked_before_launch(tmp_path, script, fault, hint):
@@ -760,6 +764,35 @@ def test_ftrun_fault_valid_values_pass(tmp_path, script):
                   "kind=exit,code=7", "rank=1,point=rejoin,incarnation=1,kind=kill", "  ", "rank=0,point=init,kind=exit"):
         res(tmp_path, script, {"worker_num": "4"}, environ={"FTRUN_FAULT": fault})
     assert parse_faults("rank=3,step=9,point=optimizer,kind=recoverable")[0].kind == "recoverable"
+    res(tmp_path, script, {"worker_num": "4"}, environ={"FTRUN_FAULT": "rank=1,step=8,point=allreduce,nth=3,kind=kill"})
+    assert parse_faults("rank=1,step=8,point=allreduce,nth=3")[0].nth == 3
+    assert parse_faults("rank=1,step=8,point=allreduce")[0].nth is None  # the first time it matches
+
+
+def test_ftrun_fault_nth_fires_at_the_kth_visit_of_the_point_at_that_step():
+    from ftrun.faults import FaultInjector, InjectedFault
+
+    faults = parse_faults("rank=1,step=5,point=allreduce,nth=3,kind=exception; rank=1,step=5,point=optimizer,kind=exception")
+    injector = FaultInjector(faults, rank=1, incarnation=0, attempt=0)
+    for _ in range(3):
+        injector.point("allreduce", 4)  # another step: counted apart
+    injector.point("allreduce", 5)
+    injector.point("allreduce", 5)
+    assert injector.counts(5) == {"allreduce": 2} and injector.counts(4) == {"allreduce": 3}
+    with pytest.raises(InjectedFault, match="at allreduce, step 5"):
+        injector.point("allreduce", 5)  # the third all-reduce of step 5 (a third backward pass)
+    injector.point("allreduce", 5)  # a retried step counts on; the fault fired once
+    assert injector.counts(5) == {"allreduce": 4}
+    with pytest.raises(InjectedFault, match="at optimizer, step 5"):
+        injector.point("optimizer", 5)  # without nth: the first time it matches
+    injector.point("optimizer", 5)
+    assert injector.counts(5) == {"allreduce": 4, "optimizer": 2} and injector.counts(6) == {}
+    injector.point("init", None)  # a point of no step is not counted
+    # Only the newest steps' counts are kept: memory does not grow with the run.
+    for step in range(6, 1006):
+        injector.point("before_forward", step)
+    kept = [step for step in range(1006) if injector.counts(step)]
+    assert kept == list(range(1006 - FaultInjector.KEEP_STEPS, 1006)) and injector.counts(1005) == {"before_forward": 1}
 
 
 # --------------------------------------------------------------------------- torchrun's command line: parsers
