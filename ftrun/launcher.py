@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -376,7 +375,7 @@ class Launcher:
             # Node 0 runs the job coordinator with its own agent; every other node runs an agent.
             role = "ftrun.supervisor" if hosting else "ftrun.agent"
             supervisor = procs.spawn(
-                [sys.executable, "-m", role],
+                procs.ftrun_module_argv(role),  # the installed ftrun, whatever the working directory holds
                 env=env,
                 stdout=sup_err.fileno(),
                 stderr=sup_err.fileno(),

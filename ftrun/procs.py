@@ -50,6 +50,35 @@ def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
     return preexec
 
 
+# The program of ftrun_module_argv: drop the entry ``-c`` put first on sys.path (``''``: the
+# working directory; none under PYTHONSAFEPATH, which leaves sys.path[0] to the standard library),
+# then run the module as ``python -m`` would.
+_RUN_INSTALLED = ("import runpy, sys; sys.path[:1] == [''] and not getattr(sys.flags, 'safe_path', False) "
+                  "and sys.path.pop(0); runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+
+
+def ftrun_module_argv(module: str, args: Sequence[str] = (), *, unbuffered: bool = False) -> list[str]:
+    """The command line of one of ftrun's own processes: ``python -m module args``, except that it
+    imports the installed ftrun (and torch), whatever its working directory holds.
+
+    ``python -m`` puts the working directory first on ``sys.path``, so a job started from a
+    directory holding a folder named ``ftrun`` (a clone of this repository, say) would run that
+    folder's code in the supervisor, the agents and the spares. Python 3.11's ``-P`` leaves it out,
+    but ftrun runs on 3.10 too: one ``-c`` program for every version (it removes the entry, then
+    runs the module with :func:`runpy.run_module`, as ``-m`` does) is one path, tested on whichever
+    Python runs the tests. The module's name stays in the command line (``ps`` shows it).
+
+    Args:
+        module: the module to run as ``__main__`` ("ftrun.spare", "ftrun.supervisor"...).
+        args: its arguments (its ``sys.argv[1:]``).
+        unbuffered: pass ``-u`` (unbuffered output).
+
+    Returns:
+        The argv, starting with ``sys.executable``.
+    """
+    return [sys.executable, *(["-u"] if unbuffered else []), "-c", _RUN_INSTALLED.format(module=module), *args]
+
+
 def spawn(
     argv: Sequence[str],
     *,

@@ -2,7 +2,8 @@
 
 Respawning a rank costs a new interpreter and its imports (about 1.2 s for torch alone on an idle
 machine, several seconds on a busy one; docs/benchmarks.md), and that is most of an ARF recovery. The
-supervisor therefore keeps ``--warm_spares`` processes started with ``python -m ftrun.spare``: each
+supervisor therefore keeps ``--warm_spares`` processes started as ``python -m ftrun.spare`` (but
+with the installed ftrun whatever the working directory holds: :func:`ftrun.spawner.spare_argv`): each
 imports torch, torch.distributed, numpy, the worker library and ``torch._dynamo``, which the
 first ``torch.optim`` optimizer imports (at idle priority: it is started while the ranks train,
 :func:`import_at_idle_priority`), then blocks reading its standard input. To replace a failed
@@ -119,13 +120,31 @@ def await_promotion(what: str, ready_file: str | None) -> dict:
 
 
 def run_script(argv: list[str], module: bool) -> None:
-    """Run the script as ``__main__`` (``runpy``), as ``python script args`` would."""
+    """Run the script as ``__main__`` (``runpy``), as ``python script args`` would (``python -m
+    module args`` when ``module``): with the script's directory (the working directory for a
+    module) first on ``sys.path``, for the script's own imports, as torchrun's ranks have it.
+
+    The spare was started without the working directory on its path
+    (:func:`ftrun.spawner.spare_argv`), so the ftrun and torch it has imported are the installed
+    ones whatever that directory holds; the script's entry is added here, in front. Under
+    ``PYTHONSAFEPATH`` Python adds none for a script, and neither does this.
+
+    Args:
+        argv: the script's path (the module's name when ``module``) and its arguments.
+        module: run ``argv[0]`` as a module.
+
+    Raises:
+        whatever the script raises (``SystemExit`` included).
+    """
     sys.argv = argv
+    safe = getattr(sys.flags, "safe_path", False)  # PYTHONSAFEPATH (3.11+)
     if module:
-        sys.path[0] = os.getcwd()
+        if not safe:
+            sys.path.insert(0, os.getcwd())
         runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
     else:
-        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        if not safe:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
         runpy.run_path(argv[0], run_name="__main__")
 
 

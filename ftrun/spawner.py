@@ -260,7 +260,7 @@ class RankProcesses:
         # never shows a spare as a rank, and a hot spare's script that reads them before its
         # loop fails, never guesses. The promotion hands the identity over (ftrun.spare).
         env = contract.strip_identity(self.environment(model_vars))
-        argv = [sys.executable, "-u", "-m", "ftrun.spare"]
+        argv = spare_argv(hot)
         ready = None
         if hot:
             env[HOT_SPARE_VAR] = "1"
@@ -268,7 +268,6 @@ class RankProcesses:
             self._spare_count += 1
             ready = self.log_dir / f".hot_spare_{os.getpid()}_{self._spare_count}.ready"
             env[SPARE_READY_VAR] = str(ready)
-            argv.append("--hot")
         env.pop(contract.IDENTITY_PAD, None)
         env[contract.IDENTITY_PAD] = "-" * contract.IDENTITY_PAD_BYTES  # last: see ftrun.spare.show_identity
         with open(self.log_dir / "spares.log", "ab") as fh:
@@ -457,6 +456,14 @@ def crash_first(dump: list[str]) -> list[str]:
         return dump
     end = next((i for i in range(current + 1, len(dump)) if not dump[i].startswith("  ")), len(dump))
     return dump[:1] + dump[current:end] + [line for line in dump[1:current] + dump[end:] if line.strip()]
+
+
+def spare_argv(hot: bool) -> list[str]:
+    """A spare's command line: ``python -u -m ftrun.spare`` (``--hot`` for a hot one), importing the
+    installed ftrun and torch whatever the job's working directory holds
+    (:func:`ftrun.procs.ftrun_module_argv`); the script it runs later gets its own directory first
+    on ``sys.path`` (:func:`ftrun.spare.run_script`)."""
+    return procs.ftrun_module_argv("ftrun.spare", ["--hot"] if hot else [], unbuffered=True)
 
 
 def rank_argv(no_python: bool, module: bool, script: str, script_args: list[str]) -> list[str]:
