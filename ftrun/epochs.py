@@ -112,7 +112,7 @@ class EpochLoop:
         progress = self._start()
         epoch = -1 if progress.epoch is None else progress.epoch
         cursor = LoaderCursor(loader, epoch)
-        self.registry.register(name, cursor, "rank")
+        self.registry.register(name, cursor, "rank", replace=True)  # each pass its own cursor
         start = progress.step
         step = start
         if self.resume_step is not None:

@@ -175,10 +175,15 @@ class Recovery:
                 nbytes += send_state(self.registry.state_dict(exclude=("rank",)), recipient, on_progress=progress)
             for donor in as_recipient:
                 self.faults.point("rejoin", plan["step"])
+                # A survivor behind its replicas keeps its own buffers (rank state, which the
+                # donor's model state carries too): only a rank without state takes the donor's.
+                own = self.registry.buffer_values() if self.progress.committed >= INITIAL else None
                 received_any = True
                 state, n = recv_state(donor, self.registry.state_dict(exclude=("rank",)))
                 nbytes += n
                 self.registry.load(state)
+                if own is not None:
+                    self.registry.load_buffer_values(own)
         except Exception as err:
             if received_any:
                 self.progress.committed = NO_STATE  # a half-received state is no state

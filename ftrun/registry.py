@@ -19,6 +19,7 @@ Every object with ``state_dict()``/``load_state_dict()`` registered with a worke
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -79,6 +80,18 @@ class StateRegistry:
             n += 1
         return f"{name}{n}"
 
+    def name_for(self, name: str | None, default: str, obj: Any) -> str:
+        """``name``, or the first free one of ``default``, ``default2``... (said on the rank's log
+        when it is not ``default`` itself: the script wrapped a second model or optimizer without
+        naming it)."""
+        if name is not None:
+            return name
+        free = self.free_name(default)
+        if free != default:
+            print(f"ftrun: {describe_object(obj)} registered as {free!r} ({default!r} is taken by "
+                  f"{describe_object(self.objects[default])}); pass name=... to choose", file=sys.stderr, flush=True)
+        return free
+
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The registered optimizers (kind ``committed``), in registration order."""
         return [o for n, o in self.objects.items() if self.kinds[n] == "committed" and isinstance(o, torch.optim.Optimizer)]
@@ -90,6 +103,17 @@ class StateRegistry:
     def module_buffers(self) -> list[ModuleBuffers]:
         """The registered modules' buffers (rank state), in registration order."""
         return [o for o in self.objects.values() if isinstance(o, ModuleBuffers)]
+
+    def buffer_values(self) -> list[list[torch.Tensor]]:
+        """A copy of every registered model's buffers (for :meth:`load_buffer_values`)."""
+        return [[b.detach().clone() for b in mb.module.buffers()] for mb in self.module_buffers()]
+
+    def load_buffer_values(self, values: list[list[torch.Tensor]]) -> None:
+        """Put back buffers copied by :meth:`buffer_values` (in place)."""
+        with torch.no_grad():
+            for mb, saved in zip(self.module_buffers(), values):
+                for b, value in zip(mb.module.buffers(), saved):
+                    b.copy_(value)
 
     def _undo_for(self, optimizer: Any) -> UpdateUndo:
         """The undo copy kept for ``optimizer``'s updates (None: a hand-written update's, which
@@ -166,10 +190,16 @@ class StateRegistry:
         self.transaction.begin()
         return blob
 
-    def undo_updates(self) -> bool:
+    def undo_updates(self, where: str = "") -> bool:
         """The step failed: undo the updates it applied (:meth:`ftrun.transaction.StepTransaction.abort`).
-        False when the rank's state is a partial step that cannot be undone."""
-        return self.transaction.abort()
+        False (said on the log, ``where`` naming the rank and step) when the rank's state is a
+        partial step that cannot be undone: committed at an update, the step went on with another
+        update or backward pass (its shape grew past what earlier steps showed)."""
+        if self.transaction.abort():
+            return True
+        print(f"ftrun: {where} failed after it was committed at an update and went on with another update or "
+              "backward pass; its state is a partial step, so it takes a replica's", file=sys.stderr, flush=True)
+        return False
 
     def roll_back(self, step: int, kinds: tuple[str, ...]) -> bool:
         """Restore the ``kinds`` objects to their state at committed ``step`` if the step-start

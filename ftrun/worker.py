@@ -78,7 +78,7 @@ from .protocol import MsgType
 from .recovery import RankProgress, Recovery
 from .gradsync import GradientSync
 from .reducer import BUCKET_CAP_BYTES
-from .registry import StateRegistry, describe_object
+from .registry import StateRegistry
 from .shards import RankCheckpoints
 from .trace import RunTrace
 from .transaction import ModuleBuffers
@@ -383,17 +383,11 @@ class Worker:
         Args:
             name: its name in the state (unique: another object under a taken name is refused).
             obj: anything with ``state_dict()``/``load_state_dict()``.
-            kind: ``"replica"`` (default: a scheduler, a counter, an EMA...): identical on every
-                replica, sent by a donor to a recovering replica; snapshotted at the start of every
-                step and rolled back when the step is retried, so work after the update
-                (``scheduler.step()``, counters) never runs twice for one step. ``"rank"``: this
-                rank's own (a data loader's position, per-rank RNG): rolled back the same way, never
-                taken from another rank; a respawned rank gets its predecessor's from the job's
-                store (:mod:`ftrun.rankstate`). ``"committed"``: changed only by the optimizer
-                update (the model and optimizer, registered by :meth:`wrap_model` and
-                :meth:`wrap_optimizer`): sent by donors, not snapshotted.
-            replace: put ``obj`` where another object stood under ``name`` (a framework
-                integration replacing a placeholder).
+            kind: ``"replica"`` (default: a scheduler, a counter: identical on every replica, sent by a
+                donor, rolled back with a retried step), ``"rank"`` (this rank's own: a data position,
+                RNG; rolled back too, kept in the job's store for a respawned successor) or
+                ``"committed"`` (changed by the updates: models, optimizers); see :mod:`ftrun.registry`.
+            replace: put ``obj`` where another object stood under ``name`` (a placeholder).
 
         Returns:
             ``obj``.
@@ -417,11 +411,8 @@ class Worker:
 
         Args:
             model: the module; moved to :attr:`device`.
-            name: its name in the registered state (default ``"model"``; a second model wrapped
-                without a name is ``"model2"``, and so on, said on the rank's log). Its buffers
-                (BatchNorm's running statistics) are registered as ``"<name>.buffers"``: rank
-                state, rolled back with a retried step and kept for a respawned successor
-                (:class:`ftrun.transaction.ModuleBuffers`).
+            name: its name in the state (default ``"model"``, then ``"model2"``...); its buffers are
+                rank state ``"<name>.buffers"`` (:class:`ftrun.transaction.ModuleBuffers`).
             ddp: return ``DistributedDataParallel(model)`` so code relying on DDP (``no_sync()``,
                 ``model.module``, DDP's forward hooks) keeps working. That DDP is built over a
                 private one-rank process group that survives every regeneration, with a comm hook
@@ -435,9 +426,9 @@ class Worker:
             ``model``, or the DDP wrapping it.
 
         Raises:
-            ValueError: ``name`` is taken by another registered object.
+            ValueError: ``name`` is taken by another registered object, or a DDP keyword is refused.
         """
-        name = self._name_for(name, "model", model)
+        name = self.registry.name_for(name, "model", model)
         model.to(self.device)
         self.register(name, model, kind="committed")
         if self.world_size > 1 and not self.joining and self.group.live():
@@ -454,31 +445,13 @@ class Worker:
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, name: str | None = None) -> FTOptimizer:
         """Register ``optimizer`` and return a :class:`ftrun.optim.FTOptimizer`: a
         ``torch.optim.Optimizer`` (schedulers, ``GradScaler`` take it) whose ``step()`` applies the
-        update only when the step's collectives succeeded.
-
-        ``name``: its name in the registered state (default ``"optimizer"``; a second optimizer
-        wrapped without a name is ``"optimizer2"``, and so on). Several optimizers may be stepped
-        in one step (a GAN's): the step is committed when its body ends, and an update that is not
-        the step's last keeps an undo copy until then (:mod:`ftrun.transaction`).
-
-        Raises:
-            ValueError: ``name`` is taken by another registered object.
-        """
-        name = self._name_for(name, "optimizer", optimizer)
+        update only when the step's collectives succeeded. ``name``: its name in the state
+        (default ``"optimizer"``, then ``"optimizer2"``...); several may be stepped in one step
+        (:mod:`ftrun.transaction`). Raises ValueError when ``name`` is taken by another object."""
+        name = self.registry.name_for(name, "optimizer", optimizer)
         wrapped = FTOptimizer(optimizer, self)
         self.register(name, optimizer, kind="committed")
         return wrapped
-
-    def _name_for(self, name: str | None, default: str, obj: Any) -> str:
-        """``name``, or the first free one of ``default``, ``default2``... (said on the log when it
-        is not ``default`` itself: the script wrapped a second object without naming it)."""
-        if name is not None:
-            return name
-        free = self.registry.free_name(default)
-        if free != default:
-            print(f"ftrun: {describe_object(obj)} registered as {free!r} ({default!r} is taken by "
-                  f"{describe_object(self.registry[default])}); pass name=... to choose", file=sys.stderr, flush=True)
-        return free
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -489,17 +462,10 @@ class Worker:
 
     def apply_update(self, update: Callable[[], Any], optimizer: torch.optim.Optimizer | None = None,
                      closure: bool = False) -> tuple[bool, Any]:
-        """Run ``update`` (an optimizer's step, or a hand-written update) if the step's collectives
-        succeeded; it commits the step when it is the step's last change
-        (:class:`ftrun.transaction.StepTransaction`), else the step commits when its body ends.
-        Returns (applied, its result) (:meth:`ftrun.gradsync.GradientSync.apply`).
-
-        Args:
-            update: the update.
-            optimizer: the registered optimizer it steps (None: a hand-written update, which may
-                change every registered model and ``committed`` object).
-            closure: it calls a closure that runs forward and backward passes (LBFGS).
-        """
+        """Run ``update`` if the step's collectives succeeded; it commits the step when it is the
+        step's last change, else the step commits when its body ends. ``optimizer``: the one it
+        steps (None: a hand-written update); ``closure``: it runs passes of its own (LBFGS).
+        Returns (applied, its result) (:meth:`ftrun.gradsync.GradientSync.apply`)."""
         return self.sync.apply(update, lambda: [p for obj in self.registry.optimizers() for g in obj.param_groups
                                                 for p in g["params"]], self.commit, optimizer, closure)
 
@@ -631,32 +597,17 @@ class Worker:
         self._send(MsgType.STEPS_END)
 
     def epochs(self, first: int, stop: int) -> Iterator[int]:
-        """Yield epoch numbers ``first .. stop-1`` for an epoch loop over :meth:`batches`.
-
-        The epoch is replica state (:class:`ftrun.data.EpochProgress`, registered as ``"epochs"``):
-        a respawned rank recovers here, before its first epoch, and starts in the epoch its donor
-        is in, so work done after an epoch's last step (evaluation, ``scheduler.step()``) is not
-        repeated. A recipient whose donor was already an epoch ahead (it repaired a recoverable
-        error on an epoch's last step) runs that epoch's end once, and the state it received (model,
-        optimizer, replica objects) is then put back, so the end's effects count once
-        (:class:`ftrun.epochs.EpochLoop`).
-        """
+        """Yield epoch numbers ``first .. stop-1`` for an epoch loop over :meth:`batches`. The epoch
+        is replica state: a respawned rank recovers here and starts in its donor's epoch, so work
+        after an epoch's last step (evaluation, ``scheduler.step()``) is not repeated
+        (:class:`ftrun.epochs.EpochLoop`)."""
         return self.epoch_loop.epochs(first, stop)
 
     def batches(self, loader: Any, name: str = "data") -> Iterator[tuple["Step", Any]]:
-        """Yield ``(step, batch)`` for one pass over ``loader``; failed steps are recovered and
-        retried with the same batch.
-
-        Args:
-            loader: a ``DataLoader`` (with a ``DistributedSampler`` and ``set_epoch`` as usual),
-                torchdata's ``StatefulDataLoader``, or any iterable of batches.
-            name: the name of its position in the registered rank state.
-
-        ``step`` is the global step (a :class:`Step`), counted across epochs. The position in the
-        pass is this rank's own state (:class:`ftrun.data.LoaderCursor`): rolled back with a
-        retried step, restored from the job's store for a respawned rank; see :mod:`ftrun.data`.
-        Outside :meth:`epochs`, one call is one pass (the loop sends no end-of-loop message).
-        """
+        """Yield ``(step, batch)`` for one pass over ``loader`` (a ``DataLoader``, torchdata's
+        ``StatefulDataLoader``, any iterable); a failed step is recovered and retried with the same
+        batch. ``step`` is the global step (a :class:`Step`); the pass's position is rank state
+        ``name`` (:class:`ftrun.data.LoaderCursor`). Outside :meth:`epochs`, one call is one pass."""
         return self.epoch_loop.batches(loader, name)
 
     def _enter_loop(self, step: int) -> int:
@@ -711,9 +662,8 @@ class Worker:
             if self.state.phase is Phase.PENDING_REPAIR:  # raised in backward, and no opt.step() followed
                 self._repair_in_place(self.state.reason or "", drop=True)
             if not self.state.failed and self.committed == step - 1:
-                # The body ended well: its updates are the step's (several optimizers, or an
-                # update before more work), or it made none (GradScaler skipped it, or no step()
-                # was called) and the state is that of this step all the same.
+                # The body ended well: its updates are the step's (several optimizers), or it made
+                # none (GradScaler skipped it) and the state is that of this step all the same.
                 self.commit(step)
                 self.control.board.enter("compute")
             if not self.state.failed:
@@ -738,13 +688,8 @@ class Worker:
         """
         if not self.managed:
             raise GroupFailure(reason or "collective failed")
-        if not self.registry.undo_updates():
-            # Committed at an update, the step then went on with another (its shape grew past
-            # what earlier steps showed): a partial step that nothing can undo.
-            print(f"ftrun: rank {self.rank}: step {self.progress.current_step} failed after it was committed at an update "
-                  "and went on with another update or backward pass; its state is a partial step, so it takes a "
-                  "replica's", file=sys.stderr, flush=True)
-            self.committed = NO_STATE
+        if not self.registry.undo_updates(f"rank {self.rank}: step {self.progress.current_step}"):
+            self.committed = NO_STATE  # a partial step that nothing can undo: it takes a replica's state
         kind = self.state.recover()
         step = self.recovery.recover(reason, kind)
         self.state.recovered()
@@ -772,7 +717,7 @@ class Worker:
         """Mark ``step`` committed (called by the optimizer wrapper after its update)."""
         self.committed = step
         if self.trace is not None:
-            self.trace.committed(step)
+            self.trace.committed(step, self.faults.counts(step))
 
     def finish(self) -> None:
         """Say the rank is done, wait for every other rank to be done too, then tear the group

@@ -14,7 +14,7 @@ import torch.nn as nn
 from ftrun.exactlyonce import ExactlyOnceChecks
 from ftrun.registry import StateRegistry
 from ftrun.transaction import ModuleBuffers
-from ftrun.workerstate import WorkerState
+from ftrun.workerstate import Phase, WorkerState
 
 
 def gan() -> tuple[nn.Module, nn.Module]:
@@ -243,6 +243,14 @@ def test_fingerprints_are_keyed_by_step_and_backward_pass() -> None:
     assert "backward pass 3" in checks.divergences[0][2]
     progress.current_step, progress.generation = 6, 1  # the next step starts a new list
     assert checks.expected_gradient() is None and checks.check_local_gradient("d4")
+    checks.state.to(Phase.HEALTHY)
+    checks.state.to(Phase.FAILED, "gradient all-reduce failed")  # its first pass's all-reduce failed
+    assert checks.check_local_gradient("garbage")  # a pass adding to half-averaged gradients: not kept
+    assert checks._gradient_of(6) == "d4,"
+    checks.state.recover()
+    checks.state.recovered()
+    progress.generation = 2
+    assert checks.check_local_gradient("d4") and checks.check_local_gradient("e5") and checks.divergences[1:] == []
 
 
 def test_a_respawned_rank_compares_each_pass_with_its_predecessors() -> None:
