@@ -356,8 +356,8 @@ def _registration_hint(diff: Difference) -> str:
 
 
 def _unregistered_cause(diff: Difference, divergences: list[dict[str, Any]]) -> str:
-    what = "module" if diff.kind == UNREGISTERED_MODULE else "optimizer"
-    cause = (f"{diff.owner} (a {what}) is not registered with ftrun (ft.wrap_model / ft.wrap_optimizer / "
+    what = "a module" if diff.kind == UNREGISTERED_MODULE else "an optimizer"
+    cause = (f"{diff.owner} ({what}) is not registered with ftrun (ft.wrap_model / ft.wrap_optimizer / "
              f"ft.register): {_registration_hint(diff)}")
     gradient = [d for d in divergences if d["check"] == "gradient"]
     if gradient:
@@ -371,18 +371,19 @@ def _buffer_cause(diff: Difference, scenario: Scenario, reference: Trace) -> str
     statistic = diff.tensor.rsplit(".", 1)[-1] in _BATCHNORM_BUFFERS
     what = (f"buffer {diff.tensor} (a BatchNorm statistic: every forward pass in train mode updates it)" if statistic
             else f"buffer {diff.tensor}")
+    eval_mode = ("Run forward passes outside the training step (an evaluation, a section) in eval mode "
+                 "(model.eval(), then model.train())")
+    if scenario.kind in ("allreduce", "backward", "update") and diff.step == scenario.step:
+        return (f"{what} changed outside what ftrun rolls back: the survivors computed step {scenario.step} again, "
+                "and its first try's forward passes had updated it already")
     if _rank_local(reference, diff):
-        return (f"{what} is each rank's own: in the fault-free run the ranks' copies differ (statistics of each "
-                f"rank's batches, not broadcast), and rank {diff.rank}'s replacement took a replica's with the model, "
-                "not its predecessor's. Make the buffers the same on every rank: ft.wrap_model(model, ddp=True) "
-                "broadcasts rank 0's before each forward pass, as DDP's broadcast_buffers does")
-    again = (f"the survivors computed step {scenario.step} again, so its forward passes ran twice"
-             if scenario.kind in ("allreduce", "backward", "update") else
-             "a forward pass ran again or outside a step (a retried step, an evaluation in train mode)")
-    return (f"{what} changed outside what ftrun rolls back: {again}, and a registered model is committed state, "
-            "which ftrun expects only the update to change, so the buffers' second update stays. Until ftrun rolls "
-            "buffers back, register them as replica state: ft.register(name, obj) with an obj whose state_dict() "
-            "returns the module's buffers and whose load_state_dict() copies them back")
+        return (f"{what} is each rank's own (the ranks' copies differ in the fault-free run), and rank {diff.rank}'s "
+                "replacement did not end with its predecessor's: it came from a replica with the model, or changed "
+                "after the predecessor's last record (a forward pass in train mode outside a step). Make the buffers "
+                "the same on every rank (ft.wrap_model(model, ddp=True) broadcasts rank 0's before each forward "
+                f"pass, as DDP's broadcast_buffers does). {eval_mode}")
+    return (f"{what} changed where ftrun neither rolls it back nor records it: a forward pass in train mode outside "
+            f"a step (an evaluation, a section, an epoch's end or start) on the survivors or the new rank. {eval_mode}")
 
 
 def _rank_local(reference: Trace, diff: Difference) -> bool:
@@ -469,7 +470,8 @@ def check(script: str, args: list[str], world: int = 2, timeout: float = 600.0, 
             return 2
         if found:
             say("  note  not registered with ftrun, so not restored on a respawned rank nor rolled back on a retried "
-                f"step: {', '.join(f'{n} (a {k})' for n, k in found.items())}; compared in every run")
+                f"step: {', '.join(f'{n} (an {k})' if k[0] in 'aeiou' else f'{n} (a {k})' for n, k in found.items())}; "
+                "compared in every run")
         scenarios = [s for s in choose_scenarios(reference, world) if only is None or s.kind in only]
         if only is not None and only & {"backward", "update"} and not reference.ranks[0].get("points"):
             say("  note  the trace has no point counts (this ftrun's worker does not record them): no backward or "

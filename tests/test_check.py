@@ -188,7 +188,11 @@ def test_the_likely_cause_names_what_ftrun_does_not_know_about() -> None:
     local = Trace({r: _doc({s: ["p", f"b{r}", "g", "o"] for s in range(12)}, _DCGAN, rank=r) for r in range(2)})
     running = Difference(5, 1, "netD.main.1.running_mean", "buffer", "netD")
     why = explain(running, [], retried, local)
-    assert "is each rank's own" in why and "rank 1's replacement took a replica's" in why and "ddp=True" in why
+    assert "is each rank's own" in why and "rank 1's replacement did not end with its predecessor's" in why
+    assert "ddp=True" in why and "model.eval()" in why
+    # ... the same on every rank, changed after a replacement: a forward pass outside a step.
+    why = explain(running, [], Scenario("a kill inside ft.section('eval') after step 4", "", 4, "section"), reference)
+    assert "changed where ftrun neither rolls it back nor records it" in why and "model.eval()" in why
     # Parameters: equal gradients, other updates (after an epoch boundary), or another gradient.
     weight = Difference(7, 0, "netD.main.0.weight", "parameter", "netD")
     after = Scenario("a kill right after step 5", "rank=1,step=5,point=between_steps,kind=kill", 5, "epoch_end")
