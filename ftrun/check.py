@@ -223,17 +223,33 @@ def step_shape(reference: Trace, step: int, rank: int) -> StepShape | None:
     return None
 
 
+#: At most this many faulted runs per kind of point in one step (an LBFGS step's closure may run
+#: 20 backward passes): spread from the first to the last (:func:`spread`).
+MAX_PER_POINT = 6
+
+
+def spread(first: int, last: int, most: int = MAX_PER_POINT) -> list[int]:
+    """``first..last`` when it has at most ``most`` values, else ``most`` of them spread evenly,
+    ``first`` and ``last`` included (``spread(2, 20, 4) == [2, 8, 14, 20]``)."""
+    if last - first + 1 <= most:
+        return list(range(first, last + 1))
+    if most <= 1:
+        return [first][:most]
+    return sorted({first + round(i * (last - first) / (most - 1)) for i in range(most)})
+
+
 def _nth_scenarios(shape: StepShape | None, step: int, victim: int, where: str) -> list[Scenario]:
-    """A kill at each all-reduce after the first and at each optimizer update of ``step``; none
-    when the step has one of each (the ``allreduce`` scenario covers it) or no known shape."""
+    """A kill at each all-reduce after the first and at each optimizer update of ``step`` (at most
+    :data:`MAX_PER_POINT` of each); none when the step has one of each (the ``allreduce``
+    scenario covers it) or no known shape."""
     if shape is None or (shape.allreduces <= 1 and shape.updates <= 1):
         return []
     out = [Scenario(f"a kill in all-reduce {k} of {shape.allreduces} of step {step}{where} (the survivors compute it "
                     "again)", f"rank={victim},step={step},point=allreduce,nth={k},kind=kill", step, "backward")
-           for k in range(2, shape.allreduces + 1)]
+           for k in spread(2, shape.allreduces)]
     out += [Scenario(f"a kill in optimizer update {k} of {shape.updates} of step {step}{where}",
                      f"rank={victim},step={step},point=optimizer,nth={k},kind=kill", step, "update")
-            for k in range(1, shape.updates + 1)]
+            for k in spread(1, shape.updates)]
     return out
 
 

@@ -112,6 +112,17 @@ def test_a_step_with_several_all_reduces_and_updates_gets_a_kill_at_each() -> No
         "rank=1,step=13,point=optimizer,nth=1,kind=kill"]
 
 
+def test_a_step_with_many_all_reduces_gets_kills_spread_over_them() -> None:
+    from ftrun.check import MAX_PER_POINT, Trace, choose_scenarios, spread
+
+    assert spread(2, 4) == [2, 3, 4] and spread(1, 1) == [1] and spread(2, 1) == []
+    assert spread(2, 20, 4) == [2, 8, 14, 20]
+    # An LBFGS step: its closure's 20 backward passes, each with its all-reduce, in one update.
+    lbfgs = Trace({0: _doc({s: ["p"] for s in range(30)}, _DCGAN, points={9: {"allreduce": 20, "optimizer": 1}})})
+    nth = [s.fault.split("nth=")[1].split(",")[0] for s in choose_scenarios(lbfgs, world=2) if s.kind == "backward"]
+    assert len(nth) == MAX_PER_POINT and nth[0] == "2" and nth[-1] == "20"
+
+
 def test_the_new_scenario_kinds_are_options() -> None:
     from ftrun.check import parse_scenarios
 
