@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .procs import ftrun_module_argv
+
 # What a traced tensor is: the values of a trace's "kinds" (ftrun.trace, which imports torch).
 PARAMETER = "parameter"
 BUFFER = "buffer"
@@ -422,10 +424,10 @@ def _run(script: str, args: list[str], world: int, workdir: Path, fault: str | N
     env["PYTHONUNBUFFERED"] = "1"
     if fault:
         env["FTRUN_FAULT"] = fault
-    cmd = [sys.executable, "-m", "ftrun", "--worker_num", str(world), "--master_port", "0", "--plain",
-           "--log_dir", str(workdir / "logs"), "--tail_worker_log", "", "--max_restarts", "3",
-           "--checkpoint_dir", str(workdir / "checkpoints"), "--resume", "none", "--on_divergence", "warn",
-           script, *args]
+    cmd = ftrun_module_argv("ftrun", ["--worker_num", str(world), "--master_port", "0", "--plain",
+                                      "--log_dir", str(workdir / "logs"), "--tail_worker_log", "", "--max_restarts", "3",
+                                      "--checkpoint_dir", str(workdir / "checkpoints"), "--resume", "none",
+                                      "--on_divergence", "warn", script, *args])  # the installed ftrun, whatever the cwd holds
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         return proc.returncode, proc.stdout + proc.stderr, trace_dir

@@ -257,6 +257,10 @@ class StepTransaction:
         self._undo: list[UpdateUndo] = []
         self._copied: set[int] = set()
         self._last = False  # the update running now is the last one the step's shape expects
+        # A step went on with a synced backward pass or another update after committing at an
+        # update (an unwrapped model's gradients averaged after the update, say): from then on no
+        # update is trusted to be the last, and steps commit at their body's end.
+        self.late_work = False
 
     def begin(self) -> None:
         """A step (or a retry of one) starts: nothing is applied yet."""
@@ -279,7 +283,7 @@ class StepTransaction:
         if self.committed_at_update:
             self.grown = True
         self.updates += 1
-        self._last = self.updates >= max(self.most_updates, len(self._optimizers()), 1)
+        self._last = not self.late_work and self.updates >= max(self.most_updates, len(self._optimizers()), 1)
         if (closure or not self._last) and not self.committed_at_update and id(optimizer) not in self._copied:
             undo = self._undo_for(optimizer)
             undo.take()
@@ -304,6 +308,7 @@ class StepTransaction:
     def end(self) -> None:
         """The step's body ended well: it is committed; its shape is learnt."""
         self.most_updates = max(self.most_updates, self.updates)
+        self.late_work = self.late_work or self.grown
         self.begin()
 
     def abort(self) -> bool:
@@ -311,6 +316,7 @@ class StepTransaction:
         committed at an update and grew after it: the rank's state is a partial step)."""
         if self.committed_at_update:
             self.most_updates = max(self.most_updates, self.updates)
+            self.late_work = self.late_work or self.grown
             return not self.grown
         for undo in reversed(self._undo):
             undo.restore()

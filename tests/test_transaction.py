@@ -189,6 +189,30 @@ def test_an_optimizer_stepped_twice_after_committing_cannot_be_undone() -> None:
     assert not tx.after_update(True) and tx.undo_bytes() > 0, "learnt: two updates a step, the first is copied"
 
 
+def test_work_after_the_update_makes_steps_commit_at_their_end() -> None:
+    """An unwrapped model's gradients averaged after the registered optimizer's update (a second
+    model the script did not give to ftrun): once seen, updates keep undo copies."""
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    registry = StateRegistry()
+    registry.register("model", model, kind="committed")
+    registry.register("optimizer", opt, kind="committed")
+    tx = registry.transaction
+    registry.snapshot_step_start(-1)
+    tx.before_update(opt, closure=False)
+    assert tx.after_update(True)
+    tx.backward_pass()
+    tx.end()
+    before = state_of(model, opt)
+    registry.snapshot_step_start(0)
+    model(torch.ones(2, 3)).sum().backward()
+    tx.before_update(opt, closure=False)
+    opt.step()
+    assert not tx.after_update(True), "the step commits at its body's end now"
+    tx.backward_pass()  # the late all-reduce fails
+    assert registry.undo_updates() and same(state_of(model, opt), before)
+
+
 def test_buffers_are_rank_state_rolled_back_with_a_retried_step() -> None:
     torch.manual_seed(2)
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
