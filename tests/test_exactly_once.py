@@ -294,11 +294,13 @@ def test_the_unwrapped_models_all_reduce_writes_the_provisional_record_before_an
         checks=SimpleNamespace(record_provisional=lambda: order.append("provisional")),
         control=SimpleNamespace(board=SimpleNamespace(collective=lambda: order.append("board"))),
         release_if_aborted=lambda: None, progress=SimpleNamespace(current_step=5),
-        faults=SimpleNamespace(point=lambda where, step: order.append(where)))
+        faults=SimpleNamespace(point=lambda where, step: order.append(where)),
+        transaction=SimpleNamespace(backward_pass=lambda: order.append("pass")))
+    sync._at_pass_start = lambda: gradsync.GradientSync._at_pass_start(sync)  # type: ignore[arg-type]
     param = torch.nn.Parameter(torch.ones(2))
     param.grad = torch.ones(2)
     assert gradsync.GradientSync.all_reduce(sync, [param])  # type: ignore[arg-type]
-    assert order == ["provisional", "board", "allreduce", "all-reduce"]
+    assert order == ["pass", "provisional", "board", "allreduce", "all-reduce"]
 
 
 def test_a_steps_record_is_written_when_its_backward_starts_and_its_fingerprint_after_its_last_bucket() -> None:
