@@ -6,9 +6,10 @@ job's c10d TCPStore (the one at ``MASTER_ADDR:MASTER_PORT``, hosted by the launc
 every rank), labelled with the committed step they belong to:
 
 - at each step start, the state before the step (label: the step before, committed);
-- provisionally when the step's synced backward starts, before any of its gradients leaves, the
-  state after its batch and its forward (label: the step itself; the backward changes no rank
-  state). If peers commit that step and this rank dies before its next step start, the recovery
+- provisionally when each synced backward pass of the step starts, before any of its gradients
+  leaves, the state after its batch and its forward passes so far (label: the step itself; a
+  backward changes no rank state). Each replaces the last: peers cannot commit the step before
+  this rank's last pass has sent its gradients, so the record they commit against is that pass's. If peers commit that step and this rank dies before its next step start, the recovery
   step is that step, and this is its state; the next step start's record replaces it (only when
   it differs: most steps write one record).
 
