@@ -124,12 +124,18 @@ def test_two_optimizers_commit_at_the_second_update_and_copy_only_the_first() ->
     assert taken == [run.opt_d] * 3, "the first update of each step keeps an undo copy, the last none"
 
 
-def test_one_optimizer_keeps_no_undo_copy_and_commits_at_its_update() -> None:
+def one_optimizer(make: object) -> tuple[nn.Module, torch.optim.Optimizer, StateRegistry]:
+    """A linear model and its optimizer (``make(params)``), registered as wrap_model/wrap_optimizer do."""
     model = nn.Linear(3, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = make(model.parameters())  # type: ignore[operator]
     registry = StateRegistry()
     registry.register("model", model, kind="committed")
     registry.register("optimizer", opt, kind="committed")
+    return model, opt, registry
+
+
+def test_one_optimizer_keeps_no_undo_copy_and_commits_at_its_update() -> None:
+    model, opt, registry = one_optimizer(lambda params: torch.optim.SGD(params, lr=0.1))
     tx = registry.transaction
     for step in range(3):
         registry.snapshot_step_start(step - 1)
@@ -143,11 +149,7 @@ def test_one_optimizer_keeps_no_undo_copy_and_commits_at_its_update() -> None:
 
 def test_an_update_with_a_closure_keeps_an_undo_copy_and_a_failure_inside_it_is_undone() -> None:
     torch.manual_seed(1)
-    model = nn.Linear(3, 1)
-    opt = torch.optim.LBFGS(model.parameters(), max_iter=4)
-    registry = StateRegistry()
-    registry.register("model", model, kind="committed")
-    registry.register("optimizer", opt, kind="committed")
+    model, opt, registry = one_optimizer(lambda params: torch.optim.LBFGS(params, max_iter=4))
     x, y = torch.randn(8, 3), torch.randn(8, 1)
 
     def closure() -> torch.Tensor:
@@ -168,11 +170,7 @@ def test_an_update_with_a_closure_keeps_an_undo_copy_and_a_failure_inside_it_is_
 
 
 def test_an_optimizer_stepped_twice_after_committing_cannot_be_undone() -> None:
-    model = nn.Linear(3, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    registry = StateRegistry()
-    registry.register("model", model, kind="committed")
-    registry.register("optimizer", opt, kind="committed")
+    model, opt, registry = one_optimizer(lambda params: torch.optim.SGD(params, lr=0.1))
     tx = registry.transaction
     registry.snapshot_step_start(-1)
     tx.before_update(opt, closure=False)
@@ -192,11 +190,7 @@ def test_an_optimizer_stepped_twice_after_committing_cannot_be_undone() -> None:
 def test_work_after_the_update_makes_steps_commit_at_their_end() -> None:
     """An unwrapped model's gradients averaged after the registered optimizer's update (a second
     model the script did not give to ftrun): once seen, updates keep undo copies."""
-    model = nn.Linear(3, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    registry = StateRegistry()
-    registry.register("model", model, kind="committed")
-    registry.register("optimizer", opt, kind="committed")
+    model, opt, registry = one_optimizer(lambda params: torch.optim.SGD(params, lr=0.1))
     tx = registry.transaction
     registry.snapshot_step_start(-1)
     tx.before_update(opt, closure=False)
