@@ -39,6 +39,18 @@ import torch
 __all__ = ["ModuleBuffers", "StepTransaction", "UpdateUndo"]
 
 
+def _deep_copy(value: Any) -> Any:
+    """A copy of ``value`` whose tensors (on their own device) and containers are new: an
+    optimizer's state may hold lists it appends to (LBFGS's history of directions and steps)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_deep_copy(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    return value
+
+
 def _copy_into(old: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
     """``value``'s bytes in ``old`` when it fits (same shape, dtype and device), else in a new tensor."""
     value = value.detach()
@@ -173,10 +185,9 @@ class UpdateUndo:
                     self._state[id(p)] = None
                     continue
                 previous = kept.get(id(p)) or {}
-                self._state[id(p)] = {k: _copy_into(previous.get(k), v) if isinstance(v, torch.Tensor) else v
+                self._state[id(p)] = {k: _copy_into(previous.get(k), v) if isinstance(v, torch.Tensor) else _deep_copy(v)
                                       for k, v in entry.items()}
-            self._groups = [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                             for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            self._groups = [{k: _deep_copy(v) for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self._others = [snapshot(o.state_dict()) for o in self.others]
 
     def restore(self) -> None:
@@ -204,14 +215,14 @@ class UpdateUndo:
                             else:
                                 entry[key] = value.clone()
                         else:
-                            entry[key] = value
+                            entry[key] = _deep_copy(value)  # the copy stays as taken for another retry
                 for group, saved_group in zip(self.optimizer.param_groups, self._groups):
                     for key, value in saved_group.items():
                         live = group.get(key)
                         if isinstance(value, torch.Tensor) and isinstance(live, torch.Tensor) and live.shape == value.shape:
                             live.copy_(value)
                         else:
-                            group[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                            group[key] = _deep_copy(value)
         for obj, saved_state in zip(self.others, self._others):
             obj.load_state_dict(snapshot(saved_state))
 
