@@ -314,7 +314,7 @@ def _row(cells: list[str], widths: list[int]) -> str:
 
 
 HEADER = ["scenario", "rep", "exit", "=twin", "=fault-free", "div", "respawns", "job_rst", "s", "digest", "result"]
-WIDTHS = [66, 3, 7, 5, 11, 4, 8, 7, 6, 12, 0]
+WIDTHS = [76, 3, 7, 5, 11, 4, 8, 7, 6, 12, 0]
 
 
 def main() -> int:
