@@ -25,9 +25,9 @@ from .exactlyonce import ExactlyOnceChecks
 from .faults import FaultInjector
 from .group import TrainingGroup
 from .recovery import RankProgress
-from .transaction import StepTransaction
 from .reducer import (BUCKET_CAP_BYTES, BucketLayout, GradientReducer, all_reduce_in_buckets, broadcast_buffers,
                       broadcast_module, local_gradients_hook, one_rank_group)
+from .transaction import StepTransaction
 from .workerstate import Phase, WorkerState
 
 
