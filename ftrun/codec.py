@@ -416,7 +416,7 @@ class _RecordTags:
         if kind is torch.Tensor:
             name = self._viewable.get(obj.dtype)
             if name is not None and obj.layout is torch.strided and obj.is_cpu and obj.is_contiguous() and not obj.is_neg():
-                # The common case (a rank's RNG streams, carried tensors: issue 27), the same bytes
+                # The common case (a rank's RNG streams, carried tensors), the same bytes
                 # as below with a third of the calls: a record is made twice a step. A carried
                 # tensor often still requires grad (a forward's output, before it is detached).
                 return [self.tensor, name, list(obj.shape),
@@ -467,7 +467,7 @@ def to_record(state: Any) -> bytes:
     """The bytes of a rank's record of ``state``: what :func:`to_bytes` keeps (containers, keys,
     tuples, scalars of exact built-in types, CPU copies of tensors and arrays, bit for bit), walked
     by msgpack's C packer, about twice as fast for the RNG streams, carried tensors and positions a
-    rank's own state holds (issue 27); any other state is encoded by :func:`to_bytes`. Equal states
+    rank's own state holds; any other state is encoded by :func:`to_bytes`. Equal states
     give equal bytes. :func:`from_record` reads both. Unlike :func:`to_bytes`, which refuses them,
     ``bytearray`` and ``memoryview`` values are kept, and come back as ``bytes``.
 

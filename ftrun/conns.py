@@ -13,7 +13,7 @@ other connecting to a peer's listener), so the connections this process gained d
 less those to the store and the control channel, are the group's. A connection is identified by
 its descriptor *and* both addresses, so a descriptor gloo closed and the user's code reused later
 is never touched. A user's own connections (a metrics stream, a dataset over HTTP, a database)
-survive every recovery (issue 11: no side effects beyond ftrun's own groups).
+survive every recovery (no side effects beyond ftrun's own groups).
 
 Limits: a connection a user's thread opens during the few milliseconds of a group's build would be
 counted as the group's; gloo's lazy connection mode (``TORCH_GLOO_LAZY_INIT=1``) connects after the

@@ -58,8 +58,8 @@ class StepBoard:
 
     A rank used to send four messages a step (step begin, collective, update begin, update end):
     on a small model (word_lm, ~10 ms steps, 4 ranks on 2 cores) their encoding, authentication and
-    the supervisor's handling were a visible share of every fault-free step (docs/benchmarks.md,
-    issue 27). The watchdog needs where a rank is and for how long, not every transition: the
+    the supervisor's handling were a visible share of every fault-free step (docs/benchmarks.md).
+    The watchdog needs where a rank is and for how long, not every transition: the
     heartbeat tells it, as ages (seconds before the beat, so no clocks are compared across hosts),
     at most ``heartbeat_interval`` late. The step and committed step are read from the rank's
     :class:`ftrun.recovery.RankProgress`.

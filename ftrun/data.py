@@ -8,7 +8,7 @@
             ...
         test(model)                                   # end-of-epoch work: never run twice for one epoch
 
-Two kinds of state make that exact (issue 11, item 2):
+Two kinds of state make that exact:
 
 - :class:`EpochProgress` is *replica* state (registered as ``"epochs"``): the epoch in progress and
   the global step its first batch has. A donor sends it, so a respawned rank resumes in the epoch
@@ -81,7 +81,7 @@ class LoaderCursor:
         self.position = 0  # batches given in this pass
         self.stateful = _is_stateful(loader)
         # Iterating a list, tuple or range draws from no generator: no generator state is kept
-        # or compared for it (a record a step start and a provisional one carry it: issue 27).
+        # or compared for it (a record a step start and a provisional one carry it).
         self._draws = type(loader) not in (list, tuple, range)
         self._it: Any = None
         self._it_position = 0  # batches the live iterator has given

@@ -1,4 +1,4 @@
-"""Fingerprints of tensors, to check exactly-once while training runs (issue 20).
+"""Fingerprints of tensors, to check exactly-once while training runs.
 
 ftrun promises that a run with recovered faults ends with the parameters of the run without. Two
 checks make a break of that promise loud instead of silent:
@@ -12,7 +12,7 @@ checks make a break of that promise loud instead of silent:
 
 A fingerprint is XXH3-128 (the ``xxhash`` package) over the tensors' shapes, dtypes and each CPU
 tensor's bytes, read in place: about 20 us for word_lm's 1.1 MB of gradients where SHA-1 over a
-CRC-32 of each took 260 us (issue 27: it ran at every step's all-reduce, 4% of a small step). A
+CRC-32 of each took 260 us (it ran at every step's all-reduce, 4% of a small step). A
 changed bit changes it; two different gradients share it with probability about 2^-128, which is
 a detector's budget, not a signature's (XXH3 is not cryptographic: no one forges a gradient here). A tensor on an accelerator is not copied
 to the host: there, per tensor, the sum and the sum of squares of its elements' bit patterns as

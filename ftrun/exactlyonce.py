@@ -1,4 +1,4 @@
-"""The exactly-once checks of one rank (issue 20), and the records of its own state it keeps in the
+"""The exactly-once checks of one rank, and the records of its own state it keeps in the
 job's store for a successor.
 
 A run with faults must end bitwise equal to the run without. Two fingerprints check that, as it

@@ -245,7 +245,7 @@ class TrainingGroup:
         respawned rank before its recovery, a survivor after a failed collective until the next
         generation): ``dist.get_rank()``, ``dist.get_world_size()`` and ``DistributedSampler``
         keep working, and every collective raises :class:`GroupDown` at once, which the step
-        records as a failed collective (issue 11: torch.distributed stays usable)."""
+        records as a failed collective (torch.distributed stays usable)."""
         if self.placeholder or self.rank is None or self.world_size <= 1 or not self.managed or dist.is_initialized():
             return
         _register_down_backend()

@@ -1,4 +1,4 @@
-"""A rank outliving its supervisor long enough for a dying gasp (issue 15; MindIO TTP's idea).
+"""A rank outliving its supervisor long enough for a dying gasp (MindIO TTP's idea).
 
 A rank is spawned to die with its supervisor (``PR_SET_PDEATHSIG``, SIGKILL; :mod:`ftrun.procs`).
 A library rank trades that for :data:`ORPHAN_SIGNAL`, whose handler only sets a flag: at its next

@@ -13,7 +13,7 @@ waits for every bucket and copies the averages back into ``.grad``. With ``wrap_
 ddp=True)`` the model is also wrapped in DDP over a private one-rank group (for ``no_sync()``,
 ``model.module``, DDP's hooks) with ``gradient_as_bucket_view=True`` and a comm hook that
 communicates nothing: its bucket views are the ``.grad`` tensors, end to end in the bucket's order,
-so this reducer all-reduces them in place, with no flat copy and no copy back (issue 27: the two
+so this reducer all-reduces them in place, with no flat copy and no copy back (the two
 copies were a tenth of a larger model's extra step time). So the two paths run the same all-reduces on the same layout: the same bits. (A DDP comm hook
 doing the all-reduce itself would inherit DDP's per-process bucket history: a respawned rank's DDP
 starts with one bucket while its peers' have been rebuilt, and gloo fails on the size mismatch.)
@@ -170,7 +170,7 @@ class GradientReducer:
             the fingerprint of the local gradients (before averaging: :class:`ftrun.digest.Fingerprint`
             of each bucket's flat tensor as it leaves, in the layout's order); returns False to
             fail the step instead (see ``hold_for_check``). The worker keeps and compares it
-            (exactly-once check, issue 20).
+            (exactly-once check).
         at_pass_start: called on the training thread when a synced backward's first gradient is
             ready, before any bucket leaves: the worker writes the rank's provisional record there
             (no peer can commit the step before this rank's last bucket arrives). Issue 27: made
@@ -588,7 +588,7 @@ def start_all_reduce(tensor: torch.Tensor) -> Any:
     """Start a summing all-reduce of ``tensor``, in place, on the default group; returns its
     ``Work``. What ``dist.all_reduce(tensor, async_op=True)`` does for a dense tensor outside a
     coalescing context, without that function's Python wrapper (its logging decorators, checks and
-    options object cost a rank about as much CPU as the collective's own launch: issue 27, a
+    options object cost a rank about as much CPU as the collective's own launch: a
     bucket a backward). Anything else (a complex or sparse tensor, no default group, a coalescing
     context, a torch function mode) takes ``dist.all_reduce`` itself.
 

@@ -171,7 +171,7 @@ class StateRegistry:
             committed: the committed step the copy belongs to.
             encode_rank: keep the ``rank`` objects' copy as the bytes of this rank's record
                 (:func:`ftrun.codec.to_record` of :meth:`record_state`, which :meth:`roll_back`
-                decodes): one walk gives both the copy and the record (issue 27), and bytes are
+                decodes): one walk gives both the copy and the record, and bytes are
                 never changed by training. Otherwise every kind is deep-copied
                 (:func:`ftrun.checkpoint.snapshot`).
 

@@ -1,4 +1,4 @@
-"""Reading the state of Python's ``random`` and numpy's global generator in place (issue 27).
+"""Reading the state of Python's ``random`` and numpy's global generator in place.
 
 A rank's own records hold its random streams and are taken twice a step
 (:mod:`ftrun.rankstate`). The public getters copy word by word: ``random.getstate()`` builds a

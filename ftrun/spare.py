@@ -201,7 +201,7 @@ def _leave_idle(idle_policy: int, keep: int) -> None:
 def import_at_idle_priority(poll_s: float = 0.05) -> bool:
     """Import what a rank needs (numpy, torch, torch.distributed, the worker library) on a helper
     thread scheduled ``SCHED_IDLE``, so a warm spare started while the ranks train takes only CPU
-    time they leave unused (issue 27: on 2 cores, a warm spare's 1.5 s of imports overlapped the
+    time they leave unused (on 2 cores, a warm spare's 1.5 s of imports overlapped the
     first seconds of a job's training and slowed those steps).
 
     A thread that a library starts during its import inherits the policy (OpenBLAS starts its

@@ -223,7 +223,7 @@ class RankProcesses:
         """Keep ``warm`` warm spares (torch imported, waiting on their stdin) and ``hot`` hot ones
         (the script itself runs in them up to its training loop, without a rank: :mod:`ftrun.spare`)
         running, side by side: a fault that comes before a hot spare is ready, or right after one was
-        promoted, finds a warm one (issue 24). Spares above the counts are left running.
+        promoted, finds a warm one. Spares above the counts are left running.
 
         A hot spare that exits with an error code before it is promoted shows that the script
         breaks the hot-spare contract (it needs its rank in its set-up); the node then keeps warm
@@ -283,7 +283,7 @@ class RankProcesses:
         # A hot spare that waits for its rank first (past the script's set-up, or as far as the
         # script lets it go), then one still in its set-up (it has imported and built more than a
         # warm spare: it finishes its set-up and takes the rank at the loop, never later than a new
-        # process would; issue 24), then a warm one. A hot spare in its set-up that then fails as
+        # process would), then a warm one. A hot spare in its set-up that then fails as
         # the rank shows the script breaks the contract (reap() turns hot spares off, as for a spare).
         ready = [p for p in self.spares if p in self._hot and self._hot[p].exists()]
         in_setup = [p for p in self.spares if p in self._hot and p not in ready]

@@ -33,7 +33,7 @@ equal to it. Data comes from an epoch loop over a ``DataLoader`` (:meth:`Worker.
 Outside ftrun (plain ``torchrun``, or no launcher at all) the same script runs: the library builds
 the group from the ``env://`` variables and simply trains, without recovery.
 
-Roles (issue 11: each its own class, used through its public members only, which
+Roles (each its own class, used through its public members only, which
 ``tests/test_structure.py`` checks): :class:`Worker` is the script's handle and runs the step
 loop; it holds the process group's lifecycle (:class:`ftrun.group.TrainingGroup`), the control
 client (:class:`ftrun.control.ControlClient`), the state registry
@@ -726,7 +726,7 @@ class Worker:
         The wait is a finish barrier: until every rank has called ``finish()``, this rank keeps its
         final state and answers recoveries, so a rank that dies after its last step (in its
         epilogue: evaluation, saving) is respawned, takes the final state from a replica waiting
-        here, and runs its epilogue, instead of the job training again from scratch (issue 15).
+        here, and runs its epilogue, instead of the job training again from scratch.
         """
         global _worker
         self.faults.point("finish", self.committed)

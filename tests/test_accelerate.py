@@ -1,4 +1,4 @@
-"""Accelerate loops under ftrun (issue 22, item 3): examples/accelerate_loop.py's port
+"""Accelerate loops under ftrun: examples/accelerate_loop.py's port
 (``main_ftrun``, ``ftrun.integrations.accelerate``) on 4 ranks against the loop as written
 (``main``) under torchrun, bitwise (the parameters' SHA-256 and the final evaluation loss), without
 and with a rank SIGKILLed from outside: mid-epoch, at an epoch boundary and during an evaluation;

@@ -48,7 +48,7 @@ def test_kill_at_each_point_is_exactly_once(reference: str, tmp_path: Path, rank
 
 
 def test_rank_killed_after_its_last_step_recovers_from_ranks_that_finished(reference: str, tmp_path: Path) -> None:
-    """Rank 0 dies in ft.finish(), after its epilogue (issue 15, item 3): the others wait in the finish
+    """Rank 0 dies in ft.finish(), after its epilogue: the others wait in the finish
     barrier with their final state, the respawned rank 0 takes it and runs its epilogue again,
     and nothing is trained twice (no whole-job restart)."""
     digest, events, out = dj.run(tmp_path, "rank=0,point=finish,kind=kill")

@@ -1,6 +1,6 @@
 """scripts/bench.py's overhead-real part, pure logic only (no process): where a fault-free run's
 steady state starts, so that both runs of a pair are measured over the same steps, after the
-job's one-time costs (issue 27)."""
+job's one-time costs."""
 
 from __future__ import annotations
 

@@ -126,7 +126,7 @@ def test_rng_state_reuses_python_randoms_words_only_while_unchanged():
 
 
 def _general_to_bytes(state: Any) -> bytes:
-    """codec.to_bytes as it was before its plain-state walk (issue 27): the reference bytes."""
+    """codec.to_bytes as it was before its plain-state walk: the reference bytes."""
     import msgpack
 
     skeleton, tensors = codec.flatten(state)

@@ -1,4 +1,4 @@
-"""ftrun.conns: a release shuts down the process group's connections and nothing else (issue 11)."""
+"""ftrun.conns: a release shuts down the process group's connections and nothing else."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The contract between launcher, agent and rank (issue 23): the rank's environment as one frozen
+"""The contract between launcher, agent and rank: the rank's environment as one frozen
 ``RankEnv``, and the store's key names, in one module without torch."""
 
 from __future__ import annotations

@@ -218,7 +218,7 @@ def _board():
 
 
 def test_step_board_gives_phases_as_ages_and_each_step_time_once():
-    """The heartbeat carries where the training thread is (issue 27: no message a step): the
+    """The heartbeat carries where the training thread is (no message a step): the
     phase and its age, the step and committed step, and the step times since the previous beat,
     each once."""
     board, clock = _board()

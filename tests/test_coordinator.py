@@ -696,7 +696,7 @@ def test_early_replacement_of_a_silent_node_is_taken(tmp_path: Path) -> None:
 
 
 def test_standby_nodes_take_lost_nodes_first_joined_first(tmp_path: Path) -> None:
-    """Standby nodes (issue 24 item 2): each keeps one hot spare per local rank; a lost node goes to
+    """Standby nodes: each keeps one hot spare per local rank; a lost node goes to
     the standby that joined first, never to two; its ranks are respawned there in spares; a standby
     that dies is dropped with no fault; ``ftrun status`` lists them; a launcher that comes later is
     the next standby, and takes the same node when it is lost again."""
@@ -744,7 +744,7 @@ def test_standby_nodes_take_lost_nodes_first_joined_first(tmp_path: Path) -> Non
     assert coord.restarts_used == 4 and coord.exit_code is None
 
 
-# ----------------------------------------------------------------- replayed frames (issue 21 item 2)
+# ----------------------------------------------------------------- replayed frames
 class Tap:
     """A ROUTER standing in for the coordinator: what a capture of the link shows, frame by frame."""
 

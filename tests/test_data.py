@@ -81,7 +81,7 @@ def test_retried_first_step_of_a_pass_replays_the_iterators_draw(name: str, make
 @pytest.mark.parametrize("loader", [list(range(0, 40, 4)), tuple(range(10)), range(10)])
 def test_a_pass_over_a_sequence_keeps_no_generator_state(loader) -> None:
     """Iterating a list, tuple or range draws from no generator (word_lm's ``ft.batches(batches)``):
-    its records carry no generator state (two records a step, issue 27: 5 KB each), and a
+    its records carry no generator state (two records a step: 5 KB each), and a
     respawned cursor and a retried step still get the right batches."""
     torch.manual_seed(5)
     cursor = LoaderCursor(loader, epoch=1)

@@ -1,5 +1,5 @@
 """``ft.wrap_model(ddp=True, **kwargs)`` gives DistributedDataParallel's bits for every DDP keyword
-it accepts, and refuses the others with one line (issue 27, item 1).
+it accepts, and refuses the others with one line.
 
 The comparison trains torch's DDP and ftrun's gradient sync side by side in each of 4 gloo
 processes (tests/scripts/ddp_twin.py): 4 ranks, because a ring all-reduce over 2 sums each element
@@ -124,7 +124,7 @@ def test_a_work_that_completes_right_after_a_timed_out_wait_is_taken_for_what_it
 
 def test_the_local_gradient_fingerprint_is_the_same_however_the_pass_launches_its_buckets() -> None:
     """The local gradient's fingerprint is taken from each bucket's flat copy as it is launched
-    (issue 27: no per-tensor pass over ``.grad`` after backward). The same gradients must give the
+    (no per-tensor pass over ``.grad`` after backward). The same gradients must give the
     same fingerprint whether the buckets leave during backward (a running rank), all at its end
     (a respawned rank's first pass, which learns the layout from it), or only after the check (a
     recomputed step held under ``--on_divergence fail``); other gradients another one. The

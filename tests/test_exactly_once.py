@@ -1,4 +1,4 @@
-"""Exactly-once checks without processes (issue 20): fingerprints, the rank-state records a
+"""Exactly-once checks without processes: fingerprints, the rank-state records a
 respawned rank reads, the coordinator's answer to a ``divergence``, the ``--on_divergence`` option,
 and ``ftrun check``'s verdict logic. The runs with real ranks are in tests/test_word_lm.py."""
 

@@ -1,4 +1,4 @@
-"""Real training scripts on the worker library (issue 11), each against its plain-torchrun twin,
+"""Real training scripts on the worker library, each against its plain-torchrun twin,
 bitwise, without and with faults (2 ranks):
 
 - pytorch/examples' mnist in data-parallel form (examples/mnist.py: an epoch loop over a

@@ -1,4 +1,4 @@
-"""Lightning Fabric loops under ftrun (issue 22, item 2): examples/fabric_loop.py's port
+"""Lightning Fabric loops under ftrun: examples/fabric_loop.py's port
 (``main_ftrun``, ``ftrun.integrations.fabric``) on 4 ranks against the loop as written (``main``)
 under torchrun, bitwise (the parameters' SHA-256, every evaluation's loss and accuracy), without and
 with a rank SIGKILLed from outside: mid-epoch, at an epoch boundary and during an evaluation; the

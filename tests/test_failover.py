@@ -1,4 +1,4 @@
-"""Coordinator failover without processes (issue 24 item 1): the hard state a standby is sent
+"""Coordinator failover without processes: the hard state a standby is sent
 restores a coordinator as it was (the epoch moved on); a takeover makes the dead coordinator's node
 a lost node whose ranks are respawned from replicas; a rank that heard of a newer generation from
 the dead coordinator than the standby was told moves the round beyond it; the standby is announced

@@ -1,6 +1,6 @@
 """Hardening: the control plane against a local outsider, and the end of a job.
 
-Found by a fault campaign run as an outside tester would (issue 15): a local process took a live
+Found by a fault campaign run as an outside tester would: a local process took a live
 rank's routing identity, read the job secret from the supervisor's next frame and forged ``done``
 for every rank ("job succeeded" at step 250 of 3,000); a flood of forged frames delayed the
 detection of a real death by 16.5 s; code after ``ft.finish()`` never ran; the single-node store

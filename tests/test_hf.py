@@ -1,4 +1,4 @@
-"""Hugging Face ``Trainer`` under ftrun (issue 22, item 1): examples/hf_trainer.py with
+"""Hugging Face ``Trainer`` under ftrun: examples/hf_trainer.py with
 ``FTTrainer`` (ftrun.integrations.hf) on 4 ranks against the same script with the plain ``Trainer``
 under torchrun, bitwise (the parameters' SHA-256 and the final evaluation loss), without and with a
 rank SIGKILLed from outside:

@@ -1,4 +1,4 @@
-"""Hot spares (issue 13): spares past the script's set-up, promoted to a failed rank's identity.
+"""Hot spares: spares past the script's set-up, promoted to a failed rank's identity.
 
 Each job trains the 4-rank digits job for LONG_STEPS steps, stretched by ``--step_pause`` (a sleep:
 same result, little CPU; the shared job only while its faults are sent), and must end bitwise equal

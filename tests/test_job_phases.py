@@ -1,4 +1,4 @@
-"""The coordinator's roles without processes (issue 23): the job's phases and their transition
+"""The coordinator's roles without processes: the job's phases and their transition
 table, a rank's incarnation record, and the watchdog's verdicts on a rank table and a clock."""
 
 from __future__ import annotations

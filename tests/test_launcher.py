@@ -184,7 +184,7 @@ def test_restarts_exhausted_reports_root_cause(ftrun_proc, tmp_path, out):
     assert summary and "rank 1" in summary[-1] and "exit code 3" in summary[-1], detail
     assert marker in result.stdout, "the summary does not show the tail of the root cause's log"
     assert "last lines of rank 1's log" in result.stdout
-    assert "each of its 2 incarnations failed the same way" in summary[-1], detail  # issue 27 item 3
+    assert "each of its 2 incarnations failed the same way" in summary[-1], detail
 
     events = read_events(logs)
     check_event_schema(events)
@@ -306,7 +306,7 @@ def test_sigkill_of_supervisor_kills_ranks(ftrun_proc, tmp_path, out):
     assert "supervisor" in result.stdout
     assert "dying-gasp" not in result.stdout, "a plain script's ranks write no checkpoint of their own"
     assert not wait_gone(ranks), "ranks outlived their supervisor"
-    assert not wait_gone(grandchildren), "a rank's child outlived the killed supervisor (issue 15)"
+    assert not wait_gone(grandchildren), "a rank's child outlived the killed supervisor"
 
 
 # --------------------------------------------------------------------------- (f) tail_worker_log

@@ -1,4 +1,4 @@
-"""PyTorch Lightning under ftrun (issue 22, item 2): examples/lightning_trainer.py with ``FTStrategy``
+"""PyTorch Lightning under ftrun: examples/lightning_trainer.py with ``FTStrategy``
 (ftrun.integrations.lightning) on 4 ranks against the same script with Lightning's own
 ``DDPStrategy`` under torchrun, bitwise (the parameters' SHA-256, the last validation loss and
 ``ModelCheckpoint``'s best score and file), without and with a rank SIGKILLed from outside:

@@ -132,7 +132,7 @@ def test_kills_at_injection_points_on_the_last_node(net_hosts, reference: str, t
     after another: the work of four jobs in one), each recovered from a replica on node 0.
 
     Every frame on node 1's link is captured meanwhile (the respawns send node 1's agent the
-    ranks' environment): the job's secret is in none of them (issue 21 item 1)."""
+    ranks' environment): the job's secret is in none of them."""
     hosts = net_hosts(2)
     capture = start_capture(hosts[1], tmp_path / "node1.pcap")
     try:
@@ -314,7 +314,7 @@ def _replace_node1(hosts: list[NetHost], tmp_path: Path, long_reference: str, pa
     joined = [e for e in events if e["kind"] == "node_joined" and e["detail"].get("replacement")]
     assert joined and hosts[2].addr not in ("",)
     lost = [e for e in events if e["kind"] == "node_lost"][0]
-    # A killed host's connections close: its loss is seen at once (issue 24 item 3), as a closed
+    # A killed host's connections close: its loss is seen at once, as a closed
     # connection or, when the kills reach the launcher first, as its agent saying it leaves; a cut
     # link closes nothing, and the agent's silence (the heartbeat timeout) tells.
     causes = ("silent",) if partition else ("connection_closed", "left")

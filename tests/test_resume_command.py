@@ -1,5 +1,5 @@
-"""``--resume auto`` starts from this program's own checkpoints (issue 27's follow-up: a job run in a
-directory that held another run's ``ftrun_checkpoints`` resumed from it). Each manifest the
+"""``--resume auto`` starts from this program's own checkpoints (a job run in a
+directory that holds another run's ``ftrun_checkpoints`` does not resume from it). Each manifest the
 coordinator writes names the command that wrote it; a checkpoint of another script is skipped
 with a warning that says how to use it anyway, one of the same script with other arguments is
 used with a warning naming them, one that names no command (an older ftrun's) is used as before.

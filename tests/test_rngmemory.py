@@ -1,4 +1,4 @@
-"""Reading the random generators' state in place (ftrun.rngmemory, issue 27): RNGState must give
+"""Reading the random generators' state in place (ftrun.rngmemory): RNGState must give
 what the public getters give, for every kind of change, including numpy's cached gaussian, which
 changes while the Mersenne Twister words do not."""
 

@@ -1,4 +1,4 @@
-"""Spares carry no rank identity until their promotion (issue 23): during a run, a process listing
+"""Spares carry no rank identity until their promotion: during a run, a process listing
 (``ps e``: each process's ``/proc/<pid>/environ``, the block it was started with) shows each
 rank's ``RANK`` on exactly one process, the one serving that rank, even after a warm or hot spare
 was promoted to a failed rank's identity; a spare still waiting shows none."""
@@ -83,7 +83,7 @@ def test_each_rank_shows_on_exactly_one_process(tmp_path: Path, spares: str) -> 
             proc.wait()
 
 
-# A spare's imports at idle priority (issue 27): a stand-in for the imports starts a thread that
+# A spare's imports at idle priority: a stand-in for the imports starts a thread that
 # stays (as OpenBLAS starts its pool when numpy is imported) and records the scheduling policy its
 # own thread ran with, in a fresh process whose standard input is given or withheld.
 _PRIORITY_PROBE = """

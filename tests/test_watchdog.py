@@ -58,7 +58,7 @@ def test_rank_stuck_inside_the_allreduce_is_not_taken_for_a_communication_hang(
     # Issue 15: the stuck rank had announced the collective, so it was taken for a communication
     # hang and the HCCE round waited for it forever. Its heartbeat thread now says it is not in
     # torch.distributed while its peers are: it alone is replaced, and the job ends exactly once.
-    # With DDP (issue 27) the survivors' all-reduces run in place on DDP's bucket views: the ones
+    # With DDP the survivors' all-reduces run in place on DDP's bucket views: the ones
     # the abort gives up on must have ended before the retried step (no survivor replaced for it).
     digest, events, _ = dj.run(tmp_path, f"rank={rank},step=9,point=allreduce,kind={kind}",
                                extra=("--ddp",) if ddp else ())
@@ -74,7 +74,7 @@ def test_setup_hang_blames_only_the_hung_rank(reference: str, tmp_path: Path) ->
     digest, events, _ = dj.run(tmp_path, "rank=0,point=init,kind=hang", extra_env={"FTRUN_SETUP_TIMEOUT": "40"})
     assert digest == reference
     hung = _kinds(events, "rank_hung")
-    # Its peers waiting in the broadcast name it within seconds (issue 21 item 3), before --setup_timeout.
+    # Its peers waiting in the broadcast name it within seconds, before --setup_timeout.
     assert [e["rank"] for e in hung] == [0] and hung[0]["detail"]["fault"] == "stalled"
 
 

@@ -1,13 +1,13 @@
-"""pytorch/examples' word_language_model (LSTM, data parallel) on the worker library (issue 20),
+"""pytorch/examples' word_language_model (LSTM, data parallel) on the worker library,
 against its plain-torchrun twin, bitwise, without and with faults (2 ranks, 4 epochs of 17 steps).
 
 What the port carries besides the model and optimizer: the LSTM's hidden state from batch to batch
 (rank state, reset before each epoch's batch loop as upstream does), the learning rate annealed on
 a validation plateau in a module-level variable and the best validation loss (replica state), an
-evaluation every epoch in ``ft.section("eval")``. Before issue 20 a kill after an epoch's last step
-(between_steps at 33, before_forward at 34) ended "succeeded" with other parameters: the
-respawned rank applied its predecessor's hidden state, taken at step 33's all-reduce, after the new
-epoch's reset instead of before it."""
+evaluation every epoch in ``ft.section("eval")``. A kill after an epoch's last step
+(between_steps at 33, before_forward at 34) is the hard case: the respawned rank must apply its
+predecessor's hidden state, taken at step 33's all-reduce, before the new epoch's reset, not after
+it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The worker's phases (issue 23): one named phase with a transition table, not flags; an illegal
+"""The worker's phases: one named phase with a transition table, not flags; an illegal
 transition raises."""
 
 from __future__ import annotations

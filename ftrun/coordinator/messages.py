@@ -174,7 +174,7 @@ class RankMessages:
                 self.job.send(x, MsgType.FINISHED)
 
     def on_divergence(self, r: Rank, msg: Message) -> None:
-        """A rank found that exactly-once does not hold (issue 20): a step it recomputed gave
+        """A rank found that exactly-once does not hold: a step it recomputed gave
         another local gradient than the first computation (state the script carries outside what
         ftrun restores), or replicas hold other parameters after a recovery. A ``divergence``
         event and a console warning; with ``--on_divergence fail`` the job stops with a

@@ -1,5 +1,5 @@
 """A whole-job restart of an unmodified Hugging Face ``Trainer`` script resumes from the Trainer's
-own newest checkpoint (issue 22, item 4).
+own newest checkpoint.
 
 An unmodified script under ftrun (or torchrun with ``--max-restarts``) is restarted as a whole on a
 fault, and its ``trainer.train()`` starts again from step 0 unless the script passes

@@ -1,5 +1,5 @@
 """A whole-job restart of an unmodified PyTorch Lightning script resumes from Lightning's own
-newest checkpoint (issue 22, item 4).
+newest checkpoint.
 
 An unmodified script under ftrun (or torchrun with ``--max-restarts``) is restarted as a whole on a
 fault, and its ``trainer.fit(...)`` starts again from step 0 unless the script passes

@@ -6,7 +6,7 @@ a step whose collectives failed (``opt.step()`` returned False) it asks again an
 With ``FTRUN_TEST_ECHO=host:port`` it also holds a TCP connection of its own to that echo server:
 ``hello <rank> <incarnation>`` at set-up, ``step`` after each optimizer step and ``end <rank>
 <incarnation>`` at the end, each answered before it goes on; a connection that stopped working
-ends the rank with an error (issue 11: ftrun's release of a blocked collective touches only its
+ends the rank with an error (ftrun's release of a blocked collective touches only its
 own group's connections). The training is the example's, bit for bit.
 """
 

@@ -1,4 +1,4 @@
-"""A deliberately broken port (tests of issue 20's exactly-once checks): examples/word_lm.py with the LSTM's carried hidden state not registered.
+"""A deliberately broken port (for the tests of the exactly-once checks): examples/word_lm.py with the LSTM's carried hidden state not registered.
 
 A retried step starts from the hidden state its failed try left, and a respawned rank from a zeroed
 one: its local gradient differs from the first computation (a ``divergence`` event), and the run

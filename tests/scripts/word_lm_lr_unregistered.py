@@ -1,4 +1,4 @@
-"""A deliberately broken port (tests of issue 20's exactly-once checks): examples/word_lm.py with the module-level learning rate and best validation loss not registered.
+"""A deliberately broken port (for the tests of the exactly-once checks): examples/word_lm.py with the module-level learning rate and best validation loss not registered.
 
 A respawned rank starts with the initial learning rate and no best loss, whatever its replicas
 annealed: its updates differ and the replicas' parameters part.
