@@ -38,6 +38,7 @@ from typing import Any, Callable, Mapping
 import zmq
 
 from . import procs
+from .clocks import RunningClock
 from .contract import STANDBY_LINE, STANDBY_NODE_INDEX
 from .events import Event, EventKind
 from .protocol import (CONTROL, MAX_FRAME_BYTES, Message, MsgType, Receiver, Sender, encode, endpoint_refuses, events_for,
@@ -317,6 +318,9 @@ class NodeAgent:
         self.processes = processes
         self.heartbeat_interval = heartbeat_interval
         self.coordinator_timeout = coordinator_timeout
+        # Silence is judged on the time this agent ran: stopped for longer than the timeout, it
+        # gives the coordinator a fresh window rather than leaving the job (ftrun.clocks).
+        self.clock = RunningClock.for_loop(min(heartbeat_interval, 0.5))
         self.events_addr = events_addr
         self.standby = standby  # this node's ftrun.coordinator.failover.StandbySeat, if it stands by
         # The standby coordinators in line, first first: (control endpoint, node), as the last
@@ -389,11 +393,11 @@ class NodeAgent:
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.closed, zmq.POLLIN)
         poller.register(self._wakeup.fd, zmq.POLLIN)
-        last_heard = time.monotonic()
+        last_heard = self.clock()
         fled = False  # moved to the standby on silence (a vote for its takeover)
         next_beat = 0.0
         while self.exit_code is None:
-            now = time.monotonic()
+            now = self.clock()
             if now >= next_beat:
                 self.send(MsgType.AGENT_BEAT, node=self.node)
                 next_beat = now + self.heartbeat_interval
@@ -405,7 +409,7 @@ class NodeAgent:
             self.report_exits()
             if self.sock in events:
                 for msg in receive(self.sock, self._receiver, 1000, lambda err: log.warning("dropped a frame: %s", err)):
-                    last_heard = time.monotonic()
+                    last_heard = self.clock()
                     if self._at_seat:  # the standby took the job over: it is the coordinator now
                         self._at_seat, self._dead = False, []
                     self.handle(msg)
@@ -429,7 +433,7 @@ class NodeAgent:
                 hop = self._hop(poller, proven=True)
                 if hop is not None:
                     return hop
-                last_heard = time.monotonic()
+                last_heard = self.clock()
             if self.stop_signal is not None and self.exit_code is None:
                 # This node's launcher was stopped (or died: its death signal is SIGTERM). Tell the
                 # coordinator first, so that it takes the node as gone rather than respawning its
@@ -439,8 +443,8 @@ class NodeAgent:
                 self.stop_all(reason)
                 self.event(EventKind.JOB_FINISHED, f"node {self.node} left the job: {reason}", exit_code=128 + self.stop_signal)
                 self.exit_code = 128 + self.stop_signal
-            elif self.exit_code is None and time.monotonic() - last_heard > self.coordinator_timeout:
-                silence = time.monotonic() - last_heard
+            elif self.exit_code is None and self.clock() - last_heard > self.coordinator_timeout:
+                silence = self.clock() - last_heard
                 if self._first_in_line() and not self._at_seat:
                     # Silence, not a closed connection: a partition or a hung host. Take over only
                     # with a majority (the others' agents come here when they hear nothing either);
@@ -456,7 +460,7 @@ class NodeAgent:
                     # standby (this hello is a vote for its takeover); if it never takes over, end below.
                     log.warning("nothing heard from the coordinator for %.1f s; moving to the standby at %s",
                                 silence, self.line[0][0])
-                    fled, last_heard = True, time.monotonic()
+                    fled, last_heard = True, self.clock()
                     if self._hop(poller, proven=False) is None and self.exit_code is None:
                         continue
                     if self.exit_code is not None:

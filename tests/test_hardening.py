@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -231,3 +232,36 @@ def test_a_flood_of_the_launchers_event_endpoint_does_not_keep_it_running(ftrun_
     result = proc.wait(timeout=30)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "job succeeded" in result.stdout
+
+
+def test_a_stopped_coordinator_kills_no_rank_when_it_wakes(long_reference: str, tmp_path: Path) -> None:
+    """The coordinator's process stopped for 10 s (SIGSTOP, as a swapped or descheduled host) while
+    the ranks train on: when it wakes, the heartbeats sent meanwhile still wait in its socket. It
+    judges silence on the time it ran (ftrun.clocks.RunningClock), so no rank is declared hung and
+    the job ends bitwise, every rank in its first process."""
+    pause = tmp_path / "pause"
+    pause.touch()
+    log_dir = tmp_path / "logs"
+    proc = subprocess.Popen([*dj.cmd(log_dir, dj.LONG_STEPS), "--step_pause", "0.1", "--pause_while", str(pause)],
+                            env=dj.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                            start_new_session=True)
+    try:
+        dj.wait_for(lambda: dj.training(log_dir))
+        supervisor = next(p for p in psutil.Process(proc.pid).children(recursive=True)
+                          if "ftrun.supervisor" in " ".join(p.cmdline()))
+        supervisor.suspend()
+        try:
+            time.sleep(10.0)
+        finally:
+            supervisor.resume()
+        time.sleep(2.0)  # a verdict at the wake comes within a few turns of the coordinator's loop
+        pause.unlink()
+        out, _ = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    events = dj.events(log_dir)
+    assert proc.returncode == 0, out[-3000:]
+    assert not [e for e in events if e["kind"] in ("rank_hung", "rank_failed", "job_restarting")], dj.story(events)
+    assert all(len(pids) == 1 for pids in dj.started(events).values()), dj.story(events)
+    assert dj.digest(out, dj.LONG_STEPS) == long_reference

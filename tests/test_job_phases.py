@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from test_coordinator import events, hello_all, make, send, step
 
+from ftrun.clocks import RunningClock
 from ftrun.coordinator.phases import TRANSITIONS, IllegalTransition, JobPhase, JobPhases
 from ftrun.coordinator.ranks import Rank, RankPhase
 from ftrun.coordinator.watchdog import CommHang, Hung, Unrepaired, Watchdog, WatchdogBounds
@@ -124,6 +125,43 @@ def test_watchdog_verdicts_follow_the_clock_it_is_given() -> None:
     ranks[0].on_heartbeat(True, "loop", 0, 12.6)
     found = dog.inspect(ranks, None, False, {0}, 12.7)
     assert [(h.rank, h.kind) for h in found] == [(1, "no_progress")] and "outside the collective" in found[0].evidence
+
+
+def test_a_judge_that_did_not_run_gives_every_rank_a_fresh_window() -> None:
+    """A coordinator stopped for 40 s (longer than the 30 s heartbeat timeout) wakes with the ranks'
+    heartbeats still unread: on its running clock the stall counts as one gap, so no rank is hung at
+    the wake; a rank that stays silent is hung once the coordinator has listened for the timeout."""
+    real = [0.0]
+    clock = RunningClock(max_gap=1.0, source=lambda: real[0])
+    dog = Watchdog(BOUNDS)
+    ranks = table(2, clock())
+    real[0] = 0.5
+    assert dog.inspect(ranks, None, False, {0}, clock()) is None
+    real[0] = 40.5  # stopped for 40 s
+    assert clock() == 1.5 and clock.last_stall == 40.0 and clock.stalled == 39.0
+    assert dog.inspect(ranks, None, False, {0}, clock()) is None
+    ranks[0].proc.last_heartbeat = clock()  # rank 0's queued heartbeat is read; rank 1 stays silent
+    while real[0] < 69.0:  # the loop turns every half second
+        real[0] += 0.5
+        assert dog.inspect(ranks, None, False, {0}, clock()) is None, real[0]
+    real[0] += 0.5
+    found = dog.inspect(ranks, None, False, {0}, clock())
+    assert [(h.rank, h.kind) for h in found] == [(1, "no_heartbeat")] and "30.5 s" in found[0].evidence
+
+
+def test_the_running_clock_never_goes_back_and_counts_short_gaps() -> None:
+    real = [100.0]
+    clock = RunningClock.for_loop(0.1, source=lambda: real[0])
+    assert clock.max_gap == 1.0 and clock() == 100.0
+    seen = []
+    for gap in (0.2, 0.9, 5.0, 0.1, 1.0, 3.0):
+        real[0] += gap
+        seen.append(clock())
+    assert seen == pytest.approx([100.2, 101.1, 102.1, 102.2, 103.2, 104.2])
+    assert clock.stalled == pytest.approx(6.0) and clock.last_stall == 3.0
+    assert RunningClock.for_loop(2.0).max_gap == 6.0
+    with pytest.raises(ValueError, match="max_gap"):
+        RunningClock(0.0)
 
 
 def stalled_after_a_node_loss(quiet_rank: bool) -> tuple[Watchdog, list[Rank]]:

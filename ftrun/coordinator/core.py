@@ -35,6 +35,7 @@ import zmq
 
 from .. import procs
 from ..agent import AgentHandle, RemoteAgent, SpareNote, Spawned, StandbyOffer, Stacks
+from ..clocks import RunningClock
 from ..config import JobSpec
 from ..events import Event, EventKind
 from ..policy import Action, RankState, decide_on_failure, restart_fits
@@ -71,19 +72,22 @@ class Coordinator:
         store_port: the port of the launcher's store (attempt 0's ``MASTER_PORT``).
         local_agent: node 0's agent (in this process); other nodes' agents connect over the
             control plane and are added as :class:`~ftrun.agent.RemoteAgent` when they say hello.
-        clock: monotonic seconds, for deadlines (injected by process-free tests).
+        clock: monotonic seconds, for deadlines and silences (injected by process-free tests);
+            by default a :class:`~ftrun.clocks.RunningClock`, so that a stall of this process
+            (SIGSTOP, swapping) is not taken for the silence of every rank and node.
         wall: Unix time in seconds, for timestamps.
 
     ``run()`` returns the job's exit code.
     """
 
     def __init__(self, spec: JobSpec, token: str, events_addr: str | None, store_port: int,
-                 local_agent: AgentHandle | None = None, clock: Callable[[], float] = time.monotonic,
+                 local_agent: AgentHandle | None = None, clock: Callable[[], float] | None = None,
                  wall: Callable[[], float] = time.time, control: ControlPlane | None = None,
                  audience: int = 0) -> None:
         from ..stores import bind_host
 
-        self.spec, self.token, self.clock, self.wall = spec, token, clock, wall
+        self.spec, self.token, self.wall = spec, token, wall
+        self.clock = clock if clock is not None else RunningClock.for_loop(spec.monitor_interval)
         self.log_dir = Path(spec.log_dir)
         self.ctx = zmq.Context()
         if control is None:
@@ -98,7 +102,7 @@ class Coordinator:
             push.setsockopt(zmq.LINGER, 2000)
             push.setsockopt(zmq.SNDHWM, 100_000)
             push.connect(events_addr)
-        self.publisher = Publisher(self.log_dir, spec.node_rank, Sender(self.control.sender.auth), push, clock, audience)
+        self.publisher = Publisher(self.log_dir, spec.node_rank, Sender(self.control.sender.auth), push, self.clock, audience)
         local = spec.local_worker_num
         self.ranks = {rank: Rank(rank=rank, local_rank=rank % local, node=rank // local) for rank in range(spec.worker_num)}
         self.phase = JobPhases(on_change=lambda old, new: log.info("job phase %s -> %s", old.value, new.value))
