@@ -25,6 +25,7 @@ import torch.distributed as dist
 from . import contract
 from .contract import RankEnv
 from .conns import GroupConnections
+from .cuda import Release, abort_group, release_for
 from .errors import describe
 
 BARRIER_NOTE_S = 10.0  # a rank waiting this long for its peers to join a generation says who is missing
@@ -258,11 +259,17 @@ class TrainingGroup:
             dist.destroy_process_group()
 
     def cut(self) -> None:
-        """Shut the connections of the current group down (gloo; those recorded when it was built):
-        a collective blocked on them fails at once. Nothing else the process holds is touched.
-        Safe from any thread."""
-        if self.backend == "gloo":
+        """Release a collective blocked on the current group (:func:`ftrun.cuda.release_for`): gloo's
+        connections (those recorded when it was built) are shut down, NCCL's communicators aborted
+        through torch's ``ProcessGroup.abort()``; the collective fails at once. Nothing else the
+        process holds is touched. Safe from any thread."""
+        if release_for(self.backend) is Release.CUT_CONNECTIONS:
             self.conns.cut()
+        elif self.live():
+            try:
+                abort_group(dist.group.WORLD)
+            except Exception as err:  # a group torn down meanwhile by the training thread
+                print(f"ftrun: aborting the NCCL group failed: {describe(err)}", file=sys.stderr, flush=True)
 
     def drop(self, generation: int, broken: bool = True) -> None:
         """Destroy the current group and cut its connections now, releasing peers blocked on us.
@@ -298,6 +305,8 @@ class TrainingGroup:
         if broken and self.backend == "gloo" and self.managed:
             self.cut()
             retired = dist.group.WORLD
+        elif broken and self.managed:
+            self.cut()  # NCCL: its communicators aborted first, or the teardown waits for the failed work
         failure = None
         try:
             dist.destroy_process_group()

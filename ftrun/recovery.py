@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from .cuda import wire_device
 from .errors import describe
 from .policy import INITIAL, NO_STATE
 from .protocol import Message, MsgType
@@ -166,20 +167,22 @@ class Recovery:
         received_any = False
         if as_donor or as_recipient or self.check_replicas is not None:  # what it sends, receives or fingerprints
             self.progress.stage_bytes = state_bytes(self.registry.state_dict(exclude=("rank",)))
+        wire = wire_device(self.group.backend) if as_donor or as_recipient else "cpu"  # CUDA with NCCL (ftrun.cuda)
         try:
             for recipient in as_donor:
                 def progress(sent: int, _step: int = plan["step"]) -> None:
                     if sent:
                         self.faults.point("transfer", _step)
 
-                nbytes += send_state(self.registry.state_dict(exclude=("rank",)), recipient, on_progress=progress)
+                nbytes += send_state(self.registry.state_dict(exclude=("rank",)), recipient, on_progress=progress,
+                                     device=wire)
             for donor in as_recipient:
                 self.faults.point("rejoin", plan["step"])
                 # A survivor behind its replicas keeps its own buffers (rank state, which the
                 # donor's model state carries too): only a rank without state takes the donor's.
                 own = self.registry.buffer_values() if self.progress.committed >= INITIAL else None
                 received_any = True
-                state, n = recv_state(donor, self.registry.state_dict(exclude=("rank",)))
+                state, n = recv_state(donor, self.registry.state_dict(exclude=("rank",)), device=wire)
                 nbytes += n
                 self.registry.load(state)
                 if own is not None:

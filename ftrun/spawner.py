@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from . import contract, errorfile, procs
+from .cuda import PREVIOUS_PID, nccl_environment
 
 log = logging.getLogger("ftrun.spawner")
 
@@ -184,6 +185,8 @@ class RankProcesses:
         # A rank killed by a fatal signal (SIGSEGV in an extension, SIGABRT from C++) leaves the
         # Python stacks of its threads in its log (faulthandler), unless the user chose otherwise.
         env.setdefault("PYTHONFAULTHANDLER", "1")
+        # NCCL's watchdog must not end a rank ftrun recovers (ftrun.cuda.NCCL_SETTINGS; the user's win).
+        env.update(nccl_environment(env, env.get("FTRUN_ARF") == "1"))
         if self.local_worker_num > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = "1"  # as torchrun does: ranks would oversubscribe the cores
         return env
@@ -206,6 +209,8 @@ class RankProcesses:
         """
         path = self.log_dir / f"worker_{rank}.log"
         env = self.environment(rank_vars)
+        if rank in self.procs:  # its predecessor: a respawned rank waits for its GPU memory (ftrun.cuda)
+            env[PREVIOUS_PID] = str(self.procs[rank].proc.pid)
         # torchrun's contract: @record writes the rank's uncaught exception here (read at its exit)
         error_file = errorfile.error_file_path(self.log_dir, rank, incarnation, int(rank_vars.get("FTRUN_ATTEMPT", "0")))
         errorfile.prepare_error_file(error_file)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import codec, rngmemory
+from .cuda import placement
 
 CHUNK_BYTES = 16 << 20  # small tensors are coalesced into chunks of up to this many bytes
 ALONE_BYTES = 1 << 20  # tensors of this size or more travel alone, with no copy on either side
@@ -161,6 +162,12 @@ def recv_state(src: int, current: Any, group: Any = None, device: Any = "cpu") -
             views[i].copy_(buf[offset : offset + n])
             offset += n
         received += buf.numel()
+    # A CUDA tensor that travelled through host memory (gloo) goes back to a GPU: this rank's own.
+    local = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    for i, ref in enumerate(refs):
+        home = torch.device(placement(ref.get("device", "cpu"), local))
+        if targets[i].device != home and mine_by_path.get(ref["path"]) is not targets[i]:
+            targets[i] = targets[i].to(home)
     return unflatten(skeleton, targets), received + meta.numel() + 8
 
 

@@ -66,6 +66,7 @@ import torch
 
 from .contract import RankEnv
 from .control import ControlClient, open_channel, training_thread_probe
+from .cuda import bind_device, spare_device
 from .epochs import EpochLoop
 from .errors import RecoverableError, describe
 from .exactlyonce import ExactlyOnceChecks
@@ -163,20 +164,22 @@ class Worker:
         generation: the process group's generation (bumped at every reconfiguration).
         committed: the last step whose optimizer update finished here (-1: the initial state,
             before any update; -2: no usable state yet, e.g. a respawned rank before its transfer).
-        device: the device tensors should live on (``cuda:LOCAL_RANK`` with NCCL, else CPU).
+        device: the device tensors should live on (``cuda:LOCAL_RANK`` with NCCL, else CPU, or a shared
+            GPU: ``init(device=...)``). memory_wait: a respawned rank's wait for its GPU's memory.
         state: where the process stands (:class:`ftrun.workerstate.WorkerState`: a phase, its
             error, and whether it runs under ftrun).
         env: its environment (:class:`ftrun.contract.RankEnv`).
     """
 
-    def __init__(self, backend: str | None, replica_groups: Sequence[Sequence[int]] | None, seed: int | None) -> None:
+    def __init__(self, backend: str | None, replica_groups: Sequence[Sequence[int]] | None, seed: int | None,
+                 device: str | None = None) -> None:
         env = self.env = RankEnv.from_environ(os.environ)
         self.state = WorkerState()
         self.progress = RankProgress()  # committed step, generation, current step (ftrun.recovery)
         self.world_size = env.world_size
         self.seed = seed
         self.pg_timeout, self.cluster_timeout = env.pg_timeout, env.cluster_time_out
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.backend, self.device_request = backend or ("nccl" if torch.cuda.is_available() else "gloo"), device
         self._replica_groups_arg = replica_groups
         self.replica_groups = [list(g) for g in replica_groups] if replica_groups else [list(range(self.world_size))]
         self.registry = StateRegistry()  # the registered state, by kind (ftrun.registry)
@@ -273,9 +276,8 @@ class Worker:
         self._incarnation = env.incarnation or 0
         self.attempt = env.attempt
         self.generation = env.generation or 0
-        self._device = torch.device("cuda", self._local_rank) if self.backend == "nccl" else torch.device("cpu")
-        if self._device.type == "cuda":
-            torch.cuda.set_device(self._device)
+        self._device, self.memory_wait = bind_device(self.backend, self.device_request, self._local_rank, self._rank,
+                                                     respawned=self._incarnation > 0)  # ftrun.cuda
         self._replica_group = replica_group_of(self._rank, self._replica_groups_arg, self.world_size)
         self.faults = self.sync.faults = FaultInjector.from_env(self._rank, self._incarnation, self.attempt)
         channel = open_channel(True, self._replica_group, self.generation, env=env,
@@ -347,10 +349,11 @@ class Worker:
 
     @property
     def device(self) -> torch.device:
-        """Where tensors live: CPU with gloo; ``cuda:LOCAL_RANK`` with NCCL (a hot spare of an NCCL
-        job waits here for its promotion: its GPU comes with its rank)."""
-        if self.state.phase is Phase.SPARE and self.backend != "nccl":
-            return torch.device("cpu")
+        """Where tensors live (:func:`ftrun.cuda.choose_device`): CPU with gloo, ``cuda:LOCAL_RANK`` with
+        NCCL, a shared GPU with gloo and ``device="cuda"``. A hot spare waits here for its promotion
+        unless every rank of its node shares one device (:func:`ftrun.cuda.spare_device`)."""
+        if self.state.phase is Phase.SPARE and (early := spare_device(self.backend, self.device_request, torch.cuda.device_count())):
+            return torch.device(early)
         self._identity("ft.device")
         return self._device
 
@@ -784,7 +787,8 @@ def current() -> Worker | None:
     return _worker
 
 
-def init(backend: str | None = None, replica_groups: Sequence[Sequence[int]] | None = None, seed: int | None = None) -> Worker:
+def init(backend: str | None = None, replica_groups: Sequence[Sequence[int]] | None = None, seed: int | None = None,
+         device: str | None = None) -> Worker:
     """Join the job: connect to the supervisor and build the process group.
 
     Args:
@@ -796,6 +800,9 @@ def init(backend: str | None = None, replica_groups: Sequence[Sequence[int]] | N
             None: the random streams are left alone, as in a plain script; they are each rank's
             own state, rolled back with a retried step and carried to a respawned rank through
             the job's store, so a run with faults still draws what a run without draws.
+        device: where tensors live (:func:`ftrun.cuda.choose_device`): default ``cuda:LOCAL_RANK``
+            with NCCL, the CPU with gloo; ``"cuda"`` with gloo shares the node's GPUs between its
+            ranks (4 ranks on one GPU), ``"cuda:N"`` names one.
 
     Returns:
         The :class:`Worker` (one per process; later calls return the same one).
@@ -815,5 +822,5 @@ def init(backend: str | None = None, replica_groups: Sequence[Sequence[int]] | N
         # garbage left at exit is not collected (Python does not promise to finalize it either).
         # Before the Worker is built: a process that ends while building it exits quickly too.
         atexit.register(gc.freeze)
-        _worker = Worker(backend, replica_groups, seed)
+        _worker = Worker(backend, replica_groups, seed, device)
     return _worker
