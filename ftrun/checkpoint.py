@@ -785,7 +785,9 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
     Tensors are detached and copied to CPU (a tensor that appears twice is copied once, so
     sharing is kept); numpy arrays are copied; dicts (OrderedDict and ``_metadata`` kept),
     lists and tuples are rebuilt; primitives are shared. This is the part of a periodic
-    checkpoint that blocks training: about a memcpy of the state.
+    checkpoint that blocks training: about a memcpy of the state. A CUDA tensor is copied into
+    pinned host memory without a wait of its own (reused from save to save), and the snapshot
+    waits once for all of them at its end (a copy to pageable memory waits tensor by tensor).
 
     Args:
         state: nested containers of tensors, numpy arrays and primitives.
@@ -805,6 +807,7 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
 
     copies: dict[int, Any] = {}
     used: set[int] = set()
+    from_cuda: list[bool] = []  # a CUDA tensor was copied: wait for the copies once, at the end
 
     def reusable(old: Any, like: Any) -> bool:
         return id(old) not in used and old.dtype == like.dtype and old.shape == like.shape
@@ -836,12 +839,14 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
                 _copy_into(old, src)
                 out = old
             elif src.layout == torch.strided and not src.is_quantized:
-                out = torch.empty(src.shape, dtype=src.dtype)
+                out = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
                 _copy_into(out, src)
             else:  # sparse, quantized: torch's own copy
                 out = src.to("cpu", copy=True)
             used.add(id(out))
             copies[id(obj)] = out
+            if src.is_cuda:
+                from_cuda.append(True)
             return out
         if isinstance(obj, np.ndarray):
             _encode(obj, path)  # type check
@@ -868,7 +873,10 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
             return items if isinstance(obj, list) else tuple(items)
         return _encode(obj, path)  # primitives, dtypes, devices, sizes; raises on anything else
 
-    return copy(state, reuse, "state")
+    out = copy(state, reuse, "state")
+    if from_cuda:
+        torch.cuda.synchronize()  # the copies into pinned memory ran without waiting
+    return out
 
 
 def _copy_into(dst: Any, src: Any) -> None:
@@ -883,7 +891,7 @@ def _copy_into(dst: Any, src: Any) -> None:
         if nbytes:
             ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
     else:
-        dst.copy_(src)
+        dst.copy_(src, non_blocking=src.is_cuda and dst.is_pinned())  # waited for at the snapshot's end
 
 
 class AsyncCheckpointer:
