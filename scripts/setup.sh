@@ -15,6 +15,8 @@ fi
 # transformers, accelerate and lightning, with the pinned torch kept (the constraints stop pip from
 # pulling another).
 .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[hf,lightning]"
+# The documentation site (mkdocs.yml): mkdocs, mkdocs-material and mkdocstrings (the docs extra).
+.venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[docs]"
 # Data loading: torchdata's StatefulDataLoader (test extra; ft.batches takes it).
 .venv/bin/python -c "import torchdata.stateful_dataloader" \
     || { echo "setup: torchdata (StatefulDataLoader) is missing from .venv" >&2; exit 1; }

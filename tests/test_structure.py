@@ -153,26 +153,6 @@ def test_the_command_line_is_built_from_the_option_table() -> None:
     assert {opt.name for opt in OPTIONS} <= spec_fields
 
 
-def test_readme_options_table_names_every_option_and_only_real_flags() -> None:
-    """README's Options table is the user's view of the option table: it names every option, and
-    every flag it names is one the command line has."""
-    import re
-    from pathlib import Path
-
-    import typer
-
-    from ftrun.cli import app
-    from ftrun.config import OPTIONS
-
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    table = text[text.index("## Options"):text.index("Timeouts stop at 7 days")]
-    named = {flag for row in table.splitlines() if row.startswith("| `")
-             for flag in re.findall(r"`(--?[a-z_-]+)", row.split("|")[1])}
-    flags = {flag for param in typer.main.get_command(app).params for flag in param.opts}
-    assert named <= flags, sorted(named - flags)
-    assert [opt.name for opt in OPTIONS if f"--{opt.name}" not in named] == []
-
-
 def test_the_suites_serial_groups_reach_pytest_xdist(tmp_path: Path) -> None:
     """The files of ``conftest.SERIAL_GROUPS`` must run on one worker under ``--dist loadgroup``
     (the Slurm cluster is one per machine; a costly module fixture is made once per worker). xdist
