@@ -221,9 +221,11 @@ def state_bytes(model: nn.Module) -> int:
 
 
 def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean next-byte cross-entropy of ``model`` on inputs ``x`` and targets ``y`` (B, T)."""
-    logits = model(x)
-    return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+    """Mean next-byte cross-entropy of ``model`` on inputs ``x`` and targets ``y`` (B, T), moved to
+    the model's device first (``--device cuda``: batches are built on the CPU)."""
+    device = next(model.parameters()).device
+    logits = model(x.to(device))
+    return F.cross_entropy(logits.reshape(-1, VOCAB), y.to(device).reshape(-1))
 
 
 @torch.no_grad()
@@ -238,7 +240,8 @@ def evaluate(model: nn.Module, held_out: torch.Tensor, context: int, windows: in
     try:
         correct = 0
         for i in range(0, n, 8):
-            rows = torch.stack([held_out[j * context : j * context + context + 1] for j in range(i, min(n, i + 8))]).long()
+            rows = torch.stack([held_out[j * context : j * context + context + 1] for j in range(i, min(n, i + 8))])
+            rows = rows.long().to(next(model.parameters()).device)
             pred = model(rows[:, :-1]).argmax(dim=-1)
             correct += int((pred == rows[:, 1:]).sum().item())
         return correct / (n * context)
@@ -258,4 +261,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--corpus_bytes", type=int, default=2 << 20, help="bytes of stdlib source to train on (default: 2 MiB)")
     parser.add_argument("--eval_windows", type=int, default=64, help="held-out windows to score (default: 64)")
     parser.add_argument("--log_every", type=int, default=50, help="print the loss every N steps (0: never)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the model trains (default: cpu; cuda: every rank on its current GPU, gradients "
+                             "averaged over gloo with CUDA tensors, so several ranks can share one GPU)")
     return parser

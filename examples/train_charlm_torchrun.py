@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         corpus = cc.load_corpus(args.corpus_bytes)
         torch.manual_seed(args.seed)
-        model = cc.build_model(args.size, args.context)
+        model = cc.build_model(args.size, args.context).to(args.device)
         ddp_model: torch.nn.Module = DistributedDataParallel(model) if distributed else model
         opt = torch.optim.AdamW(ddp_model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
         if rank == 0:

@@ -117,6 +117,8 @@ SCRIPTS = {
     ("hf", "ftrun-restart"): "hf_trainer.py",
     ("hf", "torchrun"): "hf_trainer.py",
 }
+# charlm's flags in every case that runs it: short windows, small batches, a short evaluation.
+CHARLM_SMALL = ("--batch_size", "4", "--context", "64", "--eval_windows", "8")
 # word_lm's sizes: its defaults (small steps), and a larger LSTM on longer sequences.
 WORDLM_SIZES = {"small": (), "large": ("--emsize", "128", "--nhid", "128", "--bptt", "35", "--batch_size", "8")}
 
@@ -885,17 +887,16 @@ def ftrun_breakdown(events_path: Path, victim: int, kill_time: float, passed: fl
 def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
     """The cases of each part asked for (``--quick`` shrinks every one of them)."""
     q = args.quick
-    charlm_small = ("--batch_size", "4", "--context", "64", "--eval_windows", "8")
     parts: dict[str, list[Case]] = {}
     if "recovery" in args.parts:
         parts["recovery"] = [
             Case("digits", "-", 4, 60 if q else 120, 30 if q else 60, victim=2, ckpt_every=25),
             Case("charlm", "small", 4, 30 if q else 60, 15 if q else 30, victim=2, ckpt_every=25 if not q else 10,
-                 args=charlm_small),
+                 args=CHARLM_SMALL),
             # Hot spares: long enough that the spare is past the script's set-up; ftrun's kill comes
             # at the first step from kill_step on at which it is (torchrun's at kill_step).
             Case("digits", "-", 4, 800, 200, victim=2, ckpt_every=25, hot=True),
-            Case("charlm", "small", 4, 200, 40, victim=2, ckpt_every=25, args=charlm_small, hot=True),
+            Case("charlm", "small", 4, 200, 40, victim=2, ckpt_every=25, args=CHARLM_SMALL, hot=True),
             # ... and killed at step 170 (about 5 s after the ranks start), the hot spare still in
             # its set-up: it takes the rank all the same (docs/hot_spares.md).
             Case("digits", "-", 4, 800, 170, victim=2, ckpt_every=25, hot=True, early=True),
@@ -904,17 +905,17 @@ def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
         worlds = [2, 4] if q else [int(w) for w in args.worlds.split(",")]
         # --hot: with a hot spare, long enough for it to be ready (the kill waits for it).
         parts["scaling-world"] = [Case("charlm", "tiny", w, 300 if getattr(args, "hot", False) else 30, 15, victim=1, ckpt_every=10,
-                                       args=charlm_small, hot=getattr(args, "hot", False)) for w in worlds]
+                                       args=CHARLM_SMALL, hot=getattr(args, "hot", False)) for w in worlds]
     if "scaling-state" in args.parts:
         sizes = ["tiny", "small"] if q else args.sizes.split(",")
         # Short jobs for the slow sizes; fast ones need more steps after the kill, or they finish
         # before the kill (delivered on seeing rank 0's line through the log) lands.
         parts["scaling-state"] = [Case("charlm", s, 2, *((10, 5) if s in ("medium", "large", "xl") else (30, 15)),
-                                       victim=1, ckpt_every=4, args=charlm_small) for s in sizes]
+                                       victim=1, ckpt_every=4, args=CHARLM_SMALL) for s in sizes]
     if "overhead" in args.parts:
         parts["overhead"] = [
             Case("digits", "-", 4, 60 if q else 150, None),
-            Case("charlm", "small", 2, 30 if q else 80, None, args=charlm_small),
+            Case("charlm", "small", 2, 30 if q else 80, None, args=CHARLM_SMALL),
         ]
     if "hf" in args.parts:  # killed mid-run; the plain Trainer checkpoints every 8 steps (resumes from step 16)
         parts["hf"] = [Case("hf", "tiny", 4, 24 if q else 40, 12 if q else 20, ckpt_every=5 if q else 8)]
@@ -928,7 +929,7 @@ def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
                                   Case("wordlm", "large", 4, 2 if q else 12, None, args=lines)]
     if "memory" in args.parts:
         worlds = [2, 4] if q else [int(w) for w in args.worlds.split(",")]
-        parts["memory"] = [Case("charlm", "tiny", w, 30, 15, victim=1, ckpt_every=10, args=charlm_small) for w in worlds]
+        parts["memory"] = [Case("charlm", "tiny", w, 30, 15, victim=1, ckpt_every=10, args=CHARLM_SMALL) for w in worlds]
     if "multinode" in args.parts:
         # 2 hosts x 2 ranks; rank 3 runs on host 1. Kill at 60 with checkpoints every 25, as in the
         # single-node digits case, so torchrun's recompute is comparable.
