@@ -2,7 +2,7 @@
 
 ftrun's promise (a run with recovered faults ends with the parameters and buffers of the run
 without) holds only if everything the script carries from step to step is either recomputed from
-the step or registered (README: "Porting a script"). A script can break it silently: a second
+the step or registered (docs/porting.md). A script can break it silently: a second
 model or optimizer not registered, a hidden state carried from batch to batch, a learning rate in
 a module-level variable, a best-so-far value, a random generator of its own, buffers (BatchNorm's
 statistics) changed by a forward pass computed again. This command finds out before production,
@@ -500,7 +500,7 @@ def check(script: str, args: list[str], world: int = 2, timeout: float = 600.0, 
             failures += not _judge(scenario, code, out, reference, Trace.load(trace_dir), say)
         if failures:
             say(f"ftrun check: NOT exactly-once: {failures} of {len(scenarios)} faulted run(s) differ from the fault-free "
-                "run (README: Porting a script)")
+                "run (docs/porting.md)")
             return 1
         say(f"ftrun check: exactly-once: {len(scenarios)} faulted run(s) end bitwise equal to the fault-free run")
         return 0

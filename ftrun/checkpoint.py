@@ -6,7 +6,7 @@ Layout (one directory per committed step, one file per shard, the manifest last)
     <root>/step_000001200/shard_1.pt
     <root>/step_000001200/manifest.json
 
-A *shard* is a replica group (README, "How a rank is recovered"): ranks holding identical state. Shard ``k`` is the
+A *shard* is a replica group (docs/recovery.md): ranks holding identical state. Shard ``k`` is the
 ``k``-th replica group sorted by its smallest rank (:func:`canonical_groups`); one live replica
 of each shard writes that shard's file with :func:`save_shard`, which returns a :class:`ShardInfo`
 (size and SHA-256). Once every shard file is reported written, a single writer (the supervisor,

@@ -1,7 +1,7 @@
 """Job events: what happened, to which rank, when.
 
 The job coordinator (node 0) is the single writer of ``LOG_DIR/events.jsonl``: one JSON object per line, with
-these keys (the schema is also documented in the README):
+these keys (the schema is also documented in docs/reference/events.md):
 
 - ``time``: Unix time in seconds (float).
 - ``kind``: one of :class:`EventKind`'s values.

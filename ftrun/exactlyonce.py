@@ -239,8 +239,7 @@ class ExactlyOnceChecks:
         reason = (f"step {step} computed again gave another local gradient in its backward pass {len(passes)} than "
                   f"{expected[1]} (fingerprint {digest[:12]} != {expected[0][:12]}): the script carries state ftrun does not "
                   "restore (a model or optimizer not given to ft.wrap_model / ft.wrap_optimizer, an unregistered "
-                  "carried tensor, a module-level variable, a random generator of its own); register it (README: "
-                  "Porting a script)")
+                  "carried tensor, a module-level variable, a random generator of its own); register it (docs/porting.md)")
         return self.report_divergence(step, "gradient", reason)
 
     def report_divergence(self, step: int, check: str, reason: str, hold: bool = True) -> bool:

@@ -1,6 +1,6 @@
 """Process plumbing shared by the launcher and the supervisor.
 
-Two rules of the process tree (README, Architecture) live here: whoever spawns a process reaps it (so exit codes and signals are
+Two rules of the process tree (docs/architecture.md) live here: whoever spawns a process reaps it (so exit codes and signals are
 exact), and no process outlives its parent (Linux ``PR_SET_PDEATHSIG``; a child whose parent is
 already gone when it starts exits at once).
 """

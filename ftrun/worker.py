@@ -14,7 +14,7 @@ A complete loop::
         ft.report(step, loss=loss.item())
     ft.finish()
 
-How a fault is absorbed (ARF; README, "How a rank is recovered (ARF)"): the optimizer wrapper all-reduces gradients
+How a fault is absorbed (ARF; docs/recovery.md): the optimizer wrapper all-reduces gradients
 over ftrun's process group and applies the update only when that succeeded (TorchFT's
 ``should_commit`` idea), so a collective broken by a dead peer becomes a recorded error, not an
 exception through autograd. A step whose update finished is *committed*. At the end of a failed

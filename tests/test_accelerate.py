@@ -154,7 +154,7 @@ def test_accelerate_loop_sigkill_during_evaluation(tmp_path: Path, reference: tu
     "rank=3,step=4,point=section,kind=kill",         # at the start of the evaluation after step 4
 ])
 def test_accelerate_loop_injected_faults(tmp_path: Path, reference: tuple[int, str, str], fault: str) -> None:
-    """Faults at ftrun's injection points (README, "Fault injection"), each bitwise equal."""
+    """Faults at ftrun's injection points (docs/fault-injection.md), each bitwise equal."""
     proc = subprocess.run(_ftrun_cmd(tmp_path, ARGS), env={**_env(), "FTRUN_FAULT": fault}, capture_output=True,
                           text=True, timeout=280, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:]

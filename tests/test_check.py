@@ -3,7 +3,7 @@ exactly-once, with the step and tensor where it first differs and the right caus
 and without processes, the faulted runs it plans from a step's shape, the first difference over
 parameters, buffers and unregistered objects, the likely cause in words, and the trace a rank
 writes. (More of the check's choices and verdicts: tests/test_exactly_once.py; the examples pass
-it, see README "Porting a script".)"""
+it, see docs/porting.md.)"""
 
 from __future__ import annotations
 

@@ -197,7 +197,7 @@ def test_unmodified_script_restart_resumes_from_newest_checkpoint(tmp_path: Path
     "rank=1,step=2,point=allreduce,kind=kill",       # in the all-reduce of the second micro-batch
 ])
 def test_hf_trainer_injected_faults(tmp_path: Path, reference: tuple[int, str, str, str], fault: str) -> None:
-    """Faults at ftrun's injection points (README, "Fault injection"), each bitwise equal."""
+    """Faults at ftrun's injection points (docs/fault-injection.md), each bitwise equal."""
     proc = subprocess.run(_ftrun_cmd(tmp_path, ARGS), env={**_env(), "FTRUN_FAULT": fault}, capture_output=True,
                           text=True, timeout=280, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:]

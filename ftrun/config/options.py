@@ -223,8 +223,8 @@ class JobSpec:
     """Everything needed to run a job on one node.
 
     The fields made with :func:`option` are the options (a flag, an ``FTRUN_<NAME>`` variable and
-    a TOML key each; their meaning is their ``help``, shown by ``ftrun --help`` and in README's
-    Options table). Their units: seconds for every ``*_timeout``, ``*_interval``, ``grace_period``
+    a TOML key each; their meaning is their ``help``, shown by ``ftrun --help`` and in the
+    CLI reference, docs/reference/cli.md). Their units: seconds for every ``*_timeout``, ``*_interval``, ``grace_period``
     and ``cluster_time_out``; counts of steps for ``warmup_steps`` and ``save_steps``. Parsed ones
     hold the parsed value: ``tail_worker_log`` the local ranks streamed to the console (None: all),
     ``tft`` the switches, ``recoverable_errors`` the names; ``master_addr`` and ``local_addr`` an

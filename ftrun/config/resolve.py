@@ -1,7 +1,7 @@
 """One :class:`~ftrun.config.options.JobSpec` from every layer: :func:`resolve`.
 
 Each option's value comes from, highest first: the command line (with torchrun's flags, at the
-same level), ``FTRUN_<OPTION>``, TOML, a cluster's environment, the default (README, section
+same level), ``FTRUN_<OPTION>``, TOML, a cluster's environment, the default (docs/reference/cli.md, section
 Options). Then the combination is checked (sizes, node index, ports, addresses, the checkpoint
 directory, ``FTRUN_FAULT``, the job's secret), each error one line naming its source."""
 

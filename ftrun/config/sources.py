@@ -3,7 +3,7 @@
 ``./pyproject.toml``) and a cluster's own environment (:func:`read_cluster_env`: Slurm's, with its
 compressed host lists, or a Kubeflow PyTorchJob's). Each value is converted and range-checked where
 it is read, so an error names the variable, the key and file, or the cluster variable that gave it.
-Precedence among them is :func:`ftrun.config.resolve`'s (README, section Options)."""
+Precedence among them is :func:`ftrun.config.resolve`'s (docs/reference/cli.md)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 (:class:`TorchrunFlags`), torchrun's other names of ftrun options (``--nproc-per-node``,
 ``--rdzv-id``, ``--shutdown-timeout``: :func:`merge_aliases`), their parsers, and how they become
 ftrun's options (:func:`apply_torchrun`). A torchrun command runs under ftrun with only the
-command's name changed (README, section Options: torchrun's command line); flags ftrun does not
+command's name changed (docs/reference/cli.md: torchrun's command line); flags ftrun does not
 implement are refused by name with the reason (:data:`UNSUPPORTED_TORCHRUN_FLAGS`)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Rank-level recovery for training loops written with Hugging Face Accelerate: :class:`FTAccelerator`.
 
-The port of an Accelerate loop (README, "Accelerate loops"; ``examples/accelerate_loop.py``)::
+The port of an Accelerate loop (docs/frameworks/accelerate.md; ``examples/accelerate_loop.py``)::
 
     ft = ftrun.init()                                        # before the Accelerator
     accelerator = FTAccelerator(gradient_accumulation_steps=2)   # in place of Accelerator
@@ -44,7 +44,7 @@ fault, bitwise. What accelerate keeps outside the step is made ftrun's:
   the state rolled back to that snapshot, and ``fn`` run again with the new rank, which runs it
   first, before its first step (a marker in the replica state says so).
 
-The contract (README): ``ftrun.init()`` before the ``Accelerator``; the forward is a function of
+The contract (docs/frameworks/accelerate.md): ``ftrun.init()`` before the ``Accelerator``; the forward is a function of
 its inputs, the parameters and the global RNG streams; work after a step that makes collectives
 is called through ``recoverable`` with plain arguments (numbers, strings); that work and the
 loop's other post-step code are under ``if accelerator.sync_gradients:``; no DeepSpeed, FSDP or

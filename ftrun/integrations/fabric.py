@@ -1,6 +1,6 @@
 """Rank-level recovery for training loops written with Lightning Fabric: :class:`FTFabric`.
 
-The port of a Fabric loop (README, "Lightning Fabric"; ``examples/fabric_loop.py``)::
+The port of a Fabric loop (docs/frameworks/fabric.md; ``examples/fabric_loop.py``)::
 
     ft = ftrun.init()                                        # before Fabric
     fabric = FTFabric(accelerator="cpu", devices=4, strategy="ddp")   # in place of Fabric
@@ -61,7 +61,7 @@ ends with the parameters of the run without the fault, bitwise:
   rank, which runs it first, before its first step (a marker in the replica state says so). As in
   :mod:`ftrun.integrations.accelerate`.
 
-The contract (README): ``ftrun.init()`` before ``FTFabric``; ``strategy="ddp"`` (or ``"auto"``, which
+The contract (docs/frameworks/fabric.md): ``ftrun.init()`` before ``FTFabric``; ``strategy="ddp"`` (or ``"auto"``, which
 picks it for several devices), no ``GradScaler`` (``16-mixed``), one model and one optimizer; the scheduler given to
 ``setup(..., scheduler=...)`` and stepped after ``optimizer.step()``; the training loader iterated
 through ``train_batches`` inside ``ft.epochs``, with ``optimizer.step()`` at each step's last

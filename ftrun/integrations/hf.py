@@ -1,6 +1,6 @@
 """Rank-level recovery for Hugging Face ``Trainer`` (transformers + accelerate): :class:`FTTrainer`.
 
-The port of a ``Trainer`` script is a few lines (README, "Hugging Face Trainer")::
+The port of a ``Trainer`` script is a few lines (docs/frameworks/hf.md)::
 
     import ftrun
     from ftrun.integrations.hf import FTTrainer
@@ -41,7 +41,7 @@ the doors the Trainer leaves, one ftrun step per optimizer step (``TrainerState.
   over the deterministic sampler), exactly as a resume from ``checkpoint-N`` does, but from a
   peer's memory.
 
-The contract (README): the model's forward is a function of its inputs, parameters and the global
+The contract (docs/frameworks/hf.md): the model's forward is a function of its inputs, parameters and the global
 RNG streams; callbacks keep their state in ``TrainerState`` or are stateless; the data order is the
 Trainer's (a seeded sampler); no fp16 ``GradScaler`` (bf16 autocast is fine), no DeepSpeed or FSDP.
 """

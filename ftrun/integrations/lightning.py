@@ -1,6 +1,6 @@
 """Rank-level recovery for PyTorch Lightning's ``Trainer.fit`` (automatic optimization): :class:`FTStrategy`.
 
-The port of a Lightning script is a few lines (README, "Lightning")::
+The port of a Lightning script is a few lines (docs/frameworks/lightning.md)::
 
     import ftrun
     from ftrun.integrations.lightning import FTStrategy
@@ -47,7 +47,7 @@ their step). Lightning's per-batch SIGTERM broadcast is turned off under ftrun (
 signals itself), and the validation data loaders are set up at ``on_train_start`` rather than at
 the first validation, so no rank makes a set-up collective later alone.
 
-The contract (README): automatic optimization with one optimizer; the model's forward is a
+The contract (docs/frameworks/lightning.md): automatic optimization with one optimizer; the model's forward is a
 function of its inputs, parameters and the global RNG streams; map-style training data through a
 plain ``DataLoader`` (the sampler Lightning puts in; no stateful loader); callbacks keep their state
 in ``state_dict`` (as Lightning checkpoints it) or hold none that changes the training; metrics
@@ -168,7 +168,7 @@ class FTStrategy(DDPStrategy):
         super().setup(trainer)
         if not trainer.lightning_module.automatic_optimization or len(self.optimizers) != 1:
             raise RuntimeError("ftrun.integrations.lightning: FTStrategy takes automatic optimization with one "
-                               "optimizer (README, Lightning)")
+                               "optimizer (docs/frameworks/lightning.md)")
         self._patch_loops(trainer)
         ft.register("optimizer", self.optimizers[0], kind="committed")
         for i, config in enumerate(self.lr_scheduler_configs):
@@ -199,7 +199,7 @@ class FTStrategy(DDPStrategy):
                     # Lightning restores a stateful loader's position itself, from the donor's
                     # state: another rank's. (A plain DataLoader's is the epoch's batch count.)
                     raise RuntimeError("ftrun.integrations.lightning: a stateful training loader is not supported "
-                                       "(README, Lightning)")
+                                       "(docs/frameworks/lightning.md)")
                 for _ in range(epoch_loop.batch_progress.current.ready):
                     next(data_fetcher.iterator)
 
