@@ -67,6 +67,12 @@ class Dataset:
     in_features: int
 
 
+def on_device(ds: Dataset, device: torch.device | str) -> Dataset:
+    """``ds`` with its tensors on ``device``."""
+    return Dataset(ds.train_x.to(device), ds.train_y.to(device), ds.test_x.to(device), ds.test_y.to(device),
+                   ds.in_features)
+
+
 def build_model(in_features: int = 64) -> nn.Module:
     """MLP from MindSpore's UCE example: in_features -> 512 -> 512 -> 10.
 
@@ -294,4 +300,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--data", default="digits", help="'digits' (sklearn, default) or 'mnist:DIR' (IDX files in DIR)"
     )
+    parser.add_argument("--device", default="cpu",
+                        help="where the model and data live (default: cpu; cuda: each rank on its node's GPUs, "
+                             "shared round-robin, gradients averaged over gloo with CUDA tensors)")
     return parser

@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
     groups = [[int(r) for r in g.split(",")] for g in args.replica_groups.split(";")] if args.replica_groups else None
-    ft = ftrun.init(backend="gloo", seed=args.seed, replica_groups=groups)
-    ds = dc.load_dataset(args.data, args.seed)
+    ft = ftrun.init(backend="gloo", seed=args.seed, replica_groups=groups, device=args.device)
+    ds = dc.on_device(dc.load_dataset(args.data, args.seed), ft.device)
     torch.manual_seed(args.seed)
     model = ft.wrap_model(dc.build_model(ds.in_features), ddp=args.ddp)
     opt = None if args.hand_update else ft.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum))

@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         rank, world_size = 0, 1
 
     try:
-        ds = dc.load_dataset(args.data, args.seed)
+        ds = dc.on_device(dc.load_dataset(args.data, args.seed), args.device)
         torch.manual_seed(args.seed)
-        model = dc.build_model(ds.in_features)
+        model = dc.build_model(ds.in_features).to(args.device)
         ddp_model: torch.nn.Module = DistributedDataParallel(model) if distributed else model
         opt = torch.optim.SGD(ddp_model.parameters(), lr=args.lr, momentum=args.momentum)
         n_train = len(ds.train_y)
