@@ -67,15 +67,16 @@ def _register_down_backend() -> None:
         _down_registered = True
 
 
-retired_groups = 0  # broken process groups kept from their destructor (see retire)
+retired_groups = 0  # gloo process groups kept from their destructor (see retire)
 
 
 def retire(group: Any) -> None:
-    """Keep a broken gloo process group from ever being destructed: one extra reference, never
-    released. Its destructor would join gloo's worker threads, which can block for the collective
-    timeout on a work still in flight; unregistered by ``destroy_process_group``, the group only
-    costs its idle threads and its (already shut down) sockets until the process exits, a few per
-    recovery this rank lives through."""
+    """Keep a gloo process group from ever being destructed: one extra reference, never released.
+    Its destructor would join gloo's worker threads with the GIL held, which can block for the
+    collective timeout on a work still in flight, or for ever on a worker thread that needs the GIL
+    to free its last work (:meth:`TrainingGroup.drop`); unregistered by ``destroy_process_group``,
+    the group only costs its idle threads and its sockets until the process exits, one per
+    generation this rank lives through. At exit the process ends them with it, joining nothing."""
     global retired_groups
     import ctypes
 
@@ -289,10 +290,16 @@ class TrainingGroup:
         peer fail within milliseconds; the descriptors stay owned by gloo, which closes them when it
         lets go.
 
-        A broken gloo group is never destructed (:func:`retire`): gloo's destructor joins its
+        A gloo group is never destructed (:func:`retire`), broken or not: gloo's destructor joins its
         worker threads, and a work still in flight there (one the cut did not fail) held the
         training thread for longer than the abort's deadline (a fresh-clone CI run: the stack ended
         in this method, destroy_process_group already returned), so the rank was replaced as hung.
+        A group ending cleanly deadlocked instead: its last reference (a DDP reducer's, dropped as
+        the script's function returned after ``ft.finish()``) ran the destructor with the GIL held,
+        joining a worker thread that was still releasing its last work and waited for the GIL to
+        free that work's tensors (seen under torchrun on a loaded machine: one rank of four never
+        exited, its main thread in ``std::thread::join`` under ``~ProcessGroupGloo``, a
+        ``pt_gloo_runloop`` thread in ``take_gil`` under ``~AsyncWork``).
         ``generation`` only names the group in a teardown failure's log line.
         """
         if self.placeholder:
@@ -301,12 +308,9 @@ class TrainingGroup:
             return
         if not dist.is_initialized():
             return
-        retired = None
-        if broken and self.backend == "gloo" and self.managed:
-            self.cut()
-            retired = dist.group.WORLD
-        elif broken and self.managed:
-            self.cut()  # NCCL: its communicators aborted first, or the teardown waits for the failed work
+        retired = dist.group.WORLD if self.backend == "gloo" else None
+        if broken and self.managed:
+            self.cut()  # gloo's connections, NCCL's communicators: or the teardown waits for the failed work
         failure = None
         try:
             dist.destroy_process_group()
