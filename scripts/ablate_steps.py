@@ -1,5 +1,5 @@
-"""What one part of ftrun's per-step bookkeeping costs a fault-free step, measured inside one run
-(issue 27): examples/word_lm.py under ftrun, with the part switched off on a pseudo-random half of
+"""What one part of ftrun's per-step bookkeeping costs a fault-free step, measured inside one run:
+examples/word_lm.py under ftrun, with the part switched off on a pseudo-random half of
 the blocks of ``--phase`` steps (the same on every rank; random, so that nothing periodic in the
 run lines up with them); the median step time (wall clock, and CPU of rank
 0's training thread) with the part on against off, after the first epoch.

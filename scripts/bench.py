@@ -144,7 +144,7 @@ class Case:
     hot: bool = False
     lost_node: int | None = None  # nodeloss: the node whose host is killed (None: the last one)
     # with hot: the kill at kill_step whatever the hot spare's state (a fault while it is still in
-    # the script's set-up: issue 24 asks it be served by the spare, never slower than a new process)
+    # the script's set-up: it must be served by the spare, never slower than a new process)
     early: bool = False
 
     def label(self) -> str:
@@ -920,7 +920,7 @@ def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
     if "hf" in args.parts:  # killed mid-run; the plain Trainer checkpoints every 8 steps (resumes from step 16)
         parts["hf"] = [Case("hf", "tiny", 4, 24 if q else 40, 12 if q else 20, ckpt_every=5 if q else 8)]
     if "overhead-real" in args.parts:
-        # pytorch/examples' word language model as ported (issue 20): its own small steps, and larger.
+        # pytorch/examples' word language model as ported: its own small steps, and larger.
         lines = ("--train-lines", "600" if q else "3000")
         # Epochs: about 750 small steps and 260 large ones (a large epoch is 22 steps): the warm
         # spare's imports end about 3 s into training here (small step 220, large step 80), and the

@@ -1,4 +1,4 @@
-"""Two ftrun trees against each other and against torchrun on examples/word_lm.py (issue 27):
+"""Two ftrun trees against each other and against torchrun on examples/word_lm.py:
 rounds of base, new and torchrun in turn, the median step time of rank 0 of each run (the gaps
 between its ``--step-times`` lines, the first tenth left out), then each tree's pairwise median
 against torchrun. A change worth a few percent needs this: the machine's own pace moves by more

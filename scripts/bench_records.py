@@ -1,4 +1,4 @@
-"""Microbenchmark of a rank's records (issue 27): the per-step cost of the step-start copy and record
+"""Microbenchmark of a rank's records: the per-step cost of the step-start copy and record
 and of the provisional record, for a registry like examples/word_lm.py's (RNG streams, the carried
 LSTM state at its default size, a data position, a replica object), with an in-memory store.
 
