@@ -4,6 +4,11 @@ Every ftrun process a test starts through the :func:`ftrun_proc` fixture carries
 environment (``PYTEST_FTRUN_TAG``); the supervisor and the ranks inherit it, so the fixture's
 finalizer can find and SIGKILL whatever survived a failing test, even processes that were orphaned.
 Nothing here waits on a clock except generous upper bounds: tests synchronise on files.
+
+Every test is checked for processes of its own left behind: while its body runs, the environment
+carries a tag of that test (``PYTEST_TEST_TAG``), so every process it starts (and every process
+those start, orphans included) carries it; once the test's fixtures are torn down, a process still
+carrying it is killed and the test errors, naming it (:func:`pytest_runtest_teardown`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 WORKER = SCRIPTS / "worker.py"
 TAG_VAR = "PYTEST_FTRUN_TAG"
+TEST_TAG_VAR = "PYTEST_TEST_TAG"  # the running test's tag, in the environment of what it starts
+#: How long processes a test left behind may take to end on their own (a job cancelled at teardown)
+#: before they count as left: waited for only when some are found.
+LEFTOVER_GRACE_S = float(os.environ.get("PYTEST_LEFTOVER_GRACE_S", "15"))
 #: How many times a failed multi-process test (marker ``integration``) is run again before it counts
 #: as failed (pytest-rerunfailures); ``FTRUN_TEST_RERUNS=0`` turns it off when hunting a flake. Every
 #: rerun is listed at the end of the run with the failure that caused it: a rerun hides nothing.
@@ -84,6 +93,53 @@ def kill_all(procs: Iterable[psutil.Process]) -> None:
             proc.kill()
         except psutil.Error:
             pass
+
+
+def kill_tree(pid: int, tag: str) -> list[psutil.Process]:
+    """SIGKILL process ``pid`` (a session leader), its session's process group, every descendant
+    and every process whose environment carries ``tag`` (``TAG_VAR``: torchrun starts each rank in
+    a session of its own, and a rank whose torchrun died is an orphan no listing of children finds);
+    returns those still alive 30 s later."""
+    procs: list[psutil.Process] = []
+    try:
+        procs.append(psutil.Process(pid))
+        procs.extend(procs[0].children(recursive=True))
+    except psutil.Error:
+        pass
+    procs.extend(tagged(tag))
+    kill_all(procs)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    late = tagged(tag)  # started while the others were killed
+    kill_all(late)
+    return wait_gone([*procs, *late], timeout=30)
+
+
+def run_bounded(argv: Sequence[str], *, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, capture_output=True, text=True, timeout=timeout)``, except that on
+    the timeout every process the command started is killed, not only the command: it runs in a
+    session of its own with a unique ``TAG_VAR`` in its environment (:func:`kill_tree`).
+
+    Raises:
+        subprocess.TimeoutExpired: after ``timeout`` seconds, once the whole tree is gone; its
+            ``output`` and ``stderr`` are what the command printed until then.
+    """
+    tag = uuid.uuid4().hex
+    with subprocess.Popen([str(a) for a in argv], env={**env, TAG_VAR: tag}, cwd=cwd, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as popen:
+        try:
+            out, err = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            alive = kill_tree(popen.pid, tag)
+            try:
+                out, err = popen.communicate(timeout=30)  # every writer is gone: the pipes end
+            except subprocess.TimeoutExpired:
+                out, err = "", ""
+            left = f"; still alive after SIGKILL: {[p.pid for p in alive]}" if alive else ""
+            raise subprocess.TimeoutExpired(popen.args, timeout, output=out, stderr=(err or "") + left) from None
+    return subprocess.CompletedProcess(popen.args, popen.returncode, out, err)
 
 
 @dataclass
@@ -303,3 +359,71 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.write_line(f"{report.nodeid}:")
         for line in text.splitlines()[-60:]:
             terminalreporter.write_line(f"    {line}")
+
+
+# --------------------------------------------------------------------------- processes a test left behind
+
+_TEST_TAG = pytest.StashKey[str]()
+_SPAWNS = frozenset({"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system", "os.exec"})
+_spawned = [False]  # whether the running test started a process (scanning every process costs ~60 ms)
+
+
+def _audit(event: str, _args: tuple) -> None:
+    if event in _SPAWNS:
+        _spawned[0] = True
+
+
+sys.addaudithook(_audit)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    """Run the test's body with its tag in the environment (fixtures set up before it, such as a
+    module's Slurm cluster, do not carry it)."""
+    tag = uuid.uuid4().hex
+    item.stash[_TEST_TAG] = tag
+    os.environ[TEST_TAG_VAR] = tag
+    _spawned[0] = False
+    try:
+        return (yield)
+    finally:
+        os.environ.pop(TEST_TAG_VAR, None)
+
+
+def leftovers(tag: str) -> list[psutil.Process]:
+    """Live processes (not zombies) whose environment carries ``TEST_TAG_VAR=tag``."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != os.getpid() and proc.environ().get(TEST_TAG_VAR) == tag and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid} (parent {proc.ppid()}): {' '.join(proc.cmdline())[:200]}"
+    except psutil.Error:
+        return f"{proc.pid}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """After the test's fixtures are torn down: a process that carries the test's tag and does not
+    end within :data:`LEFTOVER_GRACE_S` is SIGKILLed and the test errors, naming each."""
+    try:
+        return (yield)
+    finally:
+        tag = item.stash.get(_TEST_TAG, None)
+        if tag is not None and _spawned[0]:
+            _spawned[0] = False
+            found = leftovers(tag)
+            left = wait_gone(found, timeout=LEFTOVER_GRACE_S) if found else []
+            if left:
+                names = [_describe(p) for p in left]
+                kill_all(left)
+                wait_gone(left, timeout=30)
+                pytest.fail(f"{len(left)} process(es) of this test left behind (killed now):\n  " + "\n  ".join(names),
+                            pytrace=False)

@@ -6,6 +6,10 @@ active exception" (SIGABRT: a joinable ``std::thread`` destroyed), at start-up o
 final line. Seen in CI under load, 4 times in 2 minutes (plain DDP twins, the plain Hugging Face
 Trainer) and never in 12 runs on an idle or busy machine. It is torch's defect, not the
 reference's result, so such a run is made again; any other failure is returned as it is.
+
+A run that does not end within its timeout is killed whole (torchrun and every rank, each of
+which torchrun starts in a session of its own: :func:`conftest.run_bounded`), never torchrun alone,
+which would leave the ranks running as orphans.
 """
 
 from __future__ import annotations
@@ -15,16 +19,22 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from conftest import run_bounded
+
 TORCH_ABORT = "terminate called without an active exception"
 TRIES = 3
 
 
 def run_torchrun(args: Sequence[str], env: dict[str, str], cwd: Path, timeout: float = 280) -> subprocess.CompletedProcess:
     """``torchrun <args>`` (text output captured), made again up to :data:`TRIES` times in all
-    while it fails with :data:`TORCH_ABORT` in its output. The caller checks the exit code."""
+    while it fails with :data:`TORCH_ABORT` in its output. The caller checks the exit code.
+
+    Raises:
+        subprocess.TimeoutExpired: a run did not end within ``timeout`` seconds (every process
+            of it killed)."""
     torchrun = Path(sys.executable).with_name("torchrun")
     for attempt in range(1, TRIES + 1):
-        proc = subprocess.run([str(torchrun), *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+        proc = run_bounded([str(torchrun), *args], env=env, cwd=cwd, timeout=timeout)
         if proc.returncode == 0 or TORCH_ABORT not in proc.stdout + proc.stderr or attempt == TRIES:
             return proc
         print(f"reference run: torch aborted a rank ({TORCH_ABORT!r}); run {attempt + 1} of at most {TRIES}",
