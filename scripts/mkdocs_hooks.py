@@ -15,6 +15,9 @@ from typing import Any
 MARKER = "<!-- ftrun: the options table, generated from ftrun.config.OPTIONS -->"
 #: The page that holds it, relative to docs/.
 PAGE = "reference/cli.md"
+#: The line of docs/reference/environment.md that the table of the options' variables replaces.
+ENV_MARKER = "<!-- ftrun: the options' variables, generated from ftrun.config.OPTIONS -->"
+ENV_PAGE = "reference/environment.md"
 
 
 def _cell(text: Any) -> str:
@@ -50,10 +53,20 @@ def options_markdown() -> str:
     return "\n".join(rows)
 
 
+def variables_markdown() -> str:
+    """The table of every option's ``FTRUN_<NAME>`` variable and its flag, as markdown."""
+    from ftrun.config import OPTIONS
+
+    rows = ["| variable | flag | meaning |", "| --- | --- | --- |"]
+    rows += [f"| `{opt.env_var}` | `--{opt.name}` | {_cell(opt.help)} |" for opt in OPTIONS]
+    return "\n".join(rows)
+
+
 def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
-    """mkdocs event: put the generated table in the CLI reference page."""
-    if page.file.src_uri == PAGE:
-        if MARKER not in markdown:
-            raise ValueError(f"{PAGE} has lost its marker line: {MARKER}")
-        markdown = markdown.replace(MARKER, options_markdown())
+    """mkdocs event: put the generated tables in the CLI reference and environment pages."""
+    for name, marker, make in ((PAGE, MARKER, options_markdown), (ENV_PAGE, ENV_MARKER, variables_markdown)):
+        if page.file.src_uri == name:
+            if marker not in markdown:
+                raise ValueError(f"{name} has lost its marker line: {marker}")
+            markdown = markdown.replace(marker, make())
     return markdown

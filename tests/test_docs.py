@@ -118,3 +118,12 @@ def test_every_benchmark_names_its_command_and_machine() -> None:
 def test_pictures_of_a_real_run_are_there(picture: str) -> None:
     """scripts/docs_pictures.py draws them from a real run."""
     assert (DOCS / picture).stat().st_size > 1000
+
+
+def test_environment_page_lists_every_options_variable() -> None:
+    """The environment page's table of ``FTRUN_<OPTION>`` variables is written from the option table too."""
+    from ftrun.config import OPTIONS
+
+    assert mkdocs_hooks.ENV_MARKER in (DOCS / mkdocs_hooks.ENV_PAGE).read_text()
+    table = mkdocs_hooks.variables_markdown()
+    assert [opt.name for opt in OPTIONS if f"`{opt.env_var}` | `--{opt.name}`" not in table] == []
