@@ -1,0 +1,162 @@
+"""The CUDA path on a GPU (marker ``gpu``; each test skips where torch sees no GPU, so CI stays green).
+
+scripts/gpu_check.sh runs these on a lent machine (docs/gpu.md): the device choice and the memory
+probe, a transfer and the codec keeping CUDA tensors on their device, CUDA RNG state carried, the
+int64 fingerprints on the device, a snapshot into pinned memory, and a 1-rank NCCL group aborted
+while blocked and built again. With ``FTRUN_GPU_FIGURES`` set to a file, each test appends what it
+measured there (one JSON object a line), which gpu_check.sh gathers into its JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ftrun import cuda
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh, docs/gpu.md)")]
+
+
+def record(name: str, **figures: object) -> None:
+    path = os.environ.get("FTRUN_GPU_FIGURES")
+    if path:
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"test": name, **figures}) + "\n")
+
+
+def test_a_ranks_device_and_its_memory_probe() -> None:
+    device, waited = cuda.bind_device("gloo", "cuda", 3, 3, respawned=False)
+    assert device == torch.device(f"cuda:{3 % torch.cuda.device_count()}") and waited is None
+    assert torch.cuda.current_device() == device.index
+    probe = cuda.nvml_probe(device.index, predecessor_pid=None)
+    look = probe()
+    assert 0 < look.free <= look.total and look.predecessor is None
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)  # a process that held no GPU memory and is gone
+    waited = cuda.wait_for_memory(cuda.nvml_probe(device.index, predecessor_pid=dead), timeout_s=10)
+    assert waited.ready and waited.waited_s < 10
+    record("memory_probe", free=look.free, total=look.total, wait_s=round(waited.waited_s, 3), how=waited.how)
+
+
+@pytest.mark.parametrize("wire", ["cpu", "cuda"])
+def test_a_transfer_keeps_cuda_tensors_on_the_recipients_gpu(wire: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over a fake wire (no processes): staged through host memory (gloo) or on the GPU (NCCL), each
+    received tensor is bitwise the sent one and on this rank's GPU; a GPU wire receives into the
+    recipient's own tensors."""
+    from ftrun.transfer import recv_state, send_state
+
+    torch.cuda.set_device(0)
+    wire_device = "cpu" if wire == "cpu" else "cuda:0"
+    state = {"w": torch.randn(64, 32, device="cuda"), "step": torch.tensor(7, device="cuda"), "host": torch.arange(4)}
+    sent: list[torch.Tensor] = []
+    monkeypatch.setattr(dist, "send", lambda t, dst, group=None: sent.append(t.clone()))
+    monkeypatch.setattr(dist, "recv", lambda t, src, group=None: t.copy_(sent.pop(0)))
+    send_state(state, dst=1, device=wire_device)
+    assert all(t.device == torch.device(wire_device) for t in sent)
+    mine = {"w": torch.zeros(64, 32, device="cuda"), "step": torch.tensor(0, device="cuda"), "host": torch.zeros(4, dtype=torch.int64)}
+    got, _ = recv_state(0, mine, device=wire_device)
+    for key in state:
+        assert got[key].device == state[key].device and torch.equal(got[key], state[key]), key
+    if wire == "cuda":
+        assert got["w"] is mine["w"] or got["w"].data_ptr() == mine["w"].data_ptr()  # in place, memory not doubled
+
+
+def test_cuda_rng_state_travels_with_a_rank() -> None:
+    from ftrun.transfer import RNGState
+
+    torch.cuda.manual_seed(1234)
+    torch.cuda.init()
+    rng = RNGState()
+    saved = rng.state_dict()
+    assert "cuda" in saved
+    first = torch.rand(5, device="cuda")
+    torch.cuda.manual_seed(99)
+    rng.load_state_dict(saved)
+    assert torch.equal(torch.rand(5, device="cuda"), first)
+
+
+def test_fingerprints_on_the_gpu_equal_the_cpus() -> None:
+    from ftrun.digest import fingerprint
+
+    tensors = [torch.randn(1000, 37), torch.randint(-5, 5, (300,), dtype=torch.int64), torch.randn(9, dtype=torch.float16)]
+    assert fingerprint([t.cuda() for t in tensors]) == fingerprint(tensors)
+
+
+def test_a_snapshot_of_cuda_state_lands_in_pinned_memory_and_is_reused() -> None:
+    from ftrun.checkpoint import snapshot
+
+    state = {"w": torch.randn(4096, 1024, device="cuda"), "m": [torch.randn(1024, device="cuda")]}
+    started = time.perf_counter()
+    first = snapshot(state)
+    first_s = time.perf_counter() - started
+    assert first["w"].is_pinned() and torch.equal(first["w"], state["w"].cpu())
+    state["w"].add_(1)
+    started = time.perf_counter()
+    again = snapshot(state, reuse=first)
+    reused_s = time.perf_counter() - started
+    assert again["w"].data_ptr() == first["w"].data_ptr() and torch.equal(again["w"], state["w"].cpu())
+    nbytes = (4096 * 1024 + 1024) * 4
+    record("snapshot_pinned", bytes=nbytes, first_s=round(first_s, 4), reused_s=round(reused_s, 4),
+           reused_gb_s=round(nbytes / reused_s / 1e9, 2))
+
+
+def _nccl_group() -> dist.ProcessGroup:
+    from ftrun.reducer import one_rank_group
+
+    return one_rank_group(torch.device("cuda:0"), timeout_s=60)
+
+
+def test_a_one_rank_nccl_group_aborted_while_blocked_is_built_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1-rank NCCL all-reduce queued behind a 3 s GPU spin (``torch.cuda._sleep``) is blocked; the
+    group is aborted from another thread (as the I/O thread does, :func:`ftrun.cuda.abort_group`)
+    after 0.5 s; the wait must end well before the spin would have (it raises, or returns once the
+    communicator is gone); a new group is then built and all-reduces correctly."""
+    for name, value in cuda.NCCL_SETTINGS.items():  # what a managed rank's environment has
+        monkeypatch.setenv(name, value)
+    torch.cuda.set_device(0)
+    group = _nccl_group()
+    x = torch.ones(1 << 20, device="cuda")
+    dist.all_reduce(x, group=group)  # the communicator is made here
+    torch.cuda.synchronize()
+    started = time.perf_counter()  # the spin's cycles per second, measured (clocks vary)
+    torch.cuda._sleep(200_000_000)
+    torch.cuda.synchronize()
+    rate_hz = 200_000_000 / (time.perf_counter() - started)
+    spin_s = 3.0
+    torch.cuda._sleep(int(spin_s * rate_hz))
+    work = dist.all_reduce(x, group=group, async_op=True)
+    aborted = threading.Event()
+
+    def abort() -> None:
+        time.sleep(0.5)
+        cuda.abort_group(group)
+        aborted.set()
+
+    started = time.perf_counter()
+    threading.Thread(target=abort, daemon=True).start()
+    raised = None
+    try:
+        work.wait()
+    except Exception as err:  # noqa: BLE001  the aborted collective's failure, whatever torch names it
+        raised = f"{type(err).__name__}: {str(err)[:200]}"
+    released_s = time.perf_counter() - started
+    aborted.wait(5)
+    torch.cuda.synchronize()  # the spin ends on its own
+    rebuilt_at = time.perf_counter()
+    again = _nccl_group()
+    y = torch.full((1024,), 2.0, device="cuda")
+    dist.all_reduce(y, group=again)
+    torch.cuda.synchronize()
+    rebuild_s = time.perf_counter() - rebuilt_at
+    record("nccl_abort", released_s=round(released_s, 3), spin_s=spin_s, raised=raised, rebuild_s=round(rebuild_s, 3))
+    assert released_s < 2.0, f"the abort did not release the blocked wait ({released_s:.2f} s of a {spin_s} s spin; {raised})"
+    assert torch.equal(y, torch.full((1024,), 2.0, device="cuda"))
