@@ -106,10 +106,84 @@ def decide_on_failure(
                "restart(s) left; one whole-job restart fits")
     elif arf:
         missing = sorted(set(range(world_size)) - set(library_ranks))
-        why = f"rank(s) {_ranges(missing)} do not use the ftrun worker library"
+        early = [r for r in missing if r in failed_ranks]
+        why = (f"rank(s) {_ranges(early)} exited before ftrun.init" if early == missing
+               else f"rank(s) {_ranges(missing)} have not said hello through the ftrun worker library (still "
+                    "starting, or the script does not use it)")
     else:
         why = "ARF is off"
     return Decision(Action.RESTART_JOB, failed_ranks, f"whole-job restart ({why})")
+
+
+USAGE_EXIT_CODE = 2  # the Unix convention for a command-line usage error (argparse, click, getopt)
+STARTUP_HOLD_S = 10.0  # a failure before ftrun.init waits this long for the other ranks to end alike
+STARTUP_WINDOW_S = 120.0  # a rank that exits this soon after its start, without a hello, failed in its start-up
+
+
+class StartupFailures:
+    """Failures before ``ftrun.init``: is the script's start-up failing the same way everywhere?
+
+    A script that exits in every rank with one exit code before it could say hello (argparse's usage
+    error, a missing file, a broken import) fails the same way in every attempt: torchrun restarts
+    it ``max_restarts`` times, spending the budget and minutes for nothing. So the first such failure
+    of an attempt is held (at most ``hold`` seconds) while the attempt's other ranks either end the
+    same way or say hello. Every rank ending with one code is a deterministic start-up failure when
+    the code is :data:`USAGE_EXIT_CODE` or the previous attempt ended the same way: the job ends
+    with that code. Anything else is decided as usual (:func:`decide_on_failure`).
+
+    The coordinator calls :meth:`hold` with each failure of ranks that never said hello and
+    :meth:`settle` at every turn of its loop while :attr:`held`; the clock is passed in, seconds.
+    """
+
+    def __init__(self, world_size: int, hold: float = STARTUP_HOLD_S) -> None:
+        self.world_size, self.hold_s = world_size, hold
+        self.exits: dict[int, int] = {}  # rank -> exit code, this attempt, before ftrun.init
+        self.since: float | None = None  # when the first was held (None: nothing held)
+        self.previous: int | None = None  # the code every rank ended with in the previous attempt
+
+    @property
+    def held(self) -> bool:
+        return self.since is not None
+
+    def hold(self, exits: Mapping[int, int], now: float, hello: bool) -> list[int] | None:
+        """Ranks ended (``exits``: rank -> exit code) before saying hello; ``hello``: some rank of
+        this attempt said hello (or failed after it). None: hold the decision (:meth:`settle` gives
+        it later); else the ranks held so far, these included, to decide on now."""
+        self.exits.update(exits)
+        if not hello:
+            if self.since is None:
+                self.since = now
+            return None
+        self.since = None
+        return sorted(self.exits)
+
+    def settle(self, now: float, hello: bool, alive: int) -> tuple[list[int], str | None] | None:
+        """The held decision once due: None while the other ranks (``alive`` of them, none having
+        said hello) may still end alike within the hold; else (the held ranks, the reason to end
+        the job or None to decide as usual). ``hello``: some rank said hello meanwhile."""
+        assert self.since is not None
+        if alive and not hello and now - self.since < self.hold_s:
+            return None
+        ranks, codes = sorted(self.exits), set(self.exits.values())
+        self.since = None
+        if len(ranks) < self.world_size or len(codes) != 1:
+            return ranks, None
+        code = codes.pop()
+        if code == USAGE_EXIT_CODE:
+            return ranks, (f"every rank exited with code {code} before ftrun.init, a usage error (the script's "
+                           "command line): not restarted, a restart would fail the same way")
+        if self.previous == code:
+            return ranks, (f"every rank exited with code {code} before ftrun.init in two attempts in a row: a "
+                           "start-up failure that restarts do not repair")
+        self.previous = code
+        return ranks, None
+
+    def new_attempt(self) -> None:
+        """A whole-job restart began: forget this attempt's exits (the code of an attempt whose
+        ranks all ended alike is kept in :attr:`previous`)."""
+        if len(self.exits) < self.world_size or len(set(self.exits.values())) != 1:
+            self.previous = None
+        self.exits, self.since = {}, None
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from ftrun.agent import AgentHandle, Spawned, Stacks
 from ftrun.config import JobSpec
 from ftrun.control import StepBoard
 from ftrun.coordinator import OFFENDER_REJECTS, PLAN_DEADLINE_S, REPORT_DEADLINE_S, Coordinator
+from ftrun.policy import STARTUP_HOLD_S, STARTUP_WINDOW_S
 from ftrun.protocol import Message, MsgType
 from ftrun.recovery import RankProgress
 from ftrun.spawner import ExitReport
@@ -483,6 +484,7 @@ def test_the_failure_summary_shows_the_first_incarnations_traceback(tmp_path: Pa
     first = ("Traceback (most recent call last):", '  File "train.py", line 9', "KeyError: 'labels'")
     later = ("UserWarning: something unrelated", "KeyError: 'labels'")
     for tail in (first, later):
+        clock.now += STARTUP_WINDOW_S + 1  # past the start-up: failures of a training rank
         incarnation, pid = agent.running.pop(1)
         agent.reports.append(ExitReport(1, incarnation, pid, 1, clock.now, None, tail))
         code = coord.check_processes()
@@ -905,3 +907,31 @@ def test_standby_spares_option_chooses_a_standby_nodes_spares(tmp_path: Path, ki
     coord.spawning.keep_spares()
     orders = [(f["warm"], f["hot"]) for i, k, f in sent if k == MsgType.SPARES and i == b"standby-a"]
     assert orders == ([expected] if expected else [])
+
+
+def test_a_usage_error_in_every_rank_ends_the_job_with_its_code_without_a_restart(tmp_path: Path) -> None:
+    """Every rank exits with code 2 (argparse) before ftrun.init: the first exit is held while the
+    others end alike; then the job ends with code 2, no restart spent."""
+    coord, agent, clock = make(tmp_path, max_restarts=3)
+    tail = ("usage: train.py [-h] [--lr LR]", "train.py: error: unrecognized arguments: --lrr 0.1")
+    for rank in range(4):
+        incarnation, pid = agent.running.pop(rank)
+        agent.reports.append(ExitReport(rank, incarnation, pid, 2, clock.now, None, tail))
+        assert coord.check_processes() is None or rank == 3
+        clock.now += 0.5
+    assert coord.exit_code is None and coord.check_processes() == 2
+    assert not events(tmp_path, "job_restarting")
+    final = events(tmp_path, "job_finished")[-1]
+    assert "every rank exited with code 2 before ftrun.init, a usage error" in final["message"]
+    assert final["detail"]["log_tail"] == list(tail)
+
+
+def test_a_start_up_failure_of_one_rank_restarts_after_its_hold(tmp_path: Path) -> None:
+    coord, agent, clock = make(tmp_path, max_restarts=3)
+    incarnation, pid = agent.running.pop(2)
+    agent.reports.append(ExitReport(2, incarnation, pid, 1, clock.now, None, ("ImportError: no module named x",)))
+    assert coord.check_processes() is None and not events(tmp_path, "job_restarting")
+    clock.now += STARTUP_HOLD_S
+    assert coord.check_processes() is None
+    restarting = events(tmp_path, "job_restarting")
+    assert len(restarting) == 1 and "rank(s) 0-3 have not said hello" in restarting[0]["message"]

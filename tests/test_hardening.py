@@ -265,3 +265,32 @@ def test_a_stopped_coordinator_kills_no_rank_when_it_wakes(long_reference: str, 
     assert not [e for e in events if e["kind"] in ("rank_hung", "rank_failed", "job_restarting")], dj.story(events)
     assert all(len(pids) == 1 for pids in dj.started(events).values()), dj.story(events)
     assert dj.digest(out, dj.LONG_STEPS) == long_reference
+
+
+USAGE_ERROR = """
+import argparse
+import ftrun
+parser = argparse.ArgumentParser()
+parser.add_argument("--lr", type=float, default=0.1)
+args = parser.parse_args()
+ft = ftrun.init(backend="gloo")
+"""
+
+
+def test_an_argparse_error_ends_the_job_with_code_2_after_one_attempt(ftrun_proc, tmp_path: Path) -> None:
+    """A typo in the script's arguments: every rank exits 2 before ftrun.init. The job ends with
+    code 2 and says why, without restarting the script (before: three whole-job restarts, each
+    labelled as ranks that do not use the worker library)."""
+    script = tmp_path / "usage.py"
+    script.write_text(USAGE_ERROR)
+    log_dir = tmp_path / "logs"
+    proc = ftrun_proc(["--worker_num", "2", "--master_port", "0", "--plain", "--log_dir", str(log_dir),
+                       "--max_restarts", "3", str(script), "--lrr", "0.1"])
+    result = proc.wait(timeout=120)
+    events = dj.events(log_dir)
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-2000:]
+    assert not [e for e in events if e["kind"] == "job_restarting"], dj.story(events)
+    assert len([e for e in events if e["kind"] == "rank_started"]) == 2, dj.story(events)
+    final = [e for e in events if e["kind"] == "job_finished"][-1]
+    assert "every rank exited with code 2 before ftrun.init, a usage error" in final["message"]
+    assert "unrecognized arguments: --lrr 0.1" in result.stdout + result.stderr

@@ -12,6 +12,7 @@ from ftrun.policy import (
     Action,
     NoLiveReplica,
     RecoveryPlan,
+    StartupFailures,
     Transfer,
     decide_on_failure,
     default_replica_groups,
@@ -199,3 +200,52 @@ def test_replica_groups_dp_x_tp():
 def test_replica_groups_invalid(world, declared, hint):
     with pytest.raises(ValueError, match=hint):
         replica_groups_from_hello(world, declared)
+
+
+def test_a_usage_error_in_every_rank_ends_the_job_at_once() -> None:
+    startup = StartupFailures(world_size=3, hold=10.0)
+    assert startup.hold({1: 2}, now=0.0, hello=False) is None and startup.held
+    assert startup.settle(1.0, hello=False, alive=2) is None  # the others may still end alike
+    assert startup.hold({0: 2, 2: 2}, now=1.5, hello=False) is None
+    ranks, end = startup.settle(1.6, hello=False, alive=0)
+    assert ranks == [0, 1, 2] and "code 2 before ftrun.init, a usage error" in end and not startup.held
+
+
+def test_the_same_start_up_failure_twice_in_a_row_ends_the_job() -> None:
+    startup = StartupFailures(world_size=2, hold=10.0)
+    startup.hold({0: 1, 1: 1}, now=0.0, hello=False)
+    assert startup.settle(0.1, hello=False, alive=0) == ([0, 1], None)  # first time: restart
+    startup.new_attempt()
+    startup.hold({0: 1, 1: 1}, now=20.0, hello=False)
+    ranks, end = startup.settle(20.1, hello=False, alive=0)
+    assert "code 1 before ftrun.init in two attempts in a row" in end
+    # different codes, or an attempt between that ended otherwise: restarted as usual
+    startup = StartupFailures(world_size=2, hold=10.0)
+    startup.hold({0: 1, 1: 3}, now=0.0, hello=False)
+    assert startup.settle(0.1, hello=False, alive=0) == ([0, 1], None)
+    startup.new_attempt()
+    startup.hold({0: 3, 1: 3}, now=9.0, hello=False)
+    assert startup.settle(9.1, hello=False, alive=0) == ([0, 1], None)
+    startup.new_attempt()
+    startup.hold({1: 7}, now=30.0, hello=False)
+    assert startup.settle(30.1, hello=True, alive=1) == ([1], None)  # a rank said hello: not all alike
+    startup.new_attempt()
+    assert startup.previous is None
+
+
+def test_a_held_start_up_failure_is_decided_when_its_hold_ends_or_a_rank_says_hello() -> None:
+    startup = StartupFailures(world_size=4, hold=10.0)
+    startup.hold({3: 137}, now=5.0, hello=False)
+    assert startup.settle(14.9, hello=False, alive=3) is None
+    assert startup.settle(15.0, hello=False, alive=3) == ([3], None)
+    startup = StartupFailures(world_size=4, hold=10.0)
+    startup.hold({3: 1}, now=5.0, hello=False)
+    assert startup.hold({2: 1}, now=6.0, hello=True) == [2, 3]  # a failure after a hello: decided now
+    assert not startup.held
+
+
+def test_ranks_that_exited_before_init_are_named_so() -> None:
+    decision = decide_on_failure([0, 1], world_size=2, arf=True, library_ranks=[], restarts_used=0, max_restarts=3)
+    assert decision.reason == "whole-job restart (rank(s) 0-1 exited before ftrun.init)"
+    decision = decide_on_failure([0], world_size=2, arf=True, library_ranks=[], restarts_used=0, max_restarts=3)
+    assert "rank(s) 0-1 have not said hello through the ftrun worker library" in decision.reason

@@ -38,9 +38,9 @@ from ..agent import AgentHandle, RemoteAgent, SpareNote, Spawned, StandbyOffer, 
 from ..clocks import RunningClock
 from ..config import JobSpec
 from ..events import Event, EventKind
-from ..policy import Action, RankState, decide_on_failure, restart_fits
+from ..policy import Action, RankState, StartupFailures, decide_on_failure, restart_fits
 from ..protocol import Message, MsgType, Sender
-from ..spawner import ExitReport, StopReport, tail_lines
+from ..spawner import ExitReport, StopReport
 from .control import ControlPlane
 from .environment import Spawning
 from .failover import Replication, restore
@@ -48,7 +48,7 @@ from .messages import RankMessages
 from .membership import Membership, NodeLoss, NoReplacement, QuorumLost
 from .phases import JobPhase, JobPhases
 from .publish import Publisher, status_header
-from .ranks import Failure, Rank, Recovery
+from .ranks import Failure, Rank, Recovery, first_failure_tail, teardown_crash
 from .rounds import RecoveryRounds
 from .ttp import Checkpoints
 from .watchdog import CommHang, Hung, Unrepaired, Watchdog, WatchdogBounds
@@ -72,9 +72,8 @@ class Coordinator:
         store_port: the port of the launcher's store (attempt 0's ``MASTER_PORT``).
         local_agent: node 0's agent (in this process); other nodes' agents connect over the
             control plane and are added as :class:`~ftrun.agent.RemoteAgent` when they say hello.
-        clock: monotonic seconds, for deadlines and silences (injected by process-free tests);
-            by default a :class:`~ftrun.clocks.RunningClock`, so that a stall of this process
-            (SIGSTOP, swapping) is not taken for the silence of every rank and node.
+        clock: monotonic seconds for deadlines (injected by tests); by default a RunningClock
+            (:mod:`ftrun.clocks`: this process's own stalls are no one's silence).
         wall: Unix time in seconds, for timestamps.
 
     ``run()`` returns the job's exit code.
@@ -122,6 +121,7 @@ class Coordinator:
         self.watchdog = Watchdog(WatchdogBounds(spec.heartbeat_timeout, spec.heartbeat_interval, spec.setup_timeout,
                                                 spec.step_timeout, spec.step_timeout_min, spec.step_timeout_factor,
                                                 spec.warmup_steps))
+        self.startup = StartupFailures(spec.worker_num)  # failures before ftrun.init, held to see if all fail alike
         self.stop_signal: int | None = None
         self.exit_code: int | None = None  # set once the job's end is decided
         self._final_message: str | None = None
@@ -465,10 +465,10 @@ class Coordinator:
     def check_processes(self) -> int | None:
         """Apply the agents' reports and act on failures. Returns the job's exit code once it ends."""
         newly_failed = self.collect_reports()
-        if newly_failed:
-            result = self.on_failure([r.rank for r in newly_failed])
-            if result is not None:
-                return result
+        result = (self.on_failure([r.rank for r in newly_failed]) if newly_failed
+                  else self.settle_startup() if self.startup.held else None)
+        if result is not None:
+            return result
         self.release_finish_barrier()  # a rank may have exited 0 without ft.finish(), or a recovery ended
         if all(r.proc.state == RankState.SUCCEEDED for r in self.ranks.values()):
             self._final_message = "job succeeded"
@@ -484,26 +484,36 @@ class Coordinator:
     def on_failure(self, failed: list[int], kind: str = "death") -> int | None:
         """Ranks failed (``kind``: death, or node_loss): respawn them (ARF), restart the job, or fail
         it (:func:`ftrun.policy.decide_on_failure`). While the job is already restarting or ending,
-        the failure is only recorded."""
-        spec = self.spec
-        if spec.join or self.phase.current not in ACTIVE:
+        the failure is only recorded. Failures before ``ftrun.init`` may be held a few seconds
+        (:class:`ftrun.policy.StartupFailures`: does every rank fail alike?)."""
+        if self.spec.join or self.phase.current not in ACTIVE:
             return None
         if self.ttp.unusable() is not None:
             return self.restart_job(f"rank(s) {sorted(failed)} failed")
+        now = self.clock()
+        early = {f: self.ranks[f].proc.exit_code or 0 for f in failed if not self.ranks[f].started_up(now)}
+        if early or self.startup.held:
+            hello = len(early) < len(failed) or any(r.started_up(now) for r in self.ranks.values() if r.rank not in early)
+            held = self.startup.hold(early, now, hello)
+            return None if held is None else self.decide(sorted({*failed, *held}), kind)
+        return self.decide(failed, kind)
+
+    def settle_startup(self) -> int | None:
+        """Decide on failures before ``ftrun.init`` once held long enough (:meth:`on_failure`)."""
+        found = self.startup.settle(now := self.clock(), any(r.started_up(now) for r in self.ranks.values() if r.rank not in self.startup.exits),
+                                    sum(r.alive() for r in self.ranks.values()))
+        if found is None or self.phase.current not in ACTIVE:
+            return None
+        return self.finish_failed(found[1]) if found[1] else self.decide(found[0], "death")
+
+    def decide(self, failed: list[int], kind: str) -> int | None:
+        """Apply the policy to ranks that failed (:meth:`on_failure`)."""
+        spec = self.spec
         others = [r for r in self.ranks.values() if r.rank not in failed]
-        if (others and all(r.proc.state == RankState.SUCCEEDED for r in others)
-                and all((not self.ranks[f].library or self.ranks[f].proc.finished)
-                        and self.ranks[f].proc.exit_code in TEARDOWN_CRASH_CODES for f in failed)):
-            # A plain script whose rank crashes in its teardown after every other rank finished (seen
-            # with Hugging Face Trainer: "terminate called without an active exception", SIGABRT, at
-            # exit). The job's work is done on the others; a whole-job restart would train again from
-            # the start. Any other failure (an error code, SIGKILL: an OOM kill mid-work) restarts.
-            # The same for a library rank that had said done: no peer is left to recover it from (a
-            # respawn waited for the collective timeout, then restarted the whole job).
-            return self.finish_failed(
-                f"rank(s) {sorted(failed)} crashed ({self.ranks[failed[0]].proc.exit_desc}) after every other rank had "
-                "finished successfully (exit code 0): not restarted (a restart would run the whole script again); "
-                "the training likely completed: check the rank's log for what failed at its end")
+        if others and all(r.proc.state == RankState.SUCCEEDED for r in others) and all(
+                (not self.ranks[f].library or self.ranks[f].proc.finished)
+                and self.ranks[f].proc.exit_code in TEARDOWN_CRASH_CODES for f in failed):
+            return self.finish_failed(teardown_crash(failed, self.ranks[failed[0]].proc.exit_desc))
         decision = decide_on_failure(failed, world_size=spec.worker_num, arf=spec.tft.arf,
                                      library_ranks=[r.rank for r in self.ranks.values() if r.library],
                                      restarts_used=self.restarts_used, max_restarts=spec.max_restarts)
@@ -541,6 +551,7 @@ class Coordinator:
             r.library = False
         self.rounds.current = None
         self.round_failures = []
+        self.startup.new_attempt()
         self.attempt += 1
         self.generation = 0
         self.start_attempt()
@@ -583,27 +594,13 @@ class Coordinator:
         """End the job as failed; the exit code is the root cause's (the first failure of the last round)."""
         hint = self._end(reason)
         root = (self.round_failures or self.failures)[0]
-        tail, same = self.first_failure_tail(root.rank)
+        tail, same = first_failure_tail(self.failures, root.rank, self.log_dir)
         self._final_message = f"job failed: {reason}; root cause: rank {root.rank} ({root.description}){same}{hint}"
         self.emit(EventKind.JOB_FINISHED, self._final_message, rank=root.rank, pid=root.pid, exit_code=root.exit_code,
                   reason=reason, root_cause={"rank": root.rank, "pid": root.pid, "exit_code": root.exit_code,
                                              "cause": root.description},
                   log_tail=tail, restarts=self.restarts_used)
         return root.exit_code
-
-    def first_failure_tail(self, rank: int) -> tuple[list[str], str]:
-        """The end of the log of ``rank``'s first failed incarnation (its first traceback, not a
-        later incarnation's warnings), and a note when every incarnation of it failed the same way
-        (the same last line: a script error no respawn can repair)."""
-        mine = [f for f in self.failures if f.rank == rank]
-        tails = [f.log_tail for f in mine if f.log_tail]
-        if not tails:
-            return tail_lines(self.log_dir / f"worker_{rank}.log", 20), ""
-        last_lines = {tail[-1].strip() for tail in tails}
-        same = ""
-        if len(mine) > 1 and len(tails) == len(mine) and len(last_lines) == 1:
-            same = f"; each of its {len(mine)} incarnations failed the same way ({tails[0][-1].strip()[:200]})"
-        return list(tails[0]), same
 
     def stop(self, code: int, reason: str) -> int:
         """Stop the job (a signal, a divergence under ``--on_divergence fail``) with exit code ``code``."""

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
-from ..policy import NO_STATE, RankState, RecoveryPlan
+from ..policy import NO_STATE, STARTUP_WINDOW_S, RankState, RecoveryPlan
+from ..spawner import tail_lines
 
 
 class RankPhase(str, Enum):
@@ -103,6 +105,12 @@ class Rank:
 
     def alive(self) -> bool:
         return self.proc.running
+
+    def started_up(self, now: float) -> bool:
+        """Past its start-up: it said hello through the worker library, exited 0, or has run for
+        :data:`~ftrun.policy.STARTUP_WINDOW_S` (a failure then is no start-up failure)."""
+        return (self.library or self.proc.state == RankState.SUCCEEDED
+                or now - self.proc.started_at > STARTUP_WINDOW_S)
 
     def connected(self) -> bool:
         """Alive, said hello, and not being killed by ftrun: a rank the coordinator talks to."""
@@ -221,6 +229,30 @@ class Failure:
     time: float
     detection_seconds: float = 0.0  # from the evidence (SIGCHLD, last heartbeat) to detection
     log_tail: tuple[str, ...] = ()  # the end of that incarnation's log (an error code or a crash)
+
+
+def first_failure_tail(failures: list[Failure], rank: int, log_dir: Path) -> tuple[list[str], str]:
+    """The end of the log of ``rank``'s first failed incarnation (its first traceback, not a later
+    incarnation's warnings), and a note when every incarnation of it failed the same way (the
+    same last line: a script error no respawn can repair)."""
+    mine = [f for f in failures if f.rank == rank]
+    tails = [f.log_tail for f in mine if f.log_tail]
+    if not tails:
+        return tail_lines(log_dir / f"worker_{rank}.log", 20), ""
+    same = ""
+    if len(mine) > 1 and len(tails) == len(mine) and len({tail[-1].strip() for tail in tails}) == 1:
+        same = f"; each of its {len(mine)} incarnations failed the same way ({tails[0][-1].strip()[:200]})"
+    return list(tails[0]), same
+
+
+def teardown_crash(failed: list[int], desc: str | None) -> str:
+    """Why ranks that crashed after every other rank finished (exit 0) are not restarted: a plain
+    script's rank crashing in its teardown (seen with Hugging Face Trainer: SIGABRT at exit), or a
+    library rank that had said done (no peer is left to recover it from). The job's work is done;
+    a restart would train it again."""
+    return (f"rank(s) {sorted(failed)} crashed ({desc}) after every other rank had finished successfully (exit "
+            "code 0): not restarted (a restart would run the whole script again); the training likely completed: "
+            "check the rank's log for what failed at its end")
 
 
 @dataclass
