@@ -54,11 +54,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -89,9 +90,11 @@ class Cost:
     fixed_s: float
 
 
-# From the dry run on the 2-core machine (worlds 2 and 4, see the module docstring); the GPU part's
-# are guesses (a CUDA context a process, the medium model's step), corrected by the first runs.
-CPU_COST = Cost(start_cpu_s=3.0, step_cpu_s=0.012, hop_s=0.0005, fixed_s=4.0)
+# Measured on the 2-core machine: one charlm-tiny process alone (CHARLM_SMALL's flags) took 3.7 s of
+# CPU from its start to its exit with no step and 2.0 s more for 200 steps; hop_s and fixed_s are
+# guesses. The GPU part's are guesses too (a CUDA context a process, the medium model's step). The
+# first runs of each part correct them all (Estimate.factor).
+CPU_COST = Cost(start_cpu_s=3.7, step_cpu_s=0.010, hop_s=0.0005, fixed_s=3.0)
 GPU_COST = Cost(start_cpu_s=6.0, step_cpu_s=0.08, hop_s=0.01, fixed_s=8.0)
 
 
@@ -121,19 +124,27 @@ class Estimate:
     costs: dict[str, Cost]
     observed: dict[str, list[float]] = field(default_factory=dict)
 
+    def step_s(self, spec: Spec) -> float:
+        """The model's step time of ``spec``: a rank's CPU, shared when there are more ranks than
+        cores, and the all-reduce's wait for each rank of the ring."""
+        cost, ranks = self.costs[spec.part], spec.case.ranks
+        return cost.step_cpu_s * max(1.0, ranks / self.cores) + cost.hop_s * ranks
+
+    def startup_s(self, spec: Spec) -> float:
+        """The model's start-up of ``spec``'s ranks (with ftrun, its spares beside them)."""
+        procs = spec.case.ranks + (0 if spec.mode == "torchrun" else 1 + (spec.mode == "ftrun-hot"))
+        return self.costs[spec.part].start_cpu_s * max(1.0, procs / self.cores)
+
     def raw(self, spec: Spec) -> float:
-        """The model's wall time of ``spec``, seconds: start-up, steps, fixed costs."""
-        cost, case = self.costs[spec.part], spec.case
-        spread = max(1.0, case.ranks / self.cores)  # more ranks than cores: they share them
-        step = cost.step_cpu_s * spread + cost.hop_s * case.ranks
-        if spec.mode == "torchrun":  # every rank starts twice; resumes at the checkpoint before the kill
-            starts = 2
-            steps = case.steps + (case.kill_step or 0) % case.ckpt_every
-        else:  # the ranks, their spare(s), and the respawned rank (a warm spare: its imports are done)
-            starts = 1
-            spread = max(1.0, (case.ranks + 1 + (spec.mode == "ftrun-hot")) / self.cores)
-            steps = case.steps
-        return starts * cost.start_cpu_s * spread + steps * step + cost.fixed_s
+        """The model's wall time of ``spec``, seconds: start-up, steps, fixed costs. torchrun starts
+        every rank twice and resumes at the checkpoint before the kill; ftrun's respawned rank is
+        a spare, its imports done."""
+        case = spec.case
+        if spec.mode == "torchrun":
+            starts, steps = 2, case.steps + (case.kill_step or 0) % case.ckpt_every
+        else:
+            starts, steps = 1, case.steps
+        return starts * self.startup_s(spec) + steps * self.step_s(spec) + self.costs[spec.part].fixed_s
 
     def factor(self, part: str) -> float:
         return statistics.median(self.observed[part]) if self.observed.get(part) else 1.0
@@ -168,6 +179,15 @@ def parse_parts(text: str) -> list[str]:
     return parts
 
 
+def hot_steps(kill_step: int, startup_s: float, step_s: float, floor: int, ceiling: int) -> int:
+    """Steps of a hot-spare job long enough for the kill to find the spare ready: the hot spare
+    starts once every rank has begun its first step and pays the script's set-up (about what the
+    ranks paid, ``startup_s``) while they train at ``step_s`` a step; half as long again and 5 s
+    more, then 10 steps to recover in; within [floor, ceiling]."""
+    wanted = kill_step + math.ceil((1.5 * startup_s + 5.0) / max(step_s, 1e-3)) + 10
+    return max(floor, min(ceiling, wanted))
+
+
 def triples(args: argparse.Namespace, parts: list[str], worlds: list[int]) -> list[list[Spec]]:
     """The runs, three at a time (ftrun, ftrun-hot, torchrun on one job), in the order they run:
     each repeat of the CPU worlds, smallest first, then the GPU part's repeats."""
@@ -194,14 +214,15 @@ def triples(args: argparse.Namespace, parts: list[str], worlds: list[int]) -> li
 class Bench:
     """Runs the plan within the budget and keeps the results (``results``: what the JSON holds).
 
-    ``job`` runs one case under one launcher (``bench.run_job``; a test passes a fake) and ``clock``
-    gives the time (``time.monotonic``).
+    ``job`` runs one case under one launcher (``bench.run_job``; a test passes a fake), ``clock``
+    gives the time (``time.monotonic``), ``hot_range`` bounds a hot-spare job's steps (see
+    :func:`hot_steps`: sized from the model before a triple, from its warm ftrun run after it).
     """
 
-    def __init__(self, estimate: Estimate, budget_s: float, out: Path, command: str,
+    def __init__(self, estimate: Estimate, budget_s: float, out: Path, command: str, hot_range: tuple[int, int],
                  job: Callable[..., Run] = run_job, clock: Callable[[], float] = time.monotonic,
                  say: Callable[[str], None] = print) -> None:
-        self.estimate, self.budget_s, self.out = estimate, budget_s, out
+        self.estimate, self.budget_s, self.out, self.hot_range = estimate, budget_s, out, hot_range
         self.job, self.clock, self.say = job, clock, say
         self.started = clock()
         self.results: dict[str, Any] = {"command": command, "budget_s": budget_s, "cores": estimate.cores,
@@ -213,21 +234,40 @@ class Bench:
     def run(self, plan: list[list[Spec]]) -> dict[str, Any]:
         """Run each triple that fits in what is left of the budget (the GPU part's estimate kept
         back while it is still to run); print each triple's figures as it ends."""
-        for index, triple in enumerate(plan):
-            need = sum(self.estimate.of(s) for s in triple)
-            reserve = sum(self.estimate.of(s) for t in plan[index + 1:] for s in t
-                          if s.part == "gpu" and triple[0].part != "gpu")
+        for index, planned in enumerate(plan):
+            warm, hot, torchrun = planned
+            need = self.need(planned)
+            reserve = sum(self.need(t) for t in plan[index + 1:] if t[0].part == "gpu" and warm.part != "gpu")
             if need > self.left() - reserve:
-                line = (f"[{triple[0].part}] x{triple[0].case.ranks} repeat {triple[0].repeat + 1} skipped: estimated "
+                line = (f"[{warm.part}] x{warm.case.ranks} repeat {warm.repeat + 1} skipped: estimated "
                         f"{need:.0f} s, {self.left():.0f} s left" + (f", {reserve:.0f} s kept for the GPU part" if reserve else ""))
                 self.say(line)
                 self.results["skipped"].append(line)
                 continue
-            for spec in triple:
-                self.one(spec, timeout=self.timeout(spec, reserve))
-            self.say(pair_line([r for r in self.results["parts"].get(triple[0].part, [])
-                                if r["case"]["ranks"] == triple[0].case.ranks and r["repeat"] == triple[0].repeat]))
+            measured = self.one(warm, self.timeout(warm, reserve))
+            for spec in (self.sized(hot, warm, measured), torchrun):
+                self.one(spec, self.timeout(spec, reserve))
+            self.say(pair_line([r for r in self.results["parts"].get(warm.part, [])
+                                if r["case"]["ranks"] == warm.case.ranks and r["repeat"] == warm.repeat]))
         return self.results
+
+    def need(self, triple: list[Spec]) -> float:
+        """The estimated seconds of ``triple`` (its hot-spare job sized by the model)."""
+        warm, hot, torchrun = triple
+        return sum(self.estimate.of(s) for s in (warm, self.sized(hot, warm, None), torchrun))
+
+    def sized(self, hot: Spec, warm: Spec, measured: Run | None) -> Spec:
+        """``hot`` with its job's steps from :func:`hot_steps`: the start-up and step time of the
+        warm ftrun run ``measured`` of the same job (its total less its steps and its recovery),
+        or the model's (corrected) when there is none."""
+        if measured is not None and measured.step_s:
+            step = measured.step_s
+            startup = max(1.0, measured.total_s - warm.case.steps * step - (measured.recover_s or 0.0))
+        else:
+            factor = self.estimate.factor(warm.part)
+            step, startup = self.estimate.step_s(warm) * factor, self.estimate.startup_s(warm) * factor
+        steps = hot_steps(hot.case.kill_step or 0, startup, step, *self.hot_range)
+        return replace(hot, case=replace(hot.case, steps=steps))
 
     def timeout(self, spec: Spec, reserve: float) -> float:
         """Seconds ``spec`` may run: four times its estimate (at least 60), or, for the first run of
@@ -237,27 +277,32 @@ class Bench:
             return max(30.0, left - reserve)
         return max(30.0, min(max(60.0, 4 * self.estimate.of(spec)), left))
 
-    def one(self, spec: Spec, timeout: float) -> None:
+    def one(self, spec: Spec, timeout: float) -> Run | None:
+        """Run ``spec``, print and keep what it measured (or its error); None if it failed."""
         estimate = self.estimate.of(spec)
-        self.say(f"[{spec.part}] x{spec.case.ranks} {spec.mode} repeat {spec.repeat + 1}: estimated {estimate:.0f} s ...")
+        self.say(f"[{spec.part}] x{spec.case.ranks} {spec.mode} repeat {spec.repeat + 1}: {spec.case.steps} steps, "
+                 f"estimated {estimate:.0f} s ...")
         began = self.clock()
+        run: Run | None = None
         try:
             run = self.job(spec.launcher, spec.case, timeout=timeout)
         except RuntimeError as err:  # the rest goes on; the error is in the JSON
-            self.say(f"    FAILED: {str(err)[-1500:]}")
-            self.results["errors"].append(f"{spec.part} x{spec.case.ranks} {spec.mode}: {str(err)[-3000:]}")
-            self.estimate.observe(spec, self.clock() - began)
-        else:
-            took = self.clock() - began
-            self.estimate.observe(spec, took)
+            text = str(err)
+            self.say(f"    FAILED: {text.splitlines()[0] if text else '?'}")
+            self.results["errors"].append(f"{spec.part} x{spec.case.ranks} {spec.mode}: {text.splitlines()[0] if text else '?'}"
+                                          f"\n{text[-3000:]}")
+        took = self.clock() - began
+        self.estimate.observe(spec, took)
+        if run is not None:
             self.results["parts"].setdefault(spec.part, []).append(
                 asdict(run) | {"mode": spec.mode, "repeat": spec.repeat, "part": spec.part})
             self.say(f"    recover {_fmt(run.recover_s)} s, recomputed {_fmt(run.recomputed, 0)}, "
                      f"step {_fmt(run.step_s and run.step_s * 1e3, 1)} ms, total {took:.1f} s")
         self.results["estimates"].append({"part": spec.part, "ranks": spec.case.ranks, "mode": spec.mode,
-                                          "repeat": spec.repeat, "estimated_s": round(estimate, 1),
-                                          "took_s": round(self.clock() - began, 1)})
+                                          "repeat": spec.repeat, "steps": spec.case.steps,
+                                          "estimated_s": round(estimate, 1), "took_s": round(took, 1)})
         write_json(self.results, self.out)
+        return run
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -425,8 +470,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parts", default=",".join(PARTS), help="cpu, gpu or both (default cpu,gpu)")
     parser.add_argument("--worlds", default=DEFAULT_WORLDS, help=f"CPU world sizes (default {DEFAULT_WORLDS})")
     parser.add_argument("--steps", type=int, default=30, help="steps of the ftrun (warm) and torchrun jobs (default 30)")
-    parser.add_argument("--hot_steps", type=int, default=100,
-                        help="steps of the hot-spare job: the kill waits for the spare to be ready (default 100)")
+    parser.add_argument("--hot_steps", type=int, default=60,
+                        help="the fewest steps of the hot-spare job (default 60; more when its warm twin's start-up "
+                             "and step time say the spare would not be ready by then: see hot_steps)")
+    parser.add_argument("--hot_steps_max", type=int, default=3000, help="the most steps of the hot-spare job (default 3000)")
     parser.add_argument("--kill_step", type=int, default=15, help="the step at which the victim is killed (default 15)")
     parser.add_argument("--ckpt_every", type=int, default=10, help="torchrun's checkpoint interval, steps (default 10)")
     parser.add_argument("--victim", type=int, default=1, help="the rank killed (default 1)")
@@ -463,10 +510,10 @@ def main(argv: list[str] | None = None) -> None:
             parts = [p for p in parts if p != "gpu"]
         estimate = Estimate(os.cpu_count() or 1, {"cpu": CPU_COST, "gpu": GPU_COST})
         plan = triples(args, parts, args.world_list)
-        print(f"plan: {sum(len(t) for t in plan)} runs, estimated {sum(estimate.of(s) for t in plan for s in t):.0f} s "
-              f"on {estimate.cores} cores; budget {args.budget_s:.0f} s", flush=True)
         bench = Bench(estimate, args.budget_s, out, " ".join(["python scripts/bench_big.py", *(argv or sys.argv[1:])]),
-                      say=lambda line: print(line, flush=True))
+                      (args.hot_steps, args.hot_steps_max), say=lambda line: print(line, flush=True))
+        print(f"plan: {sum(len(t) for t in plan)} runs, estimated {sum(bench.need(t) for t in plan):.0f} s on "
+              f"{estimate.cores} cores (before any correction); budget {args.budget_s:.0f} s", flush=True)
         bench.results["machine"] = machine() | {"gpu": gpu}
         results = bench.run(plan)
         results["took_s"] = round(time.monotonic() - bench.started, 1)

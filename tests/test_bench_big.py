@@ -3,7 +3,6 @@ a fake job), and the report, JSON and plot of made-up runs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -11,17 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_big_under_test", ROOT / "scripts" / "bench_big.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bb = _load()
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_big as bb  # noqa: E402
 
 
 class FakeJob:
@@ -50,7 +40,7 @@ class FakeJob:
 def _bench(tmp_path: Path, job: FakeJob, budget: float, cores: int = 16) -> tuple[object, list[str]]:
     said: list[str] = []
     estimate = bb.Estimate(cores, {"cpu": bb.CPU_COST, "gpu": bb.GPU_COST})
-    bench = bb.Bench(estimate, budget, tmp_path, "python scripts/bench_big.py", job=job, clock=job.clock, say=said.append)
+    bench = bb.Bench(estimate, budget, tmp_path, "python scripts/bench_big.py", (60, 3000), job=job, clock=job.clock, say=said.append)
     return bench, said
 
 
@@ -143,13 +133,32 @@ def test_a_failed_run_is_recorded_and_the_rest_goes_on(tmp_path: Path) -> None:
 
 
 def test_the_first_run_of_a_part_may_use_what_is_left_later_ones_four_times_their_estimate(tmp_path: Path) -> None:
-    job = FakeJob({"ftrun": 10, "ftrun-hot": 10, "torchrun": 10}, {"ftrun": 1.0, "ftrun-hot": 1.0, "torchrun": 9.0})
+    job = FakeJob({}, {})
     bench, _ = _bench(tmp_path, job, budget=5000)
+    args = bb.parse_args(["--worlds", "64"])
+    warm, hot, torchrun = bb.triples(args, ["cpu"], args.world_list)[0]
+    assert bench.timeout(warm, reserve=100) == pytest.approx(4900)  # nothing measured yet: the model may be far off
+    bench.estimate.observe(warm, 2 * bench.estimate.raw(warm))
+    assert bench.timeout(torchrun, reserve=100) == pytest.approx(max(60.0, 4 * 2 * bench.estimate.raw(torchrun)))
+    job.now = 4990.0
+    assert bench.timeout(torchrun, reserve=0) == 30.0  # never past the budget, but never under 30 s
+
+
+def test_the_hot_spare_job_is_long_enough_for_the_spare_to_be_ready() -> None:
+    # 12 s of start-up at 50 ms a step: (1.5 * 12 + 5) / 0.05 = 460 steps after the kill step, and 10 more
+    assert bb.hot_steps(15, 12.0, 0.05, floor=60, ceiling=3000) == 15 + 460 + 10
+    assert bb.hot_steps(15, 0.1, 1.0, floor=60, ceiling=3000) == 60
+    assert bb.hot_steps(15, 100.0, 0.001, floor=60, ceiling=3000) == 3000
+
+
+def test_a_hot_job_is_sized_from_its_warm_twins_start_up_and_step_time(tmp_path: Path) -> None:
+    job = FakeJob({"ftrun": 40, "ftrun-hot": 60, "torchrun": 50}, {"ftrun": 2.0, "ftrun-hot": 1.0, "torchrun": 20.0})
+    bench, said = _bench(tmp_path, job, budget=10000)
     args = bb.parse_args(["--worlds", "8"])
     bench.run(bb.triples(args, ["cpu"], args.world_list))
-    timeouts = [t for _, _, t in job.calls]
-    assert timeouts[0] == pytest.approx(5000)
-    assert timeouts[1] == pytest.approx(max(60.0, 4 * bench.estimate.of(bb.triples(args, ["cpu"], [8])[0][1])), rel=0.01)
+    # the warm run: 40 s in all, 30 steps of 20 ms, 2 s of recovery: 37.4 s of start-up
+    hot = [line for line in said if "ftrun-hot repeat 1:" in line][0]
+    assert f"{bb.hot_steps(15, 40 - 30 * 0.02 - 2.0, 0.02, 60, 3000)} steps" in hot
 
 
 def _results() -> dict:
