@@ -38,6 +38,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from .contract import PREVIOUS_PID  # the predecessor's pid in a respawned rank's environment (its agent sets it)
+
 #: What a managed rank's environment gets for NCCL (torch 2.2 and later read these when a
 #: ProcessGroupNCCL is built), unless the user set the variable:
 #: - ASYNC_ERROR_HANDLING=2 ("clean up only"): a failed or timed-out collective aborts its
@@ -53,8 +55,6 @@ NCCL_SETTINGS: dict[str, str] = {
     "TORCH_NCCL_ENABLE_MONITORING": "0",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
 }
-#: The predecessor's process id in a respawned rank's environment (set by its node's agent).
-PREVIOUS_PID = "FTRUN_PREVIOUS_PID"
 MEMORY_WAIT_S = 60.0  # the longest a respawned rank waits for its GPU's memory (NVRx: up to 50 s)
 MEMORY_SETTLE_S = 0.5  # without NVML: free memory unchanged this long means the driver has let go
 MEMORY_POLL_S = 0.1

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from . import contract, errorfile, procs
-from .cuda import PREVIOUS_PID, nccl_environment
+from .cuda import nccl_environment
 
 log = logging.getLogger("ftrun.spawner")
 
@@ -210,7 +210,7 @@ class RankProcesses:
         path = self.log_dir / f"worker_{rank}.log"
         env = self.environment(rank_vars)
         if rank in self.procs:  # its predecessor: a respawned rank waits for its GPU memory (ftrun.cuda)
-            env[PREVIOUS_PID] = str(self.procs[rank].proc.pid)
+            env[contract.PREVIOUS_PID] = str(self.procs[rank].proc.pid)
         # torchrun's contract: @record writes the rank's uncaught exception here (read at its exit)
         error_file = errorfile.error_file_path(self.log_dir, rank, incarnation, int(rank_vars.get("FTRUN_ATTEMPT", "0")))
         errorfile.prepare_error_file(error_file)
