@@ -106,7 +106,7 @@ class Jobs:
     def torchrun(self, tag: str, script: str, args: list[str]) -> str:
         log_dir = self.log_dir(tag)
         torchrun = Path(sys.executable).with_name("torchrun")
-        cmd = [str(torchrun), "--nproc_per_node", "4", "--master_port", "0", str(ROOT / "examples" / script),
+        cmd = [str(torchrun), "--standalone", "--nproc_per_node", "4", str(ROOT / "examples" / script),
                *args, "--device", self.device]
         if not torchrun.exists():
             cmd = [sys.executable, "-m", "torch.distributed.run", *cmd[1:]]
