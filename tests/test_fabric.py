@@ -8,13 +8,13 @@ The job: a small classifier on synthetic data, 4 optimizer steps an epoch (128 s
 micro-batches of 4, gradient accumulation 2 with ``no_backward_sync``), 3 epochs, an evaluation every
 5 steps (``fabric.all_reduce`` and ``fabric.barrier``), AdamW with a LambdaLR schedule, clipping at
 1.0. One torchrun run is the reference of every test (made once per test run); the mid-epoch
-recovery runs in CI, the rest are ``slow``.
+recovery and the port under plain torchrun (three runs, each rank must exit) run in CI, the rest
+are ``slow``.
 """
 
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,8 +24,9 @@ pytest.importorskip("lightning", reason="the lightning extra (pip install 'ftrun
 
 import digits_job as dj  # noqa: E402
 import framework_helpers as fh  # noqa: E402
+from conftest import run_bounded  # noqa: E402
 from once import shared_once  # noqa: E402
-from reference_runs import run_torchrun
+from reference_runs import run_torchrun  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "fabric_loop.py"
@@ -120,21 +121,29 @@ def test_fabric_loop_sigkill_mid_epoch(tmp_path: Path, reference: tuple[str, ...
 
 @pytest.mark.slow
 def test_fabric_loop_fault_free_matches_torchrun(tmp_path: Path, reference: tuple[str, ...]) -> None:
-    proc = subprocess.run(_ftrun_cmd(tmp_path, ARGS), env=fh.env(), capture_output=True, text=True, timeout=280,
-                          cwd=tmp_path)
+    proc = run_bounded(_ftrun_cmd(tmp_path, ARGS), env=fh.env(), cwd=tmp_path, timeout=280)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert _final(proc.stdout) == reference
     assert not [e for e in fh.events(tmp_path / "logs") if e["kind"] in ("rank_failed", "divergence")]
 
 
-@pytest.mark.slow
-def test_port_under_torchrun_is_the_loop(tmp_path: Path, reference: tuple[str, ...]) -> None:
-    """The port without ftrun (torchrun): ``FTFabric`` is ``Fabric``, the run is the loop's."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT), "--ftrun", *ARGS],
-                          env=fh.env(), capture_output=True, text=True, timeout=280, cwd=tmp_path)
-    fh.assert_torchrun_ok(proc, FINAL)
-    assert _final(proc.stdout) == reference
+#: Runs of the port under torchrun in :func:`test_port_under_torchrun_is_the_loop_and_exits`.
+TORCHRUN_RUNS = 3
+
+
+def test_port_under_torchrun_is_the_loop_and_exits(tmp_path: Path, reference: tuple[str, ...]) -> None:
+    """The port without ftrun (torchrun), run :data:`TORCHRUN_RUNS` times: ``FTFabric`` is
+    ``Fabric``, each run is the loop's, and every rank exits. One rank of such a run once never
+    exited (its gloo group destructed, with the GIL held, as ``main_ftrun`` returned after
+    ``ft.finish()``; ``ftrun.group.TrainingGroup.drop``); a run that hangs times out here, killed
+    whole. ``scripts/exit_loop.py`` runs it 50 times."""
+    for run in range(TORCHRUN_RUNS):
+        cwd = tmp_path / f"run{run}"
+        cwd.mkdir()
+        proc = run_torchrun(["--standalone", "--nproc_per_node", str(WORLD), str(SCRIPT), "--ftrun", *ARGS],
+                            env=fh.env(), cwd=cwd, timeout=240)
+        fh.assert_torchrun_ok(proc, FINAL)
+        assert _final(proc.stdout) == reference, f"run {run + 1}"
 
 
 @pytest.mark.slow
