@@ -46,7 +46,8 @@ FINAL = re.compile(r"final step=(\d+) loss=\S+ test_accuracy=(\S+) params_sha256
 MEMORY_LINE = re.compile(r"memory (ready|not freed[^(]*)\(waited ([0-9.]+) s, (\w+)")
 DIGITS_STEPS = 40
 CHARLM_STEPS = 16
-JOB_TIMEOUT_S = 150.0
+JOB_TIMEOUT_S = 120.0
+SESSIONS: set[int] = set()  # jobs started in their own session: ended with this script (see main)
 
 
 @dataclass
@@ -96,12 +97,9 @@ class Jobs:
     def ftrun(self, tag: str, script: str, args: list[str], fault: str | None = None,
               launcher: list[str] = ()) -> tuple[str, list[dict], Path]:  # type: ignore[assignment]
         log_dir = self.log_dir(tag)
-        proc = subprocess.run(self.ftrun_cmd(log_dir, script, args, launcher),
-                              env=self.env({"FTRUN_FAULT": fault} if fault else None), cwd=log_dir,
-                              capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-        (log_dir / "stdout.txt").write_text(proc.stdout + proc.stderr)
-        expect(proc.returncode == 0, f"{tag}: ftrun exited {proc.returncode}: {tail(proc.stdout + proc.stderr)}")
-        return digest_of(proc.stdout, tag), events(log_dir), log_dir
+        text = run_job(self.ftrun_cmd(log_dir, script, args, launcher),
+                       self.env({"FTRUN_FAULT": fault} if fault else None), log_dir, f"{tag} (ftrun)")
+        return digest_of(text, tag), events(log_dir), log_dir
 
     def torchrun(self, tag: str, script: str, args: list[str]) -> str:
         log_dir = self.log_dir(tag)
@@ -110,10 +108,7 @@ class Jobs:
                *args, "--device", self.device]
         if not torchrun.exists():
             cmd = [sys.executable, "-m", "torch.distributed.run", *cmd[1:]]
-        proc = subprocess.run(cmd, env=self.env(), cwd=log_dir, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-        (log_dir / "stdout.txt").write_text(proc.stdout + proc.stderr)
-        expect(proc.returncode == 0, f"{tag}: torchrun exited {proc.returncode}: {tail(proc.stdout + proc.stderr)}")
-        return digest_of(proc.stdout, tag)
+        return digest_of(run_job(cmd, self.env(), log_dir, f"{tag} (torchrun)"), tag)
 
     def ftrun_outside_kill(self, tag: str, script: str, args: list[str], rank: int,
                            launcher: list[str] = ()) -> tuple[str, list[dict], Path, dict[str, Any]]:  # type: ignore[assignment]
@@ -126,6 +121,7 @@ class Jobs:
         with open(log_dir / "stdout.txt", "w") as out:
             proc = subprocess.Popen(cmd, env=self.env(), cwd=log_dir, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
+            SESSIONS.add(proc.pid)
             figures: dict[str, Any] = {}
             try:
                 pids = wait_for(lambda: started_pids(events(log_dir)) if len(started_pids(events(log_dir))) == 4 else None,
@@ -147,9 +143,32 @@ class Jobs:
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
+                SESSIONS.discard(proc.pid)
         text = (log_dir / "stdout.txt").read_text()
         expect(proc.returncode == 0, f"{tag}: ftrun exited {proc.returncode}: {tail(text)}")
         return digest_of(text, tag), events(log_dir), log_dir, figures
+
+
+def run_job(cmd: list[str], env: dict[str, str], cwd: Path, tag: str) -> str:
+    """Run a job in its own session (torchrun's workers outlive a killed torchrun: the whole
+    session is ended on a timeout); its output, also written to ``cwd/stdout.txt``."""
+    with open(cwd / "stdout.txt", "w") as out:
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        SESSIONS.add(proc.pid)
+        try:
+            proc.wait(timeout=JOB_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise Failed(f"{tag}: no end after {JOB_TIMEOUT_S:.0f} s: {tail((cwd / 'stdout.txt').read_text())}") from None
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever it left behind
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            SESSIONS.discard(proc.pid)
+    text = (cwd / "stdout.txt").read_text()
+    expect(proc.returncode == 0, f"{tag}: exited {proc.returncode}: {tail(text)}")
+    return text
 
 
 def tail(text: str, n: int = 600) -> str:
@@ -411,6 +430,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
+    def stopped(signum: int, _frame: Any) -> None:  # `timeout` ends this script: end the jobs in their own session too
+        for pid in list(SESSIONS):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stopped)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU here: nothing checked (use --device cpu to rehearse the checks' logic)")
         return 3
@@ -423,7 +451,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         names = [n for n in names if n in args.only.split(",")]
     passed = "PASS" if args.device == "cuda" else "REHEARSED"
-    results = []
+    results: list[Result] = []
+    gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else None
+
+    def write() -> None:  # after every check: a run stopped at its limit still leaves what it found
+        doc = {"device": args.device, "gpu": gpu, "torch": torch.__version__, "work_dir": str(work),
+               "checks": [asdict(r) for r in results], "not_run": names[len(results):]}
+        (out / "gpu_check_jobs.json").write_text(json.dumps(doc, indent=1))
+
     for name in names:
         started = time.monotonic()
         try:
@@ -436,10 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         print(f"{result.status:9} {name} ({result.seconds:.1f} s) {json.dumps(result.figures) if result.figures else ''}"
               f"{result.detail}", flush=True)
-    gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else None
-    doc = {"device": args.device, "gpu": gpu, "torch": torch.__version__, "work_dir": str(work),
-           "checks": [asdict(r) for r in results]}
-    (out / "gpu_check_jobs.json").write_text(json.dumps(doc, indent=1))
+        write()
     failed = [r.name for r in results if r.status == "FAIL"]
     if failed:
         print(f"gpu_check: FAIL: {', '.join(failed)} (logs under {work})")

@@ -119,13 +119,13 @@ EOF
 # 4. The job checks and measurements.
     DEVICE=cuda
     [ "$GPU" = 1 ] || DEVICE=cpu
-    timeout 330 "$PYTHON" scripts/gpu_check.py --device "$DEVICE" --out "$OUT_DIR" ${ONLY:+--only "$ONLY"}
+    timeout 300 "$PYTHON" scripts/gpu_check.py --device "$DEVICE" --out "$OUT_DIR" ${ONLY:+--only "$ONLY"}
     rc=$?
     case "$rc" in
         0) stage jobs PASS "every job check passed on the GPU" ;;
         3) if [ "$DEVICE" = cpu ]; then stage jobs REHEARSED "job checks run on the CPU: nothing checked on a GPU"
            else stage jobs FAIL "gpu_check.py found no GPU"; fi ;;
-        124) stage jobs FAIL "timed out after 330 s" ;;
+        124) stage jobs FAIL "timed out after 300 s (gpu_check_jobs.json holds the checks done)" ;;
         *) stage jobs FAIL "gpu_check.py exited $rc (see its FAIL lines)" ;;
     esac
     if grep -q $'\tFAIL\t' "$STAGES"; then
