@@ -239,7 +239,8 @@ def memory_wait(log_dir: Path, rank: int) -> dict[str, Any] | None:
 def recovery_figures(evs: list[dict]) -> dict[str, Any]:
     done = [e for e in evs if e["kind"] == "recovery_finished"]
     keys = ("total_seconds", "detection_seconds", "respawn_seconds", "transfer_seconds", "rebuild_seconds")
-    return {k: done[-1].get(k) for k in keys if k in done[-1]} if done else {}
+    detail = done[-1].get("detail") or {} if done else {}
+    return {k: detail[k] for k in keys if k in detail}
 
 
 def survivors_kept(evs: list[dict], replaced: set[int]) -> bool:
