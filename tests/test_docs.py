@@ -127,3 +127,13 @@ def test_environment_page_lists_every_options_variable() -> None:
     assert mkdocs_hooks.ENV_MARKER in (DOCS / mkdocs_hooks.ENV_PAGE).read_text()
     table = mkdocs_hooks.variables_markdown()
     assert [opt.name for opt in OPTIONS if f"`{opt.env_var}` | `--{opt.name}`" not in table] == []
+
+
+def test_headline_plot_is_drawn_from_the_benchmarks_table() -> None:
+    """scripts/docs_pictures.py draws the headline bars from the benchmarks page's own table."""
+    import docs_pictures
+
+    rows = docs_pictures.headline_rows(DOCS / "benchmarks.md")
+    assert len(rows) >= 6
+    assert all(ft < tr for _, ft, tr, _ in rows)
+    assert (DOCS / "img" / "headline.png").exists()
