@@ -715,7 +715,10 @@ def resolve_resume(root: str | os.PathLike[str] | None, resume: str, on_skip: On
     if choice.lower() in ("none", ""):
         return None
     if choice.lower() == "auto":
-        return find_latest(root, on_skip) if root is not None else None
+        if root is None:
+            return None
+        complete_orphaned(root, on_skip=lambda *_: None)  # a full set the supervisor could not record (it died)
+        return find_latest(root, on_skip)
     path = Path(choice).expanduser()
     if not path.exists():
         raise CheckpointError(path, "no such checkpoint")
@@ -725,6 +728,7 @@ def resolve_resume(root: str | os.PathLike[str] | None, resume: str, on_skip: On
         return verify(path)
     if not _step_dirs(path):
         raise CheckpointError(path, f"is neither a checkpoint (no {MANIFEST}) nor a directory of step_<n> checkpoints")
+    complete_orphaned(path, on_skip=lambda *_: None)
     skipped: list[str] = []
 
     def note(p: Path, reason: str) -> None:

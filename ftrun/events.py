@@ -19,11 +19,14 @@ Events are also pushed to the launcher, which draws them on the console.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import IO, Any
+from pathlib import Path
+from typing import Any, Callable
 
 
 class EventKind(str, Enum):
@@ -86,12 +89,83 @@ class Event:
         return cls(**values)
 
 
+class AppendLog:
+    """A JSON-lines file appended best-effort: writing it never raises.
+
+    The files of the control path (``events.jsonl``, ``progress.jsonl``) sit in the log directory,
+    which may fill up or be removed under a running job; the job must not die of its own output.
+    Each line is written whole or not at all (a short write on a full disk is cut back), so a reader
+    never meets half a line. A removed file or directory is made again and said so; a failed write
+    is said once, then retried at every line (space may come back).
+
+    Args:
+        path: the file (opened for appending; ``truncate``: emptied first).
+        on_trouble: called with one line when writing starts failing (once per cause until it works
+            again), when it works again, and when the file had to be made again.
+        truncate: start the file afresh.
+    """
+
+    def __init__(self, path: Path, on_trouble: Callable[[str], None] = lambda _msg: None, truncate: bool = False) -> None:
+        self.path, self.on_trouble = Path(path), on_trouble
+        self._fd: int | None = None
+        self._failing: str | None = None  # the cause of the current run of failed writes
+        self.dropped = 0  # lines not written
+        self._open(truncate)
+
+    def _open(self, truncate: bool = False, removed: bool = False) -> None:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | (os.O_TRUNC if truncate else 0)
+        try:
+            self._fd = os.open(self.path, flags, 0o644)
+        except FileNotFoundError:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, flags, 0o644)
+            self.on_trouble(f"{self.path}: its directory was removed: made it again (what was in it is lost)")
+        else:
+            if removed:
+                self.on_trouble(f"{self.path} was removed: made it again (what was in it is lost)")
+
+    def _say(self, cause: str) -> None:
+        if self._failing != cause:
+            self._failing = cause
+            self.on_trouble(f"cannot write {self.path}: {cause}; the job goes on")
+
+    def write_line(self, line: str) -> bool:
+        """Append ``line`` and a newline; False when it could not be written (said once)."""
+        data = (line + "\n").encode("utf-8")
+        try:
+            if self._fd is None or os.fstat(self._fd).st_nlink == 0:  # removed under us (rm -rf of the log directory)
+                removed = self._fd is not None
+                if self._fd is not None:
+                    os.close(self._fd)
+                    self._fd = None
+                self._open(removed=removed)
+            assert self._fd is not None
+            size = os.fstat(self._fd).st_size
+            written = os.write(self._fd, data)
+            if written != len(data):
+                os.ftruncate(self._fd, size)  # no half line: cut back what the full disk took
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as err:
+            self.dropped += 1
+            self._say(err.strerror or str(err))
+            return False
+        if self._failing is not None:
+            self.on_trouble(f"writing {self.path} works again ({self.dropped} line(s) were lost)")
+            self._failing = None
+        return True
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 class EventLog:
-    """Appends events to a JSON-lines file, one flushed line per event."""
+    """Appends events to ``events.jsonl``, one line per event, best-effort (:class:`AppendLog`)."""
 
-    def __init__(self, stream: IO[str]) -> None:
-        self._stream = stream
+    def __init__(self, path: Path, on_trouble: Callable[[str], None] = lambda _msg: None) -> None:
+        self.file = AppendLog(path, on_trouble)
 
-    def write(self, event: Event) -> None:
-        self._stream.write(json.dumps(event.to_json(), sort_keys=False, default=str) + "\n")
-        self._stream.flush()
+    def write(self, event: Event) -> bool:
+        """Append ``event``; False when it could not be written (the file's trouble is said once)."""
+        return self.file.write_line(json.dumps(event.to_json(), sort_keys=False, default=str))

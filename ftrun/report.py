@@ -40,6 +40,7 @@ Prometheus metrics (from the coordinator's event observer), so the figure is com
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import statistics
@@ -49,6 +50,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
+
+from .events import AppendLog
+
+log = logging.getLogger("ftrun.report")
 
 EVENTS_FILE = "events.jsonl"
 PROGRESS_FILE = "progress.jsonl"
@@ -773,7 +778,9 @@ class ProgressRecorder:
         self._thread: threading.Thread | None = None
         self._last: tuple[int, tuple[int | None, ...]] | None = None
         self._started = clock()
-        self._stream = open(self.log_dir / PROGRESS_FILE, "w", encoding="utf-8")
+        # Best-effort (a full or removed log directory costs samples, never the job).
+        self._stream = AppendLog(self.log_dir / PROGRESS_FILE, lambda why: log.warning("%s", why), truncate=True)
+        self._closed = False
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -797,11 +804,10 @@ class ProgressRecorder:
         sample = sample_from_status(status, now=self.clock())
         key = (sample.attempt, sample.steps)
         with self._lock:
-            if key == self._last or self._stream.closed:
+            if key == self._last or self._closed:
                 return
             self._last = key
-            self._stream.write(json.dumps(sample.to_json()) + "\n")
-            self._stream.flush()
+            self._stream.write_line(json.dumps(sample.to_json()))
         for listener in self.listeners:
             listener(sample)
 
@@ -816,6 +822,7 @@ class ProgressRecorder:
             self._thread.join(timeout=5)
         self.sample()
         with self._lock:
+            self._closed = True
             self._stream.close()
 
 

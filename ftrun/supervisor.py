@@ -46,6 +46,7 @@ def main() -> None:
         multi_node=spec.nnodes > 1, token=os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"],
     )
     metrics, spec = start_job_metrics(spec)
+    logging.raiseExceptions = False  # a full or removed log directory: the log loses lines, the job goes on
     coordinator = Coordinator(
         spec,
         token=os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"],

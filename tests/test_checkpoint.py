@@ -143,6 +143,21 @@ def test_orphaned_writers_notes_complete_a_checkpoint(tmp_path: Path) -> None:
     assert ckpt.complete_orphaned(tmp_path, on_skip=lambda path, why: None) is None  # nothing left to complete
 
 
+@pytest.mark.parametrize("resume", ["auto", "root"])
+def test_the_next_start_completes_a_full_set_the_supervisor_could_not_record(tmp_path: Path, resume: str) -> None:
+    """The supervisor died (a full log disk) after the ranks wrote every shard of step 65 with their
+    notes: ``--resume auto`` (or the checkpoint directory as PATH) completes and uses it, not step 0."""
+    older = ckpt.step_dir(tmp_path, 60)
+    ckpt.write_manifest(older, 60, 2, [[0, 1]], {0: ckpt.save_shard(older, 0, {"k": 60})})
+    newest = ckpt.step_dir(tmp_path, 65)
+    ckpt.write_orphan_note(newest, 0, ckpt.save_shard(newest, 0, {"k": 65}), 2, [[0, 1]], "9.9")
+    skipped: list[str] = []
+    manifest = ckpt.resolve_resume(tmp_path, "auto" if resume == "auto" else str(tmp_path),
+                                   on_skip=lambda path, why: skipped.append(why))
+    assert manifest is not None and manifest.step == 65 and not skipped
+    assert ckpt.load_shard(manifest, 0)["k"] == 65
+
+
 def test_write_manifest_does_not_import_torch(tmp_path: Path) -> None:
     code = (
         "import sys, json; from pathlib import Path; from ftrun import checkpoint as c\n"

@@ -8,6 +8,7 @@ wall-clock (Unix) time; deadlines elsewhere use the monotonic clock.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -48,7 +49,9 @@ class Publisher:
         self.sender = sender
         self.push = push
         self.clock = clock
-        self.event_log = EventLog(open(log_dir / "events.jsonl", "a", encoding="utf-8"))
+        self._troubles: list[str] = []  # the log directory's failures, to say on the console
+        self._status_trouble: str | None = None
+        self.event_log = EventLog(log_dir / "events.jsonl", self._troubles.append)
         self.observers: list[Callable[[Event], None]] = []  # called with every event (e.g. metrics)
         self.dirty = True
         self._last_status = 0.0
@@ -69,8 +72,9 @@ class Publisher:
         )
         self.event_log.write(event)
         log.info("%s %s", kind.value, message)
-        if self.push is not None:
-            self.push.send(encode(MsgType.EVENT, self.sender, self.audience, event=event.to_json()))
+        self._push(event)
+        while self._troubles:  # the events file failed: said on the console (and in the log) once
+            self.trouble(self._troubles.pop(0))
         for observer in self.observers:
             try:
                 observer(event)
@@ -78,6 +82,16 @@ class Publisher:
                 log.exception("event observer failed")
         self.dirty = True
         return event
+
+    def _push(self, event: Event) -> None:
+        if self.push is not None:
+            self.push.send(encode(MsgType.EVENT, self.sender, self.audience, event=event.to_json()))
+
+    def trouble(self, message: str) -> None:
+        """Say a failure of the job's own output (a full or removed log directory) on the console
+        and in the supervisor's log, not in the file that fails."""
+        log.warning("%s", message)
+        self._push(Event(kind=EventKind.WARNING, message=message, node=self.node, detail={"fault": "log_dir"}))
 
     def status(self, snapshot: Callable[[], dict[str, Any]], force: bool = False,
                final: Mapping[str, Any] | None = None) -> None:
@@ -93,7 +107,10 @@ class Publisher:
         if self.push is not None:
             self.push.send(encode(MsgType.STATUS, self.sender, self.audience, ranks=data["ranks"], attempt=data["attempt"],
                                   generation=data["generation"]))
-        write_status_file(self.log_dir / "status.json", data)
+        failed = write_status_file(self.log_dir / "status.json", data)
+        if failed != self._status_trouble and failed is not None:
+            self.trouble(failed)
+        self._status_trouble = failed
         self.dirty = False
         self._last_status = now
 
@@ -107,11 +124,19 @@ def status_header() -> dict[str, Any]:
     return {"pid": os.getpid(), "host": socket.gethostname(), "updated": time.time()}
 
 
-def write_status_file(path: Path, snapshot: dict[str, Any]) -> None:
-    """Replace ``path`` with ``snapshot`` as JSON, atomically (a reader never sees half a file)."""
+def write_status_file(path: Path, snapshot: dict[str, Any]) -> str | None:
+    """Replace ``path`` with ``snapshot`` as JSON, atomically (a reader never sees half a file); a
+    removed directory is made again. Returns why it could not be written (one line), else None."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(json.dumps(snapshot, default=str))
+        try:
+            tmp.write_text(json.dumps(snapshot, default=str))
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(snapshot, default=str))
         os.replace(tmp, path)
     except OSError as err:
-        log.warning("cannot write %s: %s", path, err)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        return f"cannot write {path}: {err.strerror or err}; the job goes on (ftrun status shows older data)"
+    return None

@@ -1,0 +1,83 @@
+"""The job's own output never ends the job: best-effort events, progress and status files on a full
+or removed log directory (process-free; the tmpfs case runs in tests/test_hardening.py)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ftrun.coordinator.publish import Publisher, write_status_file
+from ftrun.events import AppendLog, EventKind
+from ftrun.protocol import Sender
+from ftrun.report import ProgressRecorder
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines()
+
+
+def test_a_removed_log_directory_is_made_again_and_said_once(tmp_path: Path) -> None:
+    said: list[str] = []
+    log = AppendLog(tmp_path / "logs" / "events.jsonl", said.append)  # the directory itself is made
+    assert log.write_line('{"n": 1}') and said == ["%s: its directory was removed: made it again (what was in it is "
+                                                   "lost)" % (tmp_path / "logs" / "events.jsonl")]
+    shutil.rmtree(tmp_path / "logs")
+    assert log.write_line('{"n": 2}') and log.write_line('{"n": 3}')
+    assert lines(tmp_path / "logs" / "events.jsonl") == ['{"n": 2}', '{"n": 3}']
+    assert said[1:] == said[:1]  # the directory again
+
+
+def test_a_full_disk_drops_whole_lines_says_so_once_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    said: list[str] = []
+    path = tmp_path / "events.jsonl"
+    log = AppendLog(path, said.append)
+    assert log.write_line("first")
+    real_write = os.write
+    full = {"on": True}
+
+    def write(fd: int, data: bytes) -> int:
+        if not full["on"]:
+            return real_write(fd, data)
+        real_write(fd, data[:3])  # a short write: the disk took three bytes, then filled up
+        return 3
+
+    monkeypatch.setattr(os, "write", write)
+    assert not log.write_line("second") and not log.write_line("third")
+    assert lines(path) == ["first"], "half a line was left in the file"
+    assert len(said) == 1 and "No space left on device" in said[0]
+    full["on"] = False
+    assert log.write_line("fourth") and lines(path) == ["first", "fourth"]
+    assert "works again (2 line(s) were lost)" in said[1]
+
+    def refuse(fd: int, data: bytes) -> int:
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    monkeypatch.setattr(os, "write", refuse)
+    assert not log.write_line("fifth") and "quota" in said[2].lower()
+
+
+def test_the_publisher_says_the_trouble_on_the_console_and_status_failures_once(tmp_path: Path) -> None:
+    pub = Publisher(tmp_path, 0, Sender("t" * 64), None, clock=lambda: 0.0)
+    pushed: list[str] = []
+    pub._push = lambda event: pushed.append(f"{event.kind.value}: {event.message}")  # the console's side
+    shutil.rmtree(tmp_path)
+    pub.emit(EventKind.WARNING, "one", None, 0, 0)
+    assert [json.loads(x)["message"] for x in lines(tmp_path / "events.jsonl")] == ["one"]
+    assert pushed[0] == "warning: one" and "was removed: made it again" in pushed[1]
+    assert write_status_file(tmp_path / "status.json", {"a": 1}) is None
+    (tmp_path / ".status.json.tmp").mkdir()  # a write that fails (a directory in the way)
+    for _ in range(3):
+        pub.status(lambda: {"ranks": [], "attempt": 0, "generation": 0}, force=True)
+    assert len([p for p in pushed if "cannot write" in p and "status.json" in p]) == 1
+
+
+def test_the_progress_recorder_outlives_its_directory(tmp_path: Path) -> None:
+    recorder = ProgressRecorder(tmp_path / "logs")
+    shutil.rmtree(tmp_path / "logs")
+    recorder.sample()  # no status.json: nothing to record, and no error
+    recorder.close()  # no exception at the end of the job either
