@@ -46,7 +46,7 @@ FINAL = re.compile(r"final step=(\d+) loss=\S+ test_accuracy=(\S+) params_sha256
 MEMORY_LINE = re.compile(r"memory (ready|not freed[^(]*)\(waited ([0-9.]+) s, (\w+)")
 DIGITS_STEPS = 40
 CHARLM_STEPS = 16
-JOB_TIMEOUT_S = 120.0
+JOB_TIMEOUT_S = float(os.environ.get("FTRUN_GPU_CHECK_JOB_TIMEOUT_S", "120"))  # one job; more for a rehearsal on a busy CPU
 SESSIONS: set[int] = set()  # jobs started in their own session: ended with this script (see main)
 
 

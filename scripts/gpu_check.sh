@@ -18,6 +18,8 @@
 # for Python 3.12 into a scratch folder (not used), the GPU tests expected to skip, the job checks run
 # on the CPU with gloo (scripts/gpu_check.py --device cpu; FTRUN_GPU_CHECK_ONLY=name,name picks some).
 # A rehearsal checks the script's own logic, nothing about CUDA, and says so: its exit code is 3.
+# On a busy CPU give it time: FTRUN_GPU_CHECK_JOBS_LIMIT_S (the job stage, default 300) and
+# FTRUN_GPU_CHECK_JOB_TIMEOUT_S (one job, default 120).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -29,6 +31,7 @@ exec > >(tee -a "$LOG") 2>&1
 PYTHON=${PYTHON:-python3}
 DRY=${FTRUN_GPU_CHECK_DRY:-0}
 ONLY=${FTRUN_GPU_CHECK_ONLY:-}
+JOBS_LIMIT_S=${FTRUN_GPU_CHECK_JOBS_LIMIT_S:-300}  # the job checks' stage (raise it only for a rehearsal on a busy CPU)
 STAGES=$OUT_DIR/.stages.tsv
 : >"$STAGES"
 rm -f "$OUT_DIR/figures.jsonl" "$OUT_DIR/gpu_check_jobs.json" "$OUT_DIR/gpu_tests.xml"
@@ -119,13 +122,13 @@ EOF
 # 4. The job checks and measurements.
     DEVICE=cuda
     [ "$GPU" = 1 ] || DEVICE=cpu
-    timeout 300 "$PYTHON" scripts/gpu_check.py --device "$DEVICE" --out "$OUT_DIR" ${ONLY:+--only "$ONLY"}
+    timeout "$JOBS_LIMIT_S" "$PYTHON" scripts/gpu_check.py --device "$DEVICE" --out "$OUT_DIR" ${ONLY:+--only "$ONLY"}
     rc=$?
     case "$rc" in
         0) stage jobs PASS "every job check passed on the GPU" ;;
         3) if [ "$DEVICE" = cpu ]; then stage jobs REHEARSED "job checks run on the CPU: nothing checked on a GPU"
            else stage jobs FAIL "gpu_check.py found no GPU"; fi ;;
-        124) stage jobs FAIL "timed out after 300 s (gpu_check_jobs.json holds the checks done)" ;;
+        124) stage jobs FAIL "timed out after $JOBS_LIMIT_S s (gpu_check_jobs.json holds the checks done)" ;;
         *) stage jobs FAIL "gpu_check.py exited $rc (see its FAIL lines)" ;;
     esac
     if grep -q $'\tFAIL\t' "$STAGES"; then
