@@ -307,7 +307,7 @@ class Checks:
         digest, evs, log_dir, figures = self.jobs.ftrun_outside_kill(
             "digits_hot_spare", "train_digits.py", self.digits_args, 0, launcher=["--hot_spares", "1"])
         expect(digest == self.reference(), f"digest {digest[:12]} != fault-free {self.reference()[:12]}")
-        hot = [e for e in evs if e["kind"] == "rank_started" and e.get("rank") == 0 and e.get("hot_spare")]
+        hot = [e for e in evs if e["kind"] == "rank_started" and e.get("rank") == 0 and (e.get("detail") or {}).get("hot_spare")]
         expect(bool(hot), "no hot spare took rank 0: " + "; ".join(e.get("message", "") for e in evs
                                                                   if e["kind"] == "rank_started" and e.get("rank") == 0))
         expect(survivors_kept(evs, {0}), f"survivors' processes: {started_pids(evs)}")
