@@ -314,10 +314,9 @@ class Checks:
         return {**figures, "memory_wait": memory_wait(log_dir, 0), **recovery_figures(evs)}
 
     def state_transfer_snapshot(self) -> dict[str, Any]:
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--transfer", self.jobs.device],
-                              env=self.jobs.env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-        expect(proc.returncode == 0, f"transfer exited {proc.returncode}: {tail(proc.stdout + proc.stderr)}")
-        figures = json.loads(proc.stdout.strip().splitlines()[-1])
+        text = run_job([sys.executable, str(Path(__file__).resolve()), "--transfer", self.jobs.device],
+                       self.jobs.env(), self.jobs.log_dir("transfer"), "transfer")
+        figures = json.loads(text.strip().splitlines()[-1])
         expect(figures.pop("bitwise"), "the received state differs from the sent")
         expect(figures.pop("on_device"), "the received state is not on the recipient's device")
         return figures
