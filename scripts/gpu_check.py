@@ -316,7 +316,9 @@ class Checks:
     def state_transfer_snapshot(self) -> dict[str, Any]:
         text = run_job([sys.executable, str(Path(__file__).resolve()), "--transfer", self.jobs.device],
                        self.jobs.env(), self.jobs.log_dir("transfer"), "transfer")
-        figures = json.loads(text.strip().splitlines()[-1])
+        lines = [line for line in text.splitlines() if line.startswith("{\"transfer_bytes\"")]
+        expect(bool(lines), f"transfer: no figures printed: {tail(text)}")
+        figures = json.loads(lines[-1])
         expect(figures.pop("bitwise"), "the received state differs from the sent")
         expect(figures.pop("on_device"), "the received state is not on the recipient's device")
         return figures
