@@ -35,15 +35,22 @@ fault: the fault-free step time, from the same run) and ftrun's breakdown from i
 are torchrun over each ftrun mode, pair by pair (the same repeat's torchrun run), printed as each
 triple ends.
 
-Time budget (``--budget_s``, default 480 s of runs: the command's 9 minutes less the wheel's install,
-torch's import and a margin). Each run's wall time is estimated by :class:`Estimate`: process
-start-up and steps as CPU seconds spread over the cores, the constants measured by the dry run on
-the 2-core machine (see :data:`CPU_COST`). Every estimate is multiplied by the median ratio of
-measured to estimated wall time of the runs done so far in the same part, so the machine corrects
-the model as it goes. Before a triple starts, it is skipped (one line, and in the JSON) unless its
-estimate fits in what is left of the budget, less the GPU part's estimate when that part is still
-to run; each run's timeout is four times its estimate, within what is left. The results are
-rewritten after every run, so a command stopped at its limit still leaves them in ``--out``.
+Time budget (``--budget_s``, default 480 s of runs: the command's 9 minutes less the wheel's
+install, torch's import, the report and a margin). Each run's wall time is estimated by
+:class:`Estimate`: process start-up and steps as CPU seconds spread over the cores, plus a ring
+all-reduce's wait a rank, with constants measured on the 2-core machine (:data:`CPU_COST`; 307 s for one
+repeat of the default plan on 16 cores). The model cannot know the lent machine (gVisor, other
+CPUs), so every estimate is multiplied by the median ratio of measured to modelled wall time of the
+runs done so far in the same part: the dry run here (worlds 2 and 4, ``--budget_s 1500``, under a
+load average of 12 to 24 from other jobs on 2 cores) took 9 times the model's time in its first run;
+corrected, each later estimate was within 0.75 to 1.2 times the run's wall time. The runs go in
+order: every CPU world of the first repeat, smallest first, then the second repeat's (``--repeats``,
+default 2), then the GPU part's. A triple is skipped (one line, and in the JSON) unless its
+corrected estimate fits in what is left of the budget, less the GPU part's estimate while that part
+is still to run, so the second repeat fills what the first leaves. A run's timeout is four times its
+estimate (the first of a part: ten times, the model being uncorrected), within what is left. The
+results are rewritten after every run, so a command stopped at its limit still leaves them in
+``--out``.
 
 Writes ``bench_big.json`` (every run raw, the machine, the command, estimates, skips and errors) and
 ``bench_big.png`` (recovery seconds and step time against world size, and the GPU part) under
@@ -271,10 +278,11 @@ class Bench:
 
     def timeout(self, spec: Spec, reserve: float) -> float:
         """Seconds ``spec`` may run: four times its estimate (at least 60), or, for the first run of
-        its part (the model not yet corrected), what is left less ``reserve``; never past the budget."""
+        its part (the model not yet corrected), ten times (at least 120) within what is left less
+        ``reserve``; never past the budget, never under 30 s."""
         left = self.left()
         if not self.estimate.observed.get(spec.part):
-            return max(30.0, left - reserve)
+            return max(30.0, min(max(120.0, 10 * self.estimate.of(spec)), left - reserve))
         return max(30.0, min(max(60.0, 4 * self.estimate.of(spec)), left))
 
     def one(self, spec: Spec, timeout: float) -> Run | None:
@@ -438,16 +446,22 @@ def plot(results: dict[str, Any], out: Path) -> Path | None:
             bars = [[m - min(points[x]) for m, x in zip(med, xs)], [max(points[x]) - m for m, x in zip(med, xs)]]
             ax.errorbar(xs, med, yerr=bars, marker=marker, capsize=3, label=mode)
         ax.set_xscale("log", base=2)
+        ranks = sorted({r["case"]["ranks"] for r in cpu})
+        ax.set_xticks(ranks, [str(x) for x in ranks])
         ax.set_xlabel("world size (CPU ranks)")
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend()
     modes = [m for m in MODES if any(r["mode"] == m and r["recover_s"] is not None for r in gpu)]
-    axes[2].bar(modes, [statistics.median(r["recover_s"] for r in gpu if r["mode"] == m and r["recover_s"] is not None)
-                        for m in modes])
-    axes[2].set_ylabel("recovery (s)")
-    axes[2].set_title(f"GPU: charlm {GPU_SIZE}, {GPU_RANKS} ranks" if gpu else "GPU: not run")
+    if modes:
+        axes[2].bar(modes, [statistics.median(r["recover_s"] for r in gpu if r["mode"] == m and r["recover_s"] is not None)
+                            for m in modes], color=["C0", "C1", "C2"][:len(modes)])
+        axes[2].set_ylabel("recovery (s)")
+        axes[2].set_title(f"GPU: charlm {GPU_SIZE}, {GPU_RANKS} ranks sharing it")
+    else:
+        axes[2].axis("off")
+        axes[2].text(0.5, 0.5, "GPU part: not run", ha="center", va="center")
     cores = (results.get("machine") or {}).get("cores", "?")
     fig.suptitle(f"ftrun (warm spare, hot spare) against torchrun, one rank SIGKILLed; {cores} cores")
     fig.tight_layout()
@@ -477,7 +491,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kill_step", type=int, default=15, help="the step at which the victim is killed (default 15)")
     parser.add_argument("--ckpt_every", type=int, default=10, help="torchrun's checkpoint interval, steps (default 10)")
     parser.add_argument("--victim", type=int, default=1, help="the rank killed (default 1)")
-    parser.add_argument("--repeats", type=int, default=1, help="triples of each world size (default 1)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="triples of each world size (default 2; a second repeat runs where the budget leaves room)")
     parser.add_argument("--budget_s", type=float, default=480.0, help="wall seconds for all runs (default 480)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "bench_big_out",
                         help="where bench_big.json and bench_big.png go (default $OUT, else bench_big_out)")
