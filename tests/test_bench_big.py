@@ -82,7 +82,7 @@ def test_the_plan_runs_three_modes_a_world_the_cpu_worlds_first_then_the_gpu() -
 
 
 def test_estimates_grow_with_the_world_and_follow_the_runs_measured() -> None:
-    args = bb.parse_args(["--worlds", "8,64"])
+    args = bb.parse_args(["--worlds", "8,64", "--repeats", "1"])
     small, big = bb.triples(args, ["cpu"], args.world_list)
     estimate = bb.Estimate(16, {"cpu": bb.CPU_COST})
     assert estimate.of(big[0]) > estimate.of(small[0])
@@ -96,7 +96,7 @@ def test_estimates_grow_with_the_world_and_follow_the_runs_measured() -> None:
 def test_each_triple_prints_its_pairwise_ratios_and_the_json_keeps_every_run(tmp_path: Path) -> None:
     job = FakeJob({"ftrun": 10, "ftrun-hot": 20, "torchrun": 30}, {"ftrun": 2.0, "ftrun-hot": 1.0, "torchrun": 20.0})
     bench, said = _bench(tmp_path, job, budget=1000)
-    args = bb.parse_args(["--worlds", "8,16"])
+    args = bb.parse_args(["--worlds", "8,16", "--repeats", "1"])
     results = bench.run(bb.triples(args, ["cpu"], args.world_list))
     assert [(m, r) for m, r, _ in job.calls] == [(m, w) for w in (8, 16) for m in bb.MODES]
     assert len(results["parts"]["cpu"]) == 6 and not results["skipped"] and not results["errors"]
@@ -109,7 +109,7 @@ def test_each_triple_prints_its_pairwise_ratios_and_the_json_keeps_every_run(tmp
 
 def test_a_triple_that_does_not_fit_is_skipped_and_the_gpu_part_keeps_its_share(tmp_path: Path) -> None:
     job = FakeJob({"ftrun": 1, "ftrun-hot": 1, "torchrun": 1}, {"ftrun": 1.0, "ftrun-hot": 1.0, "torchrun": 9.0})
-    args = bb.parse_args(["--worlds", "64"])
+    args = bb.parse_args(["--worlds", "64", "--repeats", "1"])
     plan = bb.triples(args, ["cpu", "gpu"], args.world_list)
     estimate = bb.Estimate(16, {"cpu": bb.CPU_COST, "gpu": bb.GPU_COST})
     cpu_need, gpu_need = (sum(estimate.of(s) for s in triple) for triple in plan)
@@ -125,7 +125,7 @@ def test_a_failed_run_is_recorded_and_the_rest_goes_on(tmp_path: Path) -> None:
     job = FakeJob({"ftrun": 10, "ftrun-hot": 10, "torchrun": 10}, {"ftrun": 1.0, "ftrun-hot": 1.0, "torchrun": 9.0},
                   fail=("ftrun-hot",))
     bench, said = _bench(tmp_path, job, budget=1000)
-    args = bb.parse_args(["--worlds", "8"])
+    args = bb.parse_args(["--worlds", "8", "--repeats", "1"])
     results = bench.run(bb.triples(args, ["cpu"], args.world_list))
     assert [r["mode"] for r in results["parts"]["cpu"]] == ["ftrun", "torchrun"]
     assert len(results["errors"]) == 1 and results["errors"][0].startswith("cpu x8 ftrun-hot:")
@@ -135,7 +135,7 @@ def test_a_failed_run_is_recorded_and_the_rest_goes_on(tmp_path: Path) -> None:
 def test_the_first_run_of_a_part_may_run_ten_times_its_estimate_later_ones_four_times(tmp_path: Path) -> None:
     job = FakeJob({}, {})
     bench, _ = _bench(tmp_path, job, budget=5000)
-    args = bb.parse_args(["--worlds", "64"])
+    args = bb.parse_args(["--worlds", "64", "--repeats", "1"])
     warm, hot, torchrun = bb.triples(args, ["cpu"], args.world_list)[0]
     # nothing measured yet: the model may be far off
     assert bench.timeout(warm, reserve=100) == pytest.approx(max(120.0, 10 * bench.estimate.raw(warm)))
@@ -156,7 +156,7 @@ def test_the_hot_spare_job_is_long_enough_for_the_spare_to_be_ready() -> None:
 def test_a_hot_job_is_sized_from_its_warm_twins_start_up_and_step_time(tmp_path: Path) -> None:
     job = FakeJob({"ftrun": 40, "ftrun-hot": 60, "torchrun": 50}, {"ftrun": 2.0, "ftrun-hot": 1.0, "torchrun": 20.0})
     bench, said = _bench(tmp_path, job, budget=10000)
-    args = bb.parse_args(["--worlds", "8"])
+    args = bb.parse_args(["--worlds", "8", "--repeats", "1"])
     bench.run(bb.triples(args, ["cpu"], args.world_list))
     # the warm run: 40 s in all, 30 steps of 20 ms, 2 s of recovery: 37.4 s of start-up
     hot = [line for line in said if "ftrun-hot repeat 1:" in line][0]
