@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 FINAL = re.compile(r"final step=(\d+) loss=\S+ test_accuracy=(\S+) params_sha256=([0-9a-f]{64})")
-MEMORY_LINE = re.compile(r"memory (ready|not freed[^(]*)\(waited ([0-9.]+) s, (\w+)")
+MEMORY_LINE = re.compile(r"memory (ready|not freed)[^(]*\(waited ([0-9.]+) s, (\w+)")
 DIGITS_STEPS = 40
 CHARLM_STEPS = 16
 JOB_TIMEOUT_S = float(os.environ.get("FTRUN_GPU_CHECK_JOB_TIMEOUT_S", "120"))  # one job; more for a rehearsal on a busy CPU

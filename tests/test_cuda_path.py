@@ -248,3 +248,23 @@ def test_a_transfer_keeps_each_tensors_device_and_places_it_by_it(monkeypatch: p
     assert not wire and len(placed) == 3 and all(ref == "cpu" for ref, _ in placed)
     assert torch.equal(received["model"]["w"], state["model"]["w"]) and torch.equal(received["model"]["b"], state["model"]["b"])
     assert torch.equal(received["rng"], state["rng"])
+
+
+def test_gpu_check_reads_the_memory_wait_line_ftrun_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """scripts/gpu_check.py finds the respawned rank's wait in its log by the line ftrun.cuda writes."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # its dataclasses look their module up
+    spec.loader.exec_module(gpu_check)
+    look = DeviceMemory(100 * GIB, 140 * GIB, 0)
+    for waited, expected in [(cuda.MemoryWait(0.42, True, look, "predecessor"), {"ready": True, "waited_s": 0.42, "how": "predecessor"}),
+                             (cuda.MemoryWait(60.0, False, look, "timeout"), {"ready": False, "waited_s": 60.0, "how": "timeout"})]:
+        (tmp_path / "worker_2.log").write_text(f"step 3\n{waited.line(2, 'cuda:0')}\nmore\n")
+        assert gpu_check.memory_wait(tmp_path, 2) == expected
+    assert gpu_check.memory_wait(tmp_path, 3) is None
+    evs = [{"kind": "rank_started", "rank": r, "pid": 10 + r} for r in range(4)] + [{"kind": "rank_started", "rank": 2, "pid": 20}]
+    assert gpu_check.survivors_kept(evs, {2}) and not gpu_check.survivors_kept(evs, set())
