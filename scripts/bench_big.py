@@ -9,11 +9,16 @@ one command of at most 9 minutes):
 
 On the lent machine, through the device tool (pyzmq is not installed there and nothing can be
 fetched: ``bash scripts/device_wheels.sh`` here puts its wheel in ``device_wheels/``, which travels
-as a carried path):
+as a carried path; ftrun itself is imported from the tree, which this script puts on the ranks'
+``PYTHONPATH``):
 
-    run(command="python3 -m pip install -q --no-index --no-deps --target /tmp/site device_wheels/pyzmq-*.whl"
-                " && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 scripts/bench_big.py --out $OUT",
+    run(command="set -o pipefail; python3 -m pip install -q --no-index --no-deps --target /tmp/site"
+                " device_wheels/pyzmq-*.whl && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1"
+                " python3 scripts/bench_big.py --out $OUT 2>&1 | tee $OUT/bench_big.log",
         carry=["device_wheels"], timeout_s=570)
+
+Then, here: ``python scripts/bench_big.py --from_json <files_at>/bench_big.json --out docs`` redraws
+the figure, and the report's tables go to docs/benchmarks.md with the machine and that command.
 
 Parts (``--parts cpu,gpu``):
 
