@@ -1035,12 +1035,19 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
-        "ftrun_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                       text=True).stdout.strip() or "?",
+        "ftrun_commit": _git("rev-parse", "--short", "HEAD").strip() or "?",
         # ftrun's files changed since that commit (the tree is edited while benchmarks run)
-        "ftrun_uncommitted": subprocess.run(["git", "status", "--porcelain", "--", "ftrun"], cwd=ROOT,
-                                            capture_output=True, text=True).stdout.splitlines(),
+        "ftrun_uncommitted": _git("status", "--porcelain", "--", "ftrun").splitlines(),
     }
+
+
+def _git(*args: str) -> str:
+    """What ``git ARGS`` prints in this tree; empty where there is no git or no repository (a copy of
+    the tree on a lent machine)."""
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
+    except OSError:
+        return ""
 
 
 # ------------------------------------------------------------------------------------------ report
