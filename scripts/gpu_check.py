@@ -110,10 +110,11 @@ class Jobs:
             cmd = [sys.executable, "-m", "torch.distributed.run", *cmd[1:]]
         return digest_of(run_job(cmd, self.env(), log_dir, f"{tag} (torchrun)"), tag)
 
-    def ftrun_outside_kill(self, tag: str, script: str, args: list[str], rank: int,
-                           launcher: list[str] = ()) -> tuple[str, list[dict], Path, dict[str, Any]]:  # type: ignore[assignment]
+    def ftrun_outside_kill(self, tag: str, script: str, args: list[str], rank: int, launcher: list[str] = (),  # type: ignore[assignment]
+                           wait_glob: str | None = None) -> tuple[str, list[dict], Path, dict[str, Any]]:
         """The job slowed by ``--step_pause`` while a file exists; ``rank`` SIGKILLed from outside
-        once every rank trains; the pause lifted once the recovery finished."""
+        once every rank trains (and a file matching ``wait_glob`` is in the log folder: a hot spare
+        waiting for its rank); the pause lifted once the recovery finished."""
         log_dir = self.log_dir(tag)
         pause = log_dir / "pause"
         pause.touch()
@@ -128,6 +129,8 @@ class Jobs:
                                 60, f"{tag}: 4 ranks started")
                 wait_for(lambda: (log_dir / "stdout.txt").read_text().count("step ") >= 1 or None, 60,
                          f"{tag}: training under way")
+                if wait_glob is not None:
+                    wait_for(lambda: any(log_dir.glob(wait_glob)) or None, 90, f"{tag}: {wait_glob}")
                 time.sleep(1.0)
                 figures["survivor_gpu_bytes_before"] = gpu_bytes_of([p[0] for r, p in pids.items() if r != rank])
                 killed_at = time.time()
@@ -305,7 +308,8 @@ class Checks:
 
     def hot_spare_promotion(self) -> dict[str, Any]:
         digest, evs, log_dir, figures = self.jobs.ftrun_outside_kill(
-            "digits_hot_spare", "train_digits.py", self.digits_args, 0, launcher=["--hot_spares", "1"])
+            "digits_hot_spare", "train_digits.py", self.digits_args, 0, launcher=["--hot_spares", "1"],
+            wait_glob=".hot_spare_*.ready")  # the spare waits for its rank (past the script's set-up)
         expect(digest == self.reference(), f"digest {digest[:12]} != fault-free {self.reference()[:12]}")
         hot = [e for e in evs if e["kind"] == "rank_started" and e.get("rank") == 0 and (e.get("detail") or {}).get("hot_spare")]
         expect(bool(hot), "no hot spare took rank 0: " + "; ".join(e.get("message", "") for e in evs
