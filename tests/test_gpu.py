@@ -2,7 +2,7 @@
 
 scripts/gpu_check.sh runs these on a lent machine (docs/gpu.md): the device choice and the memory
 probe, a transfer and the codec keeping CUDA tensors on their device, CUDA RNG state carried, the
-int64 fingerprints on the device, a snapshot into pinned memory, and a 1-rank NCCL group aborted
+int64 fingerprints made on the device, a snapshot into pinned memory, and a 1-rank NCCL group aborted
 while blocked and built again. With ``FTRUN_GPU_FIGURES`` set to a file, each test appends what it
 measured there (one JSON object a line), which gpu_check.sh gathers into its JSON.
 """
@@ -84,11 +84,20 @@ def test_cuda_rng_state_travels_with_a_rank() -> None:
     assert torch.equal(torch.rand(5, device="cuda"), first)
 
 
-def test_fingerprints_on_the_gpu_equal_the_cpus() -> None:
-    from ftrun.digest import fingerprint
+def test_fingerprints_on_the_gpu_are_int64_sums_made_there() -> None:
+    """A CUDA tensor's fingerprint hashes the int64 (wrapping) sums of its bit patterns, computed on
+    the GPU: they equal the CPU's sums of the same bits, the fingerprint is the same for the same
+    bits, and one changed element changes it."""
+    from ftrun.digest import fingerprint, tensor_sums
 
-    tensors = [torch.randn(1000, 37), torch.randint(-5, 5, (300,), dtype=torch.int64), torch.randn(9, dtype=torch.float16)]
-    assert fingerprint([t.cuda() for t in tensors]) == fingerprint(tensors)
+    tensors = [torch.randn(1000, 37), torch.randint(-(1 << 62), 1 << 62, (300,), dtype=torch.int64),
+               torch.randn(9, dtype=torch.float16), torch.randn(5, dtype=torch.bfloat16)]
+    on_gpu = [t.cuda() for t in tensors]
+    for t, g in zip(tensors, on_gpu):
+        assert torch.equal(tensor_sums(g).cpu(), tensor_sums(t)), t.dtype
+    assert fingerprint(on_gpu) == fingerprint([t.clone() for t in on_gpu])
+    on_gpu[0][500, 3] += 1e-3
+    assert fingerprint(on_gpu) != fingerprint([t.cuda() for t in tensors])
 
 
 def test_a_snapshot_of_cuda_state_lands_in_pinned_memory_and_is_reused() -> None:
