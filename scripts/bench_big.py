@@ -53,7 +53,7 @@ order: every CPU world of the first repeat, smallest first, then the second repe
 default 2), then the GPU part's. A triple is skipped (one line, and in the JSON) unless its
 corrected estimate fits in what is left of the budget, less the GPU part's estimate while that part
 is still to run, so the second repeat fills what the first leaves. A run's timeout is four times its
-estimate (the first of a part: ten times, the model being uncorrected), within what is left. The
+estimate (the first of a part: twenty times, the model being uncorrected), within what is left. The
 results are rewritten after every run, so a command stopped at its limit still leaves them in
 ``--out``.
 
@@ -283,11 +283,11 @@ class Bench:
 
     def timeout(self, spec: Spec, reserve: float) -> float:
         """Seconds ``spec`` may run: four times its estimate (at least 60), or, for the first run of
-        its part (the model not yet corrected), ten times (at least 120) within what is left less
+        its part (the model not yet corrected), twenty times (at least 180) within what is left less
         ``reserve``; never past the budget, never under 30 s."""
         left = self.left()
         if not self.estimate.observed.get(spec.part):
-            return max(30.0, min(max(120.0, 10 * self.estimate.of(spec)), left - reserve))
+            return max(30.0, min(max(180.0, 20 * self.estimate.of(spec)), left - reserve))
         return max(30.0, min(max(60.0, 4 * self.estimate.of(spec)), left))
 
     def one(self, spec: Spec, timeout: float) -> Run | None:
@@ -301,9 +301,10 @@ class Bench:
             run = self.job(spec.launcher, spec.case, timeout=timeout)
         except RuntimeError as err:  # the rest goes on; the error is in the JSON
             text = str(err)
-            self.say(f"    FAILED: {text.splitlines()[0] if text else '?'}")
-            self.results["errors"].append(f"{spec.part} x{spec.case.ranks} {spec.mode}: {text.splitlines()[0] if text else '?'}"
-                                          f"\n{text[-3000:]}")
+            first = (text.splitlines()[0] if text else "?") + (
+                f" (stopped at its timeout, {timeout:.0f} s)" if self.clock() - began >= timeout - 1 else "")
+            self.say(f"    FAILED: {first}")
+            self.results["errors"].append(f"{spec.part} x{spec.case.ranks} {spec.mode}: {first}\n{text[-3000:]}")
         took = self.clock() - began
         self.estimate.observe(spec, took)
         if run is not None:
