@@ -300,11 +300,16 @@ class LogTailer:
         self.rank = rank
         self.path = path
         self.offset = path.stat().st_size if path.exists() else 0
+        self.inode = path.stat().st_ino if path.exists() else None
         self.partial = b""
 
     def poll(self, final: bool = False) -> list[str]:
         try:
             with open(self.path, "rb") as fh:
+                inode = os.fstat(fh.fileno()).st_ino
+                if inode != self.inode and self.inode is not None:
+                    self.offset, self.partial = 0, b""  # made again (its directory was removed): read it from its start
+                self.inode = inode
                 fh.seek(self.offset)
                 data = fh.read()
         except OSError:

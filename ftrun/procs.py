@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
+import io
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -160,6 +163,75 @@ def dump_stacks_on_sigusr1() -> None:
 
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})  # a write that fails for want of room
+_kept_streams: list[object] = []  # the streams replaced by guard_log_output (never closed: they own fds 1 and 2)
+
+
+class LogFile(io.RawIOBase):
+    """File descriptor ``fd`` (1 or 2) of a rank whose output goes to its log file, written so that
+    the log's trouble never ends the rank: a full disk drops the bytes (counted in
+    :attr:`dropped`) instead of raising from the script's ``print``, and a log file removed under
+    the rank (``rm -rf`` of the log directory) is made again at its path and put in place of the
+    descriptor (``dup2``), so the rank's later output, C's included, is kept."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd = fd
+        self.dropped = 0  # bytes lost to a full disk
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
+        size = len(data)
+        try:
+            if os.fstat(self.fd).st_nlink == 0:
+                self._reopen()
+            return os.write(self.fd, data)
+        except OSError as err:
+            if err.errno not in FULL_DISK and err.errno != errno.ENOENT:
+                raise
+            self.dropped += size
+            return size
+
+    def _reopen(self) -> None:
+        path = os.readlink(f"/proc/self/fd/{self.fd}").removesuffix(" (deleted)")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, self.fd)
+        os.close(fd)
+
+
+def guard_log_output() -> bool:
+    """Put :class:`LogFile` under ``sys.stdout`` and ``sys.stderr`` when they write to regular files
+    (a rank under ftrun writes to ``worker_<rank>.log``): a full or removed log directory then
+    costs output, never the rank. Streams on a terminal or a pipe are left alone. Returns whether
+    any stream was guarded."""
+    guarded = False
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        try:
+            fd = stream.fileno()
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        except (AttributeError, OSError, ValueError):
+            continue
+        if not regular or isinstance(getattr(stream, "buffer", None), io.BufferedWriter) and isinstance(
+                stream.buffer.raw, LogFile):
+            continue
+        try:
+            stream.flush()
+        except OSError:
+            pass  # what it held is lost to the full disk
+        _kept_streams.append(stream)
+        setattr(sys, name, io.TextIOWrapper(io.BufferedWriter(LogFile(fd)), encoding=stream.encoding,
+                                            errors=stream.errors, line_buffering=name == "stderr" or stream.line_buffering))
+        guarded = True
+    return guarded
 
 
 def kill_descendants() -> int:

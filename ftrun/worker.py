@@ -64,7 +64,8 @@ from typing import Any, Callable, Generator, Iterator, Sequence
 
 import torch
 
-from .contract import RankEnv
+from . import procs
+from .contract import CONTROL_ADDR, RankEnv
 from .control import ControlClient, open_channel, training_thread_probe
 from .cuda import bind_device, spare_device
 from .epochs import EpochLoop
@@ -822,5 +823,7 @@ def init(backend: str | None = None, replica_groups: Sequence[Sequence[int]] | N
         # garbage left at exit is not collected (Python does not promise to finalize it either).
         # Before the Worker is built: a process that ends while building it exits quickly too.
         atexit.register(gc.freeze)
+        if os.environ.get(CONTROL_ADDR):  # under ftrun: output to worker_<rank>.log, whose trouble must not end the rank
+            procs.guard_log_output()
         _worker = Worker(backend, replica_groups, seed, device)
     return _worker

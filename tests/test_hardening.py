@@ -10,6 +10,7 @@ listened on every interface.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -294,3 +295,72 @@ def test_an_argparse_error_ends_the_job_with_code_2_after_one_attempt(ftrun_proc
     final = [e for e in events if e["kind"] == "job_finished"][-1]
     assert "every rank exited with code 2 before ftrun.init, a usage error" in final["message"]
     assert "unrecognized arguments: --lrr 0.1" in result.stdout + result.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 4 MB tmpfs (a disk that fills up), unmounted afterwards, also on failure."""
+    mnt = tmp_path / "small_disk"
+    mnt.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip()}): the full-disk tests need root")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def fill(disk: Path) -> Path:
+    """Fill ``disk`` to its last byte; returns the filler file."""
+    filler = disk / "filler"
+    with open(filler, "wb", buffering=0) as fh:
+        try:
+            while True:
+                fh.write(b"\0" * 65536)
+        except OSError:
+            pass
+        try:
+            while True:
+                fh.write(b"\0" * 512)
+        except OSError:
+            pass
+    return filler
+
+
+def test_a_full_then_removed_log_directory_costs_output_not_the_job(long_reference: str, small_disk: Path,
+                                                                    tmp_path: Path) -> None:
+    """The log directory's disk fills up while the job trains (every rank logs every step), a rank
+    is SIGKILLed and recovered meanwhile; space comes back, then the log directory is removed
+    (``rm -rf``). The job runs on and ends bitwise, survivors in their first processes; the
+    console says the disk was full; the files written after the removal are made again."""
+    pause = tmp_path / "pause"
+    pause.touch()
+    log_dir = small_disk / "logs"
+    console = tmp_path / "console.txt"
+    cmd = [*dj.cmd(log_dir, dj.LONG_STEPS), "--step_pause", "0.25", "--pause_while", str(pause)]
+    cmd[cmd.index("--log_every") + 1] = "1"  # ~40 s of training while paused: the faults come well before its end
+    with open(console, "w") as out:
+        proc = subprocess.Popen(cmd, env=dj.env(), stdout=out, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                                start_new_session=True)
+    try:
+        dj.wait_for(lambda: dj.training(log_dir))
+        first = dj.started(dj.events(log_dir))
+        filler = fill(small_disk)
+        os.kill(first[2][0], signal.SIGKILL)
+        dj.wait_for(lambda: "recovered rank(s) [2]" in console.read_text(), timeout=180)
+        filler.unlink()
+        shutil.rmtree(log_dir)
+        dj.wait_for(lambda: (log_dir / "worker_0.log").exists(), timeout=60)  # rank 0's next line makes it again
+        pause.unlink()
+        assert proc.wait(timeout=240) == 0, console.read_text()[-4000:]
+        assert [e["kind"] for e in dj.events(log_dir)][-1] == "job_finished"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = console.read_text()
+    assert "No space left on device" in text and "job succeeded" in text, text[-4000:]
+    assert dj.digest(text, dj.LONG_STEPS) == long_reference
+    assert "restarting all ranks" not in text
+    survivors = {p.pid for p in psutil.Process().children(recursive=True)}  # nothing left of the job
+    assert not survivors & {pid for pids in first.values() for pid in pids}

@@ -7,12 +7,15 @@ import errno
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from ftrun.coordinator.publish import Publisher, write_status_file
 from ftrun.events import AppendLog, EventKind
+from ftrun.procs import LogFile
 from ftrun.protocol import Sender
 from ftrun.report import ProgressRecorder
 
@@ -81,3 +84,46 @@ def test_the_progress_recorder_outlives_its_directory(tmp_path: Path) -> None:
     shutil.rmtree(tmp_path / "logs")
     recorder.sample()  # no status.json: nothing to record, and no error
     recorder.close()  # no exception at the end of the job either
+
+
+def test_a_ranks_log_file_drops_output_on_a_full_disk_and_is_made_again_when_removed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "logs" / "worker_0.log"
+    path.parent.mkdir()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        raw = LogFile(fd)
+        assert raw.write(b"one\n") == 4
+        shutil.rmtree(tmp_path / "logs")
+        assert raw.write(b"two\n") == 4  # made again at its path, under the same descriptor
+        assert path.read_bytes() == b"two\n"
+        real_write = os.write
+
+        def full(fd_: int, data: bytes) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "write", full)
+        assert raw.write(b"three\n") == 6 and raw.dropped == 6  # no exception reaches the script's print
+        monkeypatch.setattr(os, "write", real_write)
+        assert raw.write(b"four\n") == 5 and path.read_bytes() == b"two\nfour\n"
+    finally:
+        os.close(fd)
+
+
+GUARDED = """
+import os, sys
+from ftrun import procs
+print("before", flush=True)
+assert procs.guard_log_output() and not procs.guard_log_output()  # once only
+os.unlink(sys.argv[1])
+print("after the log was removed", flush=True)
+print("to stderr", file=sys.stderr)
+"""
+
+
+def test_guarded_output_of_a_process_survives_its_log_file_removed(tmp_path: Path) -> None:
+    log = tmp_path / "worker_0.log"
+    with open(log, "ab") as fh:
+        proc = subprocess.run([sys.executable, "-c", GUARDED, str(log)], stdout=fh, stderr=subprocess.STDOUT, timeout=60)
+    assert proc.returncode == 0
+    assert log.read_text() == "after the log was removed\nto stderr\n"
