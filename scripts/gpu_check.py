@@ -455,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
     names = ["digits_fault_free", "digits_outside_sigkill", "digits_kill_at_allreduce", "digits_recoverable",
              "charlm_small", "hot_spare_promotion", "state_transfer_snapshot"]
     if args.only:
+        unknown = set(args.only.split(",")) - set(names)
+        if unknown:
+            print(f"gpu_check: unknown check(s) {', '.join(sorted(unknown))}; the checks are {', '.join(names)}")
+            return 2
         names = [n for n in names if n in args.only.split(",")]
     passed = "PASS" if args.device == "cuda" else "REHEARSED"
     results: list[Result] = []
