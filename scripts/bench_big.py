@@ -30,7 +30,8 @@ Parts (``--parts cpu,gpu``):
 
 Each world size runs three jobs back to back, a triple: ftrun (its default warm spare), ftrun with
 ``--hot_spares 1`` (the kill comes at the first step from ``--kill_step`` on at which the hot spare
-waits at the training loop; the job is ``--hot_steps`` long so that it is ready first) and torchrun
+waits at the training loop; the job is long enough for the spare to be ready first, from its warm
+twin's start-up and step time, at least ``--hot_steps``, shortened to what the budget leaves) and torchrun
 (``--max-restarts 1``, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, rank 0 checkpointing every
 ``--ckpt_every`` steps and every rank resuming from it, as in ``bench_recovery.py``). Rank
 ``--victim`` is SIGKILLed from outside when rank 0 prints the kill step. The running and the
@@ -257,7 +258,7 @@ class Bench:
                 self.results["skipped"].append(line)
                 continue
             measured = self.one(warm, self.timeout(warm, reserve))
-            for spec in (self.sized(hot, warm, measured), torchrun):
+            for spec in (self.fit(self.sized(hot, warm, measured), torchrun, reserve), torchrun):
                 self.one(spec, self.timeout(spec, reserve))
             self.say(pair_line([r for r in self.results["parts"].get(warm.part, [])
                                 if r["case"]["ranks"] == warm.case.ranks and r["repeat"] == warm.repeat]))
@@ -280,6 +281,14 @@ class Bench:
             step, startup = self.estimate.step_s(warm) * factor, self.estimate.startup_s(warm) * factor
         steps = hot_steps(hot.case.kill_step or 0, startup, step, *self.hot_range)
         return replace(hot, case=replace(hot.case, steps=steps))
+
+    def fit(self, hot: Spec, after: Spec, reserve: float) -> Spec:
+        """``hot`` with fewer steps (a fifth fewer at a time, not under the floor of ``hot_range``)
+        while it and ``after`` are estimated to need more than what is left less ``reserve``."""
+        while hot.case.steps > self.hot_range[0] and (
+                self.estimate.of(hot) + self.estimate.of(after) > self.left() - reserve):
+            hot = replace(hot, case=replace(hot.case, steps=max(self.hot_range[0], int(hot.case.steps * 0.8))))
+        return hot
 
     def timeout(self, spec: Spec, reserve: float) -> float:
         """Seconds ``spec`` may run: four times its estimate (at least 60), or, for the first run of

@@ -197,3 +197,15 @@ def test_from_json_reports_and_plots_again_without_running(tmp_path: Path, capsy
     out = capsys.readouterr().out
     assert "10.0x" in out and (tmp_path / "out" / "bench_big.png").stat().st_size > 0
     assert json.loads((tmp_path / "out" / "bench_big.json").read_text())["parts"]["cpu"]
+
+
+def test_a_hot_job_too_long_for_what_is_left_is_shortened_not_below_its_floor(tmp_path: Path) -> None:
+    bench, _ = _bench(tmp_path, FakeJob({}, {}), budget=40)
+    args = bb.parse_args(["--worlds", "8", "--repeats", "1"])
+    warm, hot, torchrun = bb.triples(args, ["cpu"], args.world_list)[0]
+    long = bb.replace(hot, case=bb.replace(hot.case, steps=3000))
+    fitted = bench.fit(long, torchrun, reserve=0)
+    assert 60 <= fitted.case.steps < 3000
+    assert bench.estimate.of(fitted) + bench.estimate.of(torchrun) <= 40 or fitted.case.steps == 60
+    assert bench.fit(long, torchrun, reserve=1000).case.steps == 60  # nothing left: the floor
+    assert bench.fit(hot, torchrun, reserve=0) == hot  # fits already
