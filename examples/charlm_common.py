@@ -262,6 +262,6 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--eval_windows", type=int, default=64, help="held-out windows to score (default: 64)")
     parser.add_argument("--log_every", type=int, default=50, help="print the loss every N steps (0: never)")
     parser.add_argument("--device", default="cpu",
-                        help="where the model trains (default: cpu; cuda: every rank on its current GPU, gradients "
-                             "averaged over gloo with CUDA tensors, so several ranks can share one GPU)")
+                        help="where the model trains (default: cpu; cuda: each rank on its node's GPUs, shared "
+                             "round-robin, gradients averaged over gloo with CUDA tensors)")
     return parser

@@ -38,13 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     args = cc.add_common_args(argparse.ArgumentParser(description=__doc__)).parse_args(argv)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
-    ft = ftrun.init(backend="gloo", seed=args.seed)
+    ft = ftrun.init(backend="gloo", seed=args.seed, device=args.device)
     corpus = cc.load_corpus(args.corpus_bytes)
     torch.manual_seed(args.seed)
-    model = ft.wrap_model(cc.build_model(args.size, args.context))
-    # After wrap_model, which puts the model on ft.device (the CPU under gloo): with --device cuda the
-    # ranks train on the GPU and gloo averages CUDA tensors, so several ranks can share one GPU.
-    model.to(args.device)
+    model = ft.wrap_model(cc.build_model(args.size, args.context))  # on ft.device
     opt = ft.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay))
     describe = (f"charlm size={args.size} params={sum(p.numel() for p in model.parameters())} "
                 f"state_mb={cc.state_bytes(model) / 1e6:.1f} world_size={ft.world_size} corpus_files={corpus.files}")
