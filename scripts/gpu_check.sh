@@ -8,7 +8,7 @@
 #   gpu_check_jobs.json  the job checks' own record;  gpu_tests.xml  the GPU tests' junit report
 #   figures.jsonl        what the GPU tests measured;  job_logs.tar.gz  the jobs' logs (on a failure)
 # It ends in under 8 minutes (each stage has its own limit). Exit code: 0 when every stage passed on
-# a GPU; 1 when one failed; 3 when nothing was checked on a GPU (no GPU, or a dry run).
+# a GPU; 1 when one failed (torch seeing no GPU is a failure); 3 for a dry run (nothing checked on a GPU).
 #
 # With the device tool (from this repository's root, here):
 #   bash scripts/device_wheels.sh                      # once: pyzmq and pytest-rerunfailures, ~1 MiB
@@ -40,8 +40,10 @@ START=$(date +%s)
 
 # stage NAME STATUS DETAIL: one line on the console, one row for the JSON.
 stage() {
-    printf '%-9s %s: %s\n' "$2" "$1" "$3"
-    printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$(( $(date +%s) - START ))" "$3" >>"$STAGES"
+    local detail
+    detail=$(printf '%s' "$3" | tr '\t\n' '  ')
+    printf '%-9s %s: %s\n' "$2" "$1" "$detail"
+    printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$(( $(date +%s) - START ))" "$detail" >>"$STAGES"
 }
 
 echo "gpu_check: $(date -u +%FT%TZ) on $(hostname), dry=$DRY, out=$OUT_DIR"
@@ -49,7 +51,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,dri
 
 # 1. The carried wheels (the lent machine has no package registry).
 SITE=$(mktemp -d /tmp/ftrun_site.XXXXXX)
-WHEELS=$(ls device_wheels/*.whl 2>/dev/null)
+WHEELS=$(ls device_wheels/*.whl 2>/dev/null | tr '\n' ' ')
 if [ -z "$WHEELS" ]; then
     if "$PYTHON" -c "import zmq" 2>/dev/null; then
         stage wheels PASS "none carried; pyzmq already installed"
@@ -143,7 +145,7 @@ import json, sys
 from pathlib import Path
 out, dry, gpu = Path(sys.argv[1]), sys.argv[2] == "1", sys.argv[3] == "1"
 stages = [dict(zip(("name", "status", "at_s", "detail"), line.split("\t", 3)))
-          for line in (out / ".stages.tsv").read_text().splitlines() if line]
+          for line in (out / ".stages.tsv").read_text().splitlines() if line.count("\t") >= 3]
 jobs = out / "gpu_check_jobs.json"
 figures = out / "figures.jsonl"
 doc = {"gpu": gpu, "dry": dry, "stages": stages,
@@ -160,7 +162,7 @@ if grep -q '"passed": true' "$OUT_DIR/gpu_check.json" 2>/dev/null; then
     echo "gpu_check: PASS in ${ELAPSED} s ($OUT_DIR/gpu_check.json)"
     exit 0
 fi
-if "$PYTHON" -c "import json,sys; d=json.load(open(sys.argv[1])); sys.exit(0 if any(s['status']=='FAIL' for s in d['stages']) else 1)" "$OUT_DIR/gpu_check.json"; then
+if [ ! -f "$OUT_DIR/gpu_check.json" ] || "$PYTHON" -c "import json,sys; d=json.load(open(sys.argv[1])); sys.exit(0 if any(s['status']=='FAIL' for s in d['stages']) else 1)" "$OUT_DIR/gpu_check.json"; then
     echo "gpu_check: FAIL in ${ELAPSED} s ($OUT_DIR/gpu_check.json)"
     exit 1
 fi
