@@ -44,6 +44,7 @@ This module imports neither torch nor numpy at import time: the supervisor uses
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -296,12 +297,17 @@ class _HashingWriter:
         self._f = f
         self._hash = hashlib.sha256()
         self.bytes = 0
+        self.error: OSError | None = None  # the file's first error (torch's serializer hides it)
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self._hash.update(view)  # releases the GIL for large buffers
         self.bytes += view.nbytes
-        self._f.write(view)
+        try:
+            self._f.write(view)
+        except OSError as err:
+            self.error = self.error or err
+            raise
         return view.nbytes
 
     def flush(self) -> None:
@@ -369,10 +375,22 @@ def save_shard(directory: str | os.PathLike[str], shard: int, state: Mapping[str
 
     def fill(f: Any) -> _HashingWriter:
         writer = _HashingWriter(f)
-        torch.save(payload, writer)
+        try:
+            torch.save(payload, writer)
+        except RuntimeError as err:
+            # torch's serializer turns the file's error into "unexpected pos N vs M": the disk's
+            # own error (ENOSPC: no space left) is what the user needs to read.
+            if writer.error is not None:
+                raise writer.error from err
+            raise
         return writer
 
-    writer = _write_atomically(final, fill)
+    try:
+        writer = _write_atomically(final, fill)
+    except OSError:
+        with contextlib.suppress(OSError):
+            directory.rmdir()  # left empty: no step directory without a shard in it
+        raise
     return ShardInfo(final.name, writer.bytes, writer.hexdigest())
 
 

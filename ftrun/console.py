@@ -88,8 +88,12 @@ def _fmt_seconds(seconds: float) -> str:
     return _fmt_uptime(seconds)
 
 
-def _summary_lines(exit_code: int, last: dict[str, Any] | None) -> list[str]:
+def _summary_lines(exit_code: int, last: dict[str, Any] | None, checkpoints: dict[str, Any] | None = None) -> list[str]:
     lines = [f"exit code {exit_code}" + (f": {last['message']}" if last else "")]
+    if checkpoints:  # the job's last periodic-checkpoint failure (its detail counts them)
+        d = checkpoints.get("detail", {})
+        lines.append(f"checkpoints: {d.get('failed')} of {d.get('attempted')} periodic checkpoints failed; the last: "
+                     f"{d.get('reason')}")
     if last and last.get("detail", {}).get("log_tail"):
         root = last["detail"].get("root_cause", {})
         lines.append(f"last lines of rank {root.get('rank')}'s log:")
@@ -213,9 +217,12 @@ class _Tracker:
         self.timeline = JobTimeline()
         self.samples: deque[Sample] = deque()
         self.ranks: list[dict[str, Any]] = []
+        self.checkpoint_failure: dict[str, Any] | None = None  # the last periodic checkpoint that failed
 
     def event(self, event: dict[str, Any]) -> None:
         self.timeline.add(event)
+        if (event.get("detail") or {}).get("fault") == "checkpoint_failed":
+            self.checkpoint_failure = event
 
     def status(self, ranks: list[dict[str, Any]], now: float) -> None:
         self.ranks = ranks
@@ -263,7 +270,7 @@ class PlainConsole:
             )
         if self.tracker.timeline.started_at is not None:
             self._line(f"goodput {self.tracker.timeline.goodput(time.time()).describe()}")
-        for line in _summary_lines(exit_code, last):
+        for line in _summary_lines(exit_code, last, self.tracker.checkpoint_failure):
             self._line(line)
 
 
@@ -308,7 +315,7 @@ class RichConsole:
         self.live.update(job_view(f"{self.title}: finished", t.ranks, t.timeline, list(t.samples), time.time()))
         self.live.stop()
         style = "bold green" if exit_code == 0 else "bold red"
-        for i, line in enumerate(_summary_lines(exit_code, last)):
+        for i, line in enumerate(_summary_lines(exit_code, last, t.checkpoint_failure)):
             self.console.print(Text(line, style=style if i == 0 else ""))
 
 

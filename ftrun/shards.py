@@ -93,7 +93,8 @@ class RankCheckpoints:
 
         def done(saved_step: int, result: Any) -> None:
             if isinstance(result, BaseException):
-                self.send(MsgType.ERROR, reason=f"checkpoint of step {saved_step} failed: {describe(result)}")
+                self.send(MsgType.ERROR, reason=f"checkpoint of step {saved_step} failed: {describe(result)}",
+                          checkpoint=saved_step)
             else:
                 self.send(MsgType.SAVED, step=saved_step, shard=shard, info=result.to_json(),
                           seconds=time.monotonic() - started, torch_version=torch.__version__, reason="periodic")

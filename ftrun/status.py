@@ -181,6 +181,10 @@ def _header(snap: JobSnapshot) -> str:
         parts.append(phase[:20])  # recovering, gasping (a dying-gasp checkpoint), restarting, stopping
     elif s.get("recovering"):
         parts.append("recovering")
+    ckpts = s.get("checkpoints") if isinstance(s.get("checkpoints"), dict) else {}
+    if ckpts.get("failed"):
+        parts.append(f"{ckpts['failed']} of {ckpts['failed'] + (ckpts.get('written') or 0)} checkpoints failed: "
+                     f"{str(ckpts.get('last_error') or '?')[:160]}")
     if s.get("lost_nodes"):
         parts.append("lost node(s) " + ", ".join(str(k) for k in s["lost_nodes"]))
     standby_nodes = s.get("standby_nodes")

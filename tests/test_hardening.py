@@ -10,6 +10,7 @@ listened on every interface.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -364,3 +365,23 @@ def test_a_full_then_removed_log_directory_costs_output_not_the_job(long_referen
     assert "restarting all ranks" not in text
     survivors = {p.pid for p in psutil.Process().children(recursive=True)}  # nothing left of the job
     assert not survivors & {pid for pids in first.values() for pid in pids}
+
+
+def test_a_full_checkpoint_disk_is_said_as_such_counted_and_leaves_no_empty_directory(
+        reference: str, small_disk: Path, tmp_path: Path) -> None:
+    """``--save_steps 5`` onto a disk with no room: every periodic checkpoint fails. The job trains
+    on to the fault-free result; each failure says "No space left on device" (not torch's
+    "unexpected pos"), the summary counts them, and no empty step directory is left behind."""
+    fill(small_disk)
+    log_dir = tmp_path / "logs"
+    cmd = dj.cmd(log_dir)
+    at = cmd.index(str(dj.SCRIPT))
+    cmd[at:at] = ["--save_steps", "5", "--checkpoint_dir", str(small_disk / "ckpt")]
+    proc = subprocess.run(cmd, env=dj.env(), capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert dj.digest(proc.stdout) == reference
+    assert "No space left on device" in out and "unexpected pos" not in out
+    assert re.search(r"checkpoints: (\d+) of \1 periodic checkpoints failed; the last: checkpoint of step \d+ failed: .*"
+                     r"No space left on device", out), out[-3000:]
+    assert not list((small_disk / "ckpt").glob("step_*")) if (small_disk / "ckpt").exists() else True

@@ -141,6 +141,10 @@ class RankMessages:
 
     def on_error(self, r: Rank, msg: Message) -> None:
         """A rank reports a problem it survived (e.g. a shard it could not write)."""
+        step = msg.fields.get("checkpoint")
+        if isinstance(step, int) and not isinstance(step, bool):
+            self.job.ttp.on_periodic_failure(r.rank, step, msg["reason"])
+            return
         self.job.emit(EventKind.WARNING, f"rank {r.rank} reported: {msg['reason']}", rank=r.rank)
         self.job.ttp.on_writer_error(r.rank, msg["reason"])
 

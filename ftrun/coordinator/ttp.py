@@ -76,6 +76,9 @@ class Checkpoints:
         self.pending_saves: dict[int, dict[int, Message]] = {}  # step -> shard -> its SAVED report
         self.gasp: DyingGasp | None = None
         self.report_wait = TTP_REPORT_WAIT_S  # seconds (real time) live ranks get to report for a dying gasp
+        self.written = 0  # periodic checkpoints completed
+        self.failed: dict[int, str] = {}  # step -> why a periodic checkpoint of it failed (its first writer's error)
+        job.publisher.sections.append(self.status)
 
     def choose(self, attempt: int) -> ckpt.Manifest | None:
         """The checkpoint attempt ``attempt`` starts from: ``--resume`` for the first (``auto``:
@@ -164,6 +167,28 @@ class Checkpoints:
         if self.gasp is not None and rank in self.gasp.writers.values():
             self.gasp.failed = f"rank {rank}: {reason}"
 
+    def on_periodic_failure(self, rank: int, step: int, reason: str) -> None:
+        """A writer could not write its shard of ``step``'s periodic checkpoint: that checkpoint
+        will not complete; counted, and said with the count so far (a full disk fails them all)."""
+        self.pending_saves.pop(step, None)
+        if step in self.failed:
+            return
+        self.failed[step] = reason
+        self.job.emit(EventKind.WARNING, f"rank {rank}: {reason} ({self.failures()})", rank=rank,
+                      fault="checkpoint_failed", step=step, reason=reason, failed=len(self.failed),
+                      attempted=len(self.failed) + self.written)
+
+    def failures(self) -> str:
+        """``"3 of 4 periodic checkpoints failed"`` (empty when none failed)."""
+        if not self.failed:
+            return ""
+        return f"{len(self.failed)} of {len(self.failed) + self.written} periodic checkpoints failed"
+
+    def status(self) -> dict[str, Any]:
+        """The checkpoints' part of the job's status (``ftrun status``)."""
+        last = self.failed[max(self.failed)] if self.failed else None
+        return {"checkpoints": {"written": self.written, "failed": len(self.failed), "last_error": last}}
+
     def on_periodic_save(self, msg: Message) -> None:
         """A shard of a periodic checkpoint is written; once every shard is, write the manifest."""
         try:
@@ -193,6 +218,8 @@ class Checkpoints:
         except (OSError, ckpt.CheckpointError) as err:
             job.emit(EventKind.WARNING, f"checkpoint of step {step} not completed: {err}", step=step)
             return
+        if reason == "periodic":
+            self.written += 1
         nbytes = sum(int(m["info"]["bytes"]) for m in saves.values())
         seconds = max(float(m["seconds"]) for m in saves.values())
         job.emit(EventKind.CHECKPOINT_SAVED,
