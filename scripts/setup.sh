@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv and install ftrun with its test and example dependencies.
+# Create .venv with what running a job needs: the pinned CPU build of torch, ftrun, and the
+# examples' dependencies (scikit-learn's digits, torchdata's StatefulDataLoader).
 # Usage: bash scripts/setup.sh   (idempotent; re-running it only checks what is there)
+# The tests need more (bash scripts/setup_tests.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -10,22 +12,4 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first, pinned, so that nothing later resolves "torch" to a CUDA build.
 .venv/bin/python -m pip install -q -c scripts/constraints.txt torch numpy
-.venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[test]"
-# The framework integrations' tests (tests/test_hf.py, tests/test_lightning.py, marker frameworks):
-# transformers, accelerate and lightning, with the pinned torch kept (the constraints stop pip from
-# pulling another).
-.venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[hf,lightning]"
-# The documentation site (mkdocs.yml): mkdocs, mkdocs-material and mkdocstrings (the docs extra).
-.venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[docs]"
-# Data loading: torchdata's StatefulDataLoader (test extra; ft.batches takes it).
-.venv/bin/python -c "import torchdata.stateful_dataloader" \
-    || { echo "setup: torchdata (StatefulDataLoader) is missing from .venv" >&2; exit 1; }
-# Operating a job: ftrun's metrics (prometheus_client) and report plots (matplotlib, the test extra).
-.venv/bin/python -c "import prometheus_client, matplotlib" \
-    || { echo "setup: prometheus_client or matplotlib is missing from .venv" >&2; exit 1; }
-# The Slurm tests (tests/test_slurm.py) bring up a real cluster: Debian's slurm-wlm and munge, where
-# this runs as root with apt (elsewhere those tests skip with one line saying why).
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v slurmctld >/dev/null; then
-    { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null; } \
-        || echo "setup: apt-get install slurm-wlm munge failed; the Slurm tests will skip" >&2
-fi
+.venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[examples]"

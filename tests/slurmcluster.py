@@ -49,7 +49,7 @@ def unavailable_reason(install: bool = True) -> str | None:
     """Why a Slurm cluster cannot be brought up here (one line), or None.
 
     Installs ``slurm-wlm`` and ``munge`` with apt when they are missing and ``install`` is set, as
-    root where ``apt-get`` exists (scripts/setup.sh does the same).
+    root where ``apt-get`` exists (scripts/setup_tests.sh does the same).
     """
     import nethosts
 
