@@ -390,15 +390,7 @@ class Launcher:
         last_finish: dict[str, Any] | None = None
         handled = 0  # stop signals acted on: the first is forwarded, a second one kills without grace
         while True:
-            if len(self.stop_signals) > handled:
-                if handled == 0:
-                    try:
-                        os.kill(supervisor.pid, self.stop_signals[0])
-                    except ProcessLookupError:
-                        pass
-                else:
-                    procs.kill_tree(supervisor.pid)
-                handled = len(self.stop_signals)
+            handled = self.act_on_stops(supervisor.pid, handled)
             # The child's exit is noticed first, and each turn reads a bounded number of frames: a
             # flood on the (loopback) event endpoint can delay the console, never the launcher's end.
             if supervisor.poll() is not None:
@@ -482,6 +474,22 @@ class Launcher:
         elif msg.type == MsgType.STATUS:
             console.status(msg["ranks"])
         return None
+
+    def act_on_stops(self, supervisor: int, handled: int) -> int:
+        """Act on the stop signals received since the ``handled`` first ones, one by one: the first
+        is forwarded to the supervisor (a graceful stop), any later one kills its tree without
+        grace. Returns how many are handled now. Counted one at a time, so a second signal that
+        arrives while the first is being forwarded is acted on too, never lost."""
+        while len(self.stop_signals) > handled:
+            if handled == 0:
+                try:
+                    os.kill(supervisor, self.stop_signals[0])
+                except ProcessLookupError:
+                    pass
+            else:
+                procs.kill_tree(supervisor)
+            handled += 1
+        return handled
 
     def _install_signals(self) -> None:
         def on_signal(signum: int, _frame: Any) -> None:

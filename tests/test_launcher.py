@@ -396,3 +396,23 @@ def test_worker_num_precedence(ftrun_proc, tmp_path, out, setup, cli, env, expec
     assert env_dump(out, 0, 0)["WORLD_SIZE"] == str(expected)
     if setup == "config":
         assert env_dump(out, 0, 0)["TORCHELASTIC_MAX_RESTARTS"] == "0"
+
+
+def test_a_second_stop_signal_during_the_forwarding_of_the_first_is_not_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second SIGINT arrives while the first is being forwarded: it still kills without grace
+    (before, both were counted as handled by the first turn and the second did nothing)."""
+    from ftrun import launcher as launcher_mod
+
+    done: list[tuple[str, int]] = []
+    launcher = launcher_mod.Launcher.__new__(launcher_mod.Launcher)
+    launcher.stop_signals = [signal.SIGINT]
+
+    def forward(pid: int, sig: int) -> None:
+        done.append(("forward", sig))
+        launcher.stop_signals.append(signal.SIGINT)  # the user presses Ctrl-C again right now
+
+    monkeypatch.setattr(launcher_mod.os, "kill", forward)
+    monkeypatch.setattr(launcher_mod.procs, "kill_tree", lambda pid: done.append(("kill_tree", pid)))
+    assert launcher.act_on_stops(4242, 0) == 2
+    assert done == [("forward", signal.SIGINT), ("kill_tree", 4242)]
+    assert launcher.act_on_stops(4242, 2) == 2 and len(done) == 2  # nothing new: nothing done
