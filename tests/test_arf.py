@@ -6,6 +6,7 @@ run, and ranks that did not fault must keep their first process (same PID) throu
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socketserver
@@ -197,10 +198,12 @@ def test_forged_messages_change_nothing(long_reference: str, tmp_path: Path) -> 
 
 
 class _Echo(socketserver.StreamRequestHandler):
-    """Echoes each line back and records it under its connection."""
+    """Echoes each line back and records it under its connection (a number of its own: ``id()``
+    of a handler whose connection ended may be reused by the next one, which then wrote into the
+    ended conversation: a killed rank's replacement was not found under its own hello)."""
 
     def handle(self) -> None:
-        lines = self.server.lines.setdefault(id(self), [])  # type: ignore[attr-defined]
+        lines = self.server.lines.setdefault(next(self.server.connections), [])  # type: ignore[attr-defined]
         for raw in self.rfile:
             lines.append(raw.decode().strip())
             self.wfile.write(raw)
@@ -212,6 +215,7 @@ def echo_server():
     server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Echo)
     server.daemon_threads = True
     server.lines = {}  # type: ignore[attr-defined]
+    server.connections = itertools.count()  # type: ignore[attr-defined]
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
