@@ -47,16 +47,16 @@ install, torch's import, the report and a margin). Each run's wall time is estim
 all-reduce's wait a rank, with constants measured on the 2-core machine (:data:`CPU_COST`; 307 s for one
 repeat of the default plan on 16 cores). The model cannot know the lent machine (gVisor, other
 CPUs), so every estimate is multiplied by the median ratio of measured to modelled wall time of the
-runs done so far in the same part: the dry run here (worlds 2 and 4, ``--budget_s 1500``, under a
-load average of 12 to 24 from other jobs on 2 cores) took 9 times the model's time in its first run;
-corrected, each later estimate was within 0.75 to 1.2 times the run's wall time. The runs go in
-order: every CPU world of the first repeat, smallest first, then the second repeat's (``--repeats``,
-default 2), then the GPU part's. A triple is skipped (one line, and in the JSON) unless its
-corrected estimate fits in what is left of the budget, less the GPU part's estimate while that part
-is still to run, so the second repeat fills what the first leaves. A run's timeout is four times its
-estimate (the first of a part: twenty times, the model being uncorrected), within what is left. The
-results are rewritten after every run, so a command stopped at its limit still leaves them in
-``--out``.
+runs done so far in the same part: the dry run here (``--worlds 2,4 --budget_s 1200``, 12 runs in
+633 s, while other jobs' load average on the 2 cores fell from 21 to 7) took 10 times the model's
+time in its first run; corrected, the later runs took 0.2 to 1.75 times their estimates, the load
+changing under them. The runs go in order: every CPU world of the first repeat, smallest first, then
+the second repeat's (``--repeats``, default 2), then the GPU part's. A triple is skipped (one line,
+and in the JSON) unless its corrected estimate fits in what is left of the budget, less the GPU
+part's estimate while that part is still to run, so the second repeat fills what the first leaves. A
+run's timeout is four times its estimate (the first of a part: twenty times, the model being
+uncorrected), within what is left. The results are rewritten after every run, so a command stopped
+at its limit still leaves them in ``--out``.
 
 Writes ``bench_big.json`` (every run raw, the machine, the command, estimates, skips and errors) and
 ``bench_big.png`` (recovery seconds and step time against world size, and the GPU part) under
