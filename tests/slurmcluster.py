@@ -256,6 +256,25 @@ class SlurmCluster:
         self._wait(lambda: all(self.node_states().get(n, "").rstrip("*~#!%$@^-") == state for n in names), timeout,
                    f"nodes {list(names)} not {state}")
 
+    def end_steps_on(self, name: str) -> int:
+        """SIGKILL the ``srun`` clients (on any host) of steps placed on node ``name`` after
+        :meth:`kill_node`: they wait for the dead node until slurmctld marks it down (its
+        SlurmdTimeout, minutes), then Slurm ends them; this does it at once, as that would.
+        Returns how many were ended."""
+        import psutil
+
+        ended = []
+        for proc in psutil.process_iter(["cmdline"]):
+            cmdline = proc.info["cmdline"] or []
+            if cmdline[:1] == ["srun"] and f"--nodelist={name}" in cmdline:
+                try:
+                    proc.kill()
+                    ended.append(proc)
+                except psutil.Error:
+                    continue
+        psutil.wait_procs(ended, timeout=10)
+        return len(ended)
+
     def restore(self, timeout: float = 60) -> None:
         """Every host's link up, a slurmd on every node host without processes (one a test or a
         benchmark killed with :meth:`kill_node`), then wait until every node is idle."""

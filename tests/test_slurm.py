@@ -123,6 +123,7 @@ def test_lost_node_is_replaced_by_the_spare(cluster, long_reference: str, tmp_pa
     assert victim != "sn1", "node 1's rank runs on node 0's host"
     lost_at = cluster.kill_node(victim)
     state = job.wait(timeout=200)
+    cluster.end_steps_on(victim)  # its srun client, still waiting for the dead host, is not the job's
     events = job.events()
     assert dj.digest(job.output(), dj.LONG_STEPS) == long_reference, job.why()
     lost = [e for e in events if e["kind"] == "node_lost"]

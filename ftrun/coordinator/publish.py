@@ -53,7 +53,6 @@ class Publisher:
         self._status_trouble: str | None = None
         self.event_log = EventLog(log_dir / "events.jsonl", self._troubles.append)
         self.observers: list[Callable[[Event], None]] = []  # called with every event (e.g. metrics)
-        self.sections: list[Callable[[], dict[str, Any]]] = []  # more of the status snapshot (the checkpoints')
         self.dirty = True
         self._last_status = 0.0
 
@@ -102,8 +101,6 @@ class Publisher:
         if not (force or final or (self.dirty and now - self._last_status >= STATUS_PERIOD_S)):
             return
         data = snapshot()
-        for section in self.sections:
-            data.update(section())
         data["state"] = "running" if final is None else ("succeeded" if final["exit_code"] == 0 else "failed")
         if final is not None:
             data.update(final)

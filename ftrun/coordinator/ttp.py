@@ -78,7 +78,6 @@ class Checkpoints:
         self.report_wait = TTP_REPORT_WAIT_S  # seconds (real time) live ranks get to report for a dying gasp
         self.written = 0  # periodic checkpoints completed
         self.failed: dict[int, str] = {}  # step -> why a periodic checkpoint of it failed (its first writer's error)
-        job.publisher.sections.append(self.status)
 
     def choose(self, attempt: int) -> ckpt.Manifest | None:
         """The checkpoint attempt ``attempt`` starts from: ``--resume`` for the first (``auto``:
