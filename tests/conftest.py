@@ -54,14 +54,14 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def tagged(tag: str) -> list[psutil.Process]:
-    """Live processes whose environment carries ``tag``."""
+def tagged(tag: str, var: str = TAG_VAR) -> list[psutil.Process]:
+    """Live processes (not zombies, not this one) whose environment carries ``var=tag``."""
     found = []
     for proc in psutil.process_iter():
         try:
             if proc.pid == os.getpid():
                 continue
-            if proc.environ().get(TAG_VAR) == tag and proc.status() != psutil.STATUS_ZOMBIE:
+            if proc.environ().get(var) == tag and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except (psutil.Error, OSError):
             continue
@@ -391,15 +391,8 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
 
 
 def leftovers(tag: str) -> list[psutil.Process]:
-    """Live processes (not zombies) whose environment carries ``TEST_TAG_VAR=tag``."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.pid != os.getpid() and proc.environ().get(TEST_TAG_VAR) == tag and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (psutil.Error, OSError):
-            continue
-    return found
+    """Live processes whose environment carries ``TEST_TAG_VAR=tag``: what a test started."""
+    return tagged(tag, TEST_TAG_VAR)
 
 
 def _describe(proc: psutil.Process) -> str:
