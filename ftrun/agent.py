@@ -304,10 +304,15 @@ class NodeAgent:
         heartbeat_interval: seconds between beats to the coordinator.
         coordinator_timeout: seconds without a beat from the coordinator before it is taken as lost.
         events_addr: the launcher's PULL endpoint for console events, or None.
+        link_grace: seconds this agent keeps trying after ``coordinator_timeout`` of silence (a link
+            flap is weather, not loss; the job's ``--node_wait_timeout``, as long as the coordinator
+            awaits the node) before it ends its part of the job. Its ranks keep running meanwhile;
+            when the link returns after the coordinator declared the node lost, the agent is told to
+            rejoin (:meth:`_on_shutdown`) and comes back as the node's replacement.
     """
 
     def __init__(self, node: int, control_addr: str, token: str, processes: RankProcesses, heartbeat_interval: float,
-                 coordinator_timeout: float, events_addr: str | None, standby: Any = None) -> None:
+                 coordinator_timeout: float, events_addr: str | None, standby: Any = None, link_grace: float = 0.0) -> None:
         self.node = node
         self._events_node = node  # this node's launcher knows it by this index (a standby's keeps it)
         self._events_audience = events_for(node)
@@ -318,6 +323,9 @@ class NodeAgent:
         self.processes = processes
         self.heartbeat_interval = heartbeat_interval
         self.coordinator_timeout = coordinator_timeout
+        self.link_grace = link_grace
+        self._waiting_since: float | None = None  # silence past the timeout, said on the console once
+        self._rejoin = False  # told by the coordinator: fenced, but the node is still awaited
         # Silence is judged on the time this agent ran: stopped for longer than the timeout, it
         # gives the coordinator a fresh window rather than leaving the job (ftrun.clocks).
         self.clock = RunningClock.for_loop(min(heartbeat_interval, 0.5))
@@ -333,6 +341,7 @@ class NodeAgent:
         self._seat: list[Any] | None = None  # a standby seat being set up on a thread (stand_by), once asked
         self.ctx = zmq.Context()
         self._connect(control_addr)
+        self._home = (control_addr, 0)  # the coordinator's endpoint and node this agent started with
         self.push: zmq.Socket | None = None
         if events_addr:
             self.push = self.ctx.socket(zmq.PUSH)
@@ -409,10 +418,17 @@ class NodeAgent:
             self.report_exits()
             if self.sock in events:
                 for msg in receive(self.sock, self._receiver, 1000, lambda err: log.warning("dropped a frame: %s", err)):
-                    last_heard = self.clock()
+                    last_heard = self.heard_again(last_heard)
                     if self._at_seat:  # the standby took the job over: it is the coordinator now
                         self._at_seat, self._dead = False, []
                     self.handle(msg)
+                    if self._rejoin:
+                        break
+            if self._rejoin:
+                self.rejoin(poller, self._endpoint, self._coordinator_node, "the coordinator fenced this node's old "
+                            "connection and awaits the node: rejoining as its replacement")
+                fled, last_heard = False, self.clock()
+                continue
             if self.closed in events and self.exit_code is None and self.stop_signal is None and self._gone():
                 # What the coordinator sent before it closed comes first (a shutdown at the job's end).
                 for msg in receive(self.sock, self._receiver, 1000, lambda err: log.warning("dropped a frame: %s", err)):
@@ -465,8 +481,18 @@ class NodeAgent:
                         continue
                     if self.exit_code is not None:
                         continue
+                if silence <= self.coordinator_timeout + self.link_grace:
+                    if fled and self._at_seat:
+                        # The standby never took over: the link to the coordinator may come back.
+                        self.rejoin(poller, *self._home, "nothing heard from the coordinator nor from its standby: "
+                                    "going back to the coordinator")
+                        fled = False
+                    self.say_waiting(silence)
+                    continue
                 message = (f"lost the job coordinator on node {self._coordinator_node} (nothing heard for {silence:.1f} s"
-                           f"{'; nor from its standby' if fled else ''}); stopping this node's ranks")
+                           f"{'; nor from its standby' if fled else ''}"
+                           f"{f', tried for --node_wait_timeout {self.link_grace:g} s' if self.link_grace else ''}); "
+                           "stopping this node's ranks")
                 self.stop_all(message)
                 self.event(EventKind.JOB_FINISHED, f"job failed: {message}", exit_code=1)
                 self.exit_code = 1
@@ -478,6 +504,44 @@ class NodeAgent:
             self.push.close(2000)
         self.ctx.term()
         return self.exit_code
+
+    def heard_again(self, last_heard: float) -> float:
+        """A frame came from the coordinator: the silence (if one was said) is over. Returns the new
+        time last heard."""
+        now = self.clock()
+        if self._waiting_since is not None:
+            self.event(EventKind.WARNING, f"node {self.node} hears the job coordinator again after "
+                                          f"{now - last_heard:.1f} s of silence")
+            self._waiting_since = None
+        return now
+
+    def say_waiting(self, silence: float) -> None:
+        """Say once per silence that this node keeps trying (a link flap is weather, not loss)."""
+        if self._waiting_since is None:
+            self._waiting_since = self.clock()
+            self.event(EventKind.WARNING, f"node {self.node} hears nothing from the job coordinator on node "
+                                          f"{self._coordinator_node} for {silence:.1f} s (this node's link, or node "
+                                          f"{self._coordinator_node}'s, may be down): keeping this node's ranks and "
+                                          f"trying for up to {self.link_grace:g} s (--node_wait_timeout)")
+
+    def rejoin(self, poller: zmq.Poller, endpoint: str, node: int, why: str) -> None:
+        """Come back to the coordinator at ``endpoint`` (on ``node``) as this node's replacement: stop
+        this node's ranks (after a loss they belong to an old generation; the coordinator respawns
+        them here and they recover from replicas), then say hello on a fresh connection."""
+        log.warning("%s", why)
+        self.event(EventKind.WARNING, f"node {self.node}: {why}")
+        self._rejoin = False
+        for report in self.processes.stop(2.0):
+            if isinstance(report, ExitReport):
+                log.info("rank %d (incarnation %d) of the old generation stopped", report.rank, report.incarnation)
+        for sock in (self.closed, self.sock):
+            poller.unregister(sock)
+        self.close_connection()
+        self._connect(endpoint)
+        self._coordinator_node, self._at_seat, self._proven = node, False, False
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.closed, zmq.POLLIN)
+        self._hello()
 
     def _gone(self) -> bool:
         """Read the connection's monitor: True when the coordinator (or standby) this agent is
@@ -639,6 +703,9 @@ class NodeAgent:
             self.standby.state = msg["state"]
 
     def _on_shutdown(self, msg: Message) -> None:
+        if msg.get("rejoin") is True and self.stop_signal is None:
+            self._rejoin = True  # fenced, but still awaited: come back as the node's replacement (run)
+            return
         for report in self.processes.stop(2.0):
             if isinstance(report, ExitReport):
                 self._send_exit(report)
@@ -705,7 +772,8 @@ def main() -> None:
     agent = NodeAgent(spec.node_rank, os.environ["FTRUN_CONTROL_FOR_AGENT"], os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"],
                       processes, spec.heartbeat_interval, max(spec.heartbeat_timeout, 3 * spec.heartbeat_interval),
                       os.environ.get("FTRUN_EVENTS_ADDR"),
-                      standby=_standby_seat(spec, os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"]))
+                      standby=_standby_seat(spec, os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"]),
+                      link_grace=spec.node_wait_timeout if spec.tft.arf else 0.0)
     agent.spec = spec
     if spec.tft.ttp:
         agent.checkpoint_marker = Path(spec.checkpoint_dir).resolve() / shared_dir_marker(

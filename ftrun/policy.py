@@ -57,6 +57,12 @@ def restart_fits(restarts_used: int, cost: int, max_restarts: int) -> bool:
     return restarts_used + cost <= max_restarts
 
 
+def respawn_restarts(failed: Sequence[int] | set[int], one_event: bool) -> int:
+    """Restarts that respawning ``failed`` costs: one per rank, or one in all for ranks lost in one
+    event (a node's loss)."""
+    return min(1, len(failed)) if one_event else len(failed)
+
+
 def decide_on_failure(
     failed: Iterable[int],
     *,
@@ -65,6 +71,7 @@ def decide_on_failure(
     library_ranks: Iterable[int],
     restarts_used: int,
     max_restarts: int,
+    one_event: bool = False,
 ) -> Decision:
     """Decide what to do when ranks ``failed`` (exited non-zero, by a signal, or were killed).
 
@@ -74,7 +81,9 @@ def decide_on_failure(
     whole job restarts on every node (one restart). When respawning each failed rank would need
     more restarts than the budget has left but one whole-job restart fits, the whole job restarts
     (from the newest checkpoint: the dying gasp keeps what the survivors hold). Past
-    ``max_restarts`` the job fails.
+    ``max_restarts`` the job fails. A node's loss is one event (``one_event``: its ranks went
+    together, as in MindCluster's pod-level rescheduling): respawning all its ranks costs one
+    restart, so a link that fails once spends one restart, not one per rank of the node.
 
     Args:
         failed: global ranks that failed (at least one).
@@ -83,6 +92,7 @@ def decide_on_failure(
         library_ranks: ranks whose current process said hello through the worker library.
         restarts_used: restarts already spent (rank respawns plus whole-job restarts).
         max_restarts: the budget.
+        one_event: the ranks failed together (a node's loss): respawning them costs one restart.
 
     Returns:
         The decision.
@@ -91,10 +101,11 @@ def decide_on_failure(
     if not failed_ranks:
         raise ValueError("decide_on_failure needs at least one failed rank")
     arf_possible = arf and set(library_ranks) >= set(range(world_size))
-    if arf_possible and restart_fits(restarts_used, len(failed_ranks), max_restarts):
+    respawn_cost = respawn_restarts(failed_ranks, one_event)
+    if arf_possible and restart_fits(restarts_used, respawn_cost, max_restarts):
         return Decision(Action.RESPAWN_RANKS, failed_ranks, "ARF: respawn only the failed rank(s)")
     if not restart_fits(restarts_used, 1, max_restarts):
-        cost = len(failed_ranks) if arf_possible else 1
+        cost = respawn_cost if arf_possible else 1
         return Decision(
             Action.FAIL_JOB,
             failed_ranks,

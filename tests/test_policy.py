@@ -18,6 +18,7 @@ from ftrun.policy import (
     default_replica_groups,
     plan_recovery,
     replica_groups_from_hello,
+    respawn_restarts,
     restart_fits,
 )
 
@@ -72,6 +73,14 @@ def test_budget_exhausted_whole_job():
     d = decide([1], arf=False, used=3, max_restarts=3)
     assert d.action == Action.FAIL_JOB and "max_restarts=3" in d.reason
     assert decide([0], arf=False, max_restarts=0).action == Action.FAIL_JOB
+
+
+def test_a_node_loss_is_one_event_for_the_budget():
+    assert respawn_restarts([4, 5, 6, 7], one_event=True) == 1 and respawn_restarts([4, 5], one_event=False) == 2
+    lost_node = decide_on_failure([2, 3], world_size=4, arf=True, library_ranks=range(4), restarts_used=2,
+                                  max_restarts=3, one_event=True)
+    assert lost_node.action == Action.RESPAWN_RANKS  # 2 + 1 <= 3, where two rank deaths would not fit
+    assert decide([2, 3], used=2, max_restarts=3).action == Action.RESTART_JOB
 
 
 def test_arf_cost_is_number_of_failed_ranks():

@@ -515,7 +515,8 @@ class Coordinator:
             return self.finish_failed(teardown_crash(failed, self.ranks[failed[0]].proc.exit_desc))
         decision = decide_on_failure(failed, world_size=spec.worker_num, arf=spec.tft.arf,
                                      library_ranks=[r.rank for r in self.ranks.values() if r.library],
-                                     restarts_used=self.restarts_used, max_restarts=spec.max_restarts)
+                                     restarts_used=self.restarts_used, max_restarts=spec.max_restarts,
+                                     one_event=kind == "node_loss")
         if decision.action == Action.FAIL_JOB:
             return self.finish_failed(decision.reason)
         if decision.action == Action.RESPAWN_RANKS:

@@ -149,8 +149,20 @@ class Membership:
                 return NodeLoss(node, f"node {node} left the job: {remote.leaving} (host {remote.host or '?'})", "left")
             if remote is not None and now - remote.last_seen > timeout:
                 return NodeLoss(node, f"node {node} lost: nothing heard from its agent for {now - remote.last_seen:.1f} s "
-                                      f"(host {remote.host or '?'})", "silent", evidence_age=now - remote.last_seen)
+                                      f"(host {remote.host or '?'}; {self.heard_note(node, now)})", "silent",
+                                evidence_age=now - remote.last_seen)
         return None
+
+    def heard_note(self, silent: int, now: float) -> str:
+        """Which side's link failed, as far as this coordinator can tell when ``silent``'s agent fell
+        silent: the other nodes it still hears, or that it hears none (its own node's link may be
+        the one that is down; with two nodes the two cannot be told apart)."""
+        others = sorted(n for n, a in self.agents.items() if n != silent and isinstance(a, RemoteAgent) and not a.lost
+                        and now - a.last_seen <= 2 * self.job.spec.heartbeat_interval)
+        if others:
+            return f"node {self.job.spec.node_rank}'s coordinator still hears node(s) {others}: node {silent}'s link or host failed"
+        return (f"no other node's agent is heard either: node {silent}'s link or host failed, or node "
+                f"{self.job.spec.node_rank}'s own link")
 
     def quiet_nodes(self, now: float) -> set[int]:
         """The nodes whose agents have been silent for more than two heartbeat intervals (each
@@ -255,11 +267,7 @@ class Membership:
         now = job.clock()
         node = msg.get("node")
         if identity in self.fenced:
-            job.control.reject(identity, f"{msg.type.value} from node {self.fenced[identity]}'s old agent, which was "
-                                         "declared lost: fenced (told to stop its ranks)")
-            job.control.send(identity, MsgType.SHUTDOWN, {"code": 1, "message": (
-                f"node {self.fenced[identity]} was declared lost and is fenced off; its ranks belong to an old "
-                "generation and are stopped")})
+            self.fence(identity, msg.type.value)
             return None
         if msg.type == MsgType.AGENT_HELLO:
             return self.on_hello(identity, msg, fd, now)
@@ -275,6 +283,20 @@ class Membership:
             return None
         agent.on_message(msg, now)
         return None
+
+    def fence(self, identity: bytes, what: str) -> None:
+        """A lost node's old agent sent ``what`` (a message type: its link is back, after a partition
+        or a flap): it is told to stop its ranks, which belong to an old generation. While the node is still awaited, the
+        same agent may take it back (``rejoin``: it says hello again on a fresh connection and is
+        accepted as the node's replacement, its ranks respawned and recovered from replicas); once
+        another launcher took the node, it shuts down."""
+        node = self.fenced[identity]
+        rejoin = node in self.waiting_for and node not in self.agents
+        self.job.control.reject(identity, f"{what} from node {node}'s old agent, which was declared lost: fenced "
+                                          f"(told to stop its ranks{' and rejoin as its replacement' if rejoin else ''})")
+        self.job.control.send(identity, MsgType.SHUTDOWN, {"code": 1, "rejoin": rejoin, "message": (
+            f"node {node} was declared lost and is fenced off; its ranks belong to an old generation and are stopped"
+            + ("; it may rejoin as the node's replacement" if rejoin else ""))})
 
     def on_hello(self, identity: bytes, msg: Message, fd: int | None, now: float) -> NodeLoss | None:
         job, spec = self.job, self.job.spec

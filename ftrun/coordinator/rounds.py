@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..events import EventKind
-from ..policy import NO_STATE, NoLiveReplica, RankState, default_replica_groups, plan_recovery, replica_groups_from_hello
+from ..policy import (NO_STATE, NoLiveReplica, RankState, default_replica_groups, plan_recovery, replica_groups_from_hello,
+                      respawn_restarts)
 from ..protocol import Message, MsgType
 from .phases import JobPhase
 from .ranks import Rank, RankPhase, Recovery
@@ -66,9 +67,9 @@ class RecoveryRounds:
             why = f"rank(s) {sorted(failed)} failed during recovery" if failed else reason
             job.emit(EventKind.RECOVERY_STARTED, f"recovery restarted (round {rec.rounds}): {why}; generation {job.generation}",
                      failed=sorted(failed), reason=reason, round=rec.rounds, fault=kind)
+        job.restarts_used += respawn_restarts(failed, one_event=kind == "node_loss")  # a node's loss: one event
         for rank in sorted(failed):
             r = job.ranks[rank]
-            job.restarts_used += 1
             r.restarts += 1
             job.spawn(r, use_spare=True)
             rec.respawned_at[rank] = job.clock()
