@@ -521,3 +521,56 @@ def test_node1_lost_while_it_takes_over_the_second_standby_goes_on(net_hosts, lo
         assert took and took[0]["detail"]["epoch"] == 1 and takeover[0]["detail"]["epoch"] in (1, 2), dj.story(middle)
         lost0 = [e for e in middle if e["kind"] == "node_lost"]
         assert lost0 and lost0[0]["detail"]["node_lost"] == 0 and lost0[0]["detail"]["cause"] == "coordinator_lost"
+
+
+def _flap(host: NetHost, seconds: float) -> None:
+    """Pull ``host``'s cable for ``seconds``, then plug it back (silence only: nothing is reset)."""
+    host.set_link(False)
+    try:
+        time.sleep(seconds)
+    finally:
+        host.set_link(True)
+
+
+def test_link_flaps_are_weather_not_loss(net_hosts, long_reference: str, tmp_path: Path) -> None:  # noqa: F811
+    """Node 1's cable is pulled for 8 s, later for 20 s, then node 0's for 8 s, in one job. Each
+    flap outlasts the heartbeat timeout, so the coordinator declares node 1 lost (with two nodes
+    neither side can tell whose link failed: node 0's flap looks like node 1's, and the loss says
+    so); node 1's agent keeps trying instead of leaving, is fenced when its link returns, and
+    rejoins as its own replacement: one recovery and one restart per flap, node 0's ranks keep
+    their PIDs, and the job ends with the fault-free parameters."""
+    hosts = net_hosts(2)
+    pause = tmp_path / "pause"
+    pause.touch()  # steps sleep 0.2 s while the flaps are made; removed, the job runs to its end
+    runs = start_job(hosts, tmp_path, steps=dj.LONG_STEPS, extra=("--node_wait_timeout", "120"),
+                     script_args=("--log_every", "10", "--step_pause", "0.2", "--pause_while", str(pause)))
+
+    def recoveries() -> int:
+        return sum(e["kind"] == "recovery_finished" for e in dj.events(runs[0].log_dir))
+
+    try:
+        dj.wait_for(lambda: dj.training(runs[0].log_dir), timeout=180)
+        for n, (host, seconds) in enumerate(((hosts[1], 8.0), (hosts[1], 20.0), (hosts[0], 8.0)), start=1):
+            _flap(host, seconds)
+            dj.wait_for(lambda: recoveries() >= n, timeout=120)
+            time.sleep(2.0)  # a few steps between flaps
+        pause.unlink()
+        codes = wait_all(runs)
+    finally:
+        for run in runs:
+            if run.proc.poll() is None:
+                os.killpg(run.proc.pid, signal.SIGKILL)
+    events = dj.events(runs[0].log_dir)
+    everything = dj.story(events) + "\n---\n" + "\n---\n".join(r.output()[-3000:] for r in runs)
+    assert codes == [0, 0], everything
+    assert dj.digest(runs[0].output(), dj.LONG_STEPS) == long_reference
+    pids = dj.started(events)
+    assert len(pids[0]) == 1 and len(pids[1]) == 1, "a rank of node 0 was restarted\n" + everything
+    assert len(pids[2]) == 4 and len(pids[3]) == 4, everything  # node 1's ranks: respawned once per flap
+    lost = [e for e in events if e["kind"] == "node_lost"]
+    assert [e["detail"]["node_lost"] for e in lost] == [1, 1, 1] and all(e["detail"]["cause"] == "silent" for e in lost)
+    assert all("no other node's agent is heard either" in e["message"] for e in lost), everything
+    assert recoveries() == 3 and not [e for e in events if e["kind"] in ("job_restarting", "rank_hung")], everything
+    assert [e for e in events if e["kind"] == "job_finished"][-1]["detail"]["restarts"] == 3  # one per flap
+    assert "hears nothing from the job coordinator" in runs[1].output(), runs[1].output()[-3000:]
+    assert "rejoining as its replacement" in runs[1].output(), runs[1].output()[-3000:]
