@@ -146,7 +146,7 @@ class ExactlyOnceChecks:
         """Right after the step's last bucket left, while its all-reduce runs (a moment this rank
         waits anyway): write the fingerprint of the step's local gradient, which
         :meth:`check_local_gradient` has just kept, for a successor that computes the step again
-        (its peers did not commit it). Issue 27: carried by the provisional record before, it
+        (its peers did not commit it). Carried by the provisional record before, it
         made every rank wait for that record at the step's most expensive moment. A rank killed
         between its last bucket and this write leaves no fingerprint of the step: its successor's
         recomputation is then not checked (nothing is reported), never wrongly flagged."""

@@ -61,7 +61,7 @@ def test_rank_killed_after_its_last_step_recovers_from_ranks_that_finished(refer
 
 
 def test_a_hand_written_update_under_apply_update_is_exactly_once(tmp_path: Path) -> None:
-    """Issue 27 item 2: a script without a torch optimizer (``p.add_(p.grad, alpha=-lr)``) guards
+    """A script without a torch optimizer (``p.add_(p.grad, alpha=-lr)``) guards
     its update with ``ft.apply_update``: a kill in the all-reduce and one inside the update leave
     it bitwise equal to the same training with ``torch.optim.SGD`` and no fault."""
     (tmp_path / "sgd").mkdir()
@@ -147,7 +147,7 @@ def test_other_exit_kinds(reference: str, tmp_path: Path) -> None:
     dj.assert_survivors_kept_pids(events, {1, 2})
     causes = {e["rank"]: e["detail"]["cause"] for e in events if e["kind"] == "rank_failed"}
     assert causes == {2: "killed by SIGSEGV", 1: "exit code 1"}
-    # Issue 27 item 4: the crash left its Python stacks (faulthandler) in the rank's log and event.
+    # The crash left its Python stacks (faulthandler) in the rank's log and event.
     tail = next(e for e in events if e["kind"] == "rank_failed" and e["rank"] == 2)["detail"].get("log_tail", [])
     assert any("Segmentation fault" in line for line in tail) and any("faults.py" in line for line in tail), tail
 
@@ -226,7 +226,7 @@ def echo_server():
 
 
 def test_torch_distributed_and_the_scripts_own_sockets_survive_recoveries(reference: str, tmp_path: Path, echo_server) -> None:
-    # Issue 11 items 4 and 6: a respawned rank's set-up and a survivor's failed step can ask
+    # A respawned rank's set-up and a survivor's failed step can ask
     # torch.distributed for their rank (a placeholder group stands between generations), and a
     # TCP connection each rank holds to the test's echo server works across a cut of its own
     # group's connections (rank 1, kind=comm) and a recovery from a death (rank 2): releasing a

@@ -406,7 +406,7 @@ def test_a_shard_that_does_not_load_marks_its_checkpoint_unusable(tmp_path: Path
 
 
 def test_snapshot_of_plain_dicts_rebuilds_them_and_shares_primitives() -> None:
-    """Issue 27: plain dicts and primitives take a short path (a step start copies small replica
+    """Plain dicts and primitives take a short path (a step start copies small replica
     dicts); the copy is what the general path gives: new dicts, numpy keys as Python scalars."""
     import numpy as np
 

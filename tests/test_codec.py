@@ -145,7 +145,7 @@ PLAIN_STATES = [
 
 @pytest.mark.parametrize("index", range(len(PLAIN_STATES)))
 def test_plain_states_take_the_one_pass_walk_and_give_the_same_bytes(index: int) -> None:
-    """Issue 27: a rank's records (twice a step) take a one-pass walk; a record must read back as
+    """A rank's records (twice a step) take a one-pass walk; a record must read back as
     it did, so its bytes are those of the general walk, byte for byte."""
     state = PLAIN_STATES[index]
     codec._plain_flatten(state)  # it is plain: no fallback taken
@@ -187,7 +187,7 @@ def _same(a, b) -> bool:  # type: ignore[no-untyped-def]
 
 
 def test_a_rank_record_keeps_every_value_and_type_bit_for_bit() -> None:
-    """Issue 27: rank records (``to_record``) are walked by msgpack's C packer, about twice as fast
+    """Rank records (``to_record``) are walked by msgpack's C packer, about twice as fast
     as :func:`to_bytes`. Whatever they take must come back exactly: scalar types (1, 1.0 and True
     differ), -0.0 and NaN, tuples, sizes and lists, non-string keys, tensors of any dtype, shape,
     layout in memory or gradient flag, numpy arrays; equal states give equal bytes. What they do
@@ -220,7 +220,7 @@ def test_a_rank_record_keeps_every_value_and_type_bit_for_bit() -> None:
 
 
 def test_a_record_takes_the_common_tensor_by_a_short_path_with_the_same_bytes() -> None:
-    """Issue 27: a contiguous CPU tensor of a dtype numpy can view, with no gradient, is recorded
+    """A contiguous CPU tensor of a dtype numpy can view, with no gradient, is recorded
     with a third of the calls (a record is made twice a step); its bytes must be those of the
     general path, which a strided view or a tensor that requires grad takes."""
     from ftrun.codec import from_record, to_record

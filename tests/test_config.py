@@ -1166,7 +1166,7 @@ def test_cli_refusals(tmp_path, monkeypatch, script, capsys, argv, hint):
 
 
 def test_the_default_port_of_a_single_node_job_falls_back_to_a_free_one(tmp_path, script):
-    """Issue 27 item 5: two single-node jobs started with default flags on one machine. The second
+    """Two single-node jobs started with default flags on one machine. The second
     takes a free port, as torchrun does; a port given anywhere is kept (and refused when taken)."""
     import socket
 

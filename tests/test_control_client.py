@@ -150,7 +150,7 @@ def test_a_gloo_group_is_unregistered_and_never_destructed():
 
 
 def test_a_bucket_all_reduce_started_directly_is_dist_all_reduce():
-    """Issue 27: the reducer starts a bucket's all-reduce on the default group without
+    """The reducer starts a bucket's all-reduce on the default group without
     ``dist.all_reduce``'s wrapper; it must give the same result in place (a complex tensor takes
     ``dist.all_reduce`` itself), and fail like it between generations (the placeholder group)."""
     import torch
@@ -177,7 +177,7 @@ def test_a_bucket_all_reduce_started_directly_is_dist_all_reduce():
 
 
 def test_between_generations_the_default_group_knows_its_rank_and_fails_collectives():
-    """Issue 11 item 6: while a rank has no live group, a placeholder default group answers
+    """While a rank has no live group, a placeholder default group answers
     get_rank()/get_world_size() and fails every collective at once; a broken drop keeps it, a
     clean one (ft.finish()) leaves no group, and building the next generation replaces it."""
     import torch

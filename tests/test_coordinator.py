@@ -316,7 +316,7 @@ def test_rank_stuck_inside_the_collective_it_announced_is_the_culprit(tmp_path: 
 
 @pytest.mark.parametrize("how", ["behind", "silent"])
 def test_a_rank_whose_step_board_is_stale_is_the_culprit_not_the_communication(tmp_path: Path, how: str) -> None:
-    """Issue 27 moved a rank's step transitions into its heartbeats. A rank that dies or sticks
+    """A rank's step transitions ride its heartbeats. A rank that dies or sticks
     holding the GIL stops beating, and its last board may say "collective" of an earlier step:
     it is the culprit (a respawn), never taken for a communication hang (a whole-job restart
     without HCCE). Seen in CI: a rank raising in its update while it unwound."""
@@ -477,7 +477,7 @@ def test_a_rank_stuck_before_the_initial_broadcast_is_named_by_its_waiting_peers
 
 
 def test_the_failure_summary_shows_the_first_incarnations_traceback(tmp_path: Path) -> None:
-    """Issue 27 item 3: a rank that crashes the same way in every incarnation; the summary showed
+    """A rank that crashes the same way in every incarnation; the summary showed
     the last incarnation's log (a warning), not the first one's traceback, and never said that
     every incarnation had failed alike."""
     coord, agent, clock = make(tmp_path, max_restarts=1)
@@ -495,7 +495,7 @@ def test_the_failure_summary_shows_the_first_incarnations_traceback(tmp_path: Pa
 
 
 def test_a_plain_rank_failing_after_every_other_rank_finished_is_not_restarted(tmp_path: Path) -> None:
-    """Issue 27 item 6: a plain script's rank aborting at its exit, the others already done with
+    """A plain script's rank aborting at its exit, the others already done with
     code 0; a whole-job restart would train again from the start (twice, with the budget)."""
     coord, agent, clock = make(tmp_path, max_restarts=3)
     for rank in (0, 1, 3):
@@ -903,7 +903,7 @@ def test_every_kind_of_captured_agent_frame_replayed_is_rejected(tmp_path: Path)
 
 
 def test_an_agent_connection_that_closes_is_its_nodes_loss_at_once(tmp_path: Path) -> None:
-    """Issue 24 item 3: a killed host's kernel resets its agent's connection; the coordinator takes
+    """A killed host's kernel resets its agent's connection; the coordinator takes
     that as the node's loss at once, with no heartbeat timeout (the test's clock never moves)."""
     import time
 

@@ -229,7 +229,7 @@ def _ddp_reducer(model: torch.nn.Module, launch: Any, abandon: Any = None) -> tu
 
 
 def test_ddp_bucket_views_are_reduced_in_place_with_the_bits_of_a_copy() -> None:
-    """Issue 27: under ``wrap_model(ddp=True)`` the gradients are DDP's bucket views, end to end in
+    """Under ``wrap_model(ddp=True)`` the gradients are DDP's bucket views, end to end in
     bucket order; once the layout is known every bucket is reduced in place (no flat copy, no copy
     back) and ``.grad`` ends as the copying path leaves it, bit for bit (the plain model here)."""
     import threading

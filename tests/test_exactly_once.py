@@ -60,7 +60,7 @@ def counted_records() -> tuple[RankStateStore, list[str]]:
 
 
 def test_the_provisional_record_carries_the_gradient_fingerprint_in_the_same_write() -> None:
-    """Issue 27: one write to the job's store a step. The fingerprint of the local gradient rides
+    """One write to the job's store a step. The fingerprint of the local gradient rides
     on the provisional record, and on any later record of the same label; alone only when no
     record of the rank's state is kept."""
     records, writes = counted_records()
@@ -118,7 +118,7 @@ def test_a_failed_record_write_is_reported_once_and_does_not_stop_the_rank(capsy
 
 
 def test_a_step_start_record_equal_to_the_provisional_one_is_not_written_again() -> None:
-    """Issue 27: most steps change none of the rank's own state after their all-reduce, so the
+    """Most steps change none of the rank's own state after their all-reduce, so the
     next step start would write the same bytes again. Inside a pass it is left out; at a pass's
     first step (where a successor reads the flag), after a change, or after another write it is not."""
     records, writes = counted_records()
@@ -236,7 +236,7 @@ class _Position:
 
 
 def test_the_step_start_copy_of_rank_state_is_its_record_and_rolls_back() -> None:
-    """Issue 27: at a step start one walk gives both the copy a retried step rolls back to and the
+    """At a step start one walk gives both the copy a retried step rolls back to and the
     rank's record (the same bytes as encoding the state alone); replica objects keep a deep copy."""
     import random
 
@@ -304,7 +304,7 @@ def test_the_unwrapped_models_all_reduce_writes_the_provisional_record_before_an
 
 
 def test_a_steps_record_is_written_when_its_backward_starts_and_its_fingerprint_after_its_last_bucket() -> None:
-    """Issue 27: made right before the step's last bucket, the provisional record was what every
+    """Made right before the step's last bucket, the provisional record was what every
     rank waited for at the step's most expensive moment (4 to 7% of a small step). It is written
     when the synced backward starts (the rank state is final then; nothing has left), the local
     gradient's fingerprint in a write of its own once the last bucket has left, and the next step

@@ -126,7 +126,7 @@ def test_mnist_outside_sigkill_mid_epoch(tmp_path: Path, mnist_reference: str) -
 @pytest.mark.parametrize("fault", [
     "rank=1,step=12,point=allreduce,kind=kill",        # the first step of epoch 2
     "rank=1,step=11,point=optimizer,kind=recoverable",  # the last step of epoch 1: peers commit it
-    # Issue 20: a rank replaced after the last step of epoch 1 (before the test pass) or before the
+    # A rank replaced after the last step of epoch 1 (before the test pass) or before the
     # first forward of epoch 2 (after it). The test pass's iter(test_loader) drew a seed from torch's
     # global generator: the first lost that draw (now the loader has its own generator), the second
     # took its predecessor's state from before the epoch's end (now recorded after it).

@@ -194,7 +194,7 @@ def test_a_lost_standby_is_replaced_by_another_nodes_agent(tmp_path: Path) -> No
 
 
 def test_two_standbys_stand_in_line_and_each_is_sent_the_state(tmp_path: Path) -> None:
-    """Issue 24: node 1 may be lost while it takes over from node 0, so a second standby stands
+    """Node 1 may be lost while it takes over from node 0, so a second standby stands
     in line: the coordinator asks node 2's agent too, announces the line (first first) to ranks and
     agents, sends both the state (the line in it), and when node 1 is lost node 2 is first."""
     coord, clock, sent = _three_nodes(tmp_path)

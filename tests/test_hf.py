@@ -169,7 +169,7 @@ def test_hf_resume_refuses_a_missing_script(capsys: pytest.CaptureFixture[str]) 
 
 @pytest.mark.slow
 def test_unmodified_script_restart_resumes_from_newest_checkpoint(tmp_path: Path) -> None:
-    """Issue 22, item 4: the plain ``Trainer`` script (one process, 6 steps, ``save_steps`` 3) run
+    """The plain ``Trainer`` script (one process, 6 steps, ``save_steps`` 3) run
     through ``ftrun.integrations.hf_resume``. A restarted attempt (``TORCHELASTIC_RESTART_COUNT=1``)
     with only ``checkpoint-3`` left resumes from it, trains steps 4-6 only, and ends with the
     parameters of the uninterrupted run (the Trainer's own resume, bitwise on this job)."""

@@ -123,7 +123,7 @@ def spare_job(tmp_path_factory: pytest.TempPathFactory) -> SpareJob:
     """One 4-rank job (slow_spare_setup.py, whose hot spares hold in their set-up while a file
     exists) through six faults and one killed spare, driven in two stories:
 
-    1. Issue 24 item 4: rank 3 is killed while the node's only hot spare holds in its set-up; that
+    1. Rank 3 is killed while the node's only hot spare holds in its set-up; that
        spare, released, finishes its set-up as rank 3; rank 1 is killed at once after that recovery
        and the node's next spare serves it, ready or not.
     2. A hot spare waiting at the loop is SIGKILLed (the job must not notice); then the four
@@ -198,7 +198,7 @@ def test_hot_spares_take_four_faults_in_a_row(spare_job: SpareJob) -> None:
 
 @pytest.mark.slow  # the module's shared job (six faults, one job): its slowest
 def test_a_fault_while_the_hot_spare_is_in_its_set_up_is_served_by_it(spare_job: SpareJob) -> None:
-    """Issue 24 item 4: a fault that comes while the node's hot spare is still in the script's
+    """A fault that comes while the node's hot spare is still in the script's
     set-up is given to that spare (it finishes its set-up as the rank), never to a new process; the
     fault right after it is served by the next spare. Before, a brand-new process took the rank."""
     events = spare_job.events

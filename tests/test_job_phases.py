@@ -204,7 +204,7 @@ def test_an_unrepaired_fault_waits_its_grace_unless_a_death_explains_it() -> Non
 
 
 def test_warm_and_hot_spares_are_kept_together(tmp_path: Path) -> None:
-    """Issue 24 item 4: warm spares from the ranks' hello, hot ones beside them once the ranks are
+    """Warm spares from the ranks' hello, hot ones beside them once the ranks are
     past their set-up (a fault before the hot spare is ready, or right after its promotion, still
     finds a spare); none ordered during a recovery."""
     coord, agent, clock = make(tmp_path, warm_spares=1, hot_spares=1)

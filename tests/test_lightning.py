@@ -185,7 +185,7 @@ def test_lightning_resume_picks_the_newest_checkpoint_of_a_restarted_attempt(tmp
 
 @pytest.mark.slow
 def test_unmodified_script_restart_resumes_from_newest_checkpoint(tmp_path: Path) -> None:
-    """Issue 22, item 4: the plain Lightning script (``--no_ftrun``, one process, 24 steps an epoch,
+    """The plain Lightning script (``--no_ftrun``, one process, 24 steps an epoch,
     ``ModelCheckpoint`` keeping the two best) run through ``ftrun.integrations.lightning_resume``.
     The first attempt trains epoch 0 and stops (as a fault right after its last save would); a
     restarted attempt (``TORCHELASTIC_RESTART_COUNT=1``) asked for 2 epochs resumes from the newest

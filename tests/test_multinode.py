@@ -332,7 +332,7 @@ def test_partitioned_node_is_replaced_and_fenced(net_hosts, long_reference: str,
 
 
 def test_hangs_inside_recoveries_across_hosts(net_hosts, reference: str, tmp_path: Path) -> None:  # noqa: F811
-    """Issue 21 item 3 across two hosts: the last rank (host 1) hangs before the initial broadcast,
+    """Across two hosts: the last rank (host 1) hangs before the initial broadcast,
     then rank 0 (host 0), a donor, hangs mid-transfer to a respawned rank 2 (host 1); each is named
     by its waiting peers within seconds, replaced, and the job ends with the fault-free parameters.
     (Rank 0 hung before the broadcast is a whole-job restart, rightly: nobody else holds the
@@ -376,7 +376,7 @@ def _lose_host0(hosts: list[NetHost], tmp_path: Path, fault: Any) -> tuple[list[
 
 def test_node0_partitioned_the_majority_takes_over_and_node0_is_fenced(net_hosts, long_reference: str,  # noqa: F811
                                                                        tmp_path: Path) -> None:
-    """Issue 24: host 0's cable is pulled mid-run (its bridge port down: no reset, only silence),
+    """Host 0's cable is pulled mid-run (its bridge port down: no reset, only silence),
     and plugged back once the job moved on. Nodes 1 and the standby node (host 2) hear nothing
     from the coordinator; host 2's agent moves to node 1's standby (a vote), which then has a
     majority of the 3 agents and takes over; node 0's coordinator, hearing 1 of 3, steps down and
@@ -421,7 +421,7 @@ def _node_of(run: NodeRun) -> int | None:
 @pytest.mark.parametrize("when", ["together", "after_takeover"])
 def test_node1_lost_while_it_takes_over_the_second_standby_goes_on(net_hosts, long_reference: str,  # noqa: F811
                                                                      tmp_path: Path, when: str) -> None:
-    """Issue 24: nodes 0 and 1 lost together (node 1 dies while it takes over from node 0).
+    """Nodes 0 and 1 lost together (node 1 dies while it takes over from node 0).
     Four nodes of one rank each, every host started with the same command and no index; two more
     hosts, started once the job trains, wait as standby nodes with hot spares. Two nodes' agents
     stand in line as standby coordinators (node 1's from the start, another asked: the line's order

@@ -38,7 +38,7 @@ def test_imports_flow_one_way(module: str, forbidden: tuple[str, ...]) -> None:
 
 
 def test_no_class_reaches_into_anothers_private_members() -> None:
-    """Issue 11 item 7: ftrun's classes (the worker's roles among them: group lifecycle, state
+    """ftrun's classes (the worker's roles among them: group lifecycle, state
     registry, checkpoints, loop) use each other through public members only. A private name
     (``_x``) that an ftrun class defines or sets on ``self`` is read or written only through
     ``self``/``cls`` (a ``__new__`` setting up the instance it made is the one exception)."""
@@ -80,7 +80,7 @@ def test_no_class_reaches_into_anothers_private_members() -> None:
 
 
 def test_no_class_in_ftrun_is_over_600_lines() -> None:
-    """Issue 23: a class a newcomer can read; roles of their own are classes of their own."""
+    """A class a newcomer can read; roles of their own are classes of their own."""
     import ast
     from pathlib import Path
 
@@ -106,7 +106,7 @@ CONFIG_IMPORTS = {
 
 
 def test_config_modules_import_one_way_and_no_private_names() -> None:
-    """Issue 23 item 3: ftrun/config is split by role; a module imports only the roles below it
+    """ftrun/config is split by role; a module imports only the roles below it
     (options <- checks <- sources, torchrun <- resolve) and no sibling's private name."""
     import ast
     from pathlib import Path
@@ -128,7 +128,7 @@ def test_config_modules_import_one_way_and_no_private_names() -> None:
 
 
 def test_the_command_line_is_built_from_the_option_table() -> None:
-    """Issue 23 item 3: every option of the table (JobSpec's fields) is a flag in both spellings,
+    """Every option of the table (JobSpec's fields) is a flag in both spellings,
     with its variable in the help, and every torchrun flag and alias is one too; nothing else is."""
     import dataclasses
 

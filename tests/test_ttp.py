@@ -92,7 +92,7 @@ def test_sigterm_writes_a_dying_gasp_checkpoint(long_reference: str, tmp_path: P
 
 
 def test_killed_supervisor_leaves_a_dying_gasp_checkpoint(long_reference: str, tmp_path: Path) -> None:
-    # Issue 15: SIGKILL of the supervisor. Its ranks outlive it long enough to write their shards
+    # SIGKILL of the supervisor. Its ranks outlive it long enough to write their shards
     # of the last committed step (two replica groups: two writers), the launcher completes the
     # checkpoint, ends every rank and says how to resume; the rerun ends bitwise equal.
     import psutil

@@ -55,7 +55,7 @@ def test_stuck_step_is_detected_dumped_and_replaced(reference: str, tmp_path: Pa
 @pytest.mark.parametrize("rank, kind, ddp", [(3, "hang", False), (0, "deadlock", False), (3, "hang", True)])
 def test_rank_stuck_inside_the_allreduce_is_not_taken_for_a_communication_hang(
         reference: str, tmp_path: Path, rank: int, kind: str, ddp: bool) -> None:
-    # Issue 15: the stuck rank had announced the collective, so it was taken for a communication
+    # The stuck rank had announced the collective, so it was taken for a communication
     # hang and the HCCE round waited for it forever. Its heartbeat thread now says it is not in
     # torch.distributed while its peers are: it alone is replaced, and the job ends exactly once.
     # With DDP the survivors' all-reduces run in place on DDP's bucket views: the ones
@@ -69,7 +69,7 @@ def test_rank_stuck_inside_the_allreduce_is_not_taken_for_a_communication_hang(
 
 
 def test_setup_hang_blames_only_the_hung_rank(reference: str, tmp_path: Path) -> None:
-    # Issue 15: rank 0 hangs before its initial broadcast; ranks 1-3 wait in it. Before, all four
+    # Rank 0 hangs before its initial broadcast; ranks 1-3 wait in it. Before, all four
     # were declared hung one after another and the restart budget ran out.
     digest, events, _ = dj.run(tmp_path, "rank=0,point=init,kind=hang", extra_env={"FTRUN_SETUP_TIMEOUT": "40"})
     assert digest == reference
@@ -168,7 +168,7 @@ def test_step_guard_suppresses_only_recoverable_errors(monkeypatch) -> None:
 ], ids=["init-and-rejoin", "transfer-and-recover"])
 def test_a_hang_inside_a_recovery_is_replaced_within_seconds(reference: str, tmp_path: Path, fault: str,
                                                              hung: dict[int, str]) -> None:
-    # Issue 21 item 3: a rank hung at `rejoin` or `init` held the job until the 300 s set-up timeout
+    # A rank hung at `rejoin` or `init` held the job until the 300 s set-up timeout
     # (exit 137 at `rejoin`); at `transfer` and `recover`, 60-150 s. Its peers waiting for it in
     # torch.distributed, or the round's report deadline, now name it within seconds (closing note:
     # 5 s for a stall, 10 s for an unanswered abort), and the job ends exactly once.
