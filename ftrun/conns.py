@@ -67,15 +67,19 @@ class GroupConnections:
         """Snapshot this process's connections before the group is built."""
         self._before = _tcp()
 
-    def end(self) -> None:
-        """Record the connections and listeners that appeared since :meth:`begin` as the group's."""
+    def end(self, extend: bool = False) -> None:
+        """Record the connections and listeners that appeared since :meth:`begin` as the group's
+        (``extend``: in addition to those recorded already, e.g. a DeviceMesh's groups built on the
+        group after it stood)."""
         if self._before is None:
             raise RuntimeError("GroupConnections.end() without begin()")
         old_conns, old_listen = self._before
         self._before = None
         conns, listening = _tcp()
-        self._conns = frozenset(c for c in conns - old_conns if not self._kept(c))
-        self._listen_ports = frozenset(listening - old_listen)
+        new_conns = frozenset(c for c in conns - old_conns if not self._kept(c))
+        new_listen = frozenset(listening - old_listen)
+        self._conns = self._conns | new_conns if extend else new_conns
+        self._listen_ports = self._listen_ports | new_listen if extend else new_listen
 
     def _kept(self, c: Conn) -> bool:
         return c.raddr[1] in self.keep_ports or c.laddr[1] in self.keep_ports

@@ -16,6 +16,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -24,6 +25,8 @@ from .errors import describe
 from .exactlyonce import ExactlyOnceChecks
 from .faults import FaultInjector
 from .group import TrainingGroup
+from .policy import NO_STATE
+from .protocol import MsgType
 from .recovery import RankProgress
 from .reducer import (BUCKET_CAP_BYTES, BucketLayout, GradientReducer, all_reduce_in_buckets, broadcast_buffers,
                       broadcast_module, local_gradients_hook, one_rank_group)
@@ -32,6 +35,7 @@ from .workerstate import Phase, WorkerState
 
 
 SETTLE_S = 5.0  # how long an abandoned in-place all-reduce gets to finish before the rank is replaced
+UCE_REPORT_WAIT_S = 2.0  # how long a rank repairing in place waits for the supervisor's abort
 
 class GradientSync:
     """One rank's collectives and what their faults do.
@@ -75,6 +79,7 @@ class GradientSync:
         self.in_collective = False
         self.waiting = threading.Event()
         self.reducers: list[GradientReducer] = []
+        self.sharded = False  # a sharded model (FSDP2/TP) reduces its own gradients: none are averaged here
         self._private_group: Any = None
 
     def wrap(self, model: torch.nn.Module, device: torch.device, ddp: bool, ddp_kwargs: dict[str, Any],
@@ -247,7 +252,7 @@ class GradientSync:
             return False, None
         if self.state.failed:
             return False, None
-        if not self.reducers and self.world_size > 1 and not self.all_reduce(optimizer_params()):
+        if not self.reducers and not self.sharded and self.world_size > 1 and not self.all_reduce(optimizer_params()):
             return False, None
         progress = self.progress
         step = progress.current_step if progress.current_step is not None else progress.committed + 1
@@ -270,6 +275,25 @@ class GradientSync:
             commit(step)
         self.control.board.enter("compute")
         return applied, result
+
+    def repair(self, error: str, drop: bool) -> None:
+        """Record a recoverable error (``"Type: message"``): this rank's state is suspect, so it
+        takes a replica's (UCE). ``drop``: tear the group down now (never inside an ``except``)."""
+        progress = self.progress
+        reason = f"recoverable error at step {progress.current_step}: {error}"
+        self.state.to(Phase.REPAIRING, reason)
+        progress.committed = NO_STATE
+        print(f"ftrun: rank {self.group.rank}: {reason}; repairing in place", file=sys.stderr, flush=True)
+        # Report before anything breaks the peers' collectives, and give the supervisor a moment to
+        # answer: otherwise a peer's "collective failed" can reach it first and the round is taken
+        # for a communication error. (Once the abort is here, the recovery sends no second report.)
+        self.send(MsgType.FAULT, generation=progress.generation, step=progress.current_step or -1,
+                  committed=progress.committed, reason=reason, kind="recoverable")
+        deadline = time.monotonic() + UCE_REPORT_WAIT_S
+        while not self.control.poll_abort(timeout=0.01) and time.monotonic() < deadline:
+            pass
+        if drop:
+            self.group.drop(progress.generation)
 
     # Callbacks of the gradient reducer (called on the training thread, inside backward).
     def _at_pass_start(self) -> None:

@@ -120,6 +120,9 @@ class TrainingGroup:
         self.conns = GroupConnections()
         self._store: Any = None
         self.store_moves = 0  # times the job's store moved (a coordinator takeover): clients made before are stale
+        # Called after each generation's group is built, before its connections are recorded: a
+        # DeviceMesh's groups built again there are cut with the group (ftrun.sharding).
+        self.after_build: list[Callable[[], None]] = []
 
     def bind(self, rank: int, incarnation: int, attempt: int, managed: bool) -> None:
         """Set this rank's identity (at start, or at a hot spare's promotion, which also brings
@@ -202,8 +205,22 @@ class TrainingGroup:
             world_size=self.world_size,
             timeout=timedelta(seconds=self.pg_timeout),
         )
+        for hook in self.after_build:
+            hook()
         self.conns.end()
         return True
+
+    def record_connections(self, build: Callable[[], Any]) -> Any:
+        """Run ``build`` (it makes more process groups on the live group: a DeviceMesh's) and record
+        the connections it opens as the group's, so :meth:`cut` releases collectives on them too.
+        Returns what ``build`` returns."""
+        if not (self.managed and self.live()):
+            return build()
+        self.conns.begin()
+        try:
+            return build()
+        finally:
+            self.conns.end(extend=True)
 
     def _join_barrier(self, store: Any, generation: int, abandon: Callable[[], bool]) -> bool:
         """Wait until every rank has joined ``generation`` (False if ``abandon()`` said so).

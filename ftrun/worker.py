@@ -72,16 +72,17 @@ from .epochs import EpochLoop
 from .errors import RecoverableError, describe
 from .exactlyonce import ExactlyOnceChecks
 from .faults import FaultInjector
-from .group import GroupDown, TrainingGroup  # noqa: F401  (GroupDown: ftrun.worker.GroupDown, documented)
+from .group import GroupDown, TrainingGroup, retire  # noqa: F401  (GroupDown: ftrun.worker.GroupDown, documented)
 from .optim import FTOptimizer
 from .orphan import ORPHAN_SIGNAL, ParentWatch  # noqa: F401  (ORPHAN_SIGNAL: ftrun.worker.ORPHAN_SIGNAL)
 from .policy import INITIAL, NO_STATE
 from .protocol import MsgType
 from .recovery import RankProgress, Recovery
-from .gradsync import GradientSync
+from .gradsync import UCE_REPORT_WAIT_S, GradientSync  # noqa: F401  (UCE_REPORT_WAIT_S: ftrun.worker's, documented)
 from .reducer import BUCKET_CAP_BYTES
 from .registry import StateRegistry
 from .shards import RankCheckpoints
+from .sharding import ShardedModels, is_collective_failure, is_sharded
 from .trace import RunTrace
 from .transaction import ModuleBuffers
 from .transfer import RNGState
@@ -90,7 +91,6 @@ from .workerstate import Phase, WorkerState
 BUCKET_BYTES = BUCKET_CAP_BYTES  # gradient all-reduce bucket (DDP's default cap)
 
 
-UCE_REPORT_WAIT_S = 2.0  # how long a rank repairing in place waits for the supervisor's abort
 DUMP_SIGNAL = signal.SIGUSR1  # the supervisor asks a hung rank for its Python stacks with this
 
 
@@ -173,7 +173,7 @@ class Worker:
     """
 
     def __init__(self, backend: str | None, replica_groups: Sequence[Sequence[int]] | None, seed: int | None,
-                 device: str | None = None) -> None:
+                 device: str | None = None, mesh: tuple[Sequence[int], Sequence[str]] | None = None) -> None:
         env = self.env = RankEnv.from_environ(os.environ)
         self.state = WorkerState()
         self.progress = RankProgress()  # committed step, generation, current step (ftrun.recovery)
@@ -181,10 +181,14 @@ class Worker:
         self.seed = seed
         self.pg_timeout, self.cluster_timeout = env.pg_timeout, env.cluster_time_out
         self.backend, self.device_request = backend or ("nccl" if torch.cuda.is_available() else "gloo"), device
-        self._replica_groups_arg = replica_groups
-        self.replica_groups = [list(g) for g in replica_groups] if replica_groups else [list(range(self.world_size))]
         self.registry = StateRegistry()  # the registered state, by kind (ftrun.registry)
         self.group = TrainingGroup(self.backend, self.world_size, self.pg_timeout, self.cluster_timeout)
+        # A DeviceMesh and the models sharded on it, rebuilt on every generation (ftrun.sharding).
+        self.sharding = ShardedModels(mesh, self.backend, device, self.group.record_connections, retire)
+        self.group.after_build.append(self.sharding.rebuild)
+        replica_groups = self.sharding.replica_groups(self.world_size) or replica_groups
+        self._replica_groups_arg = replica_groups
+        self.replica_groups = [list(g) for g in replica_groups] if replica_groups else [list(range(self.world_size))]
         self.uce, self.ttp, self.save_steps = env.uce, env.ttp, env.save_steps
         self.checkpoints = RankCheckpoints(env.checkpoint_dir, self.replica_groups, self._send)
         # The supervisor (this process's parent) dying: a dying gasp (ftrun.orphan).
@@ -433,6 +437,9 @@ class Worker:
             ValueError: ``name`` is taken by another registered object, or a DDP keyword is refused.
         """
         name = self.registry.name_for(name, "model", model)
+        if is_sharded(model):  # FSDP2/TP: its groups reduce the gradients; ftrun moves its local shards
+            self.sync.sharded = True
+            return self.sharding.wrap(model, name, self.registry)
         model.to(self.device)
         self.register(name, model, kind="committed")
         if self.world_size > 1 and not self.joining and self.group.live():
@@ -446,6 +453,11 @@ class Worker:
         return self.sync.wrap(model, self.device, ddp, ddp_kwargs, check_gradients=self.managed or self.state.phase is Phase.SPARE,
                               is_first_step=lambda: self.progress.current_step == self._first_step)
 
+    def device_mesh(self, shape: Sequence[int] | None = None, names: Sequence[str] | None = None) -> Any:
+        """The ``DeviceMesh`` declared at :func:`init`, kept across generations (:mod:`ftrun.sharding`;
+        ValueError when none was declared or ``shape``/``names`` differ from it)."""
+        return self.sharding.device_mesh(shape, names)
+
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, name: str | None = None) -> FTOptimizer:
         """Register ``optimizer`` and return a :class:`ftrun.optim.FTOptimizer`: a
         ``torch.optim.Optimizer`` (schedulers, ``GradScaler`` take it) whose ``step()`` applies the
@@ -454,7 +466,7 @@ class Worker:
         (:mod:`ftrun.transaction`). Raises ValueError when ``name`` is taken by another object."""
         name = self.registry.name_for(name, "optimizer", optimizer)
         wrapped = FTOptimizer(optimizer, self)
-        self.register(name, optimizer, kind="committed")
+        self.register(name, self.sharding.optimizer_state(optimizer), kind="committed")
         return wrapped
 
     @contextlib.contextmanager
@@ -538,28 +550,17 @@ class Worker:
         (:meth:`is_recoverable`), repair the rank in place (UCE) and return True, so the block
         suppresses it; else False (it propagates). The group is dropped by the step loop right
         after, once the traceback is gone."""
+        if isinstance(err, Exception) and self.managed and self.sharding.models and is_collective_failure(err):
+            self.state.to(Phase.FAILED, f"collective failed: {describe(err)}")  # FSDP's, inside forward or backward
+            return True
         if not isinstance(err, Exception) or not self.is_recoverable(err):
             return False
         self._repair_in_place(describe(err), drop=False)
         return True
 
     def _repair_in_place(self, error: str, drop: bool) -> None:
-        """Record a recoverable error (``"Type: message"``): this rank's state is suspect, so it
-        takes a replica's (UCE). ``drop``: tear the group down now (never inside an ``except``)."""
-        reason = f"recoverable error at step {self.progress.current_step}: {error}"
-        self.state.to(Phase.REPAIRING, reason)
-        self.committed = NO_STATE
-        print(f"ftrun: rank {self.rank}: {reason}; repairing in place", file=sys.stderr, flush=True)
-        # Report before anything breaks the peers' collectives, and give the supervisor a moment to
-        # answer: otherwise a peer's "collective failed" can reach it first and the round is taken
-        # for a communication error. (Once the abort is here, _recover sends no second report.)
-        self._send(MsgType.FAULT, generation=self.generation, step=self.progress.current_step or -1,
-                   committed=self.committed, reason=reason, kind="recoverable")
-        deadline = time.monotonic() + UCE_REPORT_WAIT_S
-        while not self.control.poll_abort(timeout=0.01) and time.monotonic() < deadline:
-            pass
-        if drop:
-            self._drop_group()
+        """Record a recoverable error (UCE: :meth:`ftrun.gradsync.GradientSync.repair`)."""
+        self.sync.repair(error, drop)
 
     def record_failure(self, reason: str) -> None:
         """Record that a collective the script or its framework made on ftrun's group failed (a
@@ -789,7 +790,8 @@ def current() -> Worker | None:
 
 
 def init(backend: str | None = None, replica_groups: Sequence[Sequence[int]] | None = None, seed: int | None = None,
-         device: str | None = None) -> Worker:
+         device: str | None = None, mesh_shape: Sequence[int] | None = None,
+         mesh_dim_names: Sequence[str] | None = None) -> Worker:
     """Join the job: connect to the supervisor and build the process group.
 
     Args:
@@ -804,12 +806,17 @@ def init(backend: str | None = None, replica_groups: Sequence[Sequence[int]] | N
         device: where tensors live (:func:`ftrun.cuda.choose_device`): default ``cuda:LOCAL_RANK``
             with NCCL, the CPU with gloo; ``"cuda"`` with gloo shares the node's GPUs between its
             ranks (4 ranks on one GPU), ``"cuda:N"`` names one.
+        mesh_shape, mesh_dim_names: the DeviceMesh the script shards its model on (``(2, 2)``,
+            ``("replicate", "shard")``: HSDP), built later by :meth:`Worker.device_mesh`; ranks
+            with the same coordinate on every dimension but ``replicate`` are replicas
+            (:func:`ftrun.sharding.mesh_replica_groups`), in place of ``replica_groups``.
 
     Returns:
         The :class:`Worker` (one per process; later calls return the same one).
 
     Raises:
-        ValueError: ``replica_groups`` does not contain this rank.
+        ValueError: ``replica_groups`` does not contain this rank; a mesh whose size is not the
+            world size, or given with ``replica_groups``.
     """
     global _worker
     if _worker is None:
@@ -825,5 +832,8 @@ def init(backend: str | None = None, replica_groups: Sequence[Sequence[int]] | N
         atexit.register(gc.freeze)
         if os.environ.get(CONTROL_ADDR):  # under ftrun: output to worker_<rank>.log, whose trouble must not end the rank
             procs.guard_log_output()
-        _worker = Worker(backend, replica_groups, seed, device)
+        if mesh_shape is not None and replica_groups is not None:
+            raise ValueError("ftrun.init: give mesh_shape (its replica groups follow) or replica_groups, not both")
+        mesh = (mesh_shape, mesh_dim_names or [f"dim{i}" for i in range(len(mesh_shape))]) if mesh_shape is not None else None
+        _worker = Worker(backend, replica_groups, seed, device, mesh)
     return _worker
