@@ -1,0 +1,924 @@
+"""The control plane at scale, simulated: node 0's costs at 256 to 16,384 ranks on one machine.
+
+The job coordinator is the real one (:class:`ftrun.coordinator.Coordinator`, its main loop
+``run()``, its ZeroMQ ROUTER, the real frame authentication, status publishing and events), in a
+process of its own, as node 0's supervisor runs it. The job's store is the real one too
+(:func:`ftrun.stores.serve_store`, a torch ``TCPStore``), in another process, as node 0's launcher
+hosts it. Only the ranks and the other nodes' agents are simulated, many per process and without
+torch: each simulated rank has its own DEALER connection, its own frame session
+(:class:`ftrun.protocol.Sender`) and its own :class:`ftrun.control.StepBoard`, and sends what a rank
+of the worker library sends (``hello``, a ``heartbeat`` with its step board every
+``--heartbeat_interval``, ``fault`` in answer to an abort, ``recovered`` after a plan); each
+simulated agent says hello, beats, answers ``spawn`` with ``spawned`` and starts the new rank's
+connection, and reports a rank's exit. Rank-state records go to the store through the real
+:class:`ftrun.rankstate.RankStateStore` (one store client per simulation process, not one per rank).
+Node 0's own agent is :class:`SimLocalAgent`, an :class:`ftrun.agent.AgentHandle` that starts no
+process: its ranks are simulated like the others.
+
+Per size (``--ranks``, 8 ranks a node with ``--per_node``), in order:
+
+1. start: every agent and rank says hello; the job runs;
+2. steady state: a window of ``--window`` seconds (scaled with the ranks) in which node 0's
+   coordinator's CPU (every thread of its process: the ZeroMQ I/O thread too), the messages and
+   bytes sent to it and those it handled are counted;
+3. one rank's death (its agent reports the exit at once, as it does after ``SIGCHLD``): the times
+   to the recovery plan and to the end of the round (the respawned rank starts at once: what is
+   left is the control plane's part);
+4. one node's silence (its agent and ranks stop sending; their connections stay open, a hung
+   host): the time to the coordinator's verdict (``node_lost``), and the one-node recovery round on
+   the standby node that takes its place;
+5. the rank-state records of ``--store_steps`` steps (a ``--record_bytes`` record and a gradient
+   digest per rank and step, what word_lm writes) into the job's store: operations and bytes per
+   step, and the store process's CPU.
+
+Node 0's memory (RSS of the coordinator's and the store's processes) is read at the end.
+Each size has a time cap (``--cap``): a phase that does not finish in it is reported as such, with
+what was measured before it. The machine's other load shows in every figure: run it on an idle
+machine for figures worth quoting, and read them as one run's.
+
+Usage::
+
+    python scripts/bench_scale.py --ranks 1024,4096,16384 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from ftrun.contract import GENERATION, STANDBY_NODE_INDEX  # noqa: E402
+from ftrun.protocol import MsgType  # noqa: E402
+
+PER_NODE = 8
+RECORD_BYTES = 18_912  # word_lm's rank-state record (docs/benchmarks.md)
+SOCKETS_PER_PROCESS = 6000  # a ZeroMQ socket takes two descriptors (its connection and its mailbox)
+TOKEN = "s" * 64
+SIM_PID_BASE = 1_000_000  # simulated ranks' pids: above any real one (pid_max is at most 2^22)
+
+
+def sim_pid(rank: int, incarnation: int) -> int:
+    """The pid a simulated rank's process reports (its agent and its hello must agree)."""
+    return SIM_PID_BASE + rank * 16 + incarnation % 16
+
+
+def replica_group(rank: int, world: int, per_node: int) -> list[int]:
+    """The ranks holding the same state as ``rank`` with tensor parallelism inside a node and data
+    parallelism across nodes (the usual layout of a large job): the same local rank on every node."""
+    local = rank % per_node
+    return list(range(local, world, per_node))
+
+
+def default_window(ranks: int) -> float:
+    """Seconds of steady state measured at ``ranks`` ranks (longer for more ranks, whose per-second
+    figures start later; capped so that the four sizes fit in a few minutes)."""
+    return min(12.0, 4.0 + ranks / 2048)
+
+
+def plan_processes(nodes: int, per_node: int, limit: int = SOCKETS_PER_PROCESS) -> list[list[int]]:
+    """Split the nodes (index 0..nodes-1, plus one standby node, :data:`STANDBY_NODE_INDEX`) over
+    simulation processes of at most ``limit`` sockets each (a node: its agent and its ranks).
+    Node 0's ranks have no agent socket (their agent is the coordinator's)."""
+    per_process = max(1, limit // (per_node + 1))
+    order = list(range(nodes)) + [STANDBY_NODE_INDEX]
+    return [order[i:i + per_process] for i in range(0, len(order), per_process)]
+
+
+# --------------------------------------------------------------------------- node 0's agent
+class SimLocalAgent:
+    """Node 0's agent in the coordinator's process, starting no process: every spawn is reported
+    at once with the simulated rank's pid (its rank connects from a simulation process)."""
+
+    def __init__(self, node: int = 0) -> None:
+        self.node = node
+        self.leaving = None
+        self._reports: list[Any] = []
+
+    def spawn(self, rank: int, incarnation: int, rank_vars: Mapping[str, str], header: str, use_spare: bool) -> None:
+        from ftrun.agent import Spawned
+
+        self._reports.append(Spawned(rank, incarnation, sim_pid(rank, incarnation), "warm" if use_spare else ""))
+
+    def signal(self, rank: int, incarnation: int, sig: int) -> None:
+        pass
+
+    def kill_hung(self, rank: int, incarnation: int, line: str, dump: bool) -> None:
+        pass
+
+    def stop_ranks(self, grace_period: float) -> None:
+        pass
+
+    def keep_spares(self, warm: int, hot: int, model_vars: Mapping[str, str]) -> None:
+        pass
+
+    def shutdown(self, code: int, message: str) -> None:
+        pass
+
+    def announce_standby(self, control: str, store: str, epoch: int, seats: Any = None) -> None:
+        pass
+
+    def replicate(self, state: dict[str, Any]) -> None:
+        pass
+
+    def ask_to_stand_by(self) -> None:
+        pass
+
+    def take_reports(self) -> list[Any]:
+        out, self._reports = self._reports, []
+        return out
+
+    def connected(self) -> bool:
+        return True
+
+    def note_child_signal(self, at: float) -> None:
+        pass
+
+    def start_note(self) -> str | None:
+        return None
+
+
+def _as_agent_handle() -> type:
+    """:class:`SimLocalAgent` as an :class:`ftrun.agent.AgentHandle` (imported in the coordinator's process only)."""
+    from ftrun.agent import AgentHandle
+
+    return type("SimLocalAgentHandle", (SimLocalAgent, AgentHandle), {})
+
+
+# --------------------------------------------------------------------------- node 0's processes
+def store_main(conn: Any) -> None:
+    """Node 0's launcher's part: host the job's store (the real one) until killed."""
+    from ftrun.stores import serve_store
+
+    store, port = serve_store("127.0.0.1", 0, 600.0)
+    conn.send(port)
+    signal.pause()
+    del store
+
+
+def coordinator_main(conn: Any, ranks: int, per_node: int, store_port: int, log_dir: str, stats_path: str) -> None:
+    """Node 0's supervisor: the real coordinator and its main loop. A thread writes the messages
+    it handled (by type) to ``stats_path`` twice a second."""
+    import threading
+
+    from ftrun.config import JobSpec
+    from ftrun.coordinator import Coordinator
+
+    spec = JobSpec(script="simulated.py", worker_num=ranks, local_worker_num=per_node, node_rank=0,
+                   master_addr="127.0.0.1", master_port=store_port, log_dir=log_dir,
+                   checkpoint_dir=os.path.join(log_dir, "ckpt"), max_restarts=1_000_000)
+    coord = Coordinator(spec, TOKEN, None, store_port, local_agent=_as_agent_handle()())
+    handled: dict[str, int] = {}
+    on_rank, on_agent = coord.control.on_rank, coord.control.on_agent
+
+    def count_rank(identity: bytes, msg: Any) -> None:
+        handled[msg.type.value] = handled.get(msg.type.value, 0) + 1
+        on_rank(identity, msg)
+
+    def count_agent(identity: bytes, msg: Any, fd: int | None) -> None:
+        handled[msg.type.value] = handled.get(msg.type.value, 0) + 1
+        on_agent(identity, msg, fd)
+
+    coord.control.on_rank, coord.control.on_agent = count_rank, count_agent
+
+    def write_stats() -> None:
+        while True:
+            tmp = stats_path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"handled": dict(handled), "generation": coord.generation}, f)
+            os.replace(tmp, stats_path)
+            time.sleep(0.5)
+
+    threading.Thread(target=write_stats, daemon=True).start()
+    conn.send(coord.control_addr)
+    os.environ.setdefault("TORCHELASTIC_RUN_ID", "bench-scale")
+    coord.run()
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (every thread), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid``, bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+# --------------------------------------------------------------------------- simulated ranks and agents
+@dataclass
+class Progress:
+    """What :class:`ftrun.control.StepBoard` reads of a rank's progress."""
+
+    committed: int = -1
+    current_step: int | None = None
+
+
+@dataclass
+class SimRank:
+    rank: int
+    incarnation: int
+    node: "SimNode"
+    sock: Any
+    sender: Any
+    receiver: Any
+    board: Any
+    progress: Progress
+    alive: bool = True
+    recovering: bool = False
+
+
+@dataclass
+class SimNode:
+    index: int  # the node it serves (a standby's: STANDBY_NODE_INDEX until it takes a node)
+    sock: Any  # its agent's DEALER (None for node 0: its agent is the coordinator's)
+    sender: Any
+    receiver: Any
+    ranks: dict[int, SimRank] = field(default_factory=dict)
+    silent: bool = False
+    last_beat: float = 0.0  # when its agent last beat (wall)
+
+
+@dataclass
+class Counters:
+    """What a simulation process sent to node 0 and received from it."""
+
+    sent: dict[str, int] = field(default_factory=dict)
+    sent_bytes: int = 0
+    received: dict[str, int] = field(default_factory=dict)
+    received_bytes: int = 0
+    plans: dict[int, list[float]] = field(default_factory=dict)  # generation -> [first, last] receipt (wall)
+    aborts: dict[int, list[float]] = field(default_factory=dict)
+    hung_orders: int = 0  # kill_hung received: a rank taken for hung (the simulation fell behind)
+
+    def note_sent(self, kind: str, nbytes: int) -> None:
+        self.sent[kind] = self.sent.get(kind, 0) + 1
+        self.sent_bytes += nbytes
+
+    def note_received(self, kind: str, nbytes: int) -> None:
+        self.received[kind] = self.received.get(kind, 0) + 1
+        self.received_bytes += nbytes
+
+
+class Beats:
+    """Sends due beats round-robin so that each of ``n`` senders beats once per ``interval``
+    seconds, spread evenly over it (what independent ranks' heartbeat threads do)."""
+
+    def __init__(self, interval: float, start: float) -> None:
+        self.interval, self.start, self.done = interval, start, 0
+
+    def due(self, n: int, now: float) -> int:
+        """How many beats to send now (at most ``n``: a sender that fell behind sends one, not a burst)."""
+        if n == 0:
+            return 0
+        target = int((now - self.start) / self.interval * n)
+        count = max(0, min(target - self.done, n))
+        self.done = max(self.done + count, target - n)
+        return count
+
+
+class Simulation:
+    """The agents and ranks of some nodes, in one process, on one thread.
+
+    Args:
+        nodes: the node indices this process simulates (:data:`STANDBY_NODE_INDEX`: the standby node).
+        world, per_node: the job's ranks and ranks per node.
+        control_addr: the coordinator's endpoint.
+        interval: the heartbeat interval, seconds; ``step_s``: simulated step time.
+    """
+
+    def __init__(self, nodes: list[int], world: int, per_node: int, control_addr: str, interval: float,
+                 step_s: float) -> None:
+        import zmq
+
+        from ftrun.protocol import FrameAuth
+
+        self.zmq = zmq
+        self.ctx = zmq.Context(io_threads=1)
+        self.ctx.setsockopt(zmq.MAX_SOCKETS, 2 * SOCKETS_PER_PROCESS + 100)
+        self.auth = FrameAuth(TOKEN)
+        self.world, self.per_node, self.addr = world, per_node, control_addr
+        self.interval, self.step_s = interval, step_s
+        self.counters = Counters()
+        self.nodes: dict[int, SimNode] = {}
+        self.by_sock: dict[Any, tuple[SimNode, SimRank | None]] = {}
+        self.poller = zmq.Poller()
+        now = time.monotonic()
+        self.rank_beats, self.agent_beats = Beats(interval, now), Beats(interval, now)
+        self.rank_cursor = self.agent_cursor = 0
+        self.ranks_list: list[SimRank] = []
+        self.step = 0
+        self.next_step = now + step_s
+        self.records: Any = None  # (store writers, steps left, next rank) while records are written
+        for index in nodes:
+            self.add_node(index)
+
+    # ------------------------------------------------------------------ sockets and frames
+    def _dealer(self, prefix: bytes) -> tuple[Any, Any, Any]:
+        from ftrun.protocol import Receiver, Sender, to_peer
+
+        zmq = self.zmq
+        sock = self.ctx.socket(zmq.DEALER)
+        identity = prefix + secrets.token_bytes(15)
+        sock.setsockopt(zmq.IDENTITY, identity)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.connect(self.addr)
+        self.poller.register(sock, zmq.POLLIN)
+        return sock, Sender(self.auth), Receiver(self.auth, to_peer(identity))
+
+    def _send(self, sock: Any, sender: Any, msg_type: MsgType, **fields: Any) -> None:
+        from ftrun.protocol import CONTROL, encode
+
+        frame = encode(msg_type, sender, CONTROL, **fields)
+        try:
+            sock.send(frame, self.zmq.NOBLOCK)
+        except self.zmq.Again:
+            return
+        self.counters.note_sent(msg_type.value, len(frame))
+
+    def add_node(self, index: int) -> None:
+        node = SimNode(index, None, None, None)
+        if index != 0:
+            node.sock, node.sender, node.receiver = self._dealer(b"a")
+            self.by_sock[node.sock] = (node, None)
+            self._send(node.sock, node.sender, MsgType.AGENT_HELLO, node=index, pid=SIM_PID_BASE - 1 - index,
+                       host=f"sim-{index}")
+        self.nodes[index] = node
+        if index == 0:  # node 0's ranks: its agent (the coordinator's) reported them spawned
+            for rank in range(self.per_node):
+                self.start_rank(node, rank, 0, 0)
+
+    def start_rank(self, node: SimNode, rank: int, incarnation: int, generation: int) -> None:
+        from ftrun.control import StepBoard
+
+        sock, sender, receiver = self._dealer(b"r")
+        progress = Progress(committed=-1 if incarnation == 0 else -2)
+        r = SimRank(rank, incarnation, node, sock, sender, receiver, StepBoard(progress), progress)
+        node.ranks[rank] = r
+        self.by_sock[sock] = (node, r)
+        self.ranks_list.append(r)
+        self._send(sock, sender, MsgType.HELLO, rank=rank, incarnation=incarnation, pid=sim_pid(rank, incarnation),
+                   generation=generation, replica_group=replica_group(rank, self.world, self.per_node), library=True)
+        if incarnation > 0:
+            r.recovering = True
+
+    def close_rank(self, r: SimRank) -> None:
+        r.alive = False
+        self.poller.unregister(r.sock)
+        self.by_sock.pop(r.sock, None)
+        r.sock.close(0)
+        self.ranks_list = [x for x in self.ranks_list if x is not r]
+
+    # ------------------------------------------------------------------ what node 0 sends
+    def receive(self, timeout_ms: int) -> None:
+        from ftrun.protocol import ProtocolError, decode
+
+        for sock, _ in self.poller.poll(timeout_ms):
+            owner = self.by_sock.get(sock)
+            if owner is None:
+                continue
+            node, r = owner
+            for _ in range(100):
+                try:
+                    frame = sock.recv(self.zmq.NOBLOCK)
+                except self.zmq.Again:
+                    break
+                if node.silent:
+                    continue  # a hung host reads nothing
+                try:
+                    msg = decode(frame, r.receiver if r is not None else node.receiver)
+                except ProtocolError:
+                    continue
+                self.counters.note_received(msg.type.value, len(frame))
+                if r is None:
+                    self.on_agent_order(node, msg)
+                elif r.alive:
+                    self.on_rank_order(r, msg)
+
+    def on_agent_order(self, node: SimNode, msg: Any) -> None:
+        if msg.type == MsgType.TAKE_NODE:
+            node.index = int(msg["node"])
+        elif msg.type == MsgType.SPAWN:
+            rank, incarnation = int(msg["rank"]), int(msg["incarnation"])
+            self._send(node.sock, node.sender, MsgType.SPAWNED, node=node.index, rank=rank, incarnation=incarnation,
+                       pid=sim_pid(rank, incarnation), spare=bool(msg["use_spare"]),
+                       **({"spare_kind": "warm"} if msg["use_spare"] else {}))
+            generation = int(dict(msg["vars"]).get(GENERATION, 0))
+            self.start_rank(node, rank, incarnation, generation)
+        elif msg.type == MsgType.KILL_HUNG:
+            self.counters.hung_orders += 1
+            r = node.ranks.get(int(msg["rank"]))
+            if r is not None and r.alive and r.incarnation == msg["incarnation"]:
+                self.report_exit(node, r)
+
+    def on_rank_order(self, r: SimRank, msg: Any) -> None:
+        now = time.time()
+        if msg.type == MsgType.ABORT:
+            generation = int(msg["generation"])
+            seen = self.counters.aborts.setdefault(generation, [now, now])
+            seen[1] = now
+            r.recovering = True
+            r.board.enter("recovering")
+            self._send(r.sock, r.sender, MsgType.FAULT, rank=r.rank, incarnation=r.incarnation, generation=generation,
+                       step=r.progress.current_step if r.progress.current_step is not None else 0,
+                       committed=r.progress.committed, reason="abort", kind="abort")
+        elif msg.type == MsgType.RECONFIGURE:
+            generation = int(msg["generation"])
+            seen = self.counters.plans.setdefault(generation, [now, now])
+            seen[1] = now
+            transfers = msg["transfers"]
+            role = ("recipient" if any(t[1] == r.rank for t in transfers)
+                    else "donor" if any(t[0] == r.rank for t in transfers) else "none")
+            r.progress.committed = int(msg["step"])
+            r.recovering = False
+            r.board.enter("compute")
+            self._send(r.sock, r.sender, MsgType.RECOVERED, rank=r.rank, incarnation=r.incarnation, generation=generation,
+                       role=role, bytes=RECORD_BYTES if role == "recipient" else 0, seconds=0.0)
+
+    def report_exit(self, node: SimNode, r: SimRank, returncode: int = -9) -> float:
+        """``r`` dies: its agent reports the exit (the ``SIGCHLD``'s time); returns that time (wall)."""
+        at = time.time()
+        self.close_rank(r)
+        self._send(node.sock, node.sender, MsgType.EXITED, node=node.index, rank=r.rank, incarnation=r.incarnation,
+                   pid=sim_pid(r.rank, r.incarnation), returncode=returncode, at=at)
+        return at
+
+    # ------------------------------------------------------------------ what the ranks and agents send
+    def beat(self, now: float) -> None:
+        ranks = self.ranks_list
+        for _ in range(self.rank_beats.due(len(ranks), now)):
+            self.rank_cursor %= len(ranks)
+            r = ranks[self.rank_cursor]
+            self.rank_cursor += 1
+            if r.node.silent:
+                continue
+            stage = "recover" if r.recovering else "loop"
+            self._send(r.sock, r.sender, MsgType.HEARTBEAT, rank=r.rank, incarnation=r.incarnation, **r.board.fields(),
+                       in_dist=False, stage=stage, stage_bytes=0)
+        agents = [n for n in self.nodes.values() if n.sock is not None]
+        for _ in range(self.agent_beats.due(len(agents), now)):
+            self.agent_cursor %= len(agents)
+            node = agents[self.agent_cursor]
+            self.agent_cursor += 1
+            if not node.silent:
+                self._send(node.sock, node.sender, MsgType.AGENT_BEAT, node=node.index)
+                node.last_beat = time.time()
+
+    def advance(self, now: float) -> None:
+        """Every rank not recovering begins the next step (having committed the one before)."""
+        if now < self.next_step:
+            return
+        self.next_step = max(self.next_step + self.step_s, now)
+        self.step += 1
+        for r in self.ranks_list:
+            if not r.recovering and not r.node.silent:
+                if r.progress.current_step is not None:
+                    r.progress.committed = r.progress.current_step
+                r.progress.current_step = max(self.step, r.progress.committed + 1)
+                r.board.begin(r.progress.current_step, None)
+
+    # ------------------------------------------------------------------ rank-state records
+    def start_records(self, store_port: int, steps: int, record_bytes: int) -> None:
+        """Write ``steps`` steps of every live rank's records to the job's store (a chunk of ranks
+        per loop pass, so the heartbeats go on meanwhile)."""
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        from ftrun.rankstate import RankStateStore
+
+        client = CountingStore(TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60)))
+        writers = [(r, RankStateStore(client, 0, r.rank)) for r in self.ranks_list if r.alive and not r.node.silent]
+        blob = os.urandom(record_bytes)
+        self.records = {"client": client, "writers": writers, "blob": blob, "steps": steps, "step": 0, "next": 0,
+                        "started": time.monotonic(), "finished": None}
+
+    def write_records(self, chunk: int = 256) -> None:
+        rec = self.records
+        if rec is None or rec["finished"] is not None:
+            return
+        writers = rec["writers"]
+        label = 1000 + rec["step"]
+        for r, writer in writers[rec["next"]:rec["next"] + chunk]:
+            # A step's writes (ftrun.rankstate): the provisional record at the backward pass, the
+            # local gradient's digest, the next step start's record (equal to the provisional one:
+            # not written).
+            writer.put_encoded(label, rec["blob"], provisional=True)
+            writer.put_gradient_digest(label, "0" * 64)
+            writer.put_encoded(label, rec["blob"], mid_pass=True)
+        rec["next"] += chunk
+        if rec["next"] >= len(writers):
+            rec["next"], rec["step"] = 0, rec["step"] + 1
+            if rec["step"] >= rec["steps"]:
+                rec["client"].flush()
+                rec["finished"] = time.monotonic()
+
+    def records_report(self) -> dict[str, Any] | None:
+        rec = self.records
+        if rec is None:
+            return None
+        client = rec["client"]
+        return {"ops": client.ops, "bytes": client.nbytes, "steps": rec["steps"], "ranks": len(rec["writers"]),
+                "seconds": (rec["finished"] or time.monotonic()) - rec["started"], "done": rec["finished"] is not None}
+
+    # ------------------------------------------------------------------ driver's commands
+    def command(self, cmd: str, arg: Any) -> Any:
+        if cmd == "counters":
+            return {**dataclasses.asdict(self.counters), "ranks": len(self.ranks_list), "records": self.records_report()}
+        if cmd == "kill":
+            for node in self.nodes.values():
+                r = node.ranks.get(arg)
+                if r is not None and r.alive:
+                    return self.report_exit(node, r)
+            return None
+        if cmd == "silence":
+            node = self.nodes.get(arg)
+            if node is None:
+                return None
+            node.silent = True
+            return node.last_beat or time.time()
+        if cmd == "records":
+            self.start_records(*arg)
+            return True
+        raise ValueError(cmd)
+
+    def run(self, conn: Any) -> None:
+        while True:
+            now = time.monotonic()
+            if conn.poll():
+                cmd, arg = conn.recv()
+                if cmd == "stop":
+                    break
+                conn.send(self.command(cmd, arg))
+            self.advance(now)
+            self.beat(now)
+            self.write_records()
+            self.receive(timeout_ms=5)
+        for sock in list(self.by_sock):
+            sock.close(0)
+        self.ctx.term()
+
+
+class CountingStore:
+    """A store client that counts its writes (operations and value bytes) and passes them on."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.ops, self.nbytes = store, 0, 0
+
+    def set(self, key: str, value: bytes) -> None:
+        self.ops += 1
+        self.nbytes += len(value) + len(key)
+        self.store.set(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.store.check(keys)
+
+    def get(self, key: str) -> bytes:
+        return self.store.get(key)
+
+    def flush(self) -> None:
+        """Wait until the store has taken every write (a ``set`` does not wait for it): one read."""
+        self.store.check(["ftrun/bench/flush"])
+
+
+def simulation_main(conn: Any, nodes: list[int], world: int, per_node: int, control_addr: str, interval: float,
+                    step_s: float) -> None:
+    import torch.distributed  # noqa: F401  (the store client's; imported before any beat: it takes seconds)
+
+    Simulation(nodes, world, per_node, control_addr, interval, step_s).run(conn)
+
+
+# --------------------------------------------------------------------------- the driver
+class EventTail:
+    """The coordinator's events.jsonl, read as it grows."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.events = path, 0, []
+
+    def read(self) -> list[dict[str, Any]]:
+        if self.path.exists():
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+            cut = data.rfind(b"\n") + 1
+            self.offset += cut
+            for line in data[:cut].splitlines():
+                self.events.append(json.loads(line))
+        return self.events
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.read() if e["kind"] == kind]
+
+
+class Incomplete(Exception):
+    """A phase did not finish within the size's time cap."""
+
+
+@dataclass
+class SizeRun:
+    """One size's processes and measurements."""
+
+    ranks: int
+    per_node: int
+    deadline: float
+    result: dict[str, Any] = field(default_factory=dict)
+
+    def wait(self, what: str, done: Callable[[], Any], poll: float = 0.1) -> Any:
+        while True:
+            got = done()
+            if got:
+                return got
+            if time.monotonic() > self.deadline:
+                raise Incomplete(what)
+            time.sleep(poll)
+
+
+def receive(conn: Any, what: str, timeout: float = 120.0) -> Any:
+    """The next object from a child process's pipe.
+
+    Raises:
+        RuntimeError: nothing came within ``timeout`` seconds (the child failed: its traceback is on stderr).
+    """
+    if not conn.poll(timeout):
+        raise RuntimeError(f"{what} did not come within {timeout:g} s")
+    return conn.recv()
+
+
+def ask_all(pipes: list[Any], cmd: str, arg: Any = None) -> list[Any]:
+    for conn in pipes:
+        conn.send((cmd, arg))
+    return [receive(conn, f"the answer to {cmd}") for conn in pipes]
+
+
+def sum_counters(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"sent": {}, "sent_bytes": 0, "received": {}, "received_bytes": 0, "hung_orders": 0,
+                           "plans": {}, "aborts": {}}
+    for rep in reports:
+        for key in ("sent", "received"):
+            for kind, n in rep[key].items():
+                out[key][kind] = out[key].get(kind, 0) + n
+        for key in ("sent_bytes", "received_bytes", "hung_orders"):
+            out[key] += rep[key]
+        for key in ("plans", "aborts"):
+            for gen, (first, last) in rep[key].items():
+                have = out[key].get(int(gen))
+                out[key][int(gen)] = [min(first, have[0]), max(last, have[1])] if have else [first, last]
+    return out
+
+
+def measure_size(ranks: int, per_node: int, window: float, cap: float, store_steps: int, record_bytes: int,
+                 interval: float, step_s: float, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run one size through the phases (module docstring); returns its figures (``incomplete``
+    names the phase that did not finish within ``cap`` seconds)."""
+    mp = multiprocessing.get_context("fork")
+    tmp = Path(tempfile.mkdtemp(prefix="ftrun-scale-"))
+    run = SizeRun(ranks, per_node, time.monotonic() + cap)
+    res = run.result
+    res.update(ranks=ranks, nodes=ranks // per_node, per_node=per_node, heartbeat_interval_s=interval, step_s=step_s)
+    procs: list[Any] = []
+    pipes: list[Any] = []
+    t_begin = time.monotonic()
+    try:
+        parent, child = mp.Pipe()
+        store = mp.Process(target=store_main, args=(child,), daemon=True)
+        store.start()
+        procs.append(store)
+        store_port = receive(parent, "the store's port")
+        stats = tmp / "coordinator_stats.json"
+        parent, child = mp.Pipe()
+        coord = mp.Process(target=coordinator_main, args=(child, ranks, per_node, store_port, str(tmp), str(stats)),
+                           daemon=True)
+        coord.start()
+        procs.append(coord)
+        control_addr = receive(parent, "the coordinator's endpoint")
+        events = EventTail(tmp / "events.jsonl")
+
+        def handled() -> dict[str, int]:
+            try:
+                return json.loads(stats.read_text())["handled"]
+            except (OSError, ValueError):
+                return {}
+
+        layout = plan_processes(ranks // per_node, per_node)
+        where: dict[int, int] = {}  # node -> index of its simulation process
+        for i, nodes in enumerate(layout):
+            parent, child = mp.Pipe()
+            sim = mp.Process(target=simulation_main, args=(child, nodes, ranks, per_node, control_addr, interval, step_s),
+                             daemon=True)
+            sim.start()
+            procs.append(sim)
+            pipes.append(parent)
+            where.update({n: i for n in nodes})
+        res["simulation_processes"] = len(layout)
+
+        # 1. start
+        t0 = time.monotonic()
+        run.wait("start (every rank's hello)", lambda: handled().get("hello", 0) >= ranks)
+        res["start_s"] = round(time.monotonic() - t0, 2)
+        say(f"  {ranks} ranks: every hello handled in {res['start_s']} s")
+
+        # 2. steady state
+        time.sleep(min(3.0, window / 2))
+        cpu0, h0, c0, w0 = proc_cpu_seconds(coord.pid), handled(), sum_counters(ask_all(pipes, "counters")), time.monotonic()
+        time.sleep(window)
+        cpu1, h1, c1, w1 = proc_cpu_seconds(coord.pid), handled(), sum_counters(ask_all(pipes, "counters")), time.monotonic()
+        span = w1 - w0
+        sent = sum(c1["sent"].values()) - sum(c0["sent"].values())
+        done = sum(h1.values()) - sum(h0.values())
+        res["steady"] = {
+            "window_s": round(span, 2),
+            "coordinator_cpu_pct": round(100 * (cpu1 - cpu0) / span, 1),
+            "msgs_in_per_s": round(sent / span, 1),
+            "bytes_in_per_s": round((c1["sent_bytes"] - c0["sent_bytes"]) / span),
+            "msgs_handled_per_s": round(done / span, 1),
+            "msgs_out_per_s": round((sum(c1["received"].values()) - sum(c0["received"].values())) / span, 1),
+            "bytes_out_per_s": round((c1["received_bytes"] - c0["received_bytes"]) / span),
+            "heartbeats_per_s": round((c1["sent"].get("heartbeat", 0) - c0["sent"].get("heartbeat", 0)) / span, 1),
+            "coordinator_rss_bytes": proc_rss_bytes(coord.pid),
+        }
+        say(f"  steady: coordinator {res['steady']['coordinator_cpu_pct']}% of a core, "
+            f"{res['steady']['msgs_in_per_s']:.0f} msgs/s in, {res['steady']['bytes_in_per_s'] / 1e6:.2f} MB/s in")
+
+        # 3. a rank's death
+        victim = per_node + 3  # a rank of node 1
+        n_finished = len(events.of("recovery_finished"))
+        at = ask_all([pipes[where[1]]], "kill", victim)[0]
+        fin = run.wait("one rank's recovery", lambda: events.of("recovery_finished")[n_finished:])[0]
+        planned = events.of("recovery_planned")[-1]
+        gen = planned["generation"]
+        plans = run.wait("plan receipts", lambda: sum_counters(ask_all(pipes, "counters"))["plans"].get(gen))
+        res["rank_death"] = {
+            "to_plan_decided_s": round(planned["time"] - at, 4),
+            "to_plan_received_by_all_s": round(plans[1] - at, 4),
+            "round_s": round(fin["time"] - at, 4),
+            "coordinator_total_seconds": fin["detail"]["total_seconds"],
+        }
+        say(f"  rank death: plan decided {res['rank_death']['to_plan_decided_s']} s, received by all "
+            f"{res['rank_death']['to_plan_received_by_all_s']} s, round {res['rank_death']['round_s']} s")
+
+        # 4. a node's silence
+        silent_node = ranks // per_node - 1
+        n_lost, n_finished = len(events.of("node_lost")), len(events.of("recovery_finished"))
+        silent_at = ask_all([pipes[where[silent_node]]], "silence", silent_node)[0]
+        lost = run.wait("node verdict", lambda: events.of("node_lost")[n_lost:])[0]
+        fin = run.wait("one node's recovery", lambda: events.of("recovery_finished")[n_finished:])[0]
+        timeout = max(5.0, 3 * interval)  # silence_timeout of the default --heartbeat_timeout
+        res["node_silence"] = {
+            "silence_timeout_s": timeout,
+            "to_verdict_s": round(lost["time"] - silent_at, 3),
+            "verdict_after_timeout_s": round(lost["time"] - silent_at - timeout, 3),
+            "round_s": round(fin["time"] - lost["time"], 4),
+        }
+        say(f"  node silence: verdict after {res['node_silence']['to_verdict_s']} s "
+            f"(timeout {timeout:g} s), round {res['node_silence']['round_s']} s")
+
+        # 5. rank-state records
+        if store_steps > 0:
+            store_cpu0 = proc_cpu_seconds(store.pid)
+            t0 = time.monotonic()
+            ask_all(pipes, "records", (store_port, store_steps, record_bytes))
+
+            def records() -> list[dict[str, Any]] | None:
+                reps = [rep["records"] for rep in ask_all(pipes, "counters")]
+                return reps if all(rep and rep["done"] for rep in reps) else None
+
+            reps = run.wait("rank-state records", records, poll=0.2)
+            seconds = time.monotonic() - t0
+            ops, nbytes = sum(r["ops"] for r in reps), sum(r["bytes"] for r in reps)
+            res["store"] = {
+                "steps": store_steps,
+                "ops_per_step": round(ops / store_steps),
+                "bytes_per_step": round(nbytes / store_steps),
+                "seconds_per_step": round(seconds / store_steps, 3),
+                "store_cpu_s_per_step": round((proc_cpu_seconds(store.pid) - store_cpu0) / store_steps, 3),
+                "store_rss_bytes": proc_rss_bytes(store.pid),
+            }
+            say(f"  records: {res['store']['ops_per_step']} store ops and {res['store']['bytes_per_step'] / 1e6:.1f} MB "
+                f"a step, {res['store']['seconds_per_step']} s a step")
+        res["coordinator_rss_bytes"] = proc_rss_bytes(coord.pid)
+        res["hung_orders"] = sum_counters(ask_all(pipes, "counters"))["hung_orders"]
+    except Incomplete as err:
+        res["incomplete"] = f"{err} did not finish within the cap of {cap:g} s"
+        say(f"  {ranks} ranks: INCOMPLETE: {res['incomplete']}")
+        for proc in procs[1:2]:
+            if proc.is_alive():
+                res.setdefault("coordinator_rss_bytes", proc_rss_bytes(proc.pid))
+    finally:
+        for conn in pipes:
+            try:
+                conn.send(("stop", None))
+            except OSError:
+                pass
+        for proc in reversed(procs):
+            proc.join(timeout=5 if proc in procs[2:] else 0)
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(timeout=10)
+        if os.environ.get("FTRUN_BENCH_KEEP"):
+            say(f"  kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    res["wall_s"] = round(time.monotonic() - t_begin, 1)
+    return res
+
+
+# --------------------------------------------------------------------------- report
+COLUMNS = [
+    ("ranks", lambda r: r["ranks"], "{}"),
+    ("coord CPU %", lambda r: r.get("steady", {}).get("coordinator_cpu_pct"), "{}"),
+    ("msgs/s in", lambda r: r.get("steady", {}).get("msgs_in_per_s"), "{:.0f}"),
+    ("MB/s in", lambda r: _div(r.get("steady", {}).get("bytes_in_per_s"), 1e6), "{:.2f}"),
+    ("handled/s", lambda r: r.get("steady", {}).get("msgs_handled_per_s"), "{:.0f}"),
+    ("store ops/step", lambda r: r.get("store", {}).get("ops_per_step"), "{}"),
+    ("store MB/step", lambda r: _div(r.get("store", {}).get("bytes_per_step"), 1e6), "{:.1f}"),
+    ("death->plan s", lambda r: r.get("rank_death", {}).get("to_plan_received_by_all_s"), "{}"),
+    ("rank round s", lambda r: r.get("rank_death", {}).get("round_s"), "{}"),
+    ("silence->verdict s", lambda r: r.get("node_silence", {}).get("to_verdict_s"), "{}"),
+    ("node round s", lambda r: r.get("node_silence", {}).get("round_s"), "{}"),
+    ("coord RSS MB", lambda r: _div(r.get("coordinator_rss_bytes"), 1e6), "{:.0f}"),
+]
+
+
+def _div(value: float | None, by: float) -> float | None:
+    return None if value is None else value / by
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """The results as a fixed-width table (``-``: not measured)."""
+    head = [name for name, _, _ in COLUMNS]
+    rows = [[("-" if (v := get(r)) is None else fmt.format(v)) for _, get, fmt in COLUMNS] for r in results]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    lines += [f"{r['ranks']} ranks: {r['incomplete']}" for r in results if "incomplete" in r]
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, Any]:
+    import platform
+
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+            "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", default="256,1024,4096,16384", help="comma-separated job sizes (ranks)")
+    p.add_argument("--per_node", type=int, default=PER_NODE, help="ranks per node")
+    p.add_argument("--window", type=float, default=None, help="steady-state seconds (default: scaled with the ranks)")
+    p.add_argument("--cap", type=float, default=None, help="seconds per size at most (default: scaled with the ranks)")
+    p.add_argument("--store_steps", type=int, default=3, help="steps of rank-state records written (0: none)")
+    p.add_argument("--record_bytes", type=int, default=RECORD_BYTES, help="bytes of one rank-state record")
+    p.add_argument("--heartbeat_interval", type=float, default=1.0, help="seconds (ftrun's default)")
+    p.add_argument("--step_s", type=float, default=1.0, help="simulated step time, seconds")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = p.parse_args(argv)
+    args.sizes = [int(x) for x in str(args.ranks).split(",") if x.strip()]
+    for n in args.sizes:
+        if n < 2 * args.per_node or n % args.per_node:
+            p.error(f"--ranks {n}: a multiple of --per_node {args.per_node}, at least two nodes")
+    return args
+
+
+def default_cap(ranks: int) -> float:
+    """Seconds one size may take at most (16,384 ranks: 5 minutes)."""
+    return 60.0 + ranks / 64
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = []
+    for n in args.sizes:
+        print(f"{n} ranks ({n // args.per_node} nodes of {args.per_node}):", flush=True)
+        results.append(measure_size(n, args.per_node, args.window or default_window(n), args.cap or default_cap(n),
+                                    args.store_steps, args.record_bytes, args.heartbeat_interval, args.step_s,
+                                    say=lambda line: print(line, flush=True)))
+    print()
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine(), "results": results}, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
