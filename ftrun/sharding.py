@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -268,8 +269,10 @@ class ShardedModels:
         replaced = [pg for name, pg in old_root._pg_registry.items() if fresh._pg_registry.get(name) is not pg]
         from torch.distributed.device_mesh import DeviceMesh
 
-        meshes = [o for o in gc.get_objects() if isinstance(o, DeviceMesh) and o is not fresh
-                  and (o is old_root or o._get_root_mesh() is old_root)]
+        with warnings.catch_warnings():  # isinstance over every live object touches deprecated module attributes
+            warnings.simplefilter("ignore")
+            meshes = [o for o in gc.get_objects() if isinstance(o, DeviceMesh) and o is not fresh
+                      and (o is old_root or o._get_root_mesh() is old_root)]
         for mesh in meshes:
             mesh._dim_group_names = [renamed.get(n, n) for n in mesh._dim_group_names]
         old_root._pg_registry.clear()
@@ -283,10 +286,13 @@ class ShardedModels:
     @staticmethod
     def _repoint_fsdp(model: torch.nn.Module) -> None:
         """Recompute the process groups of every FSDP mesh description in ``model`` from its
-        (re-pointed) mesh, then reset the root's per-iteration state."""
+        (re-pointed) mesh, reset the root's per-iteration state and drop the gradients a failed
+        backward left on the unsharded parameters (FSDP's reset keeps them: the retried step would
+        add them to its own)."""
         from torch.distributed.fsdp import FSDPModule
 
         infos: dict[int, Any] = {}
+        params: list[Any] = []
         roots = []
         for module in model.modules():
             if not isinstance(module, FSDPModule):
@@ -295,6 +301,7 @@ class ShardedModels:
             if state._is_root is not False:
                 roots.append(module)
             for group in state._fsdp_param_groups:
+                params.extend(group.fsdp_params)
                 for owner in [group] + list(group.fsdp_params):
                     for info in (owner.mesh_info, getattr(owner, "post_forward_mesh_info", None)):
                         if info is not None:
@@ -304,3 +311,8 @@ class ShardedModels:
         for root in roots:
             if root._get_fsdp_state()._is_root:
                 root.reset_iter_state()
+        for fsdp_param in params:
+            fsdp_param.unsharded_accumulated_grad = None
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
