@@ -69,7 +69,7 @@ PER_NODE = 8
 RECORD_BYTES = 18_912  # word_lm's rank-state record (docs/benchmarks.md)
 SOCKETS_PER_PROCESS = 6000  # a ZeroMQ socket takes two descriptors (its connection and its mailbox)
 TOKEN = "s" * 64
-SIM_PID_BASE = 1_000_000  # simulated ranks' pids: above any real one (pid_max is at most 2^22)
+SIM_PID_BASE = 1 << 23  # simulated ranks' pids: above any real one (pid_max is at most 2^22)
 
 
 def sim_pid(rank: int, incarnation: int) -> int:
@@ -170,7 +170,8 @@ def store_main(conn: Any) -> None:
     del store
 
 
-def coordinator_main(conn: Any, ranks: int, per_node: int, store_port: int, log_dir: str, stats_path: str) -> None:
+def coordinator_main(conn: Any, ranks: int, per_node: int, store_port: int, log_dir: str, stats_path: str,
+                     interval: float, heartbeat_timeout: float) -> None:
     """Node 0's supervisor: the real coordinator and its main loop. A thread writes the messages
     it handled (by type) to ``stats_path`` twice a second."""
     import threading
@@ -180,7 +181,8 @@ def coordinator_main(conn: Any, ranks: int, per_node: int, store_port: int, log_
 
     spec = JobSpec(script="simulated.py", worker_num=ranks, local_worker_num=per_node, node_rank=0,
                    master_addr="127.0.0.1", master_port=store_port, log_dir=log_dir,
-                   checkpoint_dir=os.path.join(log_dir, "ckpt"), max_restarts=1_000_000)
+                   checkpoint_dir=os.path.join(log_dir, "ckpt"), max_restarts=1_000_000,
+                   heartbeat_interval=interval, heartbeat_timeout=heartbeat_timeout)
     coord = Coordinator(spec, TOKEN, None, store_port, local_agent=_as_agent_handle()())
     handled: dict[str, int] = {}
     on_rank, on_agent = coord.control.on_rank, coord.control.on_agent
@@ -199,7 +201,7 @@ def coordinator_main(conn: Any, ranks: int, per_node: int, store_port: int, log_
         while True:
             tmp = stats_path + ".tmp"
             with open(tmp, "w") as f:
-                json.dump({"handled": dict(handled), "generation": coord.generation}, f)
+                json.dump({"handled": dict(handled), "generation": coord.generation, "rejected": coord.control.rejected}, f)
             os.replace(tmp, stats_path)
             time.sleep(0.5)
 
@@ -291,7 +293,7 @@ class Beats:
             return 0
         target = int((now - self.start) / self.interval * n)
         count = max(0, min(target - self.done, n))
-        self.done = max(self.done + count, target - n)
+        self.done = max(self.done, target)  # a sender behind by more than an interval skips the beats it missed
         return count
 
 
@@ -312,8 +314,8 @@ class Simulation:
         from ftrun.protocol import FrameAuth
 
         self.zmq = zmq
-        self.ctx = zmq.Context(io_threads=1)
-        self.ctx.setsockopt(zmq.MAX_SOCKETS, 2 * SOCKETS_PER_PROCESS + 100)
+        self.ctx = zmq.Context()
+        self.ctx.MAX_SOCKETS = 2 * SOCKETS_PER_PROCESS + 100  # (zmq.Context(io_threads=...) kept the default 1023)
         self.auth = FrameAuth(TOKEN)
         self.world, self.per_node, self.addr = world, per_node, control_addr
         self.interval, self.step_s = interval, step_s
@@ -360,7 +362,7 @@ class Simulation:
         if index != 0:
             node.sock, node.sender, node.receiver = self._dealer(b"a")
             self.by_sock[node.sock] = (node, None)
-            self._send(node.sock, node.sender, MsgType.AGENT_HELLO, node=index, pid=SIM_PID_BASE - 1 - index,
+            self._send(node.sock, node.sender, MsgType.AGENT_HELLO, node=index, pid=SIM_PID_BASE // 2 + 1 + index,
                        host=f"sim-{index}")
         self.nodes[index] = node
         if index == 0:  # node 0's ranks: its agent (the coordinator's) reported them spawned
@@ -641,14 +643,23 @@ class SizeRun:
     per_node: int
     deadline: float
     result: dict[str, Any] = field(default_factory=dict)
+    procs: list[Any] = field(default_factory=list)  # the store's, the coordinator's, the simulations'
 
     def wait(self, what: str, done: Callable[[], Any], poll: float = 0.1) -> Any:
+        """Poll ``done()`` until it returns something true, and return that.
+
+        Raises:
+            Incomplete: the size's cap passed first, or one of its processes died.
+        """
         while True:
             got = done()
             if got:
                 return got
             if time.monotonic() > self.deadline:
-                raise Incomplete(what)
+                raise Incomplete(f"{what}: not finished within the size's cap")
+            dead = [p.name for p in self.procs if not p.is_alive()]
+            if dead:
+                raise Incomplete(f"{what}: process {', '.join(dead)} died")
             time.sleep(poll)
 
 
@@ -686,7 +697,8 @@ def sum_counters(reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure_size(ranks: int, per_node: int, window: float, cap: float, store_steps: int, record_bytes: int,
-                 interval: float, step_s: float, say: Callable[[str], None] = print) -> dict[str, Any]:
+                 interval: float, step_s: float, heartbeat_timeout: float = 5.0,
+                 say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run one size through the phases (module docstring); returns its figures (``incomplete``
     names the phase that did not finish within ``cap`` seconds)."""
     mp = multiprocessing.get_context("fork")
@@ -694,47 +706,56 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
     run = SizeRun(ranks, per_node, time.monotonic() + cap)
     res = run.result
     res.update(ranks=ranks, nodes=ranks // per_node, per_node=per_node, heartbeat_interval_s=interval, step_s=step_s)
-    procs: list[Any] = []
+    procs: list[Any] = run.procs
     pipes: list[Any] = []
     t_begin = time.monotonic()
     try:
         parent, child = mp.Pipe()
-        store = mp.Process(target=store_main, args=(child,), daemon=True)
+        store = mp.Process(target=store_main, args=(child,), daemon=True, name="store")
         store.start()
         procs.append(store)
         store_port = receive(parent, "the store's port")
         stats = tmp / "coordinator_stats.json"
         parent, child = mp.Pipe()
-        coord = mp.Process(target=coordinator_main, args=(child, ranks, per_node, store_port, str(tmp), str(stats)),
-                           daemon=True)
+        coord = mp.Process(target=coordinator_main, args=(child, ranks, per_node, store_port, str(tmp), str(stats), interval,
+                                                             heartbeat_timeout),
+                           daemon=True, name="coordinator")
         coord.start()
         procs.append(coord)
         control_addr = receive(parent, "the coordinator's endpoint")
         events = EventTail(tmp / "events.jsonl")
 
-        def handled() -> dict[str, int]:
+        def coordinator_stats() -> dict[str, Any]:
             try:
-                return json.loads(stats.read_text())["handled"]
+                return json.loads(stats.read_text())
             except (OSError, ValueError):
                 return {}
+
+        def handled() -> dict[str, int]:
+            return coordinator_stats().get("handled", {})
 
         layout = plan_processes(ranks // per_node, per_node)
         where: dict[int, int] = {}  # node -> index of its simulation process
         for i, nodes in enumerate(layout):
             parent, child = mp.Pipe()
             sim = mp.Process(target=simulation_main, args=(child, nodes, ranks, per_node, control_addr, interval, step_s),
-                             daemon=True)
+                             daemon=True, name=f"simulation-{i}")
             sim.start()
             procs.append(sim)
             pipes.append(parent)
             where.update({n: i for n in nodes})
         res["simulation_processes"] = len(layout)
 
-        # 1. start
+        # 1. start (within half the cap: the steady state is measured even if it is not over)
         t0 = time.monotonic()
-        run.wait("start (every rank's hello)", lambda: handled().get("hello", 0) >= ranks)
-        res["start_s"] = round(time.monotonic() - t0, 2)
-        say(f"  {ranks} ranks: every hello handled in {res['start_s']} s")
+        try:
+            SizeRun(ranks, per_node, time.monotonic() + cap / 2, procs=procs).wait(
+                "start (every rank's hello)", lambda: handled().get("hello", 0) >= ranks)
+            res["start_s"] = round(time.monotonic() - t0, 2)
+            say(f"  {ranks} ranks: every hello handled in {res['start_s']} s")
+        except Incomplete:
+            res["start_incomplete"] = f"{handled().get('hello', 0)} of {ranks} hellos handled in {time.monotonic() - t0:.0f} s"
+            say(f"  {ranks} ranks: start not over: {res['start_incomplete']}; measuring the steady state all the same")
 
         # 2. steady state
         time.sleep(min(3.0, window / 2))
@@ -781,7 +802,7 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
         silent_at = ask_all([pipes[where[silent_node]]], "silence", silent_node)[0]
         lost = run.wait("node verdict", lambda: events.of("node_lost")[n_lost:])[0]
         fin = run.wait("one node's recovery", lambda: events.of("recovery_finished")[n_finished:])[0]
-        timeout = max(5.0, 3 * interval)  # silence_timeout of the default --heartbeat_timeout
+        timeout = max(heartbeat_timeout, 3 * interval)  # ftrun.coordinator.failover.silence_timeout
         res["node_silence"] = {
             "silence_timeout_s": timeout,
             "to_verdict_s": round(lost["time"] - silent_at, 3),
@@ -814,15 +835,20 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
             }
             say(f"  records: {res['store']['ops_per_step']} store ops and {res['store']['bytes_per_step'] / 1e6:.1f} MB "
                 f"a step, {res['store']['seconds_per_step']} s a step")
-        res["coordinator_rss_bytes"] = proc_rss_bytes(coord.pid)
-        res["hung_orders"] = sum_counters(ask_all(pipes, "counters"))["hung_orders"]
     except Incomplete as err:
-        res["incomplete"] = f"{err} did not finish within the cap of {cap:g} s"
+        res["incomplete"] = str(err)
+        res["cap_s"] = cap
         say(f"  {ranks} ranks: INCOMPLETE: {res['incomplete']}")
-        for proc in procs[1:2]:
-            if proc.is_alive():
-                res.setdefault("coordinator_rss_bytes", proc_rss_bytes(proc.pid))
     finally:
+        try:
+            if len(procs) > 1 and procs[1].is_alive():
+                res["coordinator_rss_bytes"] = proc_rss_bytes(procs[1].pid)
+                res["rejected_frames"] = coordinator_stats().get("rejected", 0)
+            if pipes and all(p.is_alive() for p in procs[2:]):
+                # kill_hung orders: ranks the coordinator took for hung (heartbeats it read too late)
+                res["hung_orders"] = sum_counters(ask_all(pipes, "counters"))["hung_orders"]
+        except (OSError, RuntimeError, EOFError):
+            pass
         for conn in pipes:
             try:
                 conn.send(("stop", None))
@@ -889,6 +915,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--store_steps", type=int, default=3, help="steps of rank-state records written (0: none)")
     p.add_argument("--record_bytes", type=int, default=RECORD_BYTES, help="bytes of one rank-state record")
     p.add_argument("--heartbeat_interval", type=float, default=1.0, help="seconds (ftrun's default)")
+    p.add_argument("--heartbeat_timeout", type=float, default=5.0, help="seconds (ftrun's default)")
     p.add_argument("--step_s", type=float, default=1.0, help="simulated step time, seconds")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -911,7 +938,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n} ranks ({n // args.per_node} nodes of {args.per_node}):", flush=True)
         results.append(measure_size(n, args.per_node, args.window or default_window(n), args.cap or default_cap(n),
                                     args.store_steps, args.record_bytes, args.heartbeat_interval, args.step_s,
-                                    say=lambda line: print(line, flush=True)))
+                                    args.heartbeat_timeout, say=lambda line: print(line, flush=True)))
     print()
     print(table(results))
     if args.json:
