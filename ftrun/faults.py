@@ -17,7 +17,9 @@ Keys:
         rank receiving state, after the new group is built and before it receives), ``transfer``
         (a donor, after part of the state was sent), ``finish`` (entering ``ft.finish()``, after the
         script's epilogue; ``step`` is then the committed step), ``section`` (entering an
-        ``ft.section()``; ``step`` is then the committed step). Default ``before_forward``.
+        ``ft.section()``; ``step`` is then the committed step); with a sharded model
+        (:mod:`ftrun.sharding`), ``allgather`` (in forward, between FSDP's all-gathers) and
+        ``reduce_scatter`` (in backward, between its reduce-scatters). Default ``before_forward``.
     kind: what happens. Deaths: ``kill`` (SIGKILL itself), ``exit`` (``os._exit(code)``),
         ``exception`` (raise :class:`InjectedFault`, uncaught), ``segv`` (SIGSEGV). Hangs:
         ``stop`` (SIGSTOP itself: frozen, no heartbeat), ``hang`` (an endless Python loop),
@@ -60,7 +62,7 @@ from typing import Callable
 from .errors import RecoverableError
 
 POINTS = ("before_forward", "allreduce", "optimizer", "between_steps", "init", "recover", "rejoin", "transfer", "finish",
-          "section")
+          "section", "allgather", "reduce_scatter")
 KINDS = ("kill", "exit", "exception", "segv", "stop", "hang", "deadlock", "comm", "recoverable")
 
 

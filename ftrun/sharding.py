@@ -231,20 +231,37 @@ class ShardedModels:
         if all(m is not model for m in self.models):
             self.models.append(model)
 
-    def wrap(self, model: torch.nn.Module, name: str, registry: Any) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, name: str, registry: Any, sync: Any,
+             fault_point: Callable[[str], None]) -> torch.nn.Module:
         """Register a model with DTensor parameters in ``registry`` (a
         :class:`ftrun.registry.StateRegistry`) under ``name``: its local shards are its state (no
         initial broadcast: every rank built it from the same seed), its buffers rank state
-        ``<name>.buffers``; its mesh's groups follow each generation. Returns ``model``.
+        ``<name>.buffers``; its mesh's groups follow each generation; ``sync`` (the
+        :class:`ftrun.gradsync.GradientSync`) averages no gradient of its own. ``fault_point(name)``
+        is called at the fault points ``allgather`` (before the last FSDP block's forward: the
+        earlier blocks' all-gathers are done) and ``reduce_scatter`` (when the first block's
+        output gradient is ready: the later blocks' reduce-scatters are done). Returns ``model``.
 
         Raises:
             ValueError: ``name`` is taken by another object."""
+        from torch.distributed.fsdp import FSDPModule
+
         from .transaction import ModuleBuffers
 
         registry.register(name, LocalShards(model), "committed")
         self.track(model)
+        sync.sharded = True
         if next(model.buffers(), None) is not None:
             registry.register(f"{name}.buffers", ModuleBuffers(model), "rank")
+        blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+        if blocks:
+            blocks[-1].register_forward_pre_hook(lambda _module, _args: fault_point("allgather"))
+
+            def on_output(_module: Any, _args: Any, out: Any) -> None:
+                if torch.is_tensor(out) and out.requires_grad:
+                    out.register_hook(lambda _grad: fault_point("reduce_scatter"))
+
+            blocks[0].register_forward_hook(on_output)
         return model
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> Any:

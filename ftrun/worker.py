@@ -438,8 +438,7 @@ class Worker:
         """
         name = self.registry.name_for(name, "model", model)
         if is_sharded(model):  # FSDP2/TP: its groups reduce the gradients; ftrun moves its local shards
-            self.sync.sharded = True
-            return self.sharding.wrap(model, name, self.registry)
+            return self.sharding.wrap(model, name, self.registry, self.sync, lambda p: self.faults.point(p, self.progress.current_step))
         model.to(self.device)
         self.register(name, model, kind="committed")
         if self.world_size > 1 and not self.joining and self.group.live():
@@ -806,10 +805,11 @@ def init(backend: str | None = None, replica_groups: Sequence[Sequence[int]] | N
         device: where tensors live (:func:`ftrun.cuda.choose_device`): default ``cuda:LOCAL_RANK``
             with NCCL, the CPU with gloo; ``"cuda"`` with gloo shares the node's GPUs between its
             ranks (4 ranks on one GPU), ``"cuda:N"`` names one.
-        mesh_shape, mesh_dim_names: the DeviceMesh the script shards its model on (``(2, 2)``,
-            ``("replicate", "shard")``: HSDP), built later by :meth:`Worker.device_mesh`; ranks
-            with the same coordinate on every dimension but ``replicate`` are replicas
-            (:func:`ftrun.sharding.mesh_replica_groups`), in place of ``replica_groups``.
+        mesh_shape: the DeviceMesh the script shards its model on (``(2, 2)``), built later by
+            :meth:`Worker.device_mesh`; ranks with the same coordinate on every dimension but
+            ``replicate`` are replicas (:func:`ftrun.sharding.mesh_replica_groups`), in place of
+            ``replica_groups``.
+        mesh_dim_names: its dimensions' names (``("replicate", "shard")``: HSDP).
 
     Returns:
         The :class:`Worker` (one per process; later calls return the same one).

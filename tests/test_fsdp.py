@@ -1,0 +1,120 @@
+"""Sharded models (FSDP2/HSDP) under ftrun: a mesh's replica groups without processes; with 4 real
+ranks on a 2x2 HSDP mesh, a fault-free run equals the plain torchrun twin bitwise, and a rank
+killed inside FSDP's all-gather, its reduce-scatter or the optimizer is respawned alone (the
+survivors keep their processes) and the run ends bitwise equal to the fault-free one."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from conftest import clean_env, kinds, read_events, run_bounded
+from reference_runs import run_torchrun
+from ftrun.group import GroupDown
+from ftrun.sharding import (ShardedModels, is_collective_failure, mesh_coordinates, mesh_replica_groups,
+                            replica_peers)
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "train_fsdp.py"
+TORCHRUN_SCRIPT = ROOT / "examples" / "train_fsdp_torchrun.py"
+FINAL = re.compile(r"final step=(\d+) loss=(\S+) params_sha256=([0-9a-f]{64})")
+RUN = ["--mesh", "2,2", "--steps", "8"]
+
+
+# --------------------------------------------------------------------------- replicas of a mesh, no processes
+
+def test_hsdp_replicas_hold_the_same_shard_index() -> None:
+    assert mesh_replica_groups((2, 2), ("replicate", "shard")) == [[0, 2], [1, 3]]
+    assert replica_peers(3, (2, 2), ("replicate", "shard")) == [1]
+    assert mesh_coordinates(3, (2, 2)) == (1, 1) and mesh_coordinates(2, (2, 2)) == (1, 0)
+    # 2 replica groups of 3 sharding ranks; rank 4 is shard 1 of replica 1.
+    assert mesh_replica_groups((2, 3), ("replicate", "shard")) == [[0, 3], [1, 4], [2, 5]]
+    # HSDP x TP: same shard and tensor-parallel coordinates.
+    assert mesh_replica_groups((2, 1, 2), ("replicate", "shard", "tp")) == [[0, 2], [1, 3]]
+
+
+def test_without_a_replicating_dimension_every_rank_is_alone() -> None:
+    assert mesh_replica_groups((1, 4), ("replicate", "shard")) == [[0], [1], [2], [3]]
+    assert mesh_replica_groups((2, 2), ("shard", "tp")) == [[0], [1], [2], [3]]
+    assert replica_peers(1, (4,), ("shard",)) == []
+    # Another name for the replicating dimension, given explicitly.
+    assert mesh_replica_groups((2, 2), ("dp", "tp"), replicate_dims=("dp",)) == [[0, 2], [1, 3]]
+
+
+def test_a_mesh_that_does_not_fit_is_one_clear_error() -> None:
+    with pytest.raises(ValueError, match="one distinct name per dimension"):
+        mesh_replica_groups((2, 2), ("replicate",))
+    with pytest.raises(ValueError, match="outside a mesh"):
+        mesh_coordinates(4, (2, 2))
+    models = ShardedModels(((2, 2), ("replicate", "shard")), "gloo", None, lambda build: build(), lambda pg: None)
+    with pytest.raises(ValueError, match="holds 4 ranks; the job has 8"):
+        models.replica_groups(8)
+    with pytest.raises(ValueError, match="declared shape"):
+        models.device_mesh((4,), ("shard",))
+    undeclared = ShardedModels(None, "gloo", None, lambda build: build(), lambda pg: None)
+    assert undeclared.replica_groups(4) is None
+    with pytest.raises(ValueError, match="declare the mesh at ftrun.init"):
+        undeclared.device_mesh()
+
+
+def test_collective_failures_are_told_from_bugs() -> None:
+    assert is_collective_failure(dist.DistBackendError("peer gone"))
+    assert is_collective_failure(GroupDown("down"))
+    assert is_collective_failure(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_collective_failure(ValueError("gloo"))
+
+
+# --------------------------------------------------------------------------- 4 real ranks
+
+def _final(stdout: str) -> str:
+    match = FINAL.search(stdout)
+    assert match, f"no final line in output:\n{stdout[-3000:]}"
+    return match.group(3)
+
+
+@pytest.fixture(scope="module")
+def twin_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """params_sha256 of the plain torchrun twin, 4 ranks, HSDP 2x2."""
+    cwd = tmp_path_factory.mktemp("fsdp_torchrun")
+    env = clean_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"})
+    proc = run_torchrun(["--standalone", "--nproc_per_node", "4", str(TORCHRUN_SCRIPT), *RUN], env, cwd, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return _final(proc.stdout)
+
+
+def _ftrun(tmp_path: Path, name: str, fault: str | None) -> tuple[str, list[dict]]:
+    log_dir = tmp_path / name
+    cmd = [sys.executable, "-m", "ftrun", "--worker_num", "4", "--master_port", "0", "--plain", "--log_dir", str(log_dir),
+           "--tail_worker_log", "0", str(SCRIPT), *RUN]
+    env = clean_env({"FTRUN_FAULT": fault} if fault else None)
+    proc = run_bounded(cmd, env=env, cwd=tmp_path, timeout=150)
+    assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
+    return _final(proc.stdout), read_events(log_dir)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_hsdp_without_faults_equals_the_torchrun_twin(tmp_path: Path, twin_digest: str) -> None:
+    digest, events = _ftrun(tmp_path, "clean", None)
+    assert digest == twin_digest
+    assert not kinds(events, "rank_failed") and not kinds(events, "recovery_started")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("rank, step, point", [(2, 3, "allgather"), (1, 4, "reduce_scatter"), (3, 5, "optimizer")])
+def test_hsdp_rank_killed_is_respawned_alone_and_ends_bitwise(tmp_path: Path, twin_digest: str, rank: int, step: int,
+                                                              point: str) -> None:
+    digest, events = _ftrun(tmp_path, point, f"rank={rank},step={step},point={point},kind=kill")
+    assert digest == twin_digest
+    started = kinds(events, "rank_started")
+    assert sorted(e["rank"] for e in started) == sorted([0, 1, 2, 3, rank])  # only the killed rank again
+    assert len(kinds(events, "recovery_finished")) == 1 and not kinds(events, "job_restarting")
+    recovered = {e["rank"]: e for e in kinds(events, "rank_recovered")}
+    donor = replica_peers(rank, (2, 2), ("replicate", "shard"))[0]
+    assert "recipient" in recovered[rank]["message"] and "donor" in recovered[donor]["message"]
