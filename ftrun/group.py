@@ -214,23 +214,17 @@ class TrainingGroup:
         """Run ``build`` (it makes more process groups on the live group: a DeviceMesh's) and record
         the connections it opens as the group's, so :meth:`cut` releases collectives on them too.
         On the placeholder group (a respawned rank before its recovery) ``build`` runs on torch's
-        ``fake`` backend instead, which communicates nothing: the groups it makes stand in until the
-        next generation's replace them. Returns what ``build`` returns."""
+        ``fake`` backend instead, which then stays the placeholder until the next generation: its
+        collectives communicate nothing and succeed (the set-up's ``fully_shard`` and tensor-parallel
+        scatters cut slices the rank's recovery overwrites with its replica's), and the groups made
+        on it stand in until the next generation's replace them. Returns what ``build`` returns."""
         if self.placeholder:
             import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers torch's "fake" backend)
-            from torch._C._distributed_c10d import _register_process_group
 
             self.remove_placeholder()
             dist.init_process_group("fake", store=dist.HashStore(), rank=self.rank, world_size=self.world_size)
-            made: dict[Any, str] = {}
-            try:
-                return build()
-            finally:
-                made = {pg: name for pg, name in dist.distributed_c10d._world.pg_names.items() if pg is not dist.group.WORLD}
-                dist.destroy_process_group()
-                self.install_placeholder()
-                for pg, name in made.items():  # resolvable by name (fully_shard asks) until the next generation
-                    _register_process_group(name, pg)
+            self.placeholder = True  # the placeholder until the next generation, which destroys it
+            return build()
         if not (self.managed and self.live()):
             return build()
         self.conns.begin()

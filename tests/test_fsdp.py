@@ -77,20 +77,24 @@ def _final(stdout: str) -> str:
     return match.group(3)
 
 
-@pytest.fixture(scope="module")
-def twin_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """params_sha256 of the plain torchrun twin, 4 ranks, HSDP 2x2."""
-    cwd = tmp_path_factory.mktemp("fsdp_torchrun")
+def _twin(cwd: Path, run: list[str]) -> str:
+    """params_sha256 of the plain torchrun twin on 4 ranks."""
     env = clean_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"})
-    proc = run_torchrun(["--standalone", "--nproc_per_node", "4", str(TORCHRUN_SCRIPT), *RUN], env, cwd, timeout=120)
+    proc = run_torchrun(["--standalone", "--nproc_per_node", "4", str(TORCHRUN_SCRIPT), *run], env, cwd, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return _final(proc.stdout)
 
 
-def _ftrun(tmp_path: Path, name: str, fault: str | None) -> tuple[str, list[dict]]:
+@pytest.fixture(scope="module")
+def twin_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """params_sha256 of the plain torchrun twin, 4 ranks, HSDP 2x2."""
+    return _twin(tmp_path_factory.mktemp("fsdp_torchrun"), RUN)
+
+
+def _ftrun(tmp_path: Path, name: str, fault: str | None, run: list[str] = RUN) -> tuple[str, list[dict]]:
     log_dir = tmp_path / name
     cmd = [sys.executable, "-m", "ftrun", "--worker_num", "4", "--master_port", "0", "--plain", "--log_dir", str(log_dir),
-           "--tail_worker_log", "0", str(SCRIPT), *RUN]
+           "--tail_worker_log", "0", str(SCRIPT), *run]
     env = clean_env({"FTRUN_FAULT": fault} if fault else None)
     proc = run_bounded(cmd, env=env, cwd=tmp_path, timeout=150)
     assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
@@ -118,3 +122,15 @@ def test_hsdp_rank_killed_is_respawned_alone_and_ends_bitwise(tmp_path: Path, tw
     recovered = {e["rank"]: e for e in kinds(events, "rank_recovered")}
     donor = replica_peers(rank, (2, 2), ("replicate", "shard"))[0]
     assert "recipient" in recovered[rank]["message"] and "donor" in recovered[donor]["message"]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_tensor_parallel_by_data_parallel_rank_killed_ends_bitwise(tmp_path: Path) -> None:
+    """TP 2 x DP 2 (mesh (replicate=2, shard=1, tp=2)): ranks 0 and 2 hold the same tensor-parallel
+    slice; rank 2 killed inside the reduce-scatters takes rank 0's."""
+    run = ["--mesh", "2,1", "--tp", "2", "--steps", "8"]
+    digest, events = _ftrun(tmp_path, "tp", "rank=2,step=3,point=reduce_scatter,kind=kill", run)
+    assert digest == _twin(tmp_path, run)
+    assert sorted(e["rank"] for e in kinds(events, "rank_started")) == [0, 1, 2, 2, 3]
+    assert len(kinds(events, "recovery_finished")) == 1 and not kinds(events, "job_restarting")
