@@ -55,6 +55,8 @@ class EventKind(str, Enum):
     NODE_LOST = "node_lost"
     STANDBY_NODE_JOINED = "standby_node_joined"  # a launcher that came after every node had its index waits as a standby
     STANDBY_NODE_LEFT = "standby_node_left"  # a standby's agent is gone (its launcher died or stopped): dropped, no fault
+    JOB_SHRUNK = "job_shrunk"  # --nnodes MIN:MAX: an absent node's ranks run on the other nodes
+    JOB_GROWN = "job_grown"  # ... and move back to it once it joins
     COORDINATOR_TAKEOVER = "coordinator_takeover"  # the standby coordinator took the job over
     COORDINATOR_STEPPED_DOWN = "coordinator_stepped_down"  # a coordinator that lost its quorum (a partition) stopped its side
     DIVERGENCE = "divergence"  # exactly-once broken: a recomputed step or a replica's parameters differ

@@ -73,7 +73,7 @@ STRAGGLER_MIN_GAP_S = 0.002
 TIMELINE_KINDS = frozenset({
     "job_started", "warning", "rank_failed", "rank_hung", "job_restarting", "recovery_started",
     "recovery_fallback", "recovery_finished", "checkpoint_saved", "resumed", "stop_requested",
-    "node_lost", "node_joined", "standby_node_joined", "standby_node_left", "job_finished", "divergence",
+    "node_lost", "node_joined", "standby_node_joined", "standby_node_left", "job_shrunk", "job_grown", "job_finished", "divergence",
 })
 
 

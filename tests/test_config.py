@@ -889,11 +889,13 @@ def test_nnodes_sets_the_world(tmp_path, script):
     assert spec.worker_num == 4 and spec.nnodes == 2
 
 
-def test_nnodes_range_runs_max_with_a_warning(tmp_path, script):
+def test_nnodes_range_is_max_nodes_ranks_going_on_with_min(tmp_path, script):
     spec = res(tmp_path, script, {"nnodes": "1:4", "local_worker_num": "2"}, environ=TOKEN_ENV)
-    assert (spec.worker_num, spec.nnodes) == (8, 4)
-    assert spec.warnings == ("ftrun does not resize jobs: --nnodes 1:4 runs with 4 nodes; all 4 must join within "
-                             "--cluster_time_out",)
+    assert (spec.worker_num, spec.nnodes, spec.min_nodes) == (8, 4, 1)
+    assert spec.warnings == ("--nnodes 1:4: the world keeps 4 nodes' ranks (torchrun would resize it); with 1 to 4 "
+                             "nodes present, an absent node's ranks run on the others until it joins (ARF)",)
+    fixed = res(tmp_path, script, {"nnodes": "2", "local_worker_num": "2"}, environ=TOKEN_ENV)
+    assert (fixed.nnodes, fixed.min_nodes) == (2, 2)
 
 
 @pytest.mark.parametrize(

@@ -649,6 +649,68 @@ def test_a_flapping_node_rejoins_as_its_own_replacement(tmp_path: Path) -> None:
     assert sent[0][1] == MsgType.SHUTDOWN and sent[0][2]["rejoin"] is False  # the node has its agent now
 
 
+def test_an_elastic_job_runs_an_absent_nodes_ranks_elsewhere_then_moves_them_back(tmp_path: Path) -> None:
+    """--nnodes 1:2: node 1 lost, no replacement within --replace_timeout: its ranks start on node 0
+    (local ranks 2 and 3 there) and recover from replicas; no failure of the job at
+    --node_wait_timeout. When a launcher takes index 1 again, the moved ranks are stopped and
+    respawned there, for no restart."""
+    from ftrun.coordinator.elastic import place
+
+    assert place([4, 5, 6], {0: 2, 1: 3}) == {4: 0, 5: 0, 6: 1} and place([], {0: 1}) == {}
+    with pytest.raises(ValueError):
+        place([1], {})
+    coord, agent, clock = make(tmp_path, world=4, local=2, node_wait_timeout=60.0, min_nodes=1, replace_timeout=3.0)
+    join_node1(coord)
+    hello_all(coord)
+    step(coord, 0)
+    clock.now += 8.0
+    beat_all(coord)
+    assert coord.check_agents() is None and coord.members.pending_spawns[1]
+    clock.now += 2.0
+    assert coord.check_agents() is None and not events(tmp_path, "job_shrunk")  # within --replace_timeout
+    clock.now += 2.0
+    assert coord.check_agents() is None
+    shrunk = events(tmp_path, "job_shrunk")[0]["detail"]
+    assert shrunk["ranks"] == [2, 3] and shrunk["placed"] == {"2": 0, "3": 0} and shrunk["nodes"] == 1
+    moved = {rank: env for rank, _inc, _spare, env in agent.spawned if rank in (2, 3)}
+    assert moved[2]["LOCAL_RANK"] == "2" and moved[3]["LOCAL_RANK"] == "3" and moved[2]["RANK"] == "2"
+    assert (coord.ranks[2].node, coord.ranks[3].node) == (0, 0) and coord.restarts_used == 1
+    coord.check_processes()
+    hello_all(coord, [2, 3])
+    clock.now += 120.0  # past --node_wait_timeout: an elastic job with MIN nodes present does not fail
+    beat_all(coord)
+    assert coord.check_agents() is None and coord.exit_code is None
+    join_node1(coord, b"agent-1-back")  # a launcher takes index 1 again
+    grown = events(tmp_path, "job_grown")[0]["detail"]
+    assert grown["ranks"] == [2, 3] and grown["nodes"] == 2
+    for rank in (2, 3):
+        agent.exit(rank, -signal.SIGKILL)
+    assert coord.check_processes() is None
+    assert (coord.ranks[2].node, coord.ranks[2].local_rank, coord.ranks[3].local_rank) == (1, 0, 1)
+    assert coord.recovery is not None and coord.recovery.failed >= {2, 3} and coord.restarts_used == 1
+    assert events(tmp_path, "recovery_started")[-1]["detail"]["fault"] == "grow"
+
+
+def test_an_elastic_job_below_its_minimum_ends_after_the_replace_timeout(tmp_path: Path) -> None:
+    """--nnodes 2:3 and nodes 1 and 2 lost: one node left, below MIN: the job ends once
+    --replace_timeout has passed (a dying gasp), naming the node and the minimum."""
+    coord, agent, clock = make(tmp_path, world=6, local=2, node_wait_timeout=60.0, min_nodes=2, replace_timeout=3.0)
+    coord.ttp.report_wait = 0.0  # the fake ranks never answer the dying gasp's abort
+    join_node1(coord)
+    coord.on_agent_message(b"agent-2", msg(MsgType.AGENT_HELLO, node=2, pid=78, host="h2"))
+    hello_all(coord)
+    step(coord, 0)
+    clock.now += 8.0
+    beat_all(coord)
+    assert coord.check_agents() is None and coord.check_agents() is None  # nodes 1 and 2 lost, awaited
+    assert sorted(coord.members.waiting_for) == [1, 2]
+    clock.now += 4.0
+    assert coord.check_agents() == 1
+    finished = events(tmp_path, "job_finished")[-1]["message"]
+    assert "node 1" in finished and "below the --nnodes minimum of 2" in finished, finished
+    assert not events(tmp_path, "job_shrunk")
+
+
 def test_no_replacement_in_time_fails_naming_the_node(tmp_path: Path) -> None:
     coord, agent, clock = make(tmp_path, world=4, local=2, node_wait_timeout=60.0)
     coord.ttp.report_wait = 0.0  # the fake ranks never answer the dying gasp's abort

@@ -108,7 +108,7 @@ def test_a_torchrun_command_line_resolves_to_its_job(torchrun_dir, line, expecte
 def test_torchrun_warnings_name_what_ftrun_does_otherwise(torchrun_dir):
     elastic = parse_command_line(TORCHRUN_LINES["elastic"][0].replace("SCRIPT", "train.py").split(),
                                  environ=dict(TOKEN), cwd=torchrun_dir)
-    assert any("does not resize jobs" in w and "4 nodes" in w for w in elastic.warnings)
+    assert any("torchrun would resize it" in w and "4 nodes" in w for w in elastic.warnings)
     ignored = parse_command_line(TORCHRUN_LINES["rdzv-conf-ignored-keys"][0].replace("SCRIPT", "train.py").split(),
                                  environ={}, cwd=torchrun_dir)
     assert ignored.warnings == ("--rdzv-conf read_timeout is ignored: ftrun's store has no separate read timeout",)

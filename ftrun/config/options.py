@@ -264,8 +264,9 @@ class JobSpec:
         why="the ranks one node runs", alias="nproc_per_node",
         alias_help="; also auto, cpu, gpu or xpu (that many ranks as devices)")
     nnodes: int = option(
-        1, "Nodes in the job: N, or torchrun's MIN:MAX (ftrun does not resize jobs and runs MAX nodes). Default: "
-        "worker_num / local_worker_num; without --worker_num, worker_num = nnodes x nproc_per_node.",
+        1, "Nodes in the job: N, or torchrun's MIN:MAX (MAX nodes' ranks, the job going on with MIN nodes or more: "
+        "an absent node's ranks run on the others until it joins). Default: worker_num / local_worker_num; without "
+        "--worker_num, worker_num = nnodes x nproc_per_node.",
         kind=str, given_nowhere=None, init=False)
     master_addr: str = option("127.0.0.1", "Address of node 0, which hosts the rendezvous store: an IPv4/IPv6 "
                               "address or a host name that resolves.")
@@ -313,6 +314,11 @@ class JobSpec:
                                low=0, high=MAX_STEPS, why="a number of steps")
     setup_timeout: float = _timeout(300.0, "Seconds a rank may take from its start to its first steps (imports, "
                                     "compilation, rendezvous).")
+    replace_timeout: float = _timeout(
+        10.0, "With --nnodes MIN:MAX: seconds an absent node (lost, or not joined at the start) is awaited before its "
+        "ranks start on the other nodes, while MIN nodes or more are left; below MIN the job ends then (0: wait "
+        "--node_wait_timeout, as a fixed-size job).", zero_ok=True, why="0 waits --node_wait_timeout, as a "
+        "fixed-size job; " + TIMEOUT_WHY)
     node_wait_timeout: float = _timeout(
         300.0, "Seconds the coordinator waits for a replacement launcher of a lost node (ARF) before it writes a "
         "dying-gasp checkpoint and fails the job (a Kubernetes pod or Slurm step restart takes tens of seconds to "
@@ -352,6 +358,7 @@ class JobSpec:
     # Computed by resolve, not options.
     master_port_auto: bool = False
     node_rank_auto: bool = False
+    min_nodes: int = 0  # --nnodes MIN:MAX's MIN (0: nnodes, a fixed-size job)
     tft_explicit: bool = False
     config_file: str | None = None
     warnings: tuple[str, ...] = ()

@@ -112,6 +112,7 @@ def resolve(
 
     worker_num, local = _sizes(values, given, label, warnings)
     nnodes = worker_num // local
+    min_nodes = parse_nnodes(values["nnodes"], label("nnodes"))[0] if values["nnodes"] is not None else nnodes
     _fit_cluster_env(cluster, nnodes, values, labels, given, warnings)
     node_rank = values["node_rank"]
     if is_host is not None:
@@ -197,6 +198,7 @@ def resolve(
         no_python=no_python,
         master_port_auto=nnodes == 1 and "master_port" not in given and port != 0,
         node_rank_auto=node_rank_auto,
+        min_nodes=min_nodes,
         tft_explicit=values["tft"] is not None,
         config_file=config_file,
         warnings=tuple(warnings),
@@ -283,8 +285,9 @@ def _sizes(
         low, nodes = parse_nnodes(values["nnodes"], label("nnodes"))
         if low < nodes:
             warnings.append(
-                f"ftrun does not resize jobs: {label('nnodes')} {values['nnodes'].strip()} runs with {nodes} nodes; "
-                f"all {nodes} must join within --cluster_time_out"
+                f"{label('nnodes')} {values['nnodes'].strip()}: the world keeps {nodes} nodes' ranks (torchrun would "
+                f"resize it); with {low} to {nodes} nodes present, an absent node's ranks run on the others until it "
+                "joins (ARF)"
             )
         if local is None:
             if "worker_num" in given:

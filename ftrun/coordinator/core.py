@@ -45,6 +45,7 @@ from .control import ControlPlane
 from .environment import Spawning
 from .failover import Replication, restore
 from .messages import RankMessages
+from .elastic import Elastic, Shrink
 from .membership import Membership, NodeLoss, NoReplacement, QuorumLost
 from .phases import JobPhase, JobPhases
 from .publish import Publisher, status_header
@@ -112,6 +113,7 @@ class Coordinator:
         self.restarts_used = 0
         self.failures: list[Failure] = []
         self.round_failures: list[Failure] = []
+        self.elastic = Elastic(self)  # --nnodes MIN:MAX: where an absent node's ranks run
         self.members = Membership(self, local_agent)
         self.spawning = Spawning(self, store_port)
         self.rounds = RecoveryRounds(self)
@@ -299,13 +301,10 @@ class Coordinator:
         """Beat to the other nodes' agents and act on a lost node (:meth:`Membership.check`).
         Returns the job's exit code once it ends."""
         found = self.members.check(self.control.closed_agent_connections(), self.clock())
-        if isinstance(found, NoReplacement):
-            return self.finish_failed(found.reason)
-        if isinstance(found, QuorumLost):
-            return self.step_down(found)
-        if isinstance(found, NodeLoss):
-            return self.node_lost(found)
-        return None
+        if isinstance(found, Shrink):  # an elastic job's absent node: its ranks run on the others
+            return self.elastic.shrink(found)
+        return (self.finish_failed(found.reason) if isinstance(found, NoReplacement) else self.step_down(found)
+                if isinstance(found, QuorumLost) else self.node_lost(found) if isinstance(found, NodeLoss) else None)
 
     def node_lost(self, loss: NodeLoss) -> int | None:
         """A node is gone with its ranks (pod-level rescheduling, MindCluster's term).
@@ -487,6 +486,8 @@ class Coordinator:
         (:class:`ftrun.policy.StartupFailures`: does every rank fail alike?)."""
         if self.spec.join or self.phase.current not in ACTIVE:
             return None
+        if self.elastic.home(failed):  # stopped to move back to their node, which joined: no restart spent
+            return self.rounds.start(set(failed), f"rank(s) {sorted(failed)} move back to their node", kind="grow")
         if self.ttp.unusable() is not None:
             return self.restart_job(f"rank(s) {sorted(failed)} failed")
         now = self.clock()

@@ -28,6 +28,7 @@ from ..agent import AgentHandle, RemoteAgent
 from ..contract import STANDBY_NODE_INDEX, VACANT_KEY
 from ..events import EventKind
 from ..protocol import Message, MsgType
+from .elastic import Shrink
 from .failover import silence_timeout
 
 if TYPE_CHECKING:
@@ -84,6 +85,9 @@ class Membership:
         # node -> when its agent must have joined by: the job's start + --cluster_time_out, or a lost
         # node's loss + --node_wait_timeout (a replacement launcher with its index).
         self.node_deadline = {node: job.clock() + spec.cluster_time_out for node in range(1, spec.nnodes)}
+        # node -> since when it is absent (not joined yet, or lost): an elastic job (--nnodes MIN:MAX)
+        # runs its ranks elsewhere after --replace_timeout (ftrun.coordinator.elastic)
+        self.absent_since = {node: job.clock() for node in range(1, spec.nnodes)}
         self.waiting_for: dict[int, str] = {}  # lost node -> why, while a replacement is awaited
         self.fenced: dict[bytes, int] = {}  # connection of a lost node's agent -> that node
         self.pending_spawns: dict[int, list[SpawnOrder]] = {}  # node -> orders for when its agent joins
@@ -106,7 +110,7 @@ class Membership:
         else:
             agent.spawn(*order)
 
-    def check(self, closed: set[bytes], now: float) -> NodeLoss | NoReplacement | QuorumLost | None:
+    def check(self, closed: set[bytes], now: float) -> NodeLoss | NoReplacement | QuorumLost | Shrink | None:
         """Beat to the other nodes' agents and find the first node lost (``closed``: the agent
         connections that closed since the last look), or that this coordinator lost its quorum
         (:meth:`quorum`)."""
@@ -127,22 +131,28 @@ class Membership:
                     if now - standby.last_seen > timeout else None)
             if gone is not None:
                 self.drop_standby_node(identity, gone)
+        moved = self.job.elastic.moved
         for node in range(spec.nnodes):
             agent = self.agents.get(node)
             if agent is not None:
                 self.rejoining.discard(node)
+            elif node not in moved and self.job.elastic.on and now - self.absent_since.get(node, now) > spec.replace_timeout:
+                absent = self.elastic_verdict(node)
+                if absent is not None:
+                    return absent
             remote = agent if isinstance(agent, RemoteAgent) and not agent.lost else None
             if remote is not None and remote.identity in closed:
                 return NodeLoss(node, f"node {node} lost: its agent's connection closed (host {remote.host or '?'}; "
                                       "its processes were killed or its host reset the connection)", "connection_closed")
-            if agent is None and node in self.waiting_for and now > self.node_deadline[node]:
+            if agent is None and node in self.waiting_for and now > self.node_deadline[node] and node not in moved:
                 return NoReplacement(f"{self.waiting_for.pop(node)}; no replacement joined within --node_wait_timeout "
                                      f"{spec.node_wait_timeout:g} s")
             if agent is None and node in self.rejoining and now > self.node_deadline[node]:
                 self.rejoining.discard(node)
                 return NodeLoss(node, f"node {node} lost: its agent did not come to this coordinator within "
                                       f"{self.node_deadline[node] - self.job.takeover_at:.1f} s of its takeover", "silent")
-            if agent is None and node not in self.lost_nodes and now > self.node_deadline.get(node, float("inf")):
+            if (agent is None and node not in self.lost_nodes and node not in moved
+                    and now > self.node_deadline.get(node, float("inf"))):
                 return NodeLoss(node, f"node {node} did not join within --cluster_time_out {spec.cluster_time_out:g} s",
                                 "not_joined", replaceable=False)
             if remote is not None and remote.leaving:
@@ -151,6 +161,20 @@ class Membership:
                 return NodeLoss(node, f"node {node} lost: nothing heard from its agent for {now - remote.last_seen:.1f} s "
                                       f"(host {remote.host or '?'}; {self.heard_note(node, now)})", "silent",
                                 evidence_age=now - remote.last_seen)
+        return None
+
+    def elastic_verdict(self, node: int) -> Shrink | NoReplacement | None:
+        """An elastic job's ``node`` has been absent for ``--replace_timeout``: its ranks run on the
+        present nodes while MIN or more are present; a lost node below MIN ends the job (a node not
+        joined at the start is awaited up to ``--cluster_time_out``, as in a fixed-size job)."""
+        spec, present = self.job.spec, len(self.agents)
+        lost = self.waiting_for.get(node)
+        if present >= spec.min_nodes:
+            return Shrink(node, lost or f"node {node} has not joined within --replace_timeout {spec.replace_timeout:g} s")
+        if lost is not None:
+            del self.waiting_for[node]
+            return NoReplacement(f"{lost}; no node took its place within --replace_timeout {spec.replace_timeout:g} s "
+                                 f"and {present} node(s) are left, below the --nnodes minimum of {spec.min_nodes}")
         return None
 
     def heard_note(self, silent: int, now: float) -> str:
@@ -211,6 +235,7 @@ class Membership:
         ``--node_wait_timeout`` for a launcher with its index."""
         self.waiting_for[node] = reason
         self.node_deadline[node] = now + self.job.spec.node_wait_timeout
+        self.absent_since[node] = now
         if not self.take_standby_node(node, publish=False):
             self.publish_vacancies()
 
@@ -358,9 +383,11 @@ class Membership:
             job.failover.on_standby(node, hello["standby_control"], hello["standby_store"])
         elif job.failover.node is not None:
             job.failover.tell(agent)
+        self.absent_since.pop(node, None)
         for order in self.pending_spawns.pop(node, []):
             job.ranks[order[0]].proc.started_at = job.clock()  # its set-up time counts from now
             agent.spawn(*order)
+        job.elastic.on_joined(node)  # an elastic job's ranks of the node, run elsewhere meanwhile, come back
 
     def check_shared_dir(self, msg: Message, who: str) -> None:
         """Warn once when an agent does not see node 0's checkpoint directory (TTP)."""

@@ -67,7 +67,8 @@ class RecoveryRounds:
             why = f"rank(s) {sorted(failed)} failed during recovery" if failed else reason
             job.emit(EventKind.RECOVERY_STARTED, f"recovery restarted (round {rec.rounds}): {why}; generation {job.generation}",
                      failed=sorted(failed), reason=reason, round=rec.rounds, fault=kind)
-        job.restarts_used += respawn_restarts(failed, one_event=kind == "node_loss")  # a node's loss: one event
+        if kind != "grow":  # ranks moving back to a node that joined again spend nothing (ftrun.coordinator.elastic)
+            job.restarts_used += respawn_restarts(failed, one_event=kind == "node_loss")  # a node's loss: one event
         for rank in sorted(failed):
             r = job.ranks[rank]
             r.restarts += 1
