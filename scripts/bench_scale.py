@@ -67,7 +67,7 @@ from ftrun.protocol import MsgType  # noqa: E402
 
 PER_NODE = 8
 RECORD_BYTES = 18_912  # word_lm's rank-state record (docs/benchmarks.md)
-SOCKETS_PER_PROCESS = 6000  # a ZeroMQ socket takes two descriptors (its connection and its mailbox)
+SOCKETS_PER_PROCESS = 4000  # a ZeroMQ socket takes two descriptors (its connection and its mailbox)
 TOKEN = "s" * 64
 SIM_PID_BASE = 1 << 23  # simulated ranks' pids: above any real one (pid_max is at most 2^22)
 
@@ -174,9 +174,12 @@ def coordinator_main(conn: Any, ranks: int, per_node: int, store_port: int, log_
                      interval: float, heartbeat_timeout: float) -> None:
     """Node 0's supervisor: the real coordinator and its main loop. A thread writes the messages
     it handled (by type) to ``stats_path`` twice a second."""
+    import faulthandler
     import threading
 
     from ftrun.config import JobSpec
+
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # the driver's look at a stuck phase
     from ftrun.coordinator import Coordinator
 
     spec = JobSpec(script="simulated.py", worker_num=ranks, local_worker_num=per_node, node_rank=0,
@@ -208,6 +211,20 @@ def coordinator_main(conn: Any, ranks: int, per_node: int, store_port: int, log_
     threading.Thread(target=write_stats, daemon=True).start()
     conn.send(coord.control_addr)
     os.environ.setdefault("TORCHELASTIC_RUN_ID", "bench-scale")
+    profile_to = os.environ.get("FTRUN_BENCH_PROFILE")
+    if profile_to:  # the main loop's profile, from the steady state's start to its end (SIGUSR2s)
+        import cProfile
+
+        profiler = cProfile.Profile()
+
+        def toggle(_signum: int, _frame: Any) -> None:
+            if profiler.getstats():
+                profiler.disable()
+                profiler.dump_stats(profile_to)
+            else:
+                profiler.enable()
+
+        signal.signal(signal.SIGUSR2, toggle)
     coord.run()
 
 
@@ -426,6 +443,9 @@ class Simulation:
                        **({"spare_kind": "warm"} if msg["use_spare"] else {}))
             generation = int(dict(msg["vars"]).get(GENERATION, 0))
             self.start_rank(node, rank, incarnation, generation)
+        elif msg.type == MsgType.STOP_RANKS:  # a whole-job restart: every rank of the node ends
+            for r in [x for x in node.ranks.values() if x.alive]:
+                self.report_exit(node, r, returncode=-signal.SIGTERM)
         elif msg.type == MsgType.KILL_HUNG:
             self.counters.hung_orders += 1
             r = node.ranks.get(int(msg["rank"]))
@@ -708,6 +728,7 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
     res.update(ranks=ranks, nodes=ranks // per_node, per_node=per_node, heartbeat_interval_s=interval, step_s=step_s)
     procs: list[Any] = run.procs
     pipes: list[Any] = []
+    events: EventTail | None = None
     t_begin = time.monotonic()
     try:
         parent, child = mp.Pipe()
@@ -759,9 +780,14 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
 
         # 2. steady state
         time.sleep(min(3.0, window / 2))
+        profiling = bool(os.environ.get("FTRUN_BENCH_PROFILE"))
+        if profiling:
+            os.kill(coord.pid, signal.SIGUSR2)
         cpu0, h0, c0, w0 = proc_cpu_seconds(coord.pid), handled(), sum_counters(ask_all(pipes, "counters")), time.monotonic()
         time.sleep(window)
         cpu1, h1, c1, w1 = proc_cpu_seconds(coord.pid), handled(), sum_counters(ask_all(pipes, "counters")), time.monotonic()
+        if profiling:
+            os.kill(coord.pid, signal.SIGUSR2)
         span = w1 - w0
         sent = sum(c1["sent"].values()) - sum(c0["sent"].values())
         done = sum(h1.values()) - sum(h0.values())
@@ -835,8 +861,11 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
             }
             say(f"  records: {res['store']['ops_per_step']} store ops and {res['store']['bytes_per_step'] / 1e6:.1f} MB "
                 f"a step, {res['store']['seconds_per_step']} s a step")
-    except Incomplete as err:
-        res["incomplete"] = str(err)
+    except (Incomplete, OSError, EOFError, RuntimeError) as err:  # a phase not over in time, or a process gone
+        res["incomplete"] = str(err) if isinstance(err, Incomplete) else f"{type(err).__name__}: {err}"
+        if len(procs) > 1 and procs[1].is_alive():
+            os.kill(procs[1].pid, signal.SIGUSR1)  # the coordinator's stacks, on stderr
+            time.sleep(1.0)
         res["cap_s"] = cap
         say(f"  {ranks} ranks: INCOMPLETE: {res['incomplete']}")
     finally:
@@ -844,11 +873,16 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
             if len(procs) > 1 and procs[1].is_alive():
                 res["coordinator_rss_bytes"] = proc_rss_bytes(procs[1].pid)
                 res["rejected_frames"] = coordinator_stats().get("rejected", 0)
-            if pipes and all(p.is_alive() for p in procs[2:]):
+            if pipes and all(p.is_alive() for p in procs):
                 # kill_hung orders: ranks the coordinator took for hung (heartbeats it read too late)
                 res["hung_orders"] = sum_counters(ask_all(pipes, "counters"))["hung_orders"]
         except (OSError, RuntimeError, EOFError):
             pass
+        if events is not None:  # what the coordinator decided meanwhile (a false node loss or hang shows here)
+            kinds: dict[str, int] = {}
+            for e in events.read():
+                kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
+            res["events"] = {k: n for k, n in sorted(kinds.items()) if k not in ("rank_joined", "rank_started")}
         for conn in pipes:
             try:
                 conn.send(("stop", None))
@@ -899,6 +933,45 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def plot(results: list[dict[str, Any]], target: Path) -> None:
+    """Draw each cost against the ranks (log-log) into ``target`` (PNG); points not measured are left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("node 0's coordinator, % of one core", [("steady state", lambda r: r.get("steady", {}).get("coordinator_cpu_pct"))]),
+        ("into node 0, per second / per step", [
+            ("control messages /s", lambda r: r.get("steady", {}).get("msgs_in_per_s")),
+            ("control KB /s", lambda r: _div(r.get("steady", {}).get("bytes_in_per_s"), 1e3)),
+            ("store MB / step", lambda r: _div(r.get("store", {}).get("bytes_per_step"), 1e6))]),
+        ("control-plane time, s", [
+            ("rank death -> plan at every rank", lambda r: r.get("rank_death", {}).get("to_plan_received_by_all_s")),
+            ("one-rank round", lambda r: r.get("rank_death", {}).get("round_s")),
+            ("one-node round", lambda r: r.get("node_silence", {}).get("round_s")),
+            ("node silence -> verdict, past the timeout", lambda r: r.get("node_silence", {}).get("verdict_after_timeout_s"))]),
+        ("node 0's memory, MB", [("coordinator RSS", lambda r: _div(r.get("coordinator_rss_bytes"), 1e6)),
+                                 ("store RSS", lambda r: _div(r.get("store", {}).get("store_rss_bytes"), 1e6))]),
+    ]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    for ax, (title, series) in zip(axes.flat, panels):
+        for label, get in series:
+            points = [(r["ranks"], v) for r in results if (v := get(r)) is not None and v > 0]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks (8 a node)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("ftrun's control plane at node 0, simulated ranks (scripts/bench_scale.py)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(target, dpi=90)
+    plt.close(fig)
+
+
 def machine() -> dict[str, Any]:
     import platform
 
@@ -918,6 +991,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heartbeat_timeout", type=float, default=5.0, help="seconds (ftrun's default)")
     p.add_argument("--step_s", type=float, default=1.0, help="simulated step time, seconds")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--from_json", type=Path, default=None, help="print (and plot) the results of an earlier run")
+    p.add_argument("--plot", type=Path, default=None, help="draw each cost against the ranks into this PNG")
     args = p.parse_args(argv)
     args.sizes = [int(x) for x in str(args.ranks).split(",") if x.strip()]
     for n in args.sizes:
@@ -934,16 +1009,21 @@ def default_cap(ranks: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     results = []
-    for n in args.sizes:
+    if args.from_json:
+        results = json.loads(args.from_json.read_text())["results"]
+    for n in [] if args.from_json else args.sizes:
         print(f"{n} ranks ({n // args.per_node} nodes of {args.per_node}):", flush=True)
         results.append(measure_size(n, args.per_node, args.window or default_window(n), args.cap or default_cap(n),
                                     args.store_steps, args.record_bytes, args.heartbeat_interval, args.step_s,
                                     args.heartbeat_timeout, say=lambda line: print(line, flush=True)))
     print()
     print(table(results))
-    if args.json:
+    if args.json and not args.from_json:
         args.json.write_text(json.dumps({"machine": machine(), "results": results}, indent=2) + "\n")
         print(f"wrote {args.json}")
+    if args.plot:
+        plot(results, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 
