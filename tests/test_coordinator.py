@@ -691,6 +691,24 @@ def test_an_elastic_job_runs_an_absent_nodes_ranks_elsewhere_then_moves_them_bac
     assert events(tmp_path, "recovery_started")[-1]["detail"]["fault"] == "grow"
 
 
+def test_an_elastic_job_starts_with_min_nodes_after_the_settle_time(tmp_path: Path) -> None:
+    """--nnodes 1:2, node 1 never joins: after 30 s (torchrun's last call) its ranks start on node
+    0; when it joins later they move back there."""
+    coord, agent, clock = make(tmp_path, world=4, local=2, min_nodes=1, replace_timeout=3.0)
+    assert [s[0] for s in agent.spawned] == [0, 1]
+    clock.now += 10.0
+    assert coord.check_agents() is None and not events(tmp_path, "job_shrunk")  # launchers start seconds apart
+    clock.now += 21.0
+    assert coord.check_agents() is None
+    shrunk = events(tmp_path, "job_shrunk")[0]
+    assert "node 1 has not joined 30 s after the start" in shrunk["message"] and shrunk["detail"]["ranks"] == [2, 3]
+    assert [s[0] for s in agent.spawned] == [0, 1, 2, 3] and coord.restarts_used == 0
+    coord.check_processes()
+    hello_all(coord)
+    join_node1(coord)
+    assert events(tmp_path, "job_grown")[0]["detail"]["ranks"] == [2, 3]
+
+
 def test_an_elastic_job_below_its_minimum_ends_after_the_replace_timeout(tmp_path: Path) -> None:
     """--nnodes 2:3 and nodes 1 and 2 lost: one node left, below MIN: the job ends once
     --replace_timeout has passed (a dying gasp), naming the node and the minimum."""

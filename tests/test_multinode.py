@@ -574,3 +574,58 @@ def test_link_flaps_are_weather_not_loss(net_hosts, long_reference: str, tmp_pat
     assert [e for e in events if e["kind"] == "job_finished"][-1]["detail"]["restarts"] == 3  # one per flap
     assert "hears nothing from the job coordinator" in runs[1].output(), runs[1].output()[-3000:]
     assert "rejoining as its replacement" in runs[1].output(), runs[1].output()[-3000:]
+
+
+def test_an_elastic_job_goes_on_without_a_lost_node_and_takes_it_back(net_hosts, tmp_path: Path) -> None:  # noqa: F811
+    """--nnodes 2:3 on three hosts, 2 ranks each. Host 2 is killed and no node takes its place:
+    within --replace_timeout its ranks 4 and 5 start on hosts 0 and 1 and recover from replicas,
+    the job goes on there with the same 6 ranks (the same samples each step), and ranks 0-3 keep
+    their processes. A fourth host's launcher then takes index 2: ranks 4 and 5 move back to it,
+    for no restart. The parameters equal those of a fault-free 6-rank run, bit for bit."""
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    ref = subprocess.run([*[("6" if w == "4" else w) for w in dj.cmd(reference_dir / "logs", dj.LONG_STEPS)]],
+                         env=dj.env(), capture_output=True, text=True, timeout=400, cwd=reference_dir)
+    assert ref.returncode == 0, ref.stdout[-3000:]
+    reference = dj.digest(ref.stdout, dj.LONG_STEPS)
+    hosts = net_hosts(4)
+    pause = tmp_path / "pause"
+    pause.touch()
+    elastic = ("--nnodes", "2:3", "--replace_timeout", "3", "--node_wait_timeout", "120")
+    args = ("--log_every", "10", "--step_pause", "0.2", "--pause_while", str(pause))
+    runs = start_job(hosts[:3], tmp_path, steps=dj.LONG_STEPS, extra=elastic, script_args=args)
+    late = None
+    try:
+        dj.wait_for(lambda: len({e["rank"] for e in dj.events(runs[0].log_dir) if e["kind"] == "rank_joined"}) == 6
+                    and "step 20 loss" in (runs[0].log_dir / "worker_0.log").read_text(), timeout=240)
+        for pid in hosts[2].pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        dj.wait_for(lambda: any(e["kind"] == "job_shrunk" for e in dj.events(runs[0].log_dir)), timeout=60)
+        dj.wait_for(lambda: sum(e["kind"] == "recovery_finished" for e in dj.events(runs[0].log_dir)) >= 1, timeout=120)
+        late = start_node(hosts[3], 2, hosts[0].addr, 3, tmp_path, steps=dj.LONG_STEPS, tag="3", extra=elastic,
+                          script_args=args)
+        dj.wait_for(lambda: sum(e["kind"] == "recovery_finished" for e in dj.events(runs[0].log_dir)) >= 2, timeout=120)
+        pause.unlink()
+        codes = wait_all([runs[0], runs[1], late])
+    finally:
+        for run in [*runs, *([late] if late else [])]:
+            if run.proc.poll() is None:
+                os.killpg(run.proc.pid, signal.SIGKILL)
+    events = dj.events(runs[0].log_dir)
+    everything = dj.story(events) + "\n---\n" + "\n---\n".join(r.output()[-2500:] for r in [runs[0], runs[1], late])
+    assert codes == [0, 0, 0], everything
+    assert dj.digest(runs[0].output(), dj.LONG_STEPS) == reference, everything
+    lost = [e for e in events if e["kind"] == "node_lost"][0]
+    shrunk = [e for e in events if e["kind"] == "job_shrunk"][0]
+    assert shrunk["detail"]["ranks"] == [4, 5] and sorted(shrunk["detail"]["placed"].values()) == [0, 1], everything
+    assert shrunk["time"] - lost["time"] < 5.0 + 3.0, everything  # --replace_timeout 3 s after the verdict
+    grown = [e for e in events if e["kind"] == "job_grown"]
+    assert grown and grown[0]["detail"]["ranks"] == [4, 5], everything
+    pids = dj.started(events)
+    assert all(len(pids[r]) == 1 for r in range(4)), "a surviving rank was restarted\n" + everything
+    assert len(pids[4]) == 3 and len(pids[5]) == 3, everything  # host 2, moved, back on host 3
+    assert [e for e in events if e["kind"] == "job_finished"][-1]["detail"]["restarts"] == 1, everything
+    assert not [e for e in events if e["kind"] == "job_restarting"], everything

@@ -315,9 +315,9 @@ class JobSpec:
     setup_timeout: float = _timeout(300.0, "Seconds a rank may take from its start to its first steps (imports, "
                                     "compilation, rendezvous).")
     replace_timeout: float = _timeout(
-        10.0, "With --nnodes MIN:MAX: seconds an absent node (lost, or not joined at the start) is awaited before its "
-        "ranks start on the other nodes, while MIN nodes or more are left; below MIN the job ends then (0: wait "
-        "--node_wait_timeout, as a fixed-size job).", zero_ok=True, why="0 waits --node_wait_timeout, as a "
+        10.0, "With --nnodes MIN:MAX: seconds a lost node is awaited before its ranks start on the other nodes (a "
+        "node not joined at the start: at least 30 s), while MIN nodes or more are left; below MIN the job ends then "
+        "(0: wait --node_wait_timeout, as a fixed-size job).", zero_ok=True, why="0 waits --node_wait_timeout, as a "
         "fixed-size job; " + TIMEOUT_WHY)
     node_wait_timeout: float = _timeout(
         300.0, "Seconds the coordinator waits for a replacement launcher of a lost node (ARF) before it writes a "

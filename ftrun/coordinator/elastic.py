@@ -5,7 +5,8 @@ goes on with the replica groups it has and the lost group's samples of each step
 Either way the run is another run: another global batch, or other samples, or other sums. ftrun
 keeps the job's ranks (the world size, each rank's data shard and its share of the global batch)
 and moves where they run. A node absent for ``--replace_timeout`` (lost with no standby node and no
-replacement launcher, or not joined at the start) while ``MIN`` nodes or more are present has its
+replacement launcher; at the start, one not joined after :data:`START_SETTLE_S`, as torchrun's
+rendezvous closes its last call) while ``MIN`` nodes or more are present has its
 ranks started on those nodes, the least loaded first; each recovers from a replica as after any
 rank's death (ARF), and the survivors keep their processes. When a launcher takes the node's index
 again (a replacement, a standby node, a late node at the start), its ranks move back: their
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ..events import EventKind
+
+START_SETTLE_S = 30.0  # a node not joined at the start is awaited this long at least (torchrun's last_call_timeout)
 
 if TYPE_CHECKING:
     from .core import Coordinator
@@ -79,6 +82,12 @@ class Elastic:
         spec = self.job.spec
         return 0 < spec.min_nodes < spec.nnodes and spec.replace_timeout > 0 and spec.tft.arf
 
+    def wait_for(self, lost: bool) -> float:
+        """Seconds an absent node is awaited before its ranks run elsewhere: ``--replace_timeout``
+        for a lost node; at the start, at least :data:`START_SETTLE_S` (launchers start seconds apart)."""
+        spec = self.job.spec
+        return spec.replace_timeout if lost else max(spec.replace_timeout, START_SETTLE_S)
+
     def shrink(self, found: Shrink) -> None:
         """Start ``found.node``'s ranks on the present nodes (their spawn orders, kept for the
         node, go there instead)."""
@@ -101,8 +110,8 @@ class Elastic:
                 job.members.spawn(r.node, (rank, order[1], job.spawning.rank_env(r).to_environ(), order[3], order[4]))
         present = len(load)
         job.emit(EventKind.JOB_SHRUNK,
-                 f"{found.reason}; no node took its place within --replace_timeout {job.spec.replace_timeout:g} s: its "
-                 f"rank(s) {ranks} run on node(s) {sorted(set(target.values()))} until it joins; the job goes on with "
+                 f"{found.reason}: its rank(s) {ranks} run on node(s) {sorted(set(target.values()))} until it joins; "
+                 f"the job goes on with "
                  f"{present} of {job.spec.nnodes} nodes, the same {job.spec.worker_num} ranks and global batch",
                  node_absent=found.node, ranks=ranks, placed={str(k): v for k, v in target.items()}, nodes=present)
 

@@ -136,7 +136,8 @@ class Membership:
             agent = self.agents.get(node)
             if agent is not None:
                 self.rejoining.discard(node)
-            elif node not in moved and self.job.elastic.on and now - self.absent_since.get(node, now) > spec.replace_timeout:
+            elif (node not in moved and self.job.elastic.on
+                  and now - self.absent_since.get(node, now) > self.job.elastic.wait_for(node in self.lost_nodes)):
                 absent = self.elastic_verdict(node)
                 if absent is not None:
                     return absent
@@ -170,7 +171,8 @@ class Membership:
         spec, present = self.job.spec, len(self.agents)
         lost = self.waiting_for.get(node)
         if present >= spec.min_nodes:
-            return Shrink(node, lost or f"node {node} has not joined within --replace_timeout {spec.replace_timeout:g} s")
+            return Shrink(node, f"{lost}; no node took its place within --replace_timeout {spec.replace_timeout:g} s"
+                          if lost else f"node {node} has not joined {self.job.elastic.wait_for(False):g} s after the start")
         if lost is not None:
             del self.waiting_for[node]
             return NoReplacement(f"{lost}; no node took its place within --replace_timeout {spec.replace_timeout:g} s "
