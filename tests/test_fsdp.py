@@ -5,14 +5,18 @@ survivors keep their processes) and the run ends bitwise equal to the fault-free
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from conftest import clean_env, kinds, read_events, run_bounded
+from conftest import FtrunProc, clean_env, kinds, read_events, run_bounded
 from reference_runs import run_torchrun
 from ftrun.group import GroupDown
 from ftrun.sharding import (ShardedModels, is_collective_failure, mesh_coordinates, mesh_replica_groups,
@@ -103,6 +107,16 @@ def _ftrun(tmp_path: Path, name: str, fault: str | None, run: list[str] = RUN) -
 
 @pytest.mark.integration
 @pytest.mark.timeout(240)
+def test_the_ftrun_script_under_plain_torchrun_equals_its_twin(tmp_path: Path, twin_digest: str) -> None:
+    """Outside ftrun the worker library falls back: ft.device_mesh() is init_device_mesh on torchrun's group."""
+    env = clean_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"})
+    proc = run_torchrun(["--standalone", "--nproc_per_node", "4", str(SCRIPT), *RUN], env, tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert _final(proc.stdout) == twin_digest
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
 def test_hsdp_without_faults_equals_the_torchrun_twin(tmp_path: Path, twin_digest: str) -> None:
     digest, events = _ftrun(tmp_path, "clean", None)
     assert digest == twin_digest
@@ -134,3 +148,36 @@ def test_tensor_parallel_by_data_parallel_rank_killed_ends_bitwise(tmp_path: Pat
     assert digest == _twin(tmp_path, run)
     assert sorted(e["rank"] for e in kinds(events, "rank_started")) == [0, 1, 2, 2, 3]
     assert len(kinds(events, "recovery_finished")) == 1 and not kinds(events, "job_restarting")
+
+
+def _wait_for_step(proc: FtrunProc, log_dir: Path, step: int, timeout: float = 120.0) -> None:
+    """Until every rank of the job's progress board (progress.jsonl) has reached ``step``."""
+    deadline = time.monotonic() + timeout
+    path = log_dir / "progress.jsonl"
+    while time.monotonic() < deadline:
+        assert proc.popen.poll() is None, f"ftrun exited first:\n{proc.stdout()[-3000:]}"
+        lines = path.read_text().splitlines() if path.exists() else []
+        steps = json.loads(lines[-1])["steps"] if lines else []
+        if steps and all(s is not None and s >= step for s in steps):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"the job did not reach step {step} within {timeout} s")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_hsdp_rank_killed_from_outside_mid_run_ends_bitwise(tmp_path: Path, ftrun_proc) -> None:
+    """A SIGKILL from outside (no fault point): rank 1 dies wherever it is; the run ends as the twin's."""
+    run = ["--mesh", "2,2", "--steps", "30"]
+    log_dir = tmp_path / "logs"
+    proc = ftrun_proc(["--worker_num", "4", "--master_port", "0", "--plain", "--log_dir", str(log_dir),
+                       "--tail_worker_log", "0", str(SCRIPT), *run])
+    _wait_for_step(proc, log_dir, 3)
+    victim = next(e["pid"] for e in read_events(log_dir) if e["kind"] == "rank_started" and e["rank"] == 1)
+    os.kill(victim, signal.SIGKILL)
+    result = proc.wait(timeout=200)
+    assert result.returncode == 0, result.stdout[-4000:]
+    events = read_events(log_dir)
+    assert sorted(e["rank"] for e in kinds(events, "rank_started")) == [0, 1, 1, 2, 3]
+    assert kinds(events, "recovery_finished") and not kinds(events, "job_restarting")
+    assert _final(result.stdout) == _twin(tmp_path, run)
