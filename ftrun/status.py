@@ -187,6 +187,10 @@ def _header(snap: JobSnapshot) -> str:
                      f"{str(ckpts.get('last_error') or '?')[:160]}")
     if s.get("lost_nodes"):
         parts.append("lost node(s) " + ", ".join(str(k) for k in s["lost_nodes"]))
+    moved = s.get("moved_ranks") if isinstance(s.get("moved_ranks"), dict) else {}
+    if moved:  # an elastic job (--nnodes MIN:MAX) going on without some nodes
+        parts.append(f"on {s.get('nodes_present', '?')} of {s.get('nnodes', '?')} nodes (ranks of node(s) "
+                     + ", ".join(str(k) for k in moved) + " run on the others)")
     standby_nodes = s.get("standby_nodes")
     if isinstance(standby_nodes, list) and standby_nodes:
         parts.append(f"{len(standby_nodes)} standby node(s) (" + ", ".join(

@@ -675,6 +675,9 @@ def test_an_elastic_job_runs_an_absent_nodes_ranks_elsewhere_then_moves_them_bac
     moved = {rank: env for rank, _inc, _spare, env in agent.spawned if rank in (2, 3)}
     assert moved[2]["LOCAL_RANK"] == "2" and moved[3]["LOCAL_RANK"] == "3" and moved[2]["RANK"] == "2"
     assert (coord.ranks[2].node, coord.ranks[3].node) == (0, 0) and coord.restarts_used == 1
+    snapshot = coord.status_snapshot()
+    assert snapshot["moved_ranks"] == {"1": [2, 3]} and snapshot["nodes_present"] == 1
+    assert [row["node"] for row in snapshot["ranks"]] == [0, 0, 0, 0]
     coord.check_processes()
     hello_all(coord, [2, 3])
     clock.now += 120.0  # past --node_wait_timeout: an elastic job with MIN nodes present does not fail

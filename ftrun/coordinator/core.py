@@ -205,7 +205,7 @@ class Coordinator:
             "standby_nodes": self.members.standby_node_rows(),
             "standby_coordinators": [seat.node for seat in self.failover.seats],  # in line, first first
             "coordinator_node": self.spec.node_rank, "coordinator_epoch": self.epoch,
-            **self.ttp.status(), **status_header(),
+            **self.ttp.status(), **self.elastic.status(), **status_header(),
         }
 
     def publish_status(self, force: bool = False, final: dict[str, Any] | None = None) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..events import EventKind
 
@@ -81,6 +81,13 @@ class Elastic:
         ``--replace_timeout``."""
         spec = self.job.spec
         return 0 < spec.min_nodes < spec.nnodes and spec.replace_timeout > 0 and spec.tft.arf
+
+    def status(self) -> dict[str, Any]:
+        """For ``ftrun status`` (an elastic job only): the nodes present, and the ranks run away from
+        their absent node (node -> ranks)."""
+        if not self.on:
+            return {}
+        return {"nodes_present": len(self.job.members.agents), "moved_ranks": {str(k): v for k, v in self.moved.items()}}
 
     def wait_for(self, lost: bool) -> float:
         """Seconds an absent node is awaited before its ranks run elsewhere: ``--replace_timeout``
