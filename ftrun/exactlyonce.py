@@ -33,6 +33,7 @@ from .policy import INITIAL
 from .protocol import MsgType
 from .recovery import RankProgress, Recovery
 from .registry import StateRegistry
+from .sharding import LocalShards
 from .workerstate import WorkerState
 
 DIVERGENCE_HOLD_S = 60.0  # how long a rank holding back a divergent step waits for the abort that stops the job
@@ -259,7 +260,8 @@ class ExactlyOnceChecks:
 
     def compare_replicas(self, step: int) -> bool:
         """After a recovery's transfers (:class:`ftrun.recovery.Recovery`), on every rank of the new
-        generation: all-gather fingerprints of the registered models' parameters (one per model)
+        generation: all-gather fingerprints of the registered models' parameters (one per model;
+        a sharded model's local shards, :class:`ftrun.sharding.LocalShards`)
         and buffers (one per buffer, with whether it changed since the model was wrapped) and
         compare them with the lowest rank's of this rank's replica group; a difference (a transfer
         that went wrong, a replica that diverged) is reported as a ``divergence`` naming the model
@@ -287,6 +289,9 @@ class ExactlyOnceChecks:
                 constant = {n for n, _ in buffers.constant()}
                 for bname, b in module.named_buffers():
                     add(f"{name}.{bname} (buffer)", [b], bname in constant)
+        for name, obj in self.registry.items():
+            if isinstance(obj, LocalShards):  # a sharded model: its replicas hold the same local shards
+                add(f"{name} (local shards)", list(obj.state_dict().values()), True)
         mine = torch.tensor(words, dtype=torch.int64, device=self.device)
         gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
         failure = None

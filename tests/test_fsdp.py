@@ -136,6 +136,7 @@ def test_hsdp_rank_killed_is_respawned_alone_and_ends_bitwise(tmp_path: Path, tw
     recovered = {e["rank"]: e for e in kinds(events, "rank_recovered")}
     donor = replica_peers(rank, (2, 2), ("replicate", "shard"))[0]
     assert "recipient" in recovered[rank]["message"] and "donor" in recovered[donor]["message"]
+    assert not kinds(events, "divergence")  # replicas compared their local shards after the recovery
 
 
 @pytest.mark.integration
