@@ -797,6 +797,10 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
             "msgs_in_per_s": round(sent / span, 1),
             "bytes_in_per_s": round((c1["sent_bytes"] - c0["sent_bytes"]) / span),
             "msgs_handled_per_s": round(done / span, 1),
+            # The CPU a handled message cost, whatever share of the cores the process got (a loaded
+            # machine gives it less than it needs: then it handles fewer than arrive, and the rest waits).
+            "cpu_us_per_msg_handled": round(1e6 * (cpu1 - cpu0) / max(done, 1), 1),
+            "cpu_pct_needed": round(100 * (cpu1 - cpu0) / max(done, 1) * sent / span, 1),
             "msgs_out_per_s": round((sum(c1["received"].values()) - sum(c0["received"].values())) / span, 1),
             "bytes_out_per_s": round((c1["received_bytes"] - c0["received_bytes"]) / span),
             "heartbeats_per_s": round((c1["sent"].get("heartbeat", 0) - c0["sent"].get("heartbeat", 0)) / span, 1),
@@ -908,6 +912,8 @@ COLUMNS = [
     ("msgs/s in", lambda r: r.get("steady", {}).get("msgs_in_per_s"), "{:.0f}"),
     ("MB/s in", lambda r: _div(r.get("steady", {}).get("bytes_in_per_s"), 1e6), "{:.2f}"),
     ("handled/s", lambda r: r.get("steady", {}).get("msgs_handled_per_s"), "{:.0f}"),
+    ("us/msg", lambda r: r.get("steady", {}).get("cpu_us_per_msg_handled"), "{}"),
+    ("% needed", lambda r: r.get("steady", {}).get("cpu_pct_needed"), "{}"),
     ("store ops/step", lambda r: r.get("store", {}).get("ops_per_step"), "{}"),
     ("store MB/step", lambda r: _div(r.get("store", {}).get("bytes_per_step"), 1e6), "{:.1f}"),
     ("death->plan s", lambda r: r.get("rank_death", {}).get("to_plan_received_by_all_s"), "{}"),
@@ -941,7 +947,9 @@ def plot(results: list[dict[str, Any]], target: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = [
-        ("node 0's coordinator, % of one core", [("steady state", lambda r: r.get("steady", {}).get("coordinator_cpu_pct"))]),
+        ("node 0's coordinator, % of one core", [
+            ("steady state, measured", lambda r: r.get("steady", {}).get("coordinator_cpu_pct")),
+            ("needed for every message (CPU per message x arrivals)", lambda r: r.get("steady", {}).get("cpu_pct_needed"))]),
         ("into node 0, per second / per step", [
             ("control messages /s", lambda r: r.get("steady", {}).get("msgs_in_per_s")),
             ("control KB /s", lambda r: _div(r.get("steady", {}).get("bytes_in_per_s"), 1e3)),

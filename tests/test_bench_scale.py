@@ -57,7 +57,7 @@ def test_node_zeros_agent_reports_each_spawn_at_once_without_a_process() -> None
 
 def test_the_table_marks_what_was_not_measured() -> None:
     full = {"ranks": 256, "steady": {"coordinator_cpu_pct": 12.5, "msgs_in_per_s": 288.0, "bytes_in_per_s": 60_000,
-                                     "msgs_handled_per_s": 288.0},
+                                     "msgs_handled_per_s": 288.0, "cpu_us_per_msg_handled": 400.0, "cpu_pct_needed": 11.5},
             "store": {"ops_per_step": 512, "bytes_per_step": 4_900_000},
             "rank_death": {"to_plan_received_by_all_s": 0.1, "round_s": 0.2},
             "node_silence": {"to_verdict_s": 5.1, "round_s": 0.3}, "coordinator_rss_bytes": 200e6}
@@ -89,6 +89,7 @@ def test_a_tiny_run_reports_every_figure(tmp_path: Path) -> None:
     steady = res["steady"]
     assert steady["coordinator_cpu_pct"] > 0 and steady["coordinator_rss_bytes"] > 0
     assert steady["msgs_in_per_s"] > 0 and steady["bytes_in_per_s"] > 0 and steady["msgs_handled_per_s"] > 0
+    assert steady["cpu_us_per_msg_handled"] > 0 and steady["cpu_pct_needed"] > 0
     death = res["rank_death"]
     assert 0 < death["to_plan_decided_s"] <= death["to_plan_received_by_all_s"] <= death["round_s"]
     silence = res["node_silence"]
