@@ -73,6 +73,56 @@ def test_collective_failures_are_told_from_bugs() -> None:
     assert not is_collective_failure(ValueError("gloo"))
 
 
+# One process on torch's fake backend (no communication): rank 3 of an HSDP 2x2 mesh, shard index 1.
+_ADAPTERS = """
+import torch, torch.distributed as dist
+import torch.testing._internal.distributed.fake_pg  # noqa
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from ftrun.sharding import LocalOptimizerState, LocalShards
+
+dist.init_process_group("fake", store=dist.HashStore(), rank=3, world_size=4)
+mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+def build(seed):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    fully_shard(m, mesh=mesh)
+    return m, torch.optim.AdamW(m.parameters(), lr=0.1)
+
+a, opt_a = build(0)
+for p in a.parameters():
+    p.grad = DTensor.from_local(torch.full_like(p.to_local(), 0.5), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+opt_a.step()
+b, opt_b = build(1)  # another init, an optimizer that never stepped: a respawned rank's
+LocalShards(b).load_state_dict(LocalShards(a).state_dict())
+LocalOptimizerState(opt_b).load_state_dict(LocalOptimizerState(opt_a).state_dict())
+for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+    assert torch.equal(pa.to_local(), pb.to_local()), n
+sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+assert sa.keys() == sb.keys() and len(sa) == 4
+for k in sa:
+    for name in ("exp_avg", "exp_avg_sq", "step"):
+        va, vb = sa[k][name], sb[k][name]
+        assert type(va) is type(vb), (name, type(va), type(vb))
+        la = va.to_local() if isinstance(va, DTensor) else va
+        lb = vb.to_local() if isinstance(vb, DTensor) else vb
+        assert torch.equal(la, lb), name
+assert all(isinstance(v, torch.Tensor) and not isinstance(v, DTensor) for v in LocalOptimizerState(opt_a).state_dict()["state"][0].values())
+print("ok", sorted((n, tuple(v.shape)) for n, v in LocalShards(a).state_dict().items()))
+"""
+
+
+def test_local_shards_and_adamw_state_load_into_a_rank_that_never_stepped(tmp_path: Path) -> None:
+    """What a donor sends is plain local tensors (the shards of this rank's index, padded shards
+    included); loaded into another model and an AdamW that never stepped, they give the same
+    shards and the same moments, wrapped again as DTensors on the parameters' mesh."""
+    proc = run_bounded([sys.executable, "-c", _ADAPTERS], env=clean_env({"PYTHONPATH": str(ROOT)}), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "ok [('0.bias', (2,)), ('0.weight', (2, 6)), ('1.bias', (1,)), ('1.weight', (1, 5))]" in proc.stdout
+
+
 # --------------------------------------------------------------------------- 4 real ranks
 
 def _final(stdout: str) -> str:
