@@ -6,6 +6,7 @@
     python scripts/bench.py --parts multinode --repeats 3   # 2 hosts x 2 ranks (network namespaces, root)
     python scripts/bench.py --parts nodeloss --repeats 2    # a whole host lost, a replacement on a third
     python scripts/bench.py --parts nodeloss --standby --repeats 2   # ... a standby node with hot spares on the third
+    python scripts/bench.py --parts elastic --repeats 2     # --nnodes 2:3, a host lost and none replacing it
     python scripts/bench.py --from_json results.json --plots docs   # tables and figures again
 
 Every case runs the same job under both launchers:
@@ -55,6 +56,14 @@ replacement agent uses host 2's ``--local-addr``. For ftrun recover_s is split f
 events.jsonl into detection (kill to node_lost), join (to the replacement's node_joined), recovery
 (to recovery_finished) and the retried step; which ranks kept their pid is recorded.
 
+The ``elastic`` part runs the digits job on 3 hosts x 2 ranks as an elastic job (``--nnodes 2:3``)
+and, when rank 0 prints the kill step, SIGKILLs every process of host 2; no launcher replaces it.
+ftrun (``--replace_timeout 3``) starts ranks 4 and 5 on hosts 0 and 1, the same 6 ranks; torchrun
+(``--nnodes 2:3``, ``--rdzv-conf last_call_timeout=1``: its fastest re-rendezvous) restarts every
+worker on the 2 hosts left, a world of 4, from its checkpoint. recover_s is the time from the kill
+to the failed step trained again; ftrun's is split from node 0's events into detection (kill to
+node_lost), wait (to job_shrunk: ``--replace_timeout``) and recovery (to recovery_finished).
+
 With ``--standby`` the third host runs, for ftrun, a launcher started before the loss (the same
 command without ``--node_rank``, as soon as every node has joined: a standby node, which runs one
 hot spare per local rank), and the kill comes at the first step from ``kill_step`` on at which
@@ -95,9 +104,9 @@ FINAL = re.compile(r"final step=(\d+) loss=\S+ test_accuracy=(\S+) params_sha256
 STATE_MB = re.compile(r"state_mb=(\S+)")
 SPARE_READY = re.compile(r"warm spare \(pid \d+\) ready at (\d+\.\d+)")
 LAUNCHERS = ("ftrun", "torchrun")
-PARTS = ("recovery", "scaling-world", "scaling-state", "overhead", "overhead-real", "memory", "transfer", "multinode",
+PARTS = ("recovery", "scaling-world", "scaling-state", "overhead", "overhead-real", "memory", "transfer", "multinode", "elastic",
          "nodeloss", "hf")
-DEFAULT_REPEATS = {"recovery": 2, "overhead": 2, "overhead-real": 3, "multinode": 3, "nodeloss": 2, "hf": 2}
+DEFAULT_REPEATS = {"recovery": 2, "overhead": 2, "overhead-real": 3, "multinode": 3, "nodeloss": 2, "elastic": 2, "hf": 2}
 # hf: Hugging Face Trainer (examples/hf_trainer.py) with ftrun's integration (FTTrainer: a rank-level
 # recovery), the same script without it under ftrun (plain Trainer: a whole-job restart that resumes
 # from the Trainer's newest checkpoint, ftrun.integrations.hf_resume) and under torchrun (the same)
@@ -146,9 +155,11 @@ class Case:
     # with hot: the kill at kill_step whatever the hot spare's state (a fault while it is still in
     # the script's set-up: it must be served by the spare, never slower than a new process)
     early: bool = False
+    elastic: bool = False  # nodeloss as an elastic job (--nnodes N-1:N): no replacement; the others go on
 
     def label(self) -> str:
-        return _label((self.workload, self.size, self.ranks, self.nodes, self.hot, self.lost_node, self.early))
+        return _label((self.workload, self.size, self.ranks, self.nodes, self.hot, self.lost_node, self.early)) + (
+            " elastic" if self.elastic else "")
 
 
 @dataclass
@@ -627,6 +638,8 @@ def run_nodeloss_job(launcher: str, case: Case, timeout: float = 420) -> Run:
 def _run_nodeloss_in(launcher: str, case: Case, hosts: list[Any], workdir: Path, timeout: float) -> Run:
     token = secrets.token_hex(24)
     extra = NODELOSS_FTRUN if launcher == "ftrun" else ()
+    if case.elastic and launcher == "ftrun":
+        extra += ("--nnodes", f"{case.nodes - 1}:{case.nodes}", "--replace_timeout", "3")
     # the node lost and the host its replacement starts on; losing node 0 takes the coordinator and
     # the store with it (ftrun: node 1's standby coordinator takes over; torchrun cannot go on
     # without its rendezvous host, so the whole job is started again on the others, from its
@@ -660,6 +673,9 @@ def _run_nodeloss_in(launcher: str, case: Case, hosts: list[Any], workdir: Path,
 
     def start(node: int, host_list: list[Any], log_suffix: str = "", on: Any = None) -> None:
         cmd, env, _ = multinode_command(launcher, case, node, host_list, workdir, token, extra)
+        if case.elastic and launcher == "torchrun":  # MIN:MAX, and its re-rendezvous closes 1 s after MIN joined
+            cmd[cmd.index("--nnodes") + 1] = f"{case.nodes - 1}:{case.nodes}"
+            cmd[cmd.index("--rdzv-conf") + 1] += ",last_call_timeout=1"
         if launcher == "ftrun" and log_suffix:
             cmd[cmd.index("--log_dir") + 1] += log_suffix  # keep the lost node's logs apart
         if log_suffix == "-standby":
@@ -702,6 +718,8 @@ def _run_nodeloss_in(launcher: str, case: Case, hosts: list[Any], workdir: Path,
                     killed_procs.add(lost)
                     if standby:  # started before the loss (negative: seconds before the kill)
                         kill["replacement_started"] = kill["standby_started"] - kill["time"]
+                    elif case.elastic:
+                        kill["replacement_started"] = float("nan")  # none: the job goes on with the nodes left
                     elif lost == 0 and launcher == "torchrun":
                         # The whole job again, on the surviving hosts and the spare (its node 0).
                         for index in survivors:
@@ -783,8 +801,23 @@ def _run_nodeloss_in(launcher: str, case: Case, hosts: list[Any], workdir: Path,
     if launcher == "ftrun":
         passed = kill["time"] + (run.recover_s or 0.0)
         coordinator = workdir / f"logs{0 if lost else 1}" / "events.jsonl"  # node 1's after a takeover
-        run.breakdown.update(nodeloss_breakdown(coordinator, kill["time"], passed))
+        breakdown = elastic_breakdown if case.elastic else nodeloss_breakdown
+        run.breakdown.update(breakdown(coordinator, kill["time"], passed))
     return run
+
+
+def elastic_breakdown(events_path: Path, kill_time: float, passed: float) -> dict[str, float]:
+    """Split ftrun's recovery of an elastic job from a lost node with no replacement (kill -> failed
+    step done again) from node 0's events.jsonl: detection (kill -> node_lost), wait (-> job_shrunk:
+    --replace_timeout), recovery (-> recovery_finished: the node's ranks started on the other nodes,
+    their set-up, the group rebuild, the transfers) and retried (-> the failed step done)."""
+    events = [json.loads(line) for line in events_path.read_text().splitlines() if line.strip()]
+    lost = next(e for e in events if e["kind"] == "node_lost" and e["time"] > kill_time)
+    shrunk = next(e for e in events if e["kind"] == "job_shrunk" and e["time"] > lost["time"])
+    finished = next(e for e in events if e["kind"] == "recovery_finished" and e["time"] > shrunk["time"])
+    parts = {"detection": lost["time"] - kill_time, "wait": shrunk["time"] - lost["time"],
+             "recovery": finished["time"] - shrunk["time"], "retried": passed - finished["time"]}
+    return {k: round(v, 4) for k, v in parts.items()}
 
 
 def nodeloss_breakdown(events_path: Path, kill_time: float, passed: float) -> dict[str, float]:
@@ -942,6 +975,10 @@ def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
         parts["nodeloss"] = [Case("digits", "-", 4, 1200 if standby else 100 if q else 200,
                                   300 if standby else 40 if q else 60, victim=3, ckpt_every=25, nodes=2, hot=standby,
                                   lost_node=lost) for lost in getattr(args, "lost_nodes", [None])]
+    if "elastic" in args.parts:
+        # 3 hosts x 2 ranks, --nnodes 2:3; all of host 2 (ranks 4 and 5, its launcher) is killed, no replacement.
+        parts["elastic"] = [Case("digits", "-", 6, 100 if q else 200, 40 if q else 60, victim=5, ckpt_every=25, nodes=3,
+                                 elastic=True)]
     only = getattr(args, "only", None)
     if only:  # --only: the cases whose label has that text
         parts = {name: [c for c in cases if only in c.label()] for name, cases in parts.items()}
@@ -958,13 +995,13 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         results["transfer"] = run_transfer(sizes, 1 if args.quick else 3)
     for part, cases in plan(args).items():
         job = run_job
-        if part in ("multinode", "nodeloss"):
+        if part in ("multinode", "nodeloss", "elastic"):
             reason = multinode_unavailable()
             if reason is not None:
                 print(f"[{part}] skipped: {reason}", file=sys.stderr, flush=True)
                 results.setdefault("skipped", {})[part] = reason
                 continue
-            job = run_multinode_job if part == "multinode" else run_nodeloss_job
+            job = run_multinode_job if part == "multinode" else run_nodeloss_job  # elastic: a nodeloss case
             results[f"{part}_reference"] = multinode_references(cases, results, part, job)
         runs: list[dict[str, Any]] = []
         results["parts"][part] = runs
@@ -1180,6 +1217,22 @@ def nodeloss_table(runs: list[dict[str, Any]]) -> list[str]:
     return out + ["", "torchrun:"] + tr
 
 
+ELASTIC_PARTS = ("detection", "wait", "recovery", "retried")
+
+
+def elastic_table(runs: list[dict[str, Any]]) -> list[str]:
+    """ftrun's split of an elastic job's loss (see :func:`elastic_breakdown`) and torchrun's restart/recompute."""
+    out = [f"{'case':<24} {'recover_s':>9} " + " ".join(f"{p:>9}" for p in ELASTIC_PARTS)]
+    tr = [f"{'case':<24} {'recover_s':>9} {'restart':>9} {'recompute':>9}"]
+    for key, group in _groups(runs).items():
+        for launcher, table, names in (("ftrun", out, ELASTIC_PARTS), ("torchrun", tr, ("restart", "recompute"))):
+            rows = group[launcher]
+            if rows:
+                table.append(f"{_label(key) + ' elastic':<24} {_fmt(_med([r['recover_s'] for r in rows])):>9} "
+                             + " ".join(f"{_fmt(_med([r['breakdown'].get(p) for r in rows]), 3):>9}" for p in names))
+    return out + ["", "torchrun:"] + tr
+
+
 def nodeloss_pid_notes(runs: list[dict[str, Any]]) -> list[str]:
     """Per run: which ranks kept their pid through the node loss (pids before the kill and 20 steps after)."""
     out = []
@@ -1272,6 +1325,17 @@ def report(results: dict[str, Any]) -> str:
         lines += nodeloss_pid_notes(parts["nodeloss"])
     elif results.get("skipped", {}).get("nodeloss"):
         lines += ["", f"== nodeloss: skipped: {results['skipped']['nodeloss']}"]
+    if "elastic" in parts:
+        lines += ["", "== elastic: 3 hosts x 2 ranks, --nnodes 2:3; every process of host 2 SIGKILLed from outside, no "
+                      "replacement. ftrun: ranks 4 and 5 start on hosts 0 and 1 after --replace_timeout 3 s (the same "
+                      "6 ranks); torchrun: every worker restarted on the 2 hosts left (a world of 4) from its checkpoint; "
+                      "time from the kill to the failed step trained again (x/ft: torchrun/ftrun, pairwise median)"]
+        lines += fault_table(parts["elastic"])
+        lines += ["", "== elastic: where ftrun's time goes (medians, seconds)"]
+        lines += elastic_table(parts["elastic"])
+        lines += [""] + multinode_notes(parts["elastic"], results.get("elastic_reference", []))
+    elif results.get("skipped", {}).get("elastic"):
+        lines += ["", f"== elastic: skipped: {results['skipped']['elastic']}"]
     if "hf" in parts:
         lines += ["", "== hf: Hugging Face Trainer (examples/hf_trainer.py, a GRU LM, gradient accumulation 2), 4 ranks; "
                       "SIGKILL of rank 1 from outside. ftrun: with the integration (FTTrainer, rank-level recovery); "

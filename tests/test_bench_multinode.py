@@ -4,6 +4,7 @@ command lines, the labels, and the digest check of the report."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -92,3 +93,22 @@ def test_notes_pairwise_ratios_and_digest_check() -> None:
     assert "ftrun: victim on node(s) [1]; params_sha256 equal to the fault-free ftrun run's: 2/2" in notes[1]
     assert "torchrun: victim on node(s) [1]; params_sha256 equal to the fault-free torchrun run's: 1/2" in notes[2]
     assert "no reference run" in bench.multinode_notes(runs, [])[1]
+
+
+def test_elastic_part_plan_and_breakdown(tmp_path: Path) -> None:
+    """The elastic part: one 3x2 case as an elastic job; ftrun's time split from node 0's events
+    into detection, the --replace_timeout wait, the recovery and the retried step."""
+    args = SimpleNamespace(parts=["elastic"], quick=True, worlds="2,4")
+    (case,) = bench.plan(args)["elastic"]
+    assert (case.ranks, case.nodes, case.elastic, case.victim) == (6, 3, True, 5) and case.label() == "digits 3x2 elastic"
+    events = tmp_path / "events.jsonl"
+    events.write_text("\n".join(json.dumps(e) for e in (
+        {"time": 99.0, "kind": "node_lost", "detail": {}},  # an older loss: before the kill
+        {"time": 100.5, "kind": "node_lost", "detail": {}},
+        {"time": 103.6, "kind": "job_shrunk", "detail": {}},
+        {"time": 106.0, "kind": "recovery_finished", "detail": {}})) + "\n")
+    parts = bench.elastic_breakdown(events, kill_time=100.0, passed=106.4)
+    assert parts == {"detection": 0.5, "wait": 3.1, "recovery": 2.4, "retried": 0.4}
+    table = bench.elastic_table([{"launcher": "ftrun", "case": {"workload": "digits", "size": "-", "ranks": 6, "nodes": 3},
+                                  "recover_s": 6.4, "breakdown": parts}])
+    assert table[1].startswith("digits 3x2 elastic") and "3.100" in table[1]
