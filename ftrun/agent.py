@@ -466,7 +466,7 @@ class NodeAgent:
                     # with a majority (the others' agents come here when they hear nothing either);
                     # the coordinator steps down when it hears half or less.
                     agree, electorate = self.standby.votes()
-                    if electorate >= 3 and 2 * agree > electorate:
+                    if self.standby.elected():
                         return self.take_over(f"nothing heard from it for {silence:.1f} s, and {agree} of the job's "
                                               f"{electorate} nodes agree (a majority; the other side steps down)")
                     if electorate >= 3 and silence <= 2 * self.coordinator_timeout:
