@@ -253,6 +253,9 @@ class ShardedModels:
         sync.sharded = True
         if next(model.buffers(), None) is not None:
             registry.register(f"{name}.buffers", ModuleBuffers(model), "rank")
+        # Its forward and backward are full of collectives: say so on the step board, so a stalled
+        # step's culprit is the rank outside torch.distributed (the watchdog's verdict).
+        model.register_forward_pre_hook(lambda _module, _args: sync.control.board.collective())
         blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
         if blocks:
             blocks[-1].register_forward_pre_hook(lambda _module, _args: fault_point("allgather"))

@@ -232,3 +232,16 @@ def test_hsdp_rank_killed_from_outside_mid_run_ends_bitwise(tmp_path: Path, ftru
     assert sorted(e["rank"] for e in kinds(events, "rank_started")) == [0, 1, 1, 2, 3]
     assert kinds(events, "recovery_finished") and not kinds(events, "job_restarting")
     assert _final(result.stdout) == _twin(tmp_path, run)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_hsdp_rank_hung_inside_the_allgathers_is_found_and_replaced(tmp_path: Path) -> None:
+    """Rank 1 loops in Python between FSDP's all-gathers; its peers wait in torch.distributed. The
+    watchdog blames rank 1 alone (a sharded model's forward is announced as a collective), the
+    kill releases the others, and the run ends bitwise. 20 steps: the step bound needs its warm-up."""
+    run = ["--mesh", "2,2", "--steps", "20"]
+    digest, events = _ftrun(tmp_path, "hang", "rank=1,step=15,point=allgather,kind=hang", run)
+    assert [e["rank"] for e in kinds(events, "rank_hung")] == [1]
+    assert sorted(e["rank"] for e in kinds(events, "rank_started")) == [0, 1, 1, 2, 3]
+    assert digest == _twin(tmp_path, run)
