@@ -623,8 +623,11 @@ class CountingStore:
 
 
 def simulation_main(conn: Any, nodes: list[int], world: int, per_node: int, control_addr: str, interval: float,
-                    step_s: float) -> None:
+                    step_s: float, nice: int = 0) -> None:
     import torch.distributed  # noqa: F401  (the store client's; imported before any beat: it takes seconds)
+
+    if nice:
+        os.nice(nice)  # the simulated nodes are other machines: node 0's processes go first here
 
     Simulation(nodes, world, per_node, control_addr, interval, step_s).run(conn)
 
@@ -718,14 +721,15 @@ def sum_counters(reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 def measure_size(ranks: int, per_node: int, window: float, cap: float, store_steps: int, record_bytes: int,
                  interval: float, step_s: float, heartbeat_timeout: float = 5.0,
-                 say: Callable[[str], None] = print) -> dict[str, Any]:
+                 say: Callable[[str], None] = print, sim_nice: int = 0) -> dict[str, Any]:
     """Run one size through the phases (module docstring); returns its figures (``incomplete``
     names the phase that did not finish within ``cap`` seconds)."""
     mp = multiprocessing.get_context("fork")
     tmp = Path(tempfile.mkdtemp(prefix="ftrun-scale-"))
     run = SizeRun(ranks, per_node, time.monotonic() + cap)
     res = run.result
-    res.update(ranks=ranks, nodes=ranks // per_node, per_node=per_node, heartbeat_interval_s=interval, step_s=step_s)
+    res.update(ranks=ranks, nodes=ranks // per_node, per_node=per_node, heartbeat_interval_s=interval, step_s=step_s,
+               sim_nice=sim_nice)
     procs: list[Any] = run.procs
     pipes: list[Any] = []
     events: EventTail | None = None
@@ -759,7 +763,8 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
         where: dict[int, int] = {}  # node -> index of its simulation process
         for i, nodes in enumerate(layout):
             parent, child = mp.Pipe()
-            sim = mp.Process(target=simulation_main, args=(child, nodes, ranks, per_node, control_addr, interval, step_s),
+            sim = mp.Process(target=simulation_main,
+                             args=(child, nodes, ranks, per_node, control_addr, interval, step_s, sim_nice),
                              daemon=True, name=f"simulation-{i}")
             sim.start()
             procs.append(sim)
@@ -998,6 +1003,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heartbeat_interval", type=float, default=1.0, help="seconds (ftrun's default)")
     p.add_argument("--heartbeat_timeout", type=float, default=5.0, help="seconds (ftrun's default)")
     p.add_argument("--step_s", type=float, default=1.0, help="simulated step time, seconds")
+    p.add_argument("--sim_nice", type=int, default=0,
+                   help="niceness of the simulation processes (they stand for other machines: node 0's go first)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--from_json", type=Path, default=None, help="print (and plot) the results of an earlier run")
     p.add_argument("--plot", type=Path, default=None, help="draw each cost against the ranks into this PNG")
@@ -1023,7 +1030,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n} ranks ({n // args.per_node} nodes of {args.per_node}):", flush=True)
         results.append(measure_size(n, args.per_node, args.window or default_window(n), args.cap or default_cap(n),
                                     args.store_steps, args.record_bytes, args.heartbeat_interval, args.step_s,
-                                    args.heartbeat_timeout, say=lambda line: print(line, flush=True)))
+                                    args.heartbeat_timeout, say=lambda line: print(line, flush=True),
+                                    sim_nice=args.sim_nice))
     print()
     print(table(results))
     if args.json and not args.from_json:
