@@ -486,6 +486,16 @@ class Simulation:
 
     # ------------------------------------------------------------------ what the ranks and agents send
     def beat(self, now: float) -> None:
+        """Send the beats due: the agents' first (a simulation process that falls behind must not
+        pass its own lag off as a node's silence), then the ranks' heartbeats with their step boards."""
+        agents = [n for n in self.nodes.values() if n.sock is not None]
+        for _ in range(self.agent_beats.due(len(agents), now)):
+            self.agent_cursor %= len(agents)
+            node = agents[self.agent_cursor]
+            self.agent_cursor += 1
+            if not node.silent:
+                self._send(node.sock, node.sender, MsgType.AGENT_BEAT, node=node.index)
+                node.last_beat = time.time()
         ranks = self.ranks_list
         for _ in range(self.rank_beats.due(len(ranks), now)):
             self.rank_cursor %= len(ranks)
@@ -496,14 +506,6 @@ class Simulation:
             stage = "recover" if r.recovering else "loop"
             self._send(r.sock, r.sender, MsgType.HEARTBEAT, rank=r.rank, incarnation=r.incarnation, **r.board.fields(),
                        in_dist=False, stage=stage, stage_bytes=0)
-        agents = [n for n in self.nodes.values() if n.sock is not None]
-        for _ in range(self.agent_beats.due(len(agents), now)):
-            self.agent_cursor %= len(agents)
-            node = agents[self.agent_cursor]
-            self.agent_cursor += 1
-            if not node.silent:
-                self._send(node.sock, node.sender, MsgType.AGENT_BEAT, node=node.index)
-                node.last_beat = time.time()
 
     def advance(self, now: float) -> None:
         """Every rank not recovering begins the next step (having committed the one before)."""
@@ -790,7 +792,9 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
             os.kill(coord.pid, signal.SIGUSR2)
         cpu0, h0, c0, w0 = proc_cpu_seconds(coord.pid), handled(), sum_counters(ask_all(pipes, "counters")), time.monotonic()
         time.sleep(window)
-        cpu1, h1, c1, w1 = proc_cpu_seconds(coord.pid), handled(), sum_counters(ask_all(pipes, "counters")), time.monotonic()
+        reports = ask_all(pipes, "counters")
+        cpu1, h1, c1, w1 = proc_cpu_seconds(coord.pid), handled(), sum_counters(reports), time.monotonic()
+        started = sum(rep["ranks"] for rep in reports)  # rank processes the simulation runs now
         if profiling:
             os.kill(coord.pid, signal.SIGUSR2)
         span = w1 - w0
@@ -809,6 +813,9 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
             "msgs_out_per_s": round((sum(c1["received"].values()) - sum(c0["received"].values())) / span, 1),
             "bytes_out_per_s": round((c1["received_bytes"] - c0["received_bytes"]) / span),
             "heartbeats_per_s": round((c1["sent"].get("heartbeat", 0) - c0["sent"].get("heartbeat", 0)) / span, 1),
+            # what the started ranks and every agent owe a second: more than msgs_in_per_s when the
+            # simulation itself falls behind
+            "frames_due_per_s": round((started + ranks // per_node) / interval, 1),
             "coordinator_rss_bytes": proc_rss_bytes(coord.pid),
         }
         say(f"  steady: coordinator {res['steady']['coordinator_cpu_pct']}% of a core, "

@@ -90,6 +90,7 @@ def test_a_tiny_run_reports_every_figure(tmp_path: Path) -> None:
     assert steady["coordinator_cpu_pct"] > 0 and steady["coordinator_rss_bytes"] > 0
     assert steady["msgs_in_per_s"] > 0 and steady["bytes_in_per_s"] > 0 and steady["msgs_handled_per_s"] > 0
     assert steady["cpu_us_per_msg_handled"] > 0 and steady["cpu_pct_needed"] > 0
+    assert steady["frames_due_per_s"] == (64 + 8) / 0.2  # 64 ranks and 8 agents (7 nodes and the standby)
     death = res["rank_death"]
     assert 0 < death["to_plan_decided_s"] <= death["to_plan_received_by_all_s"] <= death["round_s"]
     silence = res["node_silence"]
