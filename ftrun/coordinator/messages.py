@@ -26,6 +26,7 @@ class RankMessages:
 
     def __init__(self, job: "Coordinator") -> None:
         self.job = job
+        self._replica_groups: dict[tuple[int, ...], tuple[int, ...]] = {}  # each declared group, one object
 
     def handle(self, identity: bytes, msg: Message) -> None:
         """Route one authenticated message of a rank to its handler (:attr:`_rank_handlers`).
@@ -90,7 +91,8 @@ class RankMessages:
             return
         p.identity = identity
         r.library = bool(msg["library"])
-        r.replica_group = tuple(int(x) for x in msg["replica_group"])
+        group = tuple(int(x) for x in msg["replica_group"])
+        r.replica_group = self._replica_groups.setdefault(group, group)  # one object per group: cheap plans
         p.last_heartbeat = self.job.clock()
         p.state = RankState.HEALTHY if self.job.rounds.current is None else RankState.RECOVERING
         self.job.emit(EventKind.RANK_JOINED, f"rank {r.rank} connected (pid {p.pid})", rank=r.rank, library=r.library,

@@ -141,7 +141,7 @@ class RecoveryRounds:
             ValueError: the declarations are not a partition of the ranks.
         """
         job = self.job
-        declared = {x.rank: list(x.replica_group) for x in job.ranks.values() if x.replica_group}
+        declared = {x.rank: x.replica_group for x in job.ranks.values() if x.replica_group}
         if not declared:
             return default_replica_groups(job.spec.worker_num)
         return replica_groups_from_hello(job.spec.worker_num, declared)
