@@ -10,10 +10,11 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
-from ftrun.coordinator.publish import Publisher, write_status_file
+from ftrun.coordinator.publish import STATUS_PERIOD_S, STATUS_SECONDS_PER_RANK, Publisher, write_status_file
 from ftrun.events import AppendLog, EventKind
 from ftrun.procs import LogFile
 from ftrun.protocol import Sender
@@ -127,3 +128,41 @@ def test_guarded_output_of_a_process_survives_its_log_file_removed(tmp_path: Pat
         proc = subprocess.run([sys.executable, "-c", GUARDED, str(log)], stdout=fh, stderr=subprocess.STDOUT, timeout=60)
     assert proc.returncode == 0
     assert log.read_text() == "after the log was removed\nto stderr\n"
+
+
+def test_status_snapshots_of_a_large_job_are_spaced_by_its_size(tmp_path: Path) -> None:
+    """A snapshot has a row per rank: up to four a second in a job of up to 1,024 ranks, and in a
+    larger one at most one every STATUS_SECONDS_PER_RANK per rank; none when nothing changed."""
+    now = [100.0]
+    pub = Publisher(tmp_path, 0, Sender("t" * 64), None, clock=lambda: now[0])
+    made: list[int] = []
+
+    def snapshot(ranks: int) -> Callable[[], dict]:
+        def make() -> dict:
+            made.append(ranks)
+            return {"ranks": [{"rank": r} for r in range(ranks)], "attempt": 0, "generation": 0}
+        return make
+
+    pub.status(snapshot(8))
+    now[0] += STATUS_PERIOD_S
+    pub.status(snapshot(8))
+    assert made == [8]  # nothing changed
+    pub.dirty = True
+    pub.status(snapshot(8))
+    assert made == [8, 8] and json.loads((tmp_path / "status.json").read_text())["ranks"][7] == {"rank": 7}
+    pub.dirty = True
+    now[0] += STATUS_PERIOD_S
+    pub.status(snapshot(8192))
+    assert made == [8, 8, 8192]
+    gap = 8192 * STATUS_SECONDS_PER_RANK
+    for step in (STATUS_PERIOD_S, gap - 2 * STATUS_PERIOD_S):
+        now[0] += step
+        pub.dirty = True
+        pub.status(snapshot(8192))
+    assert made == [8, 8, 8192]
+    now[0] += STATUS_PERIOD_S
+    pub.status(snapshot(8192))
+    assert made == [8, 8, 8192, 8192] and len(json.loads((tmp_path / "status.json").read_text())["ranks"]) == 8192
+    pub.dirty = True
+    pub.status(snapshot(8192), final={"exit_code": 0, "message": "done"})  # the end is written at once
+    assert json.loads((tmp_path / "status.json").read_text())["state"] == "succeeded"

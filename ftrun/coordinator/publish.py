@@ -2,8 +2,11 @@
 
 Every event goes to ``LOG_DIR/events.jsonl``, to node 0's launcher (which draws the console) and
 to the observers (Prometheus metrics); a status snapshot goes to the launcher and to
-``LOG_DIR/status.json`` (``ftrun status``) at most :data:`STATUS_PERIOD_S` apart. Event times are
-wall-clock (Unix) time; deadlines elsewhere use the monotonic clock.
+``LOG_DIR/status.json`` (``ftrun status``) when something changed, at most :data:`STATUS_PERIOD_S`
+apart, and at most one every :data:`STATUS_SECONDS_PER_RANK` per rank (a snapshot has a row per rank:
+this keeps its share of node 0's CPU the same at any size, under a tenth of a core as measured in
+docs/scale.md, where four a second would grow with the ranks). Event times are wall-clock (Unix) time;
+deadlines elsewhere use the monotonic clock.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .ranks import Rank
 log = logging.getLogger("ftrun.coordinator")
 
 STATUS_PERIOD_S = 0.25  # at most four console snapshots a second
+STATUS_SECONDS_PER_RANK = 1 / 4096  # and, in a larger job, one every this many seconds per rank
 
 
 class Publisher:
@@ -55,6 +59,7 @@ class Publisher:
         self.observers: list[Callable[[Event], None]] = []  # called with every event (e.g. metrics)
         self.dirty = True
         self._last_status = 0.0
+        self._status_gap = STATUS_PERIOD_S  # the least time to the next snapshot, seconds (grows with the ranks)
 
     def emit(self, kind: EventKind, message: str, r: Rank | None, generation: int, attempt: int,
              rank: int | None = None, **detail: Any) -> Event:
@@ -96,11 +101,14 @@ class Publisher:
     def status(self, snapshot: Callable[[], dict[str, Any]], force: bool = False,
                final: Mapping[str, Any] | None = None) -> None:
         """Push a status snapshot (made by ``snapshot()``) to the launcher and keep
-        ``LOG_DIR/status.json`` current (``final``: the job's end, written once)."""
+        ``LOG_DIR/status.json`` current (``final``: the job's end, written once). Unless ``force``
+        or ``final``, only when something changed since the last one (:attr:`dirty`) and at least
+        ``max(STATUS_PERIOD_S, ranks x STATUS_SECONDS_PER_RANK)`` after it."""
         now = self.clock()
-        if not (force or final or (self.dirty and now - self._last_status >= STATUS_PERIOD_S)):
+        if not (force or final or (self.dirty and now - self._last_status >= self._status_gap)):
             return
         data = snapshot()
+        self._status_gap = max(STATUS_PERIOD_S, len(data["ranks"]) * STATUS_SECONDS_PER_RANK)
         data["state"] = "running" if final is None else ("succeeded" if final["exit_code"] == 0 else "failed")
         if final is not None:
             data.update(final)
@@ -128,12 +136,13 @@ def write_status_file(path: Path, snapshot: dict[str, Any]) -> str | None:
     """Replace ``path`` with ``snapshot`` as JSON, atomically (a reader never sees half a file); a
     removed directory is made again. Returns why it could not be written (one line), else None."""
     tmp = path.with_name(f".{path.name}.tmp")
+    text = json.dumps(snapshot, default=str, check_circular=False)  # a tree of fresh dicts: no cycle to look for
     try:
         try:
-            tmp.write_text(json.dumps(snapshot, default=str))
+            tmp.write_text(text)
         except FileNotFoundError:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(snapshot, default=str))
+            tmp.write_text(text)
         os.replace(tmp, path)
     except OSError as err:
         with contextlib.suppress(OSError):
