@@ -3,18 +3,16 @@
 One agent per node plays MindCluster's ``reset_process`` role: it spawns, reaps and kills its
 node's ranks and warm spares (:class:`~ftrun.spawner.RankProcesses`), sees a death at once (it is
 the parent: ``SIGCHLD``), dumps a hung rank's stacks, and reports every exit to the coordinator. It
-decides nothing. The coordinator sees every agent through the same interface, :class:`AgentHandle`:
+decides nothing. Node 0's agent lives in the coordinator's process
+(:class:`ftrun.coordinator.agents.LocalAgent`); every other node runs :class:`NodeAgent`
+(``python -m ftrun.agent``, :func:`main`), which the coordinator sees through its proxy
+:class:`ftrun.coordinator.agents.RemoteAgent`.
 
-- :class:`LocalAgent`: node 0's agent, in the coordinator's own process (a single-node job is the
-  coordinator and one local agent; no extra hop on the path from a death to its recovery);
-- :class:`RemoteAgent`: the coordinator's proxy of another node's agent process
-  (``python -m ftrun.agent``, :func:`main`), which talks to the coordinator over the authenticated
-  control plane (:mod:`ftrun.protocol`).
-
-Results come back the same way from both: :meth:`AgentHandle.take_reports` returns what happened
-since the last call (spawned, exited, stacks). An agent that loses its coordinator (no
-``agent_beat`` for ``--heartbeat_timeout`` seconds) stops its ranks and exits: no rank outlives
-the job's decision-maker. A coordinator that loses an agent treats the node as lost.
+An agent that hears nothing from its coordinator keeps its ranks and keeps trying for
+``--node_wait_timeout`` (a link flap is weather, not loss); fenced when its link returns while the
+coordinator still awaits its node, it rejoins as the node's replacement; past that time it stops
+its ranks and exits: no rank outlives the job's decision-maker. A coordinator that loses an agent
+treats the node as lost.
 
 A standby node's agent (its launcher came after every node had its index) starts with the node
 index :data:`~ftrun.contract.STANDBY_NODE_INDEX`, keeps the spares the coordinator orders, and becomes
@@ -31,9 +29,8 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import zmq
 
@@ -43,253 +40,9 @@ from .contract import STANDBY_LINE, STANDBY_NODE_INDEX
 from .events import Event, EventKind
 from .protocol import (CONTROL, MAX_FRAME_BYTES, Message, MsgType, Receiver, Sender, encode, endpoint_refuses, events_for,
                        receive, standby_line, to_peer)
-from .spawner import EXIT_TAIL_LINES, ExitReport, RankProcesses, StopReport, rank_argv, shared_dir_marker
+from .spawner import ExitReport, RankProcesses, StopReport, rank_argv, shared_dir_marker
 
 log = logging.getLogger("ftrun.agent")
-
-
-@dataclass(frozen=True)
-class Spawned:
-    """A rank process started on a node (``spare``: "hot" or "warm" if a spare took it, else "")."""
-
-    rank: int
-    incarnation: int
-    pid: int
-    spare: str
-
-
-@dataclass(frozen=True)
-class Stacks:
-    """The stacks a hung rank wrote before it was killed (``lines`` may be empty; ``note`` says why)."""
-
-    rank: int
-    incarnation: int
-    lines: list[str]
-    note: str
-
-
-@dataclass(frozen=True)
-class SpareNote:
-    """What a node's spares showed the coordinator should know (a script that breaks the
-    hot-spare contract, :meth:`ftrun.spawner.RankProcesses.keep_spares`)."""
-
-    message: str
-
-
-@dataclass(frozen=True)
-class StandbyOffer:
-    """A node's agent stands by as the job coordinator (asked with ``stand_by``): its endpoint
-    and store (:mod:`ftrun.coordinator.failover`)."""
-
-    control: str
-    store: str
-
-
-Report = Spawned | ExitReport | Stacks | StopReport | SpareNote | StandbyOffer
-
-
-class AgentHandle:
-    """What the coordinator can ask of a node's agent. Calls never block on the network; what
-    they cause comes back through :meth:`take_reports`."""
-
-    node: int
-    leaving: str | None = None  # the reason a node's launcher gave for leaving the job (a remote agent's)
-
-    def spawn(self, rank: int, incarnation: int, rank_vars: Mapping[str, str], header: str, use_spare: bool) -> None:
-        raise NotImplementedError
-
-    def signal(self, rank: int, incarnation: int, sig: int) -> None:
-        raise NotImplementedError
-
-    def kill_hung(self, rank: int, incarnation: int, line: str, dump: bool) -> None:
-        """Dump the rank's stacks into its log (if ``dump``: only the worker library answers the
-        request), write ``line`` there (``{note}`` replaced by how the dump went), then SIGKILL it."""
-        raise NotImplementedError
-
-    def stop_ranks(self, grace_period: float) -> None:
-        """SIGTERM every rank of the node, SIGKILL after ``grace_period`` seconds; exits are reported."""
-        raise NotImplementedError
-
-    def keep_spares(self, warm: int, hot: int, model_vars: Mapping[str, str]) -> None:
-        """Keep ``warm`` warm and ``hot`` hot spares on the node (:meth:`RankProcesses.keep_spares`)."""
-        raise NotImplementedError
-
-    def shutdown(self, code: int, message: str) -> None:
-        raise NotImplementedError
-
-    def announce_standby(self, control: str, store: str, epoch: int, seats: list[list[Any]] | None = None) -> None:
-        """Tell the agent where the standby coordinator is (it moves there if this one dies):
-        the first's ``control`` and ``store``, and the whole line (``seats``: [control, node],
-        first first)."""
-
-    def replicate(self, state: dict[str, Any]) -> None:
-        """Send the coordinator's hard state to this node's agent, the standby coordinator."""
-
-    def ask_to_stand_by(self) -> None:
-        """Ask the agent to stand by as the job coordinator (it answers with a
-        :class:`StandbyOffer`); node 0's own agent cannot."""
-
-    def take_reports(self) -> list[Report]:
-        raise NotImplementedError
-
-    def connected(self) -> bool:
-        return True
-
-    def note_child_signal(self, at: float) -> None:
-        """A ``SIGCHLD`` reached the coordinator's process at Unix time ``at`` (seconds): it dates
-        the death of a child of this agent, if the agent runs in that process (node 0's)."""
-
-    def start_note(self) -> str | None:
-        """What the job's start should warn of about this node (e.g. the network interface
-        chosen for gloo), or None."""
-        return None
-
-
-class LocalAgent(AgentHandle):
-    """Node 0's agent, in the coordinator's process: direct calls on :class:`RankProcesses`."""
-
-    def __init__(self, node: int, processes: RankProcesses) -> None:
-        self.node = node
-        self.processes = processes
-        self._reports: list[Report] = []
-
-    def spawn(self, rank: int, incarnation: int, rank_vars: Mapping[str, str], header: str, use_spare: bool) -> None:
-        try:
-            pid, spare = self.processes.spawn(rank, incarnation, rank_vars, header, use_spare)
-        except OSError as err:
-            log.error("cannot start rank %d: %s", rank, err)
-            self._reports.append(ExitReport(rank, incarnation, 0, 127, time.time()))
-            return
-        self._reports.append(Spawned(rank, incarnation, pid, spare))
-
-    def signal(self, rank: int, incarnation: int, sig: int) -> None:
-        self.processes.signal(rank, incarnation, sig)
-
-    def kill_hung(self, rank: int, incarnation: int, line: str, dump: bool) -> None:
-        self._reports.append(kill_hung(self.processes, rank, incarnation, line, dump))
-
-    def stop_ranks(self, grace_period: float) -> None:
-        self._reports.extend(self.processes.stop(grace_period))
-
-    def keep_spares(self, warm: int, hot: int, model_vars: Mapping[str, str]) -> None:
-        note = self.processes.keep_spares(warm, hot, model_vars)
-        if note is not None:
-            self._reports.append(SpareNote(note))
-
-    def shutdown(self, code: int, message: str) -> None:
-        self.processes.stop_spares()
-
-    def take_reports(self) -> list[Report]:
-        reports, self._reports = self._reports + self.processes.reap(), []
-        return reports
-
-    def note_child_signal(self, at: float) -> None:
-        if self.processes.sigchld_at is None:
-            self.processes.sigchld_at = at
-
-    def start_note(self) -> str | None:
-        return self.processes.interface_note
-
-
-@dataclass
-class RemoteAgent(AgentHandle):
-    """The coordinator's view of another node's agent process: commands go out as frames on the
-    coordinator's ROUTER; the agent's reports are queued by :meth:`on_message`.
-
-    Attributes:
-        node: the node index.
-        identity: the ZeroMQ routing identity of its connection (the one whose hello verified).
-        send_frame: sends one frame to that identity.
-        last_seen: monotonic time of its last message, seconds.
-    """
-
-    node: int
-    identity: bytes
-    send_frame: Callable[[bytes, MsgType, dict[str, Any]], None]
-    last_seen: float
-    host: str = ""
-    pid: int = 0
-    lost: bool = False
-    leaving: str | None = None  # the reason it gave for leaving (its launcher was stopped or killed)
-    _reports: list[Report] = field(default_factory=list)
-
-    def _send(self, msg_type: MsgType, **fields: Any) -> None:
-        if not self.lost:
-            self.send_frame(self.identity, msg_type, fields)
-
-    def spawn(self, rank: int, incarnation: int, rank_vars: Mapping[str, str], header: str, use_spare: bool) -> None:
-        self._send(MsgType.SPAWN, rank=rank, incarnation=incarnation, vars=dict(rank_vars), header=header, use_spare=use_spare)
-
-    def signal(self, rank: int, incarnation: int, sig: int) -> None:
-        self._send(MsgType.SIGNAL, rank=rank, incarnation=incarnation, signal=int(sig))
-
-    def kill_hung(self, rank: int, incarnation: int, line: str, dump: bool) -> None:
-        self._send(MsgType.KILL_HUNG, rank=rank, incarnation=incarnation, line=line, dump=dump)
-
-    def stop_ranks(self, grace_period: float) -> None:
-        self._send(MsgType.STOP_RANKS, grace=grace_period)
-
-    def keep_spares(self, warm: int, hot: int, model_vars: Mapping[str, str]) -> None:
-        self._send(MsgType.SPARES, warm=warm, hot=hot, vars=dict(model_vars))
-
-    def shutdown(self, code: int, message: str) -> None:
-        self._send(MsgType.SHUTDOWN, code=code, message=message)
-
-    def beat(self) -> None:
-        self._send(MsgType.AGENT_BEAT, node=0)
-
-    def announce_standby(self, control: str, store: str, epoch: int, seats: list[list[Any]] | None = None) -> None:
-        self._send(MsgType.STANDBY, control=control, store=store, epoch=epoch, seats=seats or [])
-
-    def replicate(self, state: dict[str, Any]) -> None:
-        self._send(MsgType.STATE, state=state)
-
-    def ask_to_stand_by(self) -> None:
-        self._send(MsgType.STAND_BY)
-
-    def connected(self) -> bool:
-        return not self.lost
-
-    def on_message(self, msg: Message, now: float) -> None:
-        """Queue a report from the agent (spawned, exited, stacks); any message proves it alive."""
-        self.last_seen = now
-        if msg.type == MsgType.AGENT_BEAT and isinstance(msg.get("leaving"), str):
-            self.leaving = msg["leaving"][:500]
-        elif (msg.type == MsgType.AGENT_BEAT and isinstance(msg.get("standby_control"), str)
-              and isinstance(msg.get("standby_store"), str)):
-            self._reports.append(StandbyOffer(msg["standby_control"][:200], msg["standby_store"][:200]))
-        elif msg.type == MsgType.SPAWNED:
-            kind = msg.get("spare_kind")
-            self._reports.append(Spawned(msg["rank"], msg["incarnation"], msg["pid"],
-                                         (kind if kind in ("hot", "warm") else "warm") if msg["spare"] else ""))
-        elif msg.type == MsgType.EXITED:
-            error = msg.get("error")
-            tail = msg.get("log_tail")
-            tail = tuple(str(line)[:300] for line in tail[-EXIT_TAIL_LINES:]) if isinstance(tail, list) else ()
-            self._reports.append(ExitReport(msg["rank"], msg["incarnation"], msg["pid"], msg["returncode"], float(msg["at"]),
-                                            error[:500] if isinstance(error, str) else None, tail))
-        elif msg.type == MsgType.STOPPED:
-            self._reports.append(StopReport(msg["rank"], msg["incarnation"], msg["pid"], msg["signal"], float(msg["at"])))
-        elif msg.type == MsgType.STACKS:
-            lines = [str(x) for x in msg["lines"]][-200:]
-            self._reports.append(Stacks(msg["rank"], msg["incarnation"], lines, msg["note"]))
-        elif msg.type == MsgType.SPARE_NOTE:
-            self._reports.append(SpareNote(msg["message"][:1000]))
-
-    def take_reports(self) -> list[Report]:
-        reports, self._reports = self._reports, []
-        return reports
-
-
-def kill_hung(processes: RankProcesses, rank: int, incarnation: int, line: str, dump: bool) -> Stacks:
-    """Dump a hung rank's stacks (if ``dump``), note it in its log, SIGKILL it; the stacks."""
-    if dump:
-        lines, note = processes.dump_stacks(rank, incarnation)
-    else:
-        lines, note = [], "no stack dump (the rank does not use the worker library)"
-    processes.note_in_log(rank, line.replace("{note}", note))
-    processes.signal(rank, incarnation, signal.SIGKILL)
-    return Stacks(rank, incarnation, lines, note)
 
 
 # --------------------------------------------------------------------------- the agent process
@@ -330,7 +83,7 @@ class NodeAgent:
         # gives the coordinator a fresh window rather than leaving the job (ftrun.clocks).
         self.clock = RunningClock.for_loop(min(heartbeat_interval, 0.5))
         self.events_addr = events_addr
-        self.standby = standby  # this node's ftrun.coordinator.failover.StandbySeat, if it stands by
+        self.standby = standby  # this node's ftrun.coordinator.seat.StandbySeat, if it stands by
         # The standby coordinators in line, first first: (control endpoint, node), as the last
         # coordinator that spoke announced them; one is taken off as this agent moves there.
         self.line: list[tuple[str, int]] = []
@@ -596,7 +349,7 @@ class NodeAgent:
     def take_over(self, cause: str, lost: list[int] | None = None) -> int:
         """This node stands by and the coordinator is gone (``cause``: its connection closed, or
         a majority hears nothing from it): run the job's coordinator here
-        (:class:`ftrun.coordinator.failover.StandbySeat`) and return the job's exit code."""
+        (:class:`ftrun.coordinator.seat.StandbySeat`) and return the job's exit code."""
         log.warning("taking the job over (standby): the coordinator is gone: %s", cause)
         self.close_connection()
         if self.push is not None:
@@ -650,9 +403,9 @@ class NodeAgent:
         self.processes.signal(msg["rank"], msg["incarnation"], msg["signal"])
 
     def _on_kill_hung(self, msg: Message) -> None:
-        stacks = kill_hung(self.processes, msg["rank"], msg["incarnation"], msg["line"], bool(msg.get("dump", True)))
-        self.send(MsgType.STACKS, node=self.node, rank=stacks.rank, incarnation=stacks.incarnation,
-                  lines=stacks.lines[-200:], note=stacks.note)
+        lines, note = self.processes.kill_hung(msg["rank"], msg["incarnation"], msg["line"], bool(msg.get("dump", True)))
+        self.send(MsgType.STACKS, node=self.node, rank=msg["rank"], incarnation=msg["incarnation"], lines=lines[-200:],
+                  note=note)
 
     def _on_stop_ranks(self, msg: Message) -> None:
         for report in self.processes.stop(float(msg["grace"])):
@@ -744,7 +497,8 @@ def _standby_seat(spec: Any, token: str, asked: bool = False) -> Any:
     ARF can use it, and any agent the coordinator ``asked`` (its standby was lost); None
     elsewhere, or when its endpoint or store cannot be set up (logged: the job runs, without a
     standby)."""
-    from .coordinator.failover import STANDBY_NODE, StandbySeat
+    from .coordinator.failover import STANDBY_NODE
+    from .coordinator.seat import StandbySeat
 
     if (spec.node_rank != STANDBY_NODE and not asked) or not spec.tft.arf or spec.join or spec.nnodes < 2:
         return None

@@ -380,6 +380,18 @@ class RankProcesses:
             _unlink(path)
         self._hot.clear()
 
+    def kill_hung(self, rank: int, incarnation: int, line: str, dump: bool) -> tuple[list[str], str]:
+        """Dump a hung rank's stacks (if ``dump``: only the worker library answers), write ``line``
+        in its log (``{note}`` replaced by how the dump went), SIGKILL it; returns (the stacks' lines,
+        the note)."""
+        if dump:
+            lines, note = self.dump_stacks(rank, incarnation)
+        else:
+            lines, note = [], "no stack dump (the rank does not use the worker library)"
+        self.note_in_log(rank, line.replace("{note}", note))
+        self.signal(rank, incarnation, signal.SIGKILL)
+        return lines, note
+
     def dump_stacks(self, rank: int, incarnation: int) -> tuple[list[str], str]:
         """Ask a rank for the Python stacks of all its threads (faulthandler on SIGUSR1, set up by
         the worker library) and return the lines it wrote to its log, and a note. A stopped

@@ -2,7 +2,7 @@
 
 Started by node 0's launcher (``python -m ftrun.supervisor``), it reads its
 :class:`~ftrun.config.JobSpec` from the environment, builds node 0's
-:class:`~ftrun.spawner.RankProcesses` behind a :class:`~ftrun.agent.LocalAgent`, and runs the
+:class:`~ftrun.spawner.RankProcesses` behind a :class:`~ftrun.coordinator.agents.LocalAgent`, and runs the
 :class:`~ftrun.coordinator.Coordinator` to the job's end. Its exit code is the job's. Node 0's
 ranks are its children (tied to its life by ``PR_SET_PDEATHSIG``); other nodes run
 ``python -m ftrun.agent``. Beside the coordinator it records the ranks' progress for ``ftrun
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from . import procs
-from .agent import LocalAgent
+from .coordinator.agents import LocalAgent
 from .config import JobSpec
 from .coordinator import Coordinator
 from .report import ProgressRecorder

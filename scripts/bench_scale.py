@@ -12,7 +12,7 @@ of the worker library sends (``hello``, a ``heartbeat`` with its step board ever
 simulated agent says hello, beats, answers ``spawn`` with ``spawned`` and starts the new rank's
 connection, and reports a rank's exit. Rank-state records go to the store through the real
 :class:`ftrun.rankstate.RankStateStore` (one store client per simulation process, not one per rank).
-Node 0's own agent is :class:`SimLocalAgent`, an :class:`ftrun.agent.AgentHandle` that starts no
+Node 0's own agent is :class:`SimLocalAgent`, an :class:`ftrun.coordinator.agents.AgentHandle` that starts no
 process: its ranks are simulated like the others.
 
 Per size (``--ranks``, 8 ranks a node with ``--per_node``), in order:
@@ -110,7 +110,7 @@ class SimLocalAgent:
         self._reports: list[Any] = []
 
     def spawn(self, rank: int, incarnation: int, rank_vars: Mapping[str, str], header: str, use_spare: bool) -> None:
-        from ftrun.agent import Spawned
+        from ftrun.coordinator.agents import Spawned
 
         self._reports.append(Spawned(rank, incarnation, sim_pid(rank, incarnation), "warm" if use_spare else ""))
 
@@ -153,8 +153,8 @@ class SimLocalAgent:
 
 
 def _as_agent_handle() -> type:
-    """:class:`SimLocalAgent` as an :class:`ftrun.agent.AgentHandle` (imported in the coordinator's process only)."""
-    from ftrun.agent import AgentHandle
+    """:class:`SimLocalAgent` as an :class:`ftrun.coordinator.agents.AgentHandle` (imported in the coordinator's process only)."""
+    from ftrun.coordinator.agents import AgentHandle
 
     return type("SimLocalAgentHandle", (SimLocalAgent, AgentHandle), {})
 

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_scale as bs  # noqa: E402
 
-from ftrun.agent import AgentHandle, Spawned  # noqa: E402
+from ftrun.coordinator.agents import AgentHandle, Spawned  # noqa: E402
 from ftrun.contract import STANDBY_NODE_INDEX  # noqa: E402
 from ftrun.policy import replica_groups_from_hello  # noqa: E402
 

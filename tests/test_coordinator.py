@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import pytest
 
-from ftrun.agent import AgentHandle, Spawned, Stacks
+from ftrun.coordinator.agents import AgentHandle, Spawned, Stacks
 from ftrun.config import JobSpec
 from ftrun.control import StepBoard
 from ftrun.coordinator import OFFENDER_REJECTS, PLAN_DEADLINE_S, REPORT_DEADLINE_S, Coordinator
@@ -956,7 +956,8 @@ def test_every_kind_of_captured_rank_frame_replayed_is_rejected_and_changes_noth
 def test_every_kind_of_captured_agent_frame_replayed_is_rejected(tmp_path: Path) -> None:
     """The same for a node agent's frames (hello, beat, spawned, exited, stopped, stacks, spare note):
     replayed, none is accepted, and node 1 stays bound to its agent's connection."""
-    from ftrun.agent import NodeAgent, RemoteAgent
+    from ftrun.agent import NodeAgent
+    from ftrun.coordinator.agents import RemoteAgent
 
     coord, _agent, _clock = make(tmp_path, world=4, local=2)
     tap = Tap()
@@ -990,7 +991,8 @@ def test_an_agent_connection_that_closes_is_its_nodes_loss_at_once(tmp_path: Pat
     that as the node's loss at once, with no heartbeat timeout (the test's clock never moves)."""
     import time
 
-    from ftrun.agent import NodeAgent, RemoteAgent
+    from ftrun.agent import NodeAgent
+    from ftrun.coordinator.agents import RemoteAgent
 
     coord, _agent, clock = make(tmp_path, world=4, local=2)
     node_agent = NodeAgent(1, coord.control_addr, TOKEN, processes=None, heartbeat_interval=1.0, coordinator_timeout=30.0,

@@ -228,7 +228,7 @@ def test_two_standbys_stand_in_line_and_each_is_sent_the_state(tmp_path: Path) -
 
 def _three_nodes(tmp_path: Path) -> tuple[Coordinator, Clock, list[tuple[bytes, MsgType]]]:
     """Node 0's coordinator of a 3-node job (2 ranks a node), node 1's agent standing by."""
-    from ftrun.agent import RemoteAgent
+    from ftrun.coordinator.agents import RemoteAgent
 
     coord, _agent, clock = make(tmp_path, world=6, local=2)
     sent: list[tuple[bytes, MsgType]] = []
@@ -271,7 +271,7 @@ def test_a_coordinator_that_hears_a_majority_finds_the_silent_node_lost(tmp_path
 def test_without_a_standby_elsewhere_a_coordinator_never_steps_down(tmp_path: Path) -> None:
     """Two nodes (no majority without node 0 is possible) or no standby: node 1's silence is its
     loss, as before."""
-    from ftrun.agent import RemoteAgent
+    from ftrun.coordinator.agents import RemoteAgent
 
     coord, _agent, clock = make(tmp_path, world=4, local=2)
     coord.members.agents[1] = RemoteAgent(node=1, identity=b"agent-1", send_frame=lambda i, t, f: None, last_seen=clock())
@@ -285,7 +285,7 @@ def test_without_a_standby_elsewhere_a_coordinator_never_steps_down(tmp_path: Pa
 @pytest.fixture()
 def seat(tmp_path: Path) -> Any:
     """Node 1's standby seat on the loopback address, with a 3-node job's hard state."""
-    from ftrun.coordinator.failover import StandbySeat
+    from ftrun.coordinator.seat import StandbySeat
 
     spec = JobSpec(script="train.py", worker_num=6, local_worker_num=2, node_rank=1, master_addr="127.0.0.1",
                    master_port=1, log_dir=str(tmp_path), checkpoint_dir=str(tmp_path / "ckpt"))
@@ -375,7 +375,7 @@ def test_a_standby_whose_index_another_agent_took_at_once_is_replaced(tmp_path: 
     """Node 1 (the standby) is lost and a standby node takes its index in the same turn: the
     new node 1 holds no seat, so the coordinator asks it (the lowest index) to stand by instead of
     sending its state to an agent that cannot take over."""
-    from ftrun.agent import RemoteAgent
+    from ftrun.coordinator.agents import RemoteAgent
 
     coord, clock, sent = _three_nodes(tmp_path)
     coord.members.agents[1] = RemoteAgent(node=1, identity=b"agent-1b", send_frame=lambda i, t, f: sent.append((i, t)),

@@ -37,6 +37,86 @@ def test_imports_flow_one_way(module: str, forbidden: tuple[str, ...]) -> None:
     assert out.strip() == "", f"{module} imports {out.strip()}"
 
 
+def _import_graph() -> dict[str, set[str]]:
+    """ftrun's modules -> the ftrun modules they import, at any depth of the code (function-level
+    imports included; those under ``if TYPE_CHECKING:`` aside: annotations only)."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent
+    paths = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in sorted((root / "ftrun").rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+                       for n in ast.walk(block)}
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only or not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+                continue
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names}
+        graph[name] = {m for m in found if m in paths and m != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_control_side_has_no_import_cycle() -> None:
+    """The launcher, the node agent, the supervisor and the coordinator's package import one way,
+    function-level imports included: the coordinator's roles see the agents through
+    ``ftrun.coordinator.agents`` (not the agent process's module), and only the standby's seat
+    (``ftrun.coordinator.seat``, loaded by an agent that stands by) builds a coordinator. The rank
+    side (the worker library) still has a cycle through the ``ftrun`` package; none may reach the
+    control side."""
+    control = ("ftrun.cli", "ftrun.launcher", "ftrun.agent", "ftrun.supervisor", "ftrun.spawner", "ftrun.coordinator",
+               "ftrun.policy", "ftrun.protocol", "ftrun.config")
+    tangled = [sorted(c) for c in _cycles(_import_graph()) if any(m == p or m.startswith(p + ".") for m in c for p in control)]
+    assert tangled == [], f"import cycles on the control side: {tangled}"
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
 def test_no_class_reaches_into_anothers_private_members() -> None:
     """ftrun's classes (the worker's roles among them: group lifecycle, state
     registry, checkpoints, loop) use each other through public members only. A private name

@@ -161,7 +161,7 @@ class ControlPlane:
         once, for the coordinator it may become (:meth:`read` hands it over first, in order).
         Returns the connections of the agents that said hello here so far: an agent comes only
         when it lost touch with the coordinator, so each is a vote for the takeover
-        (:meth:`ftrun.coordinator.failover.StandbySeat.votes`)."""
+        (:meth:`ftrun.coordinator.seat.StandbySeat.votes`)."""
         for _ in range(budget):
             got = self._next()
             if got is None:

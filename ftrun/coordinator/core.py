@@ -1,7 +1,7 @@
 """The job coordinator: one per job, on node 0, where every job-wide decision is made.
 
 It runs in node 0's supervisor process (``python -m ftrun.supervisor``, a child of the launcher),
-beside node 0's agent (:class:`~ftrun.agent.LocalAgent`); every other node's agent connects to it
+beside node 0's agent (:class:`~ftrun.coordinator.agents.LocalAgent`); every other node's agent connects to it
 over the authenticated control plane, and so does every rank of every node. :class:`Coordinator`
 keeps the main loop, the job's phase and the restart policy's outcomes (respawn, restart, fail,
 stop); its other roles are modules of this package, each used through public members:
@@ -34,7 +34,7 @@ from typing import Any, Callable
 import zmq
 
 from .. import procs
-from ..agent import AgentHandle, RemoteAgent, SpareNote, Spawned, StandbyOffer, Stacks
+from .agents import AgentHandle, RemoteAgent, SpareNote, Spawned, StandbyOffer, Stacks
 from ..clocks import RunningClock
 from ..config import JobSpec
 from ..events import Event, EventKind
@@ -72,7 +72,7 @@ class Coordinator:
         events_addr: the node-0 launcher's PULL endpoint for events and status, or None.
         store_port: the port of the launcher's store (attempt 0's ``MASTER_PORT``).
         local_agent: node 0's agent (in this process); other nodes' agents connect over the
-            control plane and are added as :class:`~ftrun.agent.RemoteAgent` when they say hello.
+            control plane and are added as :class:`~ftrun.coordinator.agents.RemoteAgent` when they say hello.
         clock: monotonic seconds for deadlines (injected by tests); by default a RunningClock
             (:mod:`ftrun.clocks`: this process's own stalls are no one's silence).
         wall: Unix time in seconds, for timestamps.

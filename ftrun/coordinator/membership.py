@@ -24,7 +24,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
-from ..agent import AgentHandle, RemoteAgent
+from .agents import AgentHandle, RemoteAgent
 from ..contract import STANDBY_NODE_INDEX, VACANT_KEY
 from ..events import EventKind
 from ..protocol import Message, MsgType
@@ -56,7 +56,7 @@ class NodeLoss:
 class QuorumLost:
     """This coordinator hears half or less of the job's agents while a standby coordinator stands
     by on another node: it may be the side of a partition that the standby's majority replaces
-    (:meth:`ftrun.coordinator.failover.StandbySeat.votes`), so it steps down with ``reason``."""
+    (:meth:`ftrun.coordinator.seat.StandbySeat.votes`), so it steps down with ``reason``."""
 
     reason: str
 
