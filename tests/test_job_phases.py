@@ -7,9 +7,11 @@ import signal
 from pathlib import Path
 
 import pytest
-from test_coordinator import events, hello_all, make, send, step
+from test_coordinator import FakeAgent, events, hello_all, make, send, step
 
 from ftrun.clocks import RunningClock
+from ftrun.coordinator import environment
+from ftrun.coordinator.environment import SPARES_CHECK_S
 from ftrun.coordinator.phases import TRANSITIONS, IllegalTransition, JobPhase, JobPhases
 from ftrun.coordinator.ranks import Rank, RankPhase
 from ftrun.coordinator.watchdog import CommHang, Hung, Unrepaired, Watchdog, WatchdogBounds
@@ -203,10 +205,12 @@ def test_an_unrepaired_fault_waits_its_grace_unless_a_death_explains_it() -> Non
     assert dog.inspect([], None, True, set(), 9.0) is None and dog.unrepaired is None  # a death explained it
 
 
-def test_warm_and_hot_spares_are_kept_together(tmp_path: Path) -> None:
+def test_warm_and_hot_spares_are_kept_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Warm spares from the ranks' hello, hot ones beside them once the ranks are
     past their set-up (a fault before the hot spare is ready, or right after its promotion, still
-    finds a spare); none ordered during a recovery."""
+    finds a spare); an order again when it changes, after the node used a spare, or every
+    SPARES_REFRESH_S, not otherwise; none ordered during a recovery."""
+    monkeypatch.setattr(environment, "SPARES_REFRESH_S", 10.0)  # refreshes apart from the other reasons
     coord, agent, clock = make(tmp_path, warm_spares=1, hot_spares=1)
     coord.spawning.keep_spares()
     assert not hasattr(agent, "spares")  # no rank has said hello through the worker library yet
@@ -215,22 +219,47 @@ def test_warm_and_hot_spares_are_kept_together(tmp_path: Path) -> None:
     assert agent.spares == (1, 0)  # the ranks are still in their set-up: warm ones only
     agent.spares = None
     coord.spawning.keep_spares()
-    assert agent.spares is None  # the same order at most once a second
+    assert agent.spares is None  # the same order is not sent again
     step(coord, 0)
     coord.spawning.keep_spares()
     assert agent.spares == (1, 1)  # a new order (the ranks are past their set-up) at once
     agent.spares = None
+    clock.now += SPARES_CHECK_S
     coord.spawning.keep_spares()
-    assert agent.spares is None
-    clock.now += 1.0
+    assert agent.spares is None  # nothing changed
+    r = coord.ranks[1]
+    coord.spawning.on_spawned(r, r.proc.pid, "hot")  # node 0 used a spare: the order refills it
+    coord.spawning.keep_spares()
+    assert agent.spares is None  # looked at once every SPARES_CHECK_S
+    clock.now += SPARES_CHECK_S
     coord.spawning.keep_spares()
     assert agent.spares == (1, 1)
     agent.spares = None
+    clock.now += 10.0
+    coord.spawning.keep_spares()
+    assert agent.spares == (1, 1)  # unchanged, sent again (a spare that died on its own is replaced)
+    agent.spares = None
     agent.exit(2, -signal.SIGKILL, at=0.0)
     coord.check_processes()
-    clock.now += 2.0
+    clock.now += 10.0
     coord.spawning.keep_spares()
     assert agent.spares is None  # not while a recovery runs
+
+
+def test_a_replacement_agent_gets_its_spares_order(tmp_path: Path) -> None:
+    """A node's new agent (a replacement, or every agent after a takeover) is sent the order at
+    the next look, though the order did not change."""
+    coord, agent, clock = make(tmp_path, warm_spares=1)
+    hello_all(coord)
+    coord.spawning.keep_spares()
+    assert agent.spares == (1, 0)
+    other = FakeAgent(0)
+    coord.members.agents[0] = other
+    coord.spawning.keep_spares()
+    assert not hasattr(other, "spares")  # looked at once every SPARES_CHECK_S
+    clock.now += SPARES_CHECK_S
+    coord.spawning.keep_spares()
+    assert other.spares == (1, 0)
 
 
 def test_a_shard_reported_right_before_a_death_still_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,7 @@ attempt its own c10d store (so a restarted job never meets a previous attempt's 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ from ..spawner import shared_dir_marker
 from .ranks import Rank
 
 if TYPE_CHECKING:
+    from .agents import AgentHandle
     from .core import Coordinator
 
 
@@ -56,6 +58,24 @@ def rank_environment(spec: JobSpec, r: Rank, *, attempt: int, generation: int, a
     )
 
 
+SPARES_CHECK_S = 1.0  # how often the agents' spares orders are looked at when nothing changed, seconds
+# An unchanged order is sent again this often, seconds: a node's agent looks at its spares only when
+# it gets an order (it replaces those that died, and finds a hot spare that failed in its set-up).
+SPARES_REFRESH_S = 1.0
+
+
+@dataclass(frozen=True)
+class SparesOrder:
+    """The last spares order sent to one agent: to whom, the counts, the spares' environment
+    (:meth:`ftrun.contract.RankEnv.without_identity`) and when (monotonic seconds)."""
+
+    agent: "AgentHandle"
+    warm: int
+    hot: int
+    env: RankEnv
+    sent_at: float
+
+
 class Spawning:
     """Starts ranks through their nodes' agents and keeps spares; hosts each attempt's store.
 
@@ -70,8 +90,10 @@ class Spawning:
         self.attempt_port = store_port
         self.attempt_store: Any = None
         self.run_id = ""
-        self._spares_sent = 0.0
-        self._spares_order: tuple[int, int, int] | None = None  # (warm, hot, standby_nodes) last sent to the agents
+        self._spares_checked = 0.0
+        self._spares_key: tuple[int, int, int] | None = None  # (warm, hot, standby nodes) at the last check
+        self._spares_kept: dict[int | bytes, SparesOrder] = {}  # node index (standby: its identity) -> last order sent
+        self._setup_witness: Rank | None = None  # a rank still in its set-up when last looked at
 
     def rank_env(self, r: Rank) -> RankEnv:
         """:func:`rank_environment` for ``r`` where the job stands now."""
@@ -95,6 +117,8 @@ class Spawning:
         job = self.job
         if r.proc.pid is None:
             r.proc.pid = pid
+        if spare:  # the node used a spare: its next spares order refills it, whatever changed
+            self._spares_kept.pop(r.node, None)
         job.emit(
             EventKind.RANK_STARTED,
             f"rank {r.rank} started (pid {pid}, incarnation {r.incarnation}{f', in a {spare} spare' if spare else ''}"
@@ -122,29 +146,67 @@ class Spawning:
         Each standby node keeps one spare per local rank (``--standby_spares``: hot, warm or none)
         from its hello on, past-set-up or not (it is another host: it competes with no rank for
         the CPU), modelled on node 1's first rank (a spare has no identity; its promotion gives the
-        rank's, the node's included)."""
+        rank's, the node's included).
+
+        An agent is sent an order (:meth:`_order_spares`) when what its node should keep changes,
+        when it is new (a joined, replacement or standby node; every agent after a takeover), after
+        its node used a spare (the order refills it), and otherwise every :data:`SPARES_REFRESH_S`
+        (the agent then replaces spares that died on their own, and finds a hot spare that failed
+        in its set-up). Called on every pass of the main loop: a pass
+        costs a look at one rank still in its set-up (every rank's step once they are past it); the
+        agents are looked at once every :data:`SPARES_CHECK_S`, or at once when the counts change."""
         job, spec = self.job, self.job.spec
         ranks = job.ranks.values()
         if not spec.tft.arf or spec.no_python or job.rounds.current is not None or not any(r.library for r in ranks):
             return
-        past_setup = all(r.proc.step is not None or r.proc.state == RankState.SUCCEEDED for r in ranks)
-        hot = spec.hot_spares if past_setup else 0
+        standby_nodes = job.members.standby_nodes
+        if not (spec.warm_spares or spec.hot_spares or standby_nodes):
+            return
+        hot = spec.hot_spares if self._past_setup() else 0
         now = job.clock()
-        standby_nodes = list(job.members.standby_nodes.values())
-        if ((spec.warm_spares, hot, len(standby_nodes)) == self._spares_order and now - self._spares_sent < 1.0) or not (
-                spec.warm_spares or spec.hot_spares or standby_nodes):
-            return  # the same order at most once a second (an agent refills what a promotion used); a new one at once
-        self._spares_sent, self._spares_order = now, (spec.warm_spares, hot, len(standby_nodes))
-        for node, agent in job.members.agents.items():
-            model = next((r for r in ranks if r.node == node), None)
-            if model is not None and agent.connected() and (spec.warm_spares or spec.hot_spares):
-                agent.keep_spares(spec.warm_spares, hot, self.rank_env(model).without_identity().to_environ())
-        kind, model = spec.standby_spares, next((r for r in ranks if r.node == 1), None)
+        key = (spec.warm_spares, hot, len(standby_nodes))
+        if key == self._spares_key and now - self._spares_checked < SPARES_CHECK_S:
+            return
+        self._spares_checked, self._spares_key = now, key
+        models: dict[int, Rank] = {}  # node -> its first rank in the table (the model of its spares)
+        for r in ranks:
+            models.setdefault(r.node, r)
+        if spec.warm_spares or spec.hot_spares:
+            for node, agent in job.members.agents.items():
+                model = models.get(node)
+                if model is None or not agent.connected():
+                    self._spares_kept.pop(node, None)  # a reconnected agent gets its order again
+                    continue
+                self._order_spares(node, agent, spec.warm_spares, hot, model, now)
+        kind, model = spec.standby_spares, models.get(1)
         if kind != "none" and model is not None:
             count = spec.local_worker_num
-            model_vars = self.rank_env(model).without_identity().to_environ()
-            for standby in standby_nodes:
-                standby.keep_spares(count if kind == "warm" else 0, count if kind == "hot" else 0, model_vars)
+            for identity, standby in standby_nodes.items():
+                self._order_spares(identity, standby, count if kind == "warm" else 0, count if kind == "hot" else 0, model, now)
+
+    def _past_setup(self) -> bool:
+        """Whether every rank is past its set-up (it reported a step, or succeeded). While one is
+        not, it is remembered and looked at alone on the next call."""
+        def in_setup(r: Rank) -> bool:
+            return r.proc.step is None and r.proc.state != RankState.SUCCEEDED
+
+        job, witness = self.job, self._setup_witness
+        if witness is not None and job.ranks.get(witness.rank) is witness and in_setup(witness):
+            return False
+        self._setup_witness = next((r for r in job.ranks.values() if in_setup(r)), None)
+        return self._setup_witness is None
+
+    def _order_spares(self, key: int | bytes, agent: "AgentHandle", warm: int, hot: int, model: Rank, now: float) -> None:
+        """Send ``agent`` (kept under ``key``: its node, or a standby's identity) the order to keep
+        ``warm`` and ``hot`` spares modelled on rank ``model`` unless it was sent that order
+        less than :data:`SPARES_REFRESH_S` ago."""
+        env = self.rank_env(model).without_identity()
+        last = self._spares_kept.get(key)
+        if (last is not None and last.agent is agent and (last.warm, last.hot, last.env) == (warm, hot, env)
+                and now - last.sent_at < SPARES_REFRESH_S):
+            return
+        agent.keep_spares(warm, hot, env.to_environ())
+        self._spares_kept[key] = SparesOrder(agent, warm, hot, env, now)
 
     def _attempt_store_port(self) -> int:
         """The port of the store this attempt's ranks rendezvous on (their MASTER_PORT).
