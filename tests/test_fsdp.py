@@ -174,19 +174,26 @@ def test_hsdp_without_faults_equals_the_torchrun_twin(tmp_path: Path, twin_diges
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("rank, step, point", [(2, 3, "allgather"), (1, 4, "reduce_scatter"), (3, 5, "optimizer")])
-def test_hsdp_rank_killed_is_respawned_alone_and_ends_bitwise(tmp_path: Path, twin_digest: str, rank: int, step: int,
-                                                              point: str) -> None:
-    digest, events = _ftrun(tmp_path, point, f"rank={rank},step={step},point={point},kind=kill")
+@pytest.mark.timeout(300)
+def test_hsdp_ranks_killed_inside_each_collective_are_respawned_alone_and_end_bitwise(tmp_path: Path,
+                                                                                      twin_digest: str) -> None:
+    """One job, three faults: rank 2 killed inside the all-gathers of step 2, rank 1 inside the
+    reduce-scatters of step 4, rank 3 inside the optimizer of step 6. Each is one recovery that
+    respawns that rank alone, its donor the rank with its shard index in the other replica group,
+    and the replicas' local shards agree afterwards; the run ends as the twin's."""
+    faults = [(2, 2, "allgather"), (1, 4, "reduce_scatter"), (3, 6, "optimizer")]
+    digest, events = _ftrun(tmp_path, "kills", "; ".join(f"rank={r},step={s},point={p},kind=kill" for r, s, p in faults))
     assert digest == twin_digest
     started = kinds(events, "rank_started")
-    assert sorted(e["rank"] for e in started) == sorted([0, 1, 2, 3, rank])  # only the killed rank again
-    assert len(kinds(events, "recovery_finished")) == 1 and not kinds(events, "job_restarting")
-    recovered = {e["rank"]: e for e in kinds(events, "rank_recovered")}
-    donor = replica_peers(rank, (2, 2), ("replicate", "shard"))[0]
-    assert "recipient" in recovered[rank]["message"] and "donor" in recovered[donor]["message"]
-    assert not kinds(events, "divergence")  # replicas compared their local shards after the recovery
+    assert sorted(e["rank"] for e in started) == sorted([0, 1, 2, 3, 2, 1, 3])  # only the killed ranks again
+    assert len(kinds(events, "recovery_finished")) == 3 and not kinds(events, "job_restarting")
+    for rank, _step, _point in faults:
+        recovered = [e for e in kinds(events, "rank_recovered") if e["rank"] == rank and "recipient" in e["message"]]
+        donor = replica_peers(rank, (2, 2), ("replicate", "shard"))[0]
+        assert recovered, f"rank {rank} was not a recipient"
+        assert any(e["rank"] == donor and "donor" in e["message"] for e in kinds(events, "rank_recovered")
+                   if e["generation"] == recovered[0]["generation"]), f"rank {rank}'s donor was not {donor}"
+    assert not kinds(events, "divergence")  # replicas compared their local shards after each recovery
 
 
 @pytest.mark.integration
