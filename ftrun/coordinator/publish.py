@@ -4,9 +4,8 @@ Every event goes to ``LOG_DIR/events.jsonl``, to node 0's launcher (which draws 
 to the observers (Prometheus metrics); a status snapshot goes to the launcher and to
 ``LOG_DIR/status.json`` (``ftrun status``) when something changed, at most :data:`STATUS_PERIOD_S`
 apart, and at most one every :data:`STATUS_SECONDS_PER_RANK` per rank (a snapshot has a row per rank:
-this keeps its share of node 0's CPU the same at any size, under a tenth of a core as measured in
-docs/scale.md, where four a second would grow with the ranks). Event times are wall-clock (Unix) time;
-deadlines elsewhere use the monotonic clock.
+this keeps its share of node 0's CPU the same at any size, where four a second would grow with the
+ranks). Event times are wall-clock (Unix) time; deadlines elsewhere use the monotonic clock.
 """
 
 from __future__ import annotations
