@@ -194,8 +194,8 @@ def test_pytorchjob_needs_no_flags(tmp_path, script):
 
 def test_elastic_pytorchjob_runs_max_nodes(tmp_path, script):
     spec = res(tmp_path, script, environ={**PET, "PET_NNODES": "1:3"})
-    assert spec.nnodes == 3
-    assert any("PET_NNODES (PyTorchJob environment) 1:3 runs with 3 nodes" in w for w in spec.warnings)
+    assert (spec.nnodes, spec.min_nodes) == (3, 1)
+    assert any(w.startswith("PET_NNODES (PyTorchJob environment) 1:3: the world keeps 3 nodes' ranks") for w in spec.warnings)
 
 
 @pytest.mark.parametrize(

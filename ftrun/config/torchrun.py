@@ -219,8 +219,8 @@ RDZV_CONF_KEYS: dict[str, str] = {
     "join_timeout": "seconds for nodes to join: sets --cluster_time_out",
     "timeout": "seconds for nodes to join (static backend): sets --cluster_time_out unless join_timeout is given",
     "read_timeout": "ignored: ftrun's store has no separate read timeout",
-    "last_call_timeout": "ignored: ftrun does not resize jobs",
-    "close_timeout": "ignored: ftrun does not resize jobs",
+    "last_call_timeout": "ignored: an elastic job keeps its ranks; a node absent 30 s after the start has them run on the others",
+    "close_timeout": "ignored: an elastic job keeps its ranks; a node absent 30 s after the start has them run on the others",
 }
 
 
