@@ -287,11 +287,17 @@ class NodeAgent:
         for report in self.processes.stop(2.0):
             if isinstance(report, ExitReport):
                 log.info("rank %d (incarnation %d) of the old generation stopped", report.rank, report.incarnation)
+        self._reconnect(poller, endpoint, node, at_seat=False, proven=False)
+
+    def _reconnect(self, poller: zmq.Poller, endpoint: str, node: int, at_seat: bool, proven: bool) -> None:
+        """Drop the connection in ``poller``, connect to ``endpoint`` (the coordinator or a standby
+        on ``node``; ``at_seat``: a standby that has not taken over; ``proven``: its predecessor's
+        processes died) and say hello there."""
         for sock in (self.closed, self.sock):
             poller.unregister(sock)
         self.close_connection()
         self._connect(endpoint)
-        self._coordinator_node, self._at_seat, self._proven = node, False, False
+        self._coordinator_node, self._at_seat, self._proven = node, at_seat, proven
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.closed, zmq.POLLIN)
         self._hello()
@@ -330,14 +336,7 @@ class NodeAgent:
                 continue
             log.warning("the coordinator on node %d is gone; moving to the standby on node %d at %s",
                         self._coordinator_node, node, control)
-            for sock in (self.closed, self.sock):
-                poller.unregister(sock)
-            self.close_connection()
-            self._connect(control)
-            self._coordinator_node, self._at_seat, self._proven = node, True, proven
-            poller.register(self.sock, zmq.POLLIN)
-            poller.register(self.closed, zmq.POLLIN)
-            self._hello()
+            self._reconnect(poller, control, node, at_seat=True, proven=proven)
             return None
         message = (f"lost the job coordinator on node {self._coordinator_node} and every standby coordinator "
                    f"(nodes {sorted(set(self._dead))} died or nothing proves the coordinator dead); stopping this node's ranks")

@@ -114,7 +114,7 @@ class Elastic:
             order = orders.get(rank)
             if order is not None:
                 r.proc.started_at = job.clock()  # its set-up time counts from now
-                job.members.spawn(r.node, (rank, order[1], job.spawning.rank_env(r).to_environ(), order[3], order[4]))
+                self._spawn_again(rank, order)
         present = len(load)
         job.emit(EventKind.JOB_SHRUNK,
                  f"{found.reason}: its rank(s) {ranks} run on node(s) {sorted(set(target.values()))} until it joins; "
@@ -145,7 +145,7 @@ class Elastic:
             self._set_home(rank, node)
             if order is not None:
                 kept.remove(order)
-                job.members.spawn(node, (rank, order[1], job.spawning.rank_env(r).to_environ(), order[3], order[4]))
+                self._spawn_again(rank, order)
         job.emit(EventKind.JOB_GROWN,
                  f"node {node} joined: its rank(s) {ranks} move back to it"
                  + (f" (rank(s) {stopping} stopped where they ran, then respawned there from replicas)" if stopping else "")
@@ -161,6 +161,13 @@ class Elastic:
         for rank in failed:
             self._set_home(rank, self.going_home.pop(rank))
         return True
+
+    def _spawn_again(self, rank: int, order: tuple) -> None:
+        """Send a spawn order kept for ``rank`` to the node it now runs on, its environment made
+        again for that node (its node index and local rank there)."""
+        r = self.job.ranks[rank]
+        _rank, incarnation, _vars, header, use_spare = order
+        self.job.members.spawn(r.node, (rank, incarnation, self.job.spawning.rank_env(r).to_environ(), header, use_spare))
 
     def _set_home(self, rank: int, node: int) -> None:
         r = self.job.ranks[rank]
