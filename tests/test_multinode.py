@@ -91,6 +91,13 @@ def run_job(hosts: list[NetHost], tmp_path: Path, **kw) -> tuple[str, list[dict]
     return dj.digest(runs[0].output(), steps), dj.events(runs[0].log_dir), runs
 
 
+def kill_left(runs: list[NodeRun | None]) -> None:
+    """SIGKILL the process group of every launcher in ``runs`` still running (None: one never started)."""
+    for run in runs:
+        if run is not None and run.proc.poll() is None:
+            os.killpg(run.proc.pid, signal.SIGKILL)
+
+
 def all_pids(runs: list[NodeRun]) -> list[int]:
     """Every process a test started in the hosts (launchers and their descendants), still alive."""
     found = []
@@ -167,9 +174,7 @@ def _signal_rank_on_node1(hosts: list[NetHost], tmp_path: Path, sig: int) -> tup
         os.kill(pid, sig)  # rank 2 runs on node 1 (pids are global on this machine)
         codes = wait_all(runs)
     finally:
-        for run in runs:
-            if run.proc.poll() is None:
-                os.killpg(run.proc.pid, signal.SIGKILL)
+        kill_left(runs)
     assert codes == [0, 0], "\n---\n".join(r.output()[-3000:] for r in runs)
     return dj.digest(runs[0].output(), dj.LONG_STEPS), dj.events(runs[0].log_dir)
 
@@ -211,9 +216,7 @@ def test_torchrun_script_restarts_on_every_node(net_hosts, tmp_path: Path) -> No
         os.kill(victim, signal.SIGKILL)
         codes = wait_all(runs)
     finally:
-        for run in runs:
-            if run.proc.poll() is None:
-                os.killpg(run.proc.pid, signal.SIGKILL)
+        kill_left(runs)
     events = dj.events(runs[0].log_dir)
     assert codes == [0, 0], "\n---\n".join(r.output()[-3000:] for r in runs)
     assert dj.digest(runs[0].output()) == clean
@@ -241,9 +244,7 @@ def test_launcher_killed_ends_every_node(net_hosts, long_reference: str, tmp_pat
             time.sleep(0.1)
         left = all_pids(runs)
     finally:
-        for run in runs:
-            if run.proc.poll() is None:
-                os.killpg(run.proc.pid, signal.SIGKILL)
+        kill_left(runs)
     assert left == [], f"processes left behind: {[psutil.Process(p).cmdline() for p in left if psutil.pid_exists(p)]}"
     assert code != 0
     out = other.output()
@@ -259,9 +260,7 @@ def test_launcher_killed_ends_every_node(net_hosts, long_reference: str, tmp_pat
         try:
             codes = wait_all(again)
         finally:
-            for run in again:
-                if run.proc.poll() is None:
-                    os.killpg(run.proc.pid, signal.SIGKILL)
+            kill_left(again)
         assert codes == [0, 0], again[0].output()[-3000:]
         assert "starting from checkpoint" in again[0].output()
         assert dj.digest(again[0].output(), dj.LONG_STEPS) == long_reference
@@ -299,9 +298,7 @@ def _replace_node1(hosts: list[NetHost], tmp_path: Path, long_reference: str, pa
             time.sleep(0.1)
         left = hosts[1].pids()
     finally:
-        for run in [*runs, *([replacement] if replacement else [])]:
-            if run.proc.poll() is None:
-                os.killpg(run.proc.pid, signal.SIGKILL)
+        kill_left([*runs, replacement])
     everything = "\n---\n".join(r.output()[-3000:] for r in [runs[0], replacement, runs[1]])
     assert codes == [0, 0], everything
     assert old_code != 0 and left == [], f"the old node 1 was not stopped: {left}\n{everything}"
@@ -368,9 +365,7 @@ def _lose_host0(hosts: list[NetHost], tmp_path: Path, fault: Any) -> tuple[list[
             time.sleep(0.1)
         left = hosts[0].pids()
     finally:
-        for run in [*runs, *([spare] if spare else [])]:
-            if run.proc.poll() is None:
-                os.killpg(run.proc.pid, signal.SIGKILL)
+        kill_left([*runs, spare])
     return runs, spare, codes, left, result
 
 
@@ -489,9 +484,7 @@ def test_node1_lost_while_it_takes_over_the_second_standby_goes_on(net_hosts, lo
             time.sleep(0.1)
         left = {i: h.pids() for i, h in enumerate(hosts) if h.pids()}
     finally:
-        for run in [*runs, *standbys]:
-            if run.proc.poll() is None:
-                os.killpg(run.proc.pid, signal.SIGKILL)
+        kill_left([*runs, *standbys])
     everything = "\n---\n".join(r.output()[-3000:] for r in [*survivors, *standbys])
     assert codes == [0, 0, 0, 0], everything
     assert left == {}, f"processes left behind: {left}\n{everything}"
@@ -557,9 +550,7 @@ def test_link_flaps_are_weather_not_loss(net_hosts, long_reference: str, tmp_pat
         pause.unlink()
         codes = wait_all(runs)
     finally:
-        for run in runs:
-            if run.proc.poll() is None:
-                os.killpg(run.proc.pid, signal.SIGKILL)
+        kill_left(runs)
     events = dj.events(runs[0].log_dir)
     everything = dj.story(events) + "\n---\n" + "\n---\n".join(r.output()[-3000:] for r in runs)
     assert codes == [0, 0], everything
@@ -611,9 +602,7 @@ def test_an_elastic_job_goes_on_without_a_lost_node_and_takes_it_back(net_hosts,
         pause.unlink()
         codes = wait_all([runs[0], runs[1], late])
     finally:
-        for run in [*runs, *([late] if late else [])]:
-            if run.proc.poll() is None:
-                os.killpg(run.proc.pid, signal.SIGKILL)
+        kill_left([*runs, late])
     events = dj.events(runs[0].log_dir)
     everything = dj.story(events) + "\n---\n" + "\n---\n".join(r.output()[-2500:] for r in [runs[0], runs[1], late])
     assert codes == [0, 0, 0], everything
