@@ -7,6 +7,7 @@
     python scripts/bench.py --parts nodeloss --repeats 2    # a whole host lost, a replacement on a third
     python scripts/bench.py --parts nodeloss --standby --repeats 2   # ... a standby node with hot spares on the third
     python scripts/bench.py --parts elastic --repeats 2     # --nnodes 2:3, a host lost and none replacing it
+    python scripts/bench.py --parts fsdp --repeats 3        # HSDP 2x2 (FSDP2): recovery and fault-free step time
     python scripts/bench.py --from_json results.json --plots docs   # tables and figures again
 
 Every case runs the same job under both launchers:
@@ -64,6 +65,17 @@ worker on the 2 hosts left, a world of 4, from its checkpoint. recover_s is the 
 to the failed step trained again; ftrun's is split from node 0's events into detection (kill to
 node_lost), wait (to job_shrunk: ``--replace_timeout``) and recovery (to recovery_finished).
 
+The ``fsdp`` part runs the sharded GPT of ``examples/train_fsdp.py`` (FSDP2 on an HSDP mesh,
+``--mesh 2,2``: ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1) on 4 ranks, against its twin
+``train_fsdp_torchrun.py``, which has no checkpoint: torchrun's restart starts every rank again
+from step 0, so the steps redone are in its recover_s (split into restart, the kill to the first
+step after the restart, and recompute). Each repeat runs a fault-free pair and a pair with rank 3
+SIGKILLed from outside when rank 0 prints step ``--fsdp_steps / 2``, the launchers' order
+alternating from one repeat to the next. It reports the recovery pair by pair, with the figures of
+ftrun's ``recovery_finished`` event; the wall time each launcher lost (the faulted run's span from
+the first step line to the last against the same launcher's fault-free span in the same repeat);
+each final ``params_sha256`` against the fault-free runs'; and the fault-free step times' ratio.
+
 With ``--standby`` the third host runs, for ftrun, a launcher started before the loss (the same
 command without ``--node_rank``, as soon as every node has joined: a standby node, which runs one
 hot spare per local rank), and the kill comes at the first step from ``kill_step`` on at which
@@ -100,17 +112,21 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"step (\d+) loss \S+ time (\d+\.\d+)")
 CPU = re.compile(r"step (\d+) loss \S+ time \d+\.\d+ cpu (\d+\.\d+)")  # word_lm: rank 0's training thread, CPU s
-FINAL = re.compile(r"final step=(\d+) loss=\S+ test_accuracy=(\S+) params_sha256=([0-9a-f]{64})")
+# digits/charlm print a test accuracy, the sharded GPT (fsdp) none: group 2 is then None
+FINAL = re.compile(r"final step=(\d+) loss=\S+(?: test_accuracy=(\S+))? params_sha256=([0-9a-f]{64})")
 STATE_MB = re.compile(r"state_mb=(\S+)")
 SPARE_READY = re.compile(r"warm spare \(pid \d+\) ready at (\d+\.\d+)")
 LAUNCHERS = ("ftrun", "torchrun")
 PARTS = ("recovery", "scaling-world", "scaling-state", "overhead", "overhead-real", "memory", "transfer", "multinode", "elastic",
-         "nodeloss", "hf")
-DEFAULT_REPEATS = {"recovery": 2, "overhead": 2, "overhead-real": 3, "multinode": 3, "nodeloss": 2, "elastic": 2, "hf": 2}
+         "nodeloss", "hf", "fsdp")
+DEFAULT_REPEATS = {"recovery": 2, "overhead": 2, "overhead-real": 3, "multinode": 3, "nodeloss": 2, "elastic": 2, "hf": 2,
+                   "fsdp": 2}
 # hf: Hugging Face Trainer (examples/hf_trainer.py) with ftrun's integration (FTTrainer: a rank-level
 # recovery), the same script without it under ftrun (plain Trainer: a whole-job restart that resumes
 # from the Trainer's newest checkpoint, ftrun.integrations.hf_resume) and under torchrun (the same)
 PART_LAUNCHERS = {"hf": ("ftrun", "ftrun-restart", "torchrun")}
+ALTERNATING = {"fsdp"}
+"""Parts whose launchers run in turn first: the order of each pair flips from one repeat to the next."""
 """Runs of each case per launcher when --repeats is not given (other parts: --scaling_repeats)."""
 RDZV_PORT = 29400  # torchrun's c10d rendezvous on host 0 (a fresh namespace: every port is free)
 FTRUN_PORT = 29500  # ftrun's store on host 0
@@ -125,7 +141,14 @@ SCRIPTS = {
     ("hf", "ftrun"): "hf_trainer.py",
     ("hf", "ftrun-restart"): "hf_trainer.py",
     ("hf", "torchrun"): "hf_trainer.py",
+    ("fsdp", "ftrun"): "train_fsdp.py",
+    ("fsdp", "torchrun"): "train_fsdp_torchrun.py",
 }
+# Twins with no checkpoint flags: torchrun's restart begins again at step 0 (fsdp), or no fault (wordlm).
+NO_CHECKPOINT = ("wordlm", "fsdp")
+# fsdp's job: HSDP, 2 replica groups of 2 sharding ranks (fsdp_common's small GPT at its default sizes).
+FSDP_ARGS = ("--mesh", "2,2")
+FSDP_STEPS = 200
 # charlm's flags in every case that runs it: short windows, small batches, a short evaluation.
 CHARLM_SMALL = ("--batch_size", "4", "--context", "64", "--eval_windows", "8")
 # word_lm's sizes: its defaults (small steps), and a larger LSTM on longer sequences.
@@ -139,7 +162,7 @@ class Case:
     ``args`` are extra script flags; ``ckpt_every`` is torchrun's checkpoint interval in steps.
     """
 
-    workload: str  # "digits", "charlm", "wordlm" or "hf"
+    workload: str  # "digits", "charlm", "wordlm", "hf" or "fsdp"
     size: str  # charlm size name; "-" for digits
     ranks: int
     steps: int
@@ -186,6 +209,7 @@ class Run:
     # ended; a torchrun run takes its ftrun pair's, so both are measured over the same steps
     steady_from: int | None = None
     spare_window_s: float | None = None  # wordlm: the median step after the first epoch, before steady_from
+    span_s: float | None = None  # from rank 0's first step line to its last (its clock): training's wall time, start-up left out
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -214,7 +238,7 @@ def command(launcher: str, case: Case, workdir: Path) -> tuple[list[str], dict[s
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(case.ranks),
                "--max-restarts", "1", "--standalone", "--monitor-interval", "0.1", *common]
-        if case.workload != "wordlm":
+        if case.workload not in NO_CHECKPOINT:
             cmd += ["--ckpt_dir", str(workdir / "ckpt"), "--ckpt_every", str(case.ckpt_every)]
     return cmd, env, script
 
@@ -427,7 +451,7 @@ def _run_in(launcher: str, case: Case, workdir: Path, timeout: float, steady_fro
     state = STATE_MB.search(text)
     run = Run(launcher, case, total_s=total, step_s=None, state_mb=float(state.group(1)) if state else None,
               final=final.group(0), peak_rss_mb={k: round(v, 1) for k, v in memory.peaks.items()},
-              exit_codes=[proc.returncode])
+              exit_codes=[proc.returncode], span_s=span(lines))
     if case.kill_step is None and case.workload == "wordlm" and case.steps > 1:
         # The steady state, after the job's one-time costs: the first epoch (DDP's bucket rebuild)
         # and ftrun's warm spare's imports (see steady_start); both reported apart.
@@ -846,6 +870,12 @@ def nodeloss_breakdown(events_path: Path, kill_time: float, passed: float) -> di
     return {k: round(v, 4) for k, v in parts.items()}
 
 
+def span(lines: list[tuple[int, float]]) -> float | None:
+    """Seconds from the first step line to the last (rank 0's clock; a restart's lines included)."""
+    stamps = [t for _, t in lines]
+    return max(stamps) - min(stamps) if stamps else None
+
+
 def steady_step_time(lines: list[tuple[int, float]], skip: tuple[float, float] | None = None,
                      warmup: int = WARMUP_STEPS) -> float | None:
     """Median interval between consecutive steps' lines from step ``warmup`` on, leaving out
@@ -979,10 +1009,23 @@ def plan(args: argparse.Namespace) -> dict[str, list[Case]]:
         # 3 hosts x 2 ranks, --nnodes 2:3; all of host 2 (ranks 4 and 5, its launcher) is killed, no replacement.
         parts["elastic"] = [Case("digits", "-", 6, 100 if q else 200, 40 if q else 60, victim=5, ckpt_every=25, nodes=3,
                                  elastic=True)]
+    if "fsdp" in args.parts:
+        # HSDP 2x2, 4 ranks: a fault-free pair and a pair with rank 3 (rank 1's replica) killed
+        # halfway; torchrun's twin has no checkpoint and starts again at step 0.
+        steps = getattr(args, "fsdp_steps", None) or (60 if q else FSDP_STEPS)
+        parts["fsdp"] = [Case("fsdp", "hsdp", 4, steps, None, args=FSDP_ARGS),
+                         Case("fsdp", "hsdp", 4, steps, steps // 2, victim=3, args=FSDP_ARGS)]
     only = getattr(args, "only", None)
     if only:  # --only: the cases whose label has that text
         parts = {name: [c for c in cases if only in c.label()] for name, cases in parts.items()}
     return parts
+
+
+def launcher_order(part: str, repeat: int) -> tuple[str, ...]:
+    """The launchers of ``part`` in the order repeat ``repeat`` runs them (reversed every other
+    repeat for the parts in :data:`ALTERNATING`, so neither always runs first)."""
+    launchers = PART_LAUNCHERS.get(part, LAUNCHERS)
+    return tuple(reversed(launchers)) if part in ALTERNATING and repeat % 2 else launchers
 
 
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
@@ -1012,7 +1055,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         for repeat in range(repeats):
             for case in cases:
                 pair_from = None  # overhead-real: where the ftrun run's steady state began (see steady_start)
-                for launcher in PART_LAUNCHERS.get(part, LAUNCHERS):
+                for launcher in launcher_order(part, repeat):
                     print(f"[{part}] {case.label()} {launcher} repeat {repeat + 1}/{repeats} ...", file=sys.stderr, flush=True)
                     try:
                         run = job(launcher, case, steady_from=pair_from) if part == "overhead-real" else job(launcher, case)
@@ -1272,6 +1315,71 @@ def overhead_table(runs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _by_repeat(runs: list[dict[str, Any]], launcher: str, faulted: bool) -> dict[int, dict[str, Any]]:
+    return {r["repeat"]: r for r in runs if r["launcher"] == launcher and (r["case"]["kill_step"] is not None) == faulted}
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num and den else None
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def fsdp_notes(runs: list[dict[str, Any]]) -> list[str]:
+    """The fsdp part pair by pair: each launcher's recovery (ftrun's with its ``recovery_finished``
+    figures, torchrun's split into restart and recompute), the wall time each lost against its own
+    fault-free run of the same repeat (``span_s``: first step line to last), the ratios
+    torchrun/ftrun, the fault-free step times' ratio ftrun/torchrun, and whether every final
+    ``params_sha256`` equals the fault-free runs'; then the medians of the ratios."""
+    ft, tr = _by_repeat(runs, "ftrun", True), _by_repeat(runs, "torchrun", True)
+    ft0, tr0 = _by_repeat(runs, "ftrun", False), _by_repeat(runs, "torchrun", False)
+    reference = sorted({d for r in runs if r["case"]["kill_step"] is None and (d := _digest(r["final"]))})
+    out: list[str] = []
+    ratios: dict[str, list[float]] = {"recovery": [], "restart": [], "lost": [], "step": []}
+    for k in sorted(set(ft) | set(tr) | set(ft0) | set(tr0)):
+        order = " then ".join(launcher_order("fsdp", k))
+        out.append(f"repeat {k + 1} ({order}):")
+        lost: dict[str, float | None] = {}
+        for launcher, faulted, clean in (("ftrun", ft, ft0), ("torchrun", tr, tr0)):
+            r, c = faulted.get(k), clean.get(k)
+            lost[launcher] = (r["span_s"] - c["span_s"]) if r and c and r.get("span_s") and c.get("span_s") else None
+            if r is None:
+                out.append(f"  {launcher}: no faulted run")
+                continue
+            b = r["breakdown"]
+            how = (f"recovery_finished total {b.get('reported_total', 0):.2f} s (transfer {b.get('transfer', 0):.3f} s, "
+                   f"rebuild {b.get('rebuild', 0):.3f} s, {b.get('bytes', 0) / 1e6:.2f} MB), respawn "
+                   f"{b.get('respawn', 0):.2f} s, set-up {b.get('setup', 0):.2f} s, retried step {b.get('retried', 0):.2f} s"
+                   if launcher == "ftrun" else
+                   f"restart {_fmt(b.get('restart'))} s + recompute {_fmt(b.get('recompute'))} s ({r['recomputed']} steps again)")
+            out.append(f"  {launcher}: killed at step {r['case']['kill_step']}, failed step {r['failed_step']}, recovered in "
+                       f"{_fmt(r['recover_s'])} s: {how}; wall time lost against the fault-free run {_fmt(lost[launcher])} s")
+        pair = {"recovery": _ratio(tr.get(k, {}).get("recover_s"), ft.get(k, {}).get("recover_s")),
+                "restart": _ratio(tr.get(k, {}).get("breakdown", {}).get("restart"), ft.get(k, {}).get("recover_s")),
+                "lost": _ratio(lost["torchrun"], lost["ftrun"]),
+                "step": _ratio(ft0.get(k, {}).get("step_s"), tr0.get(k, {}).get("step_s"))}
+        for name, value in pair.items():
+            if value is not None:
+                ratios[name].append(value)
+        steps = (f"fault-free step {_fmt((ft0[k]['step_s'] or 0) * 1e3, 1)} ms against {_fmt((tr0[k]['step_s'] or 0) * 1e3, 1)} ms"
+                 if k in ft0 and k in tr0 else "fault-free step: no pair")
+        out.append(f"  torchrun/ftrun: recovery {_x(pair['recovery'])}, torchrun's restart alone (its best case, a "
+                   f"checkpoint at the failed step) {_x(pair['restart'])}, wall time lost {_x(pair['lost'])}; "
+                   f"{steps}, ftrun/torchrun {_x(pair['step'])}")
+    faulted = [r for r in runs if r["case"]["kill_step"] is not None]
+    same = {l: sum(1 for r in faulted if r["launcher"] == l and _digest(r["final"]) in reference) for l in LAUNCHERS}
+    count = {l: sum(1 for r in faulted if r["launcher"] == l) for l in LAUNCHERS}
+    out.append("params_sha256 of the fault-free runs: " + (", ".join(d[:16] for d in reference) or "-")
+               + (" (they differ)" if len(reference) > 1 else "") + "; faulted runs ending with it: "
+               + ", ".join(f"{l} {same[l]}/{count[l]}" for l in LAUNCHERS))
+    out.append("medians of the pairs: " + ", ".join(
+        f"{name} {_x(_med(values))}" for name, values in ratios.items())
+        + " (recovery, restart, lost: torchrun/ftrun; step: ftrun/torchrun)")
+    return out
+
+
 def memory_table(runs: list[dict[str, Any]]) -> list[str]:
     """Peak RSS (MB, median over repeats) of launcher, supervisor and the largest rank by world size."""
     out = [f"{'case':<18} {'ft_launcher':>11} {'ft_superv':>9} {'ft_rank':>8} {'ft_spare':>8} {'tr_launcher':>11} {'tr_rank':>8}"]
@@ -1343,6 +1451,20 @@ def report(results: dict[str, Any]) -> str:
                       "newest checkpoint (ftrun.integrations.hf_resume); recovery time (x/ft: pairwise median ratio)"]
         lines += fault_table(parts["hf"])
         lines += digest_notes(parts["hf"])
+    if "fsdp" in parts:
+        faulted = [r for r in parts["fsdp"] if r["case"]["kill_step"] is not None]
+        clean = [r for r in parts["fsdp"] if r["case"]["kill_step"] is None]
+        lines += ["", "== fsdp: examples/train_fsdp.py --mesh 2,2 (FSDP2, HSDP: 2 replica groups x 2 shards), 4 ranks, gloo; "
+                      "rank 3 SIGKILLed from outside halfway. ftrun: rank 3 alone respawned, its shards and AdamW state "
+                      "from its replica (rank 1); torchrun: train_fsdp_torchrun.py, --max-restarts 1, no checkpoint: every "
+                      "rank again from step 0, the steps redone inside recover_s (x/ft: torchrun/ftrun, pairwise median)"]
+        lines += fault_table(faulted)
+        lines += ["", "== fsdp: where the recovery time goes (medians, seconds)"]
+        lines += breakdown_table(faulted)
+        lines += ["", "== fsdp: fault-free step time, ftrun against the twin under torchrun (pairwise median; order "
+                      "alternating by repeat)"]
+        lines += overhead_table(clean)
+        lines += [""] + fsdp_notes(parts["fsdp"])
     if "overhead" in parts:
         lines += ["", "== overhead: fault-free step time, ftrun against plain torchrun DDP (pairwise median)"]
         lines += overhead_table(parts["overhead"])
@@ -1544,6 +1666,8 @@ def main() -> None:
                         help="nodeloss with a standby node (ftrun launcher started before the loss, its hot spares ready)")
     parser.add_argument("--only", default=None,
                         help="only the cases whose label contains this text, e.g. 'hot early' (the table's case column)")
+    parser.add_argument("--fsdp_steps", type=int, default=None,
+                        help=f"fsdp: steps of each job, the kill at half of them (default {FSDP_STEPS}, --quick 60)")
     parser.add_argument("--worlds", default="2,4,8,16", help="world sizes of scaling-world (default 2,4,8,16)")
     parser.add_argument("--sizes", default="tiny,small,medium,large,xl", help="charlm sizes of scaling-state")
     parser.add_argument("--json", default="bench_results.json", help="raw results file ('' for none)")
@@ -1562,6 +1686,8 @@ def main() -> None:
         parser.error(f"--lost-hosts {args.lost_hosts}: comma-separated host numbers, 0 or 1")
     if not args.lost_nodes or any(h not in (None, 0) for h in args.lost_nodes):
         parser.error(f"--lost-hosts {args.lost_hosts}: choose 0, 1 or 0,1")
+    if args.fsdp_steps is not None and args.fsdp_steps < 10:
+        parser.error(f"--fsdp_steps {args.fsdp_steps}: at least 10 (the kill comes at half of them)")
     unknown = sorted(set(args.parts) - set(PARTS))
     if unknown:
         parser.error(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")
