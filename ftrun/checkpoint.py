@@ -61,6 +61,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 FORMAT = "ftrun-checkpoint"
 VERSION = 1
+SLICED_VERSION = 2  # a manifest whose shards also hold DCP files (ftrun.dcp); an older ftrun refuses it
+DCP_DIR = "dcp"  # a sliced checkpoint's DCP folder inside the step directory
 MANIFEST = "manifest.json"
 UNUSABLE_NOTE = "unusable.json"  # a shard of this checkpoint failed to load (mark_unusable)
 STEP_DIGITS = 9
@@ -87,37 +89,54 @@ class ShardInfo:
     """One shard file as the manifest records it.
 
     Attributes:
-        file: the file's name inside the step directory (``shard_<k>.pt``).
+        file: the file's name inside the step directory (``shard_<k>.pt``; ``dcp/<name>`` for a
+            file of a sliced checkpoint's DCP folder).
         bytes: its size in bytes.
         sha256: the hex SHA-256 of its contents.
+        files: a sliced checkpoint's DCP files this shard's writer wrote (its data files, then its
+            metadata part, :mod:`ftrun.dcp`), each a :class:`ShardInfo`; empty otherwise.
     """
 
     file: str
     bytes: int
     sha256: str
+    files: tuple["ShardInfo", ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        """``{"file": ..., "bytes": ..., "sha256": ...}`` (what a writer reports, and the manifest holds)."""
-        return {"file": self.file, "bytes": self.bytes, "sha256": self.sha256}
+        """``{"file": ..., "bytes": ..., "sha256": ...}`` (what a writer reports, and the manifest
+        holds), with ``"dcp": [...]`` (the :attr:`files`) when there are any."""
+        out: dict[str, Any] = {"file": self.file, "bytes": self.bytes, "sha256": self.sha256}
+        if self.files:
+            out["dcp"] = [f.to_json() for f in self.files]
+        return out
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "ShardInfo":
-        """Inverse of :meth:`to_json`.
+    def from_json(cls, data: Mapping[str, Any], under: str | None = None) -> "ShardInfo":
+        """Inverse of :meth:`to_json`. ``under``: the folder the file must be directly in (``dcp``),
+        None for the step directory itself.
 
         Raises:
-            ValueError: a field is missing or has the wrong type, or ``file`` is not a plain name.
+            ValueError: a field is missing or has the wrong type, or ``file`` is not a plain name
+                (``under/<plain name>`` with ``under``).
         """
         try:
             file, size, digest = data["file"], data["bytes"], data["sha256"]
         except (KeyError, TypeError) as e:
             raise ValueError(f"shard entry {data!r} lacks {e}") from None
-        if not isinstance(file, str) or not file or Path(file).name != file or file in (".", ".."):
-            raise ValueError(f"shard file {file!r} is not a plain file name")
+        name = file.removeprefix(f"{under}/") if isinstance(file, str) and under is not None else file
+        if (not isinstance(name, str) or not name or Path(name).name != name or name in (".", "..")
+                or (under is not None and name == file)):
+            where = f"{under}/<name>" if under is not None else "a plain file name"
+            raise ValueError(f"shard file {file!r} is not {where}")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise ValueError(f"shard size {size!r} is not a byte count")
         if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
             raise ValueError(f"shard checksum {digest!r} is not a hex SHA-256")
-        return cls(file, size, digest)
+        sliced = data.get("dcp") if isinstance(data, Mapping) else None
+        if sliced is not None and (under is not None or not isinstance(sliced, list) or not sliced):
+            raise ValueError(f"shard entry's dcp files {sliced!r} are not a list of files")
+        files = tuple(cls.from_json(f, under=DCP_DIR) for f in sliced or ())
+        return cls(file, size, digest, files)
 
 
 @dataclass
@@ -163,11 +182,32 @@ class Manifest:
             raise CheckpointError(self.path, f"has no shard {shard} (it has shards 0..{len(self.shards) - 1})")
         return self.directory / self.shards[shard].file
 
+    @property
+    def sliced(self) -> bool:
+        """Whether the checkpoint's sharded models are in DCP's format (:mod:`ftrun.dcp`): it
+        resumes onto another world size or mesh shape."""
+        return any(info.files for info in self.shards.values())
+
+    def dcp_parts(self) -> list[str]:
+        """The writers' DCP metadata parts (``dcp/__<k>.metadata``), by shard."""
+        return [f.file for _, info in sorted(self.shards.items()) for f in info.files if f.file.endswith(".metadata")]
+
+    def dcp_file(self, name: str) -> ShardInfo:
+        """The manifest's record of DCP file ``name`` (relative to ``dcp/``).
+
+        Raises:
+            CheckpointError: the manifest names no such file."""
+        for info in self.shards.values():
+            for f in info.files:
+                if f.file == f"{DCP_DIR}/{name}":
+                    return f
+        raise CheckpointError(self.directory / DCP_DIR / name, "is not in the manifest")
+
     def to_json(self) -> dict[str, Any]:
         """The manifest's JSON object (what ``manifest.json`` holds)."""
         return {
             "format": FORMAT,
-            "version": VERSION,
+            "version": SLICED_VERSION if self.sliced else VERSION,
             "step": self.step,
             "world_size": self.world_size,
             "replica_groups": self.replica_groups,
@@ -328,6 +368,24 @@ def _sha256_file(path: Path) -> tuple[int, str]:
             digest.update(view[:n])
             size += n
     return size, digest.hexdigest()
+
+
+def file_info(directory: str | os.PathLike[str], name: str) -> ShardInfo:
+    """A :class:`ShardInfo` of file ``name`` (relative to step directory ``directory``), read back
+    for its size and SHA-256 (for files another library wrote: DCP's, :mod:`ftrun.dcp`).
+
+    Raises:
+        OSError: the file cannot be read."""
+    size, digest = _sha256_file(Path(directory) / name)
+    return ShardInfo(name, size, digest)
+
+
+def check_file(directory: str | os.PathLike[str], info: ShardInfo) -> None:
+    """Check the size and SHA-256 of file ``info.file`` in step directory ``directory``.
+
+    Raises:
+        CheckpointError: missing, another size, or another checksum (naming the file)."""
+    _check_shard(Path(directory) / info.file, info, checksum=True)
 
 
 # ---------------------------------------------------------------------- state encoding (save)
@@ -492,9 +550,12 @@ def write_manifest(
     infos = {int(k): v if isinstance(v, ShardInfo) else ShardInfo.from_json(v) for k, v in shards.items()}
     if sorted(infos) != list(range(len(groups))):
         raise ValueError(f"checkpoint {directory}: shards {sorted(infos)} reported, expected 0..{len(groups) - 1} (one per replica group)")
+    if len({bool(info.files) for info in infos.values()}) > 1:
+        raise ValueError(f"checkpoint {directory}: some shards hold DCP files and some do not")
     if check_files:
         for info in infos.values():
-            _check_shard(directory / info.file, info, checksum=False)
+            for one in (info,) + info.files:
+                _check_shard(directory / one.file, one, checksum=False)
     manifest = Manifest(
         directory=directory,
         step=int(step),
@@ -620,8 +681,9 @@ def verify(directory: str | os.PathLike[str], checksums: bool = True) -> Manifes
         raise CheckpointError(path, f"bad JSON ({e})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(path, f"not an ftrun checkpoint manifest (format {data.get('format') if isinstance(data, dict) else None!r})")
-    if data.get("version") != VERSION:
-        raise CheckpointError(path, f"manifest version {data.get('version')!r}, this ftrun reads {VERSION}")
+    version = data.get("version")
+    if version not in (VERSION, SLICED_VERSION):
+        raise CheckpointError(path, f"manifest version {version!r}, this ftrun reads {VERSION} and {SLICED_VERSION}")
     try:
         step, world_size = data["step"], data["world_size"]
         if not isinstance(step, int) or not isinstance(world_size, int) or step < 0 or world_size < 1:
@@ -630,6 +692,8 @@ def verify(directory: str | os.PathLike[str], checksums: bool = True) -> Manifes
         shards = {int(k): ShardInfo.from_json(v) for k, v in dict(data["shards"]).items()}
         if sorted(shards) != list(range(len(groups))):
             raise ValueError(f"shards {sorted(shards)} do not match {len(groups)} replica groups")
+        if any(bool(info.files) != (version == SLICED_VERSION) for info in shards.values()):
+            raise ValueError(f"a version {version} manifest whose shards {'lack' if version == SLICED_VERSION else 'hold'} DCP files")
         manifest = Manifest(
             directory=directory,
             step=step,
@@ -648,7 +712,8 @@ def verify(directory: str | os.PathLike[str], checksums: bool = True) -> Manifes
     if unusable is not None:
         raise CheckpointError(*unusable)
     for k in sorted(shards):
-        _check_shard(directory / shards[k].file, shards[k], checksum=checksums)
+        for one in (shards[k],) + shards[k].files:
+            _check_shard(directory / one.file, one, checksum=checksums)
     return manifest
 
 
@@ -969,7 +1034,7 @@ class AsyncCheckpointer:
         self.last_snapshot_s = 0.0  # seconds of the last snapshot copy
         self.last_write_s = 0.0  # seconds the last background write took
         self._cv = threading.Condition()
-        self._job: tuple[int, Any, Callable[[int, Any], None] | None] | None = None
+        self._job: tuple[int, Any, Callable[[int, Any], None] | None, Any] | None = None
         self._busy = False
         self._closed = False
         self._error: BaseException | None = None
@@ -978,7 +1043,8 @@ class AsyncCheckpointer:
         self._thread.start()
         atexit.register(self.close)
 
-    def save(self, step: int, state: Any, on_done: Callable[[int, Any], None] | None = None) -> float:
+    def save(self, step: int, state: Any, on_done: Callable[[int, Any], None] | None = None,
+             slices: Callable[[], Callable[[Path], Sequence[ShardInfo]]] | None = None) -> float:
         """Snapshot ``state`` now and write it as step ``step`` in the background.
 
         Call at a step boundary (after the optimizer update of ``step``). Errors of an earlier
@@ -990,6 +1056,10 @@ class AsyncCheckpointer:
                 returns.
             on_done: called from the writer thread as ``on_done(step, result)``, ``result`` being
                 the :class:`ShardInfo` written or the exception that stopped the write.
+            slices: a sliced checkpoint's sharded part (:mod:`ftrun.dcp`): called at the snapshot
+                (after the wait for the previous write), it copies the sharded state and returns
+                what writes that copy into a step directory in the writer thread (returning the
+                files' records, which the result's :attr:`ShardInfo.files` then holds).
 
         Returns:
             the seconds training was blocked (waiting for the previous write, plus the snapshot).
@@ -1007,11 +1077,12 @@ class AsyncCheckpointer:
         copied = time.perf_counter()
         snap = snapshot(state, reuse=self._buffers)
         self._buffers = snap
+        write_slices = slices() if slices is not None else None
         now = time.perf_counter()
         self.last_snapshot_s = now - copied
         self.last_blocked_s = now - start
         with self._cv:
-            self._job = (int(step), snap, on_done)
+            self._job = (int(step), snap, on_done, write_slices)
             self._busy = True
             self._cv.notify_all()
         return self.last_blocked_s
@@ -1023,12 +1094,12 @@ class AsyncCheckpointer:
                     self._cv.wait()
                 if self._job is None:
                     return
-                step, snap, on_done = self._job
+                step, snap, on_done, write_slices = self._job
                 self._job = None
             start = time.perf_counter()
             result: Any
             try:
-                result = self._write(step, snap)
+                result = self._write(step, snap, write_slices)
             except BaseException as e:  # delivered to on_done and raised by wait()
                 result = e
                 self._error = e
@@ -1042,9 +1113,11 @@ class AsyncCheckpointer:
                 self._busy = False
                 self._cv.notify_all()
 
-    def _write(self, step: int, snap: Any) -> ShardInfo:
+    def _write(self, step: int, snap: Any, write_slices: Callable[[Path], Sequence[ShardInfo]] | None = None) -> ShardInfo:
         directory = step_dir(self.root, step)
         info = save_shard(directory, self.shard, snap)
+        if write_slices is not None:
+            info = ShardInfo(info.file, info.bytes, info.sha256, tuple(write_slices(directory)))
         if self.single_writer:
             write_manifest(directory, step, self.world_size, self.replica_groups, {self.shard: info}, reason=self.reason)
         if self.keep is not None:

@@ -190,7 +190,7 @@ class Worker:
         self._replica_groups_arg = replica_groups
         self.replica_groups = [list(g) for g in replica_groups] if replica_groups else [list(range(self.world_size))]
         self.uce, self.ttp, self.save_steps = env.uce, env.ttp, env.save_steps
-        self.checkpoints = RankCheckpoints(env.checkpoint_dir, self.replica_groups, self._send)
+        self.checkpoints = RankCheckpoints(env.checkpoint_dir, self.replica_groups, self._send, self.registry)
         # The supervisor (this process's parent) dying: a dying gasp (ftrun.orphan).
         self.parent = ParentWatch(self.state, self.progress, self.registry, self.checkpoints, self.ttp, self.world_size)
         # What this rank says to its supervisor and hears back (ftrun.control).

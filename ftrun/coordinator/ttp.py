@@ -99,7 +99,8 @@ class Checkpoints:
                 manifest = ckpt.resolve_resume(self.root, choice, skipped)
         except ckpt.CheckpointError as err:  # checked by the launcher; it may have changed since
             skipped(err.path, err.problem)
-        if manifest is not None and manifest.world_size != spec.worker_num:
+        if manifest is not None and manifest.world_size != spec.worker_num and not manifest.sliced:
+            # A sliced checkpoint (a sharded model's, in DCP's format: ftrun.dcp) reshards onto any world size.
             skipped(manifest.directory, f"written by {manifest.world_size} ranks, this job has {spec.worker_num}")
             manifest = None
         # Another program's checkpoint is not resumed unasked: at the first attempt under 'auto', and
