@@ -187,6 +187,10 @@ class ControlClient:
         self.abandon = threading.Event()
         self.on_abort: Callable[[Message], None] = lambda _msg: None
         self.on_io_abort: Callable[[int], None] = lambda _generation: None
+        # Whether this rank's loop can be rolled back in place to a checkpoint (ft.steps: its data
+        # and seeds are a function of the step). An epoch loop (ft.epochs, ft.batches) cannot: it
+        # would have to rewind its passes and the epochs' ends. Said with each fault report.
+        self.rollback_ok = True
 
     def attach(self, channel: Channel | None, probe: Callable[[], dict[str, Any]] | None = None,
                beat_extra: Callable[[], dict[str, Any] | None] | None = None) -> None:
@@ -216,6 +220,8 @@ class ControlClient:
         phase = _PHASE_AFTER.get(msg_type)
         if phase is not None:
             self.board.enter(phase)
+        if msg_type == MsgType.FAULT:
+            fields.setdefault("rollback", self.rollback_ok)
         if self.channel is not None:
             self.channel.send(msg_type, **fields)
 

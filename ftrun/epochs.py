@@ -55,6 +55,7 @@ class EpochLoop:
         if self.progress is None:
             self.progress = EpochProgress()
             self.registry.register("epochs", self.progress, "replica")
+            self.recovery.control.rollback_ok = False  # ftrun.policy.plan_rollback: passes are not rewound
         return self.progress
 
     def epochs(self, first: int, stop: int) -> Iterator[int]:

@@ -212,10 +212,13 @@ class RecoveryPlan:
     Attributes:
         step: the recovery step S: every rank resumes training at S + 1 holding the state of S.
         transfers: donor -> recipient state transfers (disjoint recipients).
+        rollback: every rank loads its own part of the checkpoint of step S in place (no replica
+            held a lost rank's state: :func:`plan_rollback`); there are no transfers.
     """
 
     step: int
     transfers: tuple[Transfer, ...] = field(default_factory=tuple)
+    rollback: bool = False
 
     @property
     def recipients(self) -> frozenset[int]:
@@ -267,6 +270,35 @@ def plan_recovery(committed: Mapping[int, int], replica_groups: Sequence[Sequenc
         for i, recipient in enumerate(recipients):
             transfers.append(Transfer(donor=donors[i % len(donors)], recipient=recipient))
     return RecoveryPlan(step=step, transfers=tuple(transfers))
+
+
+def plan_rollback(committed: Mapping[int, int], checkpoint_step: int | None) -> RecoveryPlan | None:
+    """The plan when no live replica holds a lost rank's state (:class:`NoLiveReplica`: pure FSDP
+    or tensor parallelism without a replicating dimension): every live rank keeps its process and
+    rolls back in place to the newest complete checkpoint of the job, step C, each loading its own
+    part of it, and training resumes at C + 1. The steps after C that ranks had committed are
+    computed again (:func:`redone_steps`); with data and seeds a function of the step, the run
+    still ends bitwise equal to the fault-free one. Gemini keeps such copies in a peer's host
+    memory; ftrun's copy is the newest checkpoint (``--save_steps``), so its cost is the
+    checkpoints' and its freshness is ``--save_steps`` steps at worst.
+
+    Args:
+        committed: live rank -> its committed step.
+        checkpoint_step: the newest complete checkpoint this attempt of the job wrote or started
+            from (None: there is none, and the job restarts as a whole instead).
+
+    Returns:
+        None without a checkpoint, else a plan with ``rollback`` set and no transfers.
+    """
+    if checkpoint_step is None or not committed:
+        return None
+    return RecoveryPlan(step=checkpoint_step, rollback=True)
+
+
+def redone_steps(committed: Mapping[int, int], plan: RecoveryPlan) -> int:
+    """How many committed steps a rollback to ``plan.step`` computes again: the newest step a live
+    rank had committed, less the recovery step (0 for a plan that keeps every committed step)."""
+    return max(0, max(committed.values(), default=plan.step) - plan.step) if plan.rollback else 0
 
 
 def default_replica_groups(world_size: int) -> list[list[int]]:

@@ -66,13 +66,17 @@ class Recovery:
         check_replicas: called on every rank with the recovery step once the transfers are done:
             replicas compare their parameters (a collective of the new generation); False if it
             failed, which is handled as a failed transfer.
+        read_checkpoint: ``read_checkpoint(directory)`` is this rank's own part (``{name: state}``) of
+            the checkpoint in ``directory``, for a plan that rolls every rank back to it
+            (:func:`ftrun.policy.plan_rollback`); raises if it does not load.
 
     :meth:`bind` gives it the rank's identity (late for a hot spare).
     """
 
     def __init__(self, progress: RankProgress, group: Any, control: Any, registry: Any,
                  build_group: Callable[[int], bool], safe_point: Callable[[], None], seed: int | None,
-                 check_replicas: Callable[[int], bool] | None = None) -> None:
+                 check_replicas: Callable[[int], bool] | None = None,
+                 read_checkpoint: Callable[[str], dict[str, Any]] | None = None) -> None:
         self.progress = progress
         self.group = group
         self.control = control
@@ -81,6 +85,7 @@ class Recovery:
         self.safe_point = safe_point
         self.seed = seed
         self.check_replicas = check_replicas
+        self.read_checkpoint = read_checkpoint
         self.rank: int | None = None
         self.attempt = 0
         self.faults: Any = None
@@ -138,10 +143,14 @@ class Recovery:
             rebuild_s = time.monotonic() - started
             # A retried step: undo what the failed body did after (or instead of) its update. A
             # recipient takes replica state from its donor, so only its own rank state rolls back.
-            recipient = any(int(r) == self.rank for _, r in plan["transfers"])
-            self.registry.roll_back(plan["step"], ("rank",) if recipient else ("rank", "replica"))
+            rollback = plan.get("rollback")
             progress.stage = "transfer"
-            role, nbytes, transfer_s = self.transfer(plan)
+            if isinstance(rollback, str):
+                role, nbytes, transfer_s = self.load_checkpoint(rollback)
+            else:
+                recipient = any(int(r) == self.rank for _, r in plan["transfers"])
+                self.registry.roll_back(plan["step"], ("rank",) if recipient else ("rank", "replica"))
+                role, nbytes, transfer_s = self.transfer(plan)
             progress.stage, progress.stage_bytes = "loop", 0
             if role == "failed":
                 self.group.drop(progress.generation)
@@ -152,7 +161,8 @@ class Recovery:
             progress.committed = plan["step"]
             if self.fresh:
                 self.fresh = False
-                self._fetch_rank_record(plan["step"])
+                if rollback is None:  # a rollback's checkpoint holds this rank's own state too
+                    self._fetch_rank_record(plan["step"])
             self.control.send(MsgType.RECOVERED, generation=generation, role=role, bytes=nbytes,
                               seconds=transfer_s, rebuild_seconds=rebuild_s)
             return plan["step"]
@@ -196,6 +206,23 @@ class Recovery:
         if self.check_replicas is not None and not self.check_replicas(plan["step"]):  # every rank, after the transfers
             return "failed", nbytes, time.monotonic() - started
         return role, nbytes, time.monotonic() - started
+
+    def load_checkpoint(self, directory: str) -> tuple[str, int, float]:
+        """Roll this rank back in place to its own part of the checkpoint in ``directory`` (every
+        registered object, its own rank state included): ('rollback'|'failed', bytes, seconds).
+        A part that does not load leaves no usable state (the next round's plan says what then)."""
+        started = time.monotonic()
+        try:
+            if self.read_checkpoint is None:
+                raise RuntimeError("this rank reads no checkpoints")
+            self.progress.stage_bytes = state_bytes(self.registry.state_dict(exclude=("rank",)))
+            state = self.read_checkpoint(directory)
+            self.registry.load(state)
+        except Exception as err:
+            self.progress.committed = NO_STATE
+            self.control.send(MsgType.ERROR, reason=f"rolling back to checkpoint {directory} failed: {describe(err)}")
+            return "failed", 0, time.monotonic() - started
+        return "rollback", state_bytes(state), time.monotonic() - started
 
     def _fetch_rank_record(self, step: int) -> None:
         """A respawned rank: fetch its predecessor's own state at committed ``step`` from the store

@@ -199,7 +199,8 @@ class Worker:
         # Its part in recoveries (ftrun.recovery), over the roles above.
         self.recovery = Recovery(self.progress, self.group, self.control, self.registry,
                                  build_group=self._build_group, safe_point=self._recovery_safe_point, seed=seed,
-                                 check_replicas=lambda step: self.checks.compare_replicas(step))
+                                 check_replicas=lambda step: self.checks.compare_replicas(step),
+                                 read_checkpoint=lambda directory: self.checkpoints.resume(Path(directory)))
         self.recoverable_names = set(env.recoverable_errors)
         # Exactly-once checks and this rank's records in the job's store (ftrun.exactlyonce).
         self.checks = ExactlyOnceChecks(self.progress, self.registry, self.recovery, self.group, self.state, self._send,

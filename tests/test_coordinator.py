@@ -1051,3 +1051,58 @@ def test_a_start_up_failure_of_one_rank_restarts_after_its_hold(tmp_path: Path) 
     assert coord.check_processes() is None
     restarting = events(tmp_path, "job_restarting")
     assert len(restarting) == 1 and "rank(s) 0-3 have not said hello" in restarting[0]["message"]
+
+
+def _alone_with_a_checkpoint(tmp_path: Path) -> tuple[Coordinator, FakeAgent, Clock, Path]:
+    """4 ranks with no replica (pure FSDP: each rank its own replica group), a periodic checkpoint
+    of step 3 completed, rank 2 killed at step 5."""
+    import torch
+
+    from ftrun import checkpoint as ckpt
+
+    coord, agent, clock = make(tmp_path, max_restarts=3)
+    for rank in range(4):
+        coord.handle(ident(rank), msg(MsgType.HELLO, rank=rank, incarnation=0, pid=coord.ranks[rank].proc.pid,
+                                      generation=0, replica_group=[rank], library=True))
+    directory = ckpt.step_dir(tmp_path / "ckpt", 3)
+    for rank in range(4):
+        info = ckpt.save_shard(directory, rank, {"model": {"w": torch.full((2,), float(rank))}})
+        send(coord, rank, MsgType.SAVED, step=3, shard=rank, info=info.to_json(), seconds=0.01,
+             torch_version=torch.__version__, reason="periodic")
+    assert events(tmp_path, "checkpoint_saved")
+    step(coord, 0)
+    agent.exit(2, -signal.SIGKILL, at=clock.now)
+    assert coord.check_processes() is None
+    return coord, agent, clock, directory
+
+
+def test_no_replica_rolls_every_rank_back_in_place_to_the_newest_checkpoint(tmp_path: Path) -> None:
+    """No live rank holds rank 2's slice: instead of a whole-job restart, every rank keeps its
+    process and loads its own part of the checkpoint of step 3; the steps after it are counted."""
+    coord, agent, _, directory = _alone_with_a_checkpoint(tmp_path)
+    for rank in (0, 1, 3):
+        send(coord, rank, MsgType.FAULT, generation=1, step=6, committed=5, reason="abort", kind="abort", rollback=True)
+    coord.handle(ident(2, 1), msg(MsgType.HELLO, rank=2, incarnation=1, pid=coord.ranks[2].proc.pid, generation=1,
+                                  replica_group=[2], library=True))
+    fallback = events(tmp_path, "recovery_fallback")[-1]
+    assert fallback["detail"]["rollback"] == str(directory) and fallback["detail"]["redone_steps"] == 2
+    plan = events(tmp_path, "recovery_planned")[-1]["detail"]
+    assert plan["step"] == 3 and plan["transfers"] == [] and plan["rollback"] == str(directory)
+    for rank in range(4):
+        send(coord, rank, MsgType.RECOVERED, generation=1, role="rollback", bytes=8, seconds=0.01)
+    done = events(tmp_path, "recovery_finished")[-1]["detail"]
+    assert done["resume_step"] == 4 and done["redone_steps"] == 2 and done["bytes"] == 32
+    assert not events(tmp_path, "job_restarting") and coord.restarts_used == 1
+    assert sorted(s[0] for s in agent.spawned) == [0, 1, 2, 2, 3]  # the survivors kept their processes
+
+
+def test_no_replica_and_an_epoch_loop_restarts_the_job(tmp_path: Path) -> None:
+    """A rank whose loop is ft.epochs/ft.batches says it cannot be rolled back in place (its passes
+    are not rewound): the job restarts as a whole from the checkpoint, as before."""
+    coord, _, _, _ = _alone_with_a_checkpoint(tmp_path)
+    for rank in (0, 1, 3):
+        send(coord, rank, MsgType.FAULT, generation=1, step=6, committed=5, reason="abort", kind="abort", rollback=False)
+    coord.handle(ident(2, 1), msg(MsgType.HELLO, rank=2, incarnation=1, pid=coord.ranks[2].proc.pid, generation=1,
+                                  replica_group=[2], library=True))
+    assert "epoch loop" in events(tmp_path, "recovery_fallback")[-1]["message"]
+    assert len(events(tmp_path, "job_restarting")) == 1 and not events(tmp_path, "recovery_planned")

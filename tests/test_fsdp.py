@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch.distributed as dist
@@ -145,10 +146,11 @@ def twin_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
     return _twin(tmp_path_factory.mktemp("fsdp_torchrun"), RUN)
 
 
-def _ftrun(tmp_path: Path, name: str, fault: str | None, run: list[str] = RUN) -> tuple[str, list[dict]]:
+def _ftrun(tmp_path: Path, name: str, fault: str | None, run: list[str] = RUN,
+           flags: tuple[str, ...] = ()) -> tuple[str, list[dict]]:
     log_dir = tmp_path / name
     cmd = [sys.executable, "-m", "ftrun", "--worker_num", "4", "--master_port", "0", "--plain", "--log_dir", str(log_dir),
-           "--tail_worker_log", "0", str(SCRIPT), *run]
+           "--tail_worker_log", "0", *flags, str(SCRIPT), *run]
     env = clean_env({"FTRUN_FAULT": fault} if fault else None)
     proc = run_bounded(cmd, env=env, cwd=tmp_path, timeout=150)
     assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
@@ -206,6 +208,52 @@ def test_tensor_parallel_by_data_parallel_rank_killed_ends_bitwise(tmp_path: Pat
     assert digest == _twin(tmp_path, run)
     assert sorted(e["rank"] for e in kinds(events, "rank_started")) == [0, 1, 2, 2, 3]
     assert len(kinds(events, "recovery_finished")) == 1 and not kinds(events, "job_restarting")
+
+
+def _wait_for_event(proc: FtrunProc, log_dir: Path, found: Callable[[list[dict]], bool], timeout: float = 120.0) -> None:
+    """Until the job's events satisfy ``found``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.popen.poll() is None, f"ftrun exited first:\n{proc.stdout()[-3000:]}"
+        if (log_dir / "events.jsonl").exists() and found(read_events(log_dir)):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"the event awaited did not come within {timeout} s")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_pure_fsdp_rolls_every_rank_back_in_place_and_ends_bitwise(tmp_path: Path, ftrun_proc) -> None:
+    """No replica (mesh 1x4), checkpoints every 4 steps: once a checkpoint is complete, rank 2 is
+    killed inside the reduce-scatters; once the job recovered and wrote another, rank 0 inside the
+    all-gathers. Each time every rank keeps its process (the killed one is respawned) and loads
+    its own part of the newest checkpoint, with no whole-job restart; the steps computed again
+    are reported, and the run ends as the twin's."""
+    run = ["--mesh", "1,4", "--steps", "40"]
+    go = [tmp_path / "kill_rank2", tmp_path / "kill_rank0"]
+    log_dir = tmp_path / "logs"
+    proc = ftrun_proc(["--worker_num", "4", "--master_port", "0", "--plain", "--log_dir", str(log_dir), "--tail_worker_log", "0",
+                       "--save_steps", "4", "--checkpoint_dir", str(tmp_path / "ckpt"), str(SCRIPT), *run],
+                      env={"FTRUN_FAULT": f"rank=2,point=reduce_scatter,kind=kill,when={go[0]}; "
+                                          f"rank=0,point=allgather,kind=kill,when={go[1]}"})
+    _wait_for_event(proc, log_dir, lambda ev: bool(kinds(ev, "checkpoint_saved")))
+    go[0].touch()
+    _wait_for_event(proc, log_dir, lambda ev: bool(kinds(ev, "recovery_finished")) and
+                    kinds(ev, "checkpoint_saved")[-1]["time"] > kinds(ev, "recovery_finished")[0]["time"])
+    go[1].touch()
+    result = proc.wait(timeout=200)
+    assert result.returncode == 0, result.stdout[-4000:]
+    events = read_events(log_dir)
+    assert sorted(e["rank"] for e in kinds(events, "rank_started")) == [0, 0, 1, 2, 2, 3]
+    assert not kinds(events, "job_restarting")
+    finished = kinds(events, "recovery_finished")
+    assert len(finished) == 2 and all("rolled back" in e["message"] for e in finished)
+    for done, began in zip(finished, kinds(events, "recovery_started")):
+        # Back to the newest checkpoint completed before the fault, the steps after it redone.
+        newest = max(e["detail"]["step"] for e in kinds(events, "checkpoint_saved") if e["time"] <= began["time"])
+        assert done["detail"]["resume_step"] == newest + 1, [e["message"] for e in finished]
+        assert done["detail"]["redone_steps"] >= 0
+    assert _final(result.stdout) == _twin(tmp_path, run)
 
 
 def _wait_for_step(proc: FtrunProc, log_dir: Path, step: int, timeout: float = 120.0) -> None:

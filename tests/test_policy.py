@@ -17,6 +17,8 @@ from ftrun.policy import (
     decide_on_failure,
     default_replica_groups,
     plan_recovery,
+    plan_rollback,
+    redone_steps,
     replica_groups_from_hello,
     respawn_restarts,
     restart_fits,
@@ -163,6 +165,18 @@ def test_plan_no_live_replica():
         plan_recovery({1: 5, 3: 5}, [[0, 2], [1, 3]])  # group [0,2] entirely dead
     with pytest.raises(NoLiveReplica):
         plan_recovery({0: NO_STATE, 1: NO_STATE}, [[0, 1]])
+
+
+def test_no_replica_rolls_back_to_the_newest_checkpoint_or_restarts():
+    # Pure FSDP: each rank alone. Rank 2 respawned (no state), the others at 7 and 8: back to step 5.
+    committed = {0: 7, 1: 8, 2: NO_STATE, 3: 7}
+    with pytest.raises(NoLiveReplica):
+        plan_recovery(committed, [[0], [1], [2], [3]])
+    plan = plan_rollback(committed, 5)
+    assert plan == RecoveryPlan(step=5, rollback=True) and not plan.transfers
+    assert redone_steps(committed, plan) == 3  # steps 6, 7 and 8 are computed again
+    assert plan_rollback(committed, None) is None  # no checkpoint: the whole job restarts
+    assert redone_steps(committed, plan_recovery({0: 4, 1: 4}, [[0, 1]])) == 0  # a replica's plan loses nothing
 
 
 def test_plan_before_the_first_step():

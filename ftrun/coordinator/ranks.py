@@ -87,6 +87,7 @@ class Rank:
     restarts: int = 0
     library: bool = False  # said hello through the worker library (kept across its incarnations)
     replica_group: tuple[int, ...] = ()
+    rollback_ok: bool = True  # its loop can roll back in place to a checkpoint (its fault reports say; ft.steps)
     total_steps: int | None = None  # the number of steps its loop runs (ft.steps(n)), when known
     last_step_seconds: float | None = None  # its latest step time (for stragglers)
     compute_seconds: float | None = None  # its latest step's start to its collective (its own work)
@@ -271,3 +272,4 @@ class Recovery:
     joined_at: dict[int, float] = field(default_factory=dict)
     rounds: int = 1
     round_started: float = 0.0  # when the current round began (its deadlines count from here)
+    redone: int = 0  # committed steps a rollback to a checkpoint computes again (ftrun.policy.redone_steps)

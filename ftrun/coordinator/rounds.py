@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..events import EventKind
-from ..policy import (NO_STATE, NoLiveReplica, RankState, default_replica_groups, plan_recovery, replica_groups_from_hello,
-                      respawn_restarts)
+from ..policy import (NO_STATE, NoLiveReplica, RankState, default_replica_groups, plan_recovery, plan_rollback, redone_steps,
+                      replica_groups_from_hello, respawn_restarts)
 from ..protocol import Message, MsgType
 from .phases import JobPhase
 from .ranks import Rank, RankPhase, Recovery
@@ -113,26 +113,51 @@ class RecoveryRounds:
     def make_plan(self, live: list[int]) -> None:
         job, rec = self.job, self.current
         assert rec is not None
+        committed = {rank: rec.reports[rank] for rank in live}
+        rollback: dict[str, Any] = {}
         try:
             groups = self.replica_groups()
-            plan = plan_recovery({rank: rec.reports[rank] for rank in live}, groups)
-        except (NoLiveReplica, ValueError) as err:
-            job.emit(EventKind.RECOVERY_FALLBACK, f"ARF cannot recover: {err}; falling back to a whole-job restart", reason=str(err))
-            job.finish_with(job.restart_job(f"no live replica ({err})"))
-            return
+            plan = plan_recovery(committed, groups)
+        except NoLiveReplica as err:
+            # No replica of a lost rank's state: every rank rolls back in place to the newest
+            # checkpoint (its processes kept), or, without one, the job restarts as a whole.
+            epochs = [x.rank for x in job.ranks.values() if x.alive() and not x.rollback_ok]
+            if epochs:
+                return self.fall_back(f"{err}, and rank {epochs[0]}'s epoch loop (ft.epochs, ft.batches) cannot be rolled "
+                                      "back in place to a checkpoint")
+            target = job.ttp.rollback_target()
+            rolled = plan_rollback(committed, target[0] if target else None)
+            if target is None or rolled is None:
+                return self.fall_back(str(err))
+            plan, rollback = rolled, {"rollback": str(target[1])}
+            rec.redone = redone_steps(committed, plan)
+            job.emit(EventKind.RECOVERY_FALLBACK,
+                     f"{err}: every rank rolls back in place to checkpoint {target[1]} (step {plan.step}; "
+                     f"{rec.redone} committed step(s) computed again), no whole-job restart",
+                     reason=str(err), rollback=str(target[1]), step=plan.step, redone_steps=rec.redone)
+        except ValueError as err:
+            return self.fall_back(str(err))
         rec.plan = plan
         rec.planned_at = job.clock()
         transfers = [[t.donor, t.recipient] for t in plan.transfers]
         job.emit(EventKind.RECOVERY_PLANNED,
-                 f"generation {rec.generation}: resume at step {plan.step + 1}; transfers "
-                 + (", ".join(f"{d}->{r}" for d, r in transfers) or "none"),
-                 step=plan.step, transfers=transfers, committed=dict(sorted((str(k), v) for k, v in rec.reports.items())))
+                 f"generation {rec.generation}: resume at step {plan.step + 1}; "
+                 + ("every rank loads checkpoint " + rollback["rollback"] if rollback else
+                    "transfers " + (", ".join(f"{d}->{r}" for d, r in transfers) or "none")),
+                 step=plan.step, transfers=transfers, committed=dict(sorted((str(k), v) for k, v in rec.reports.items())),
+                 **rollback)
         # After a takeover the ranks' store is the new coordinator's (ftrun.coordinator.failover).
         store = {"store": f"{job.spec.master_addr}:{job.spawning.attempt_port}"} if job.epoch else {}
         for x in job.ranks.values():
             if x.alive():
                 job.send(x, MsgType.RECONFIGURE, generation=rec.generation, world_size=job.spec.worker_num, step=plan.step,
-                         transfers=transfers, **store)
+                         transfers=transfers, **store, **rollback)
+
+    def fall_back(self, reason: str) -> None:
+        """ARF cannot recover (no live replica and no checkpoint to roll back to, or replica groups
+        that do not fit): the job restarts as a whole."""
+        self.job.emit(EventKind.RECOVERY_FALLBACK, f"ARF cannot recover: {reason}; falling back to a whole-job restart", reason=reason)
+        self.job.finish_with(self.job.restart_job(f"no live replica ({reason})"))
 
     def replica_groups(self) -> list[list[int]]:
         """The job's replica groups, as the ranks declared them in their hello.
@@ -155,7 +180,8 @@ class RecoveryRounds:
         r.proc.state = RankState.HEALTHY
         role = msg["role"]
         if role != "none":
-            job.emit(EventKind.RANK_RECOVERED, f"rank {r.rank} rejoined as {role}: {msg['bytes'] / 1e6:.2f} MB in {msg['seconds']:.3f} s",
+            how = "rolled back to the checkpoint" if role == "rollback" else f"rejoined as {role}"
+            job.emit(EventKind.RANK_RECOVERED, f"rank {r.rank} {how}: {msg['bytes'] / 1e6:.2f} MB in {msg['seconds']:.3f} s",
                      rank=r.rank, role=role, bytes=msg["bytes"], seconds=msg["seconds"], rebuild_seconds=msg.get("rebuild_seconds"))
         if set(rec.recovered) >= {x.rank for x in job.ranks.values() if x.alive()}:
             self.finish(rec)
@@ -165,7 +191,7 @@ class RecoveryRounds:
         job = self.job
         assert rec.plan is not None
         now = job.clock()
-        total_bytes = sum(int(v["bytes"]) for v in rec.recovered.values() if v["role"] == "recipient")
+        total_bytes = sum(int(v["bytes"]) for v in rec.recovered.values() if v["role"] in ("recipient", "rollback"))
         transfer_s = max((float(v["seconds"]) for v in rec.recovered.values()), default=0.0)
         # Survivors wait inside the rebuild for the new rank; the last rank to arrive measures
         # the rebuild itself.
@@ -190,12 +216,14 @@ class RecoveryRounds:
             + f" in {now - rec.started_at:.2f} s (detection "
             f"{rec.detection_seconds:.3f} s, " + (f"waiting for a replacement node {node_wait:.2f} s, " if node_wait_s else "")
             + f"respawn {max(map(float, respawn_s.values()), default=0.0):.2f} s, "
-            f"group rebuild {rebuild_s:.2f} s, transfer {transfer_s:.3f} s): resuming at step {rec.plan.step + 1}, "
-            f"{total_bytes / 1e6:.2f} MB transferred",
+            f"group rebuild {rebuild_s:.2f} s, " + ("checkpoint load" if rec.plan.rollback else "transfer")
+            + f" {transfer_s:.3f} s): resuming at step {rec.plan.step + 1}, "
+            + (f"every rank rolled back to its checkpoint ({total_bytes / 1e6:.2f} MB loaded, {rec.redone} committed "
+               "step(s) to compute again)" if rec.plan.rollback else f"{total_bytes / 1e6:.2f} MB transferred"),
             failed=sorted(rec.failed), resume_step=rec.plan.step + 1, total_seconds=round(now - rec.started_at, 3),
             detection_seconds=round(rec.detection_seconds, 4), respawn_seconds=respawn_s, node_wait_seconds=node_wait_s,
             rebuild_seconds=round(rebuild_s, 3),
-            transfer_seconds=round(transfer_s, 3), bytes=total_bytes, rounds=rec.rounds,
+            transfer_seconds=round(transfer_s, 3), bytes=total_bytes, rounds=rec.rounds, redone_steps=rec.redone,
         )
         self.current = None
         job.round_failures = []
@@ -211,6 +239,7 @@ class RecoveryRounds:
         """A rank reports a failed collective, a recoverable error, or its answer to an abort."""
         job, rec = self.job, self.current
         kind = msg.get("kind", "comm")
+        r.rollback_ok = msg.get("rollback") is not False
         if rec is not None and rec.plan is not None and msg["generation"] == rec.generation and kind == "abort":
             # An answer to this round's abort arriving after its plan: the rank's report was already
             # counted (a UCE rank's own report is its answer). Not a failure.

@@ -78,6 +78,7 @@ class Checkpoints:
         self.report_wait = TTP_REPORT_WAIT_S  # seconds (real time) live ranks get to report for a dying gasp
         self.written = 0  # periodic checkpoints completed
         self.failed: dict[int, str] = {}  # step -> why a periodic checkpoint of it failed (its first writer's error)
+        self.newest: tuple[int, Path] | None = None  # (step, directory): the newest this attempt completed or started from
 
     def choose(self, attempt: int) -> ckpt.Manifest | None:
         """The checkpoint attempt ``attempt`` starts from: ``--resume`` for the first (``auto``:
@@ -113,8 +114,29 @@ class Checkpoints:
                      f"starting from checkpoint {manifest.directory} (step {manifest.step}; training resumes at step {manifest.step + 1})",
                      path=str(manifest.directory), step=manifest.step)
         self.resume_from = manifest
+        self.newest = (manifest.step, manifest.directory) if manifest is not None else None
         self.pending_saves.clear()
         return manifest
+
+    def rollback_target(self) -> tuple[int, Path] | None:
+        """(step, directory) of the checkpoint every rank may roll back to in place when no replica
+        holds a lost rank's state (:func:`ftrun.policy.plan_rollback`): the newest one this attempt
+        completed or started from, if its files are all there with their sizes and no rank found
+        it unusable. Each rank checks its own files' checksums as it loads them. None: there is
+        none (a warning event says why when one was found wanting)."""
+        if self.newest is None:
+            return None
+        step, directory = self.newest
+        try:
+            ckpt.verify(directory, checksums=False)
+            unusable = ckpt.read_unusable_note(directory)
+            if unusable is not None:
+                raise ckpt.CheckpointError(unusable[0], unusable[1])
+        except ckpt.CheckpointError as err:
+            self.job.emit(EventKind.WARNING, f"checkpoint {directory} cannot be rolled back to: {err}", path=str(directory))
+            self.newest = None
+            return None
+        return step, directory
 
     def _own(self, manifest: ckpt.Manifest, skipped: ckpt.OnSkip) -> ckpt.Manifest | None:
         """``manifest`` if ``--resume auto`` may start from it: a checkpoint another program wrote
@@ -220,7 +242,9 @@ class Checkpoints:
             return
         if reason == "periodic":
             self.written += 1
-        nbytes = sum(int(m["info"]["bytes"]) for m in saves.values())
+        if self.newest is None or step >= self.newest[0]:
+            self.newest = (step, directory)
+        nbytes = sum(int(f["bytes"]) for m in saves.values() for f in [m["info"], *m["info"].get("dcp", ())])
         seconds = max(float(m["seconds"]) for m in saves.values())
         job.emit(EventKind.CHECKPOINT_SAVED,
                  f"checkpoint of step {step} written ({reason}): {nbytes / 1e6:.2f} MB in {seconds:.2f} s, {directory}",
