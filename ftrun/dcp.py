@@ -85,6 +85,11 @@ class ShardedState:
 
     def _entries(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]]:
         models = {n: o.model for n, o in self.registry.items() if isinstance(o, LocalShards)}
+        for model in models.values():
+            # A forward that failed midway (a dying gasp, a rollback) leaves FSDP's unsharded
+            # parameters registered in place of the sharded ones; FSDP's own state_dict pre-hook
+            # registers the sharded ones again (no collective), so the optimizer's parameters are found.
+            model.state_dict()
         out: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]] = {n: (m, None) for n, m in models.items()}
         for name, obj in self.registry.items():
             if not isinstance(obj, LocalOptimizerState):
