@@ -199,15 +199,33 @@ def test_hsdp_ranks_killed_inside_each_collective_are_respawned_alone_and_end_bi
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(240)
-def test_tensor_parallel_by_data_parallel_rank_killed_ends_bitwise(tmp_path: Path) -> None:
+@pytest.mark.timeout(600)
+def test_tensor_parallel_by_data_parallel_ranks_killed_everywhere_end_bitwise(tmp_path: Path, ftrun_proc) -> None:
     """TP 2 x DP 2 (mesh (replicate=2, shard=1, tp=2)): ranks 0 and 2 hold the same tensor-parallel
-    slice; rank 2 killed inside the reduce-scatters takes rank 0's."""
-    run = ["--mesh", "2,1", "--tp", "2", "--steps", "8"]
-    digest, events = _ftrun(tmp_path, "tp", "rank=2,step=3,point=reduce_scatter,kind=kill", run)
-    assert digest == _twin(tmp_path, run)
-    assert sorted(e["rank"] for e in kinds(events, "rank_started")) == [0, 1, 2, 2, 3]
-    assert len(kinds(events, "recovery_finished")) == 1 and not kinds(events, "job_restarting")
+    slice, ranks 1 and 3 the other. Without a fault the run equals the twin; in one job rank 2 is
+    killed inside the all-gathers, rank 1 inside the reduce-scatters, rank 3 inside the optimizer,
+    then rank 0 by a SIGKILL from outside: each is respawned alone and takes its replica's slice,
+    and the run ends as the twin's."""
+    run = ["--mesh", "2,1", "--tp", "2", "--steps", "30"]
+    twin = _twin(tmp_path, run)
+    assert _ftrun(tmp_path, "tp_clean", None, run)[0] == twin
+    log_dir = tmp_path / "tp_kills"
+    faults = ("rank=2,step=2,point=allgather,kind=kill; rank=1,step=4,point=reduce_scatter,kind=kill; "
+              "rank=3,step=6,point=optimizer,kind=kill")
+    proc = ftrun_proc(["--worker_num", "4", "--master_port", "0", "--plain", "--log_dir", str(log_dir), "--tail_worker_log", "0",
+                       "--max_restarts", "4", str(SCRIPT), *run], env={"FTRUN_FAULT": faults})
+    _wait_for_event(proc, log_dir, lambda ev: len(kinds(ev, "recovery_finished")) == 3, timeout=300)
+    os.kill(next(e["pid"] for e in read_events(log_dir) if e["kind"] == "rank_started" and e["rank"] == 0), signal.SIGKILL)
+    result = proc.wait(timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]
+    events = read_events(log_dir)
+    assert sorted(e["rank"] for e in kinds(events, "rank_started")) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert len(kinds(events, "recovery_finished")) == 4 and not kinds(events, "job_restarting")
+    for e in kinds(events, "rank_recovered"):
+        if "recipient" in e["message"]:  # each took the slice of the rank with its tensor-parallel coordinate
+            assert any(d["rank"] == replica_peers(e["rank"], (2, 1, 2), ("replicate", "shard", "tp"))[0] and "donor" in d["message"]
+                       for d in kinds(events, "rank_recovered") if d["generation"] == e["generation"])
+    assert _final(result.stdout) == twin
 
 
 def _wait_for_event(proc: FtrunProc, log_dir: Path, found: Callable[[list[dict]], bool], timeout: float = 120.0) -> None:
