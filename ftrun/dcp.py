@@ -349,19 +349,21 @@ class MergedReader:
 
     Args:
         directory: the step directory.
-        parts: the metadata parts, relative to ``directory`` (default: every ``dcp/__<k>.metadata``).
+        parts: the metadata parts, relative to ``directory`` (default: those its manifest names).
         check: called with each data file's name (relative to ``dcp/``) before it is read (ftrun
             checks its size and SHA-256 against the manifest there).
 
     Raises:
-        CheckpointError: as :func:`merged_metadata`.
+        CheckpointError: as :func:`merged_metadata`; without ``parts``, the manifest does not verify.
     """
 
     def __init__(self, directory: str | Path, parts: Sequence[str] | None = None,
                  check: Callable[[str], None] | None = None) -> None:
         directory = Path(directory)
         if parts is None:
-            parts = sorted(f"{DCP_DIR}/{p.name}" for p in (directory / DCP_DIR).glob(f"__*{METADATA}"))
+            from .checkpoint import verify
+
+            parts = verify(directory, checksums=False).dcp_parts()
         self.metadata = merged_metadata(directory, parts)
         self.reader = _reader(directory / DCP_DIR, self.metadata, check)
 
@@ -372,19 +374,37 @@ def load_sliced(directory: str | Path, state: dict[str, Any], parts: Sequence[st
     the sliced checkpoint in ``directory``, resharding, with no collective.
 
     Raises:
-        CheckpointError: the parts do not merge, a file fails ``check``, or DCP cannot read a
-            tensor ``state`` names (a model of another shape, a name the checkpoint lacks)."""
+        CheckpointError: the parts do not merge, or a file fails ``check``.
+        RuntimeError: DCP cannot read a tensor ``state`` names (a model of another shape, a name
+            the checkpoint lacks)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException as DCPException  # a BaseException
 
-    reader = MergedReader(directory, parts, check).reader
+    found: list[CheckpointError] = []  # DCP wraps what read_data raises: the damage is kept here
+
+    def checked(name: str) -> None:
+        try:
+            if check is not None:
+                check(name)
+        except CheckpointError as err:
+            found.append(err)
+            raise
+
+    reader = MergedReader(directory, parts, checked).reader
     try:
         with _quiet():
             dcp.load(state, storage_reader=reader, no_dist=True)
     except CheckpointError:
         raise
-    except Exception as err:
-        raise CheckpointError(Path(directory) / DCP_DIR, f"does not load into this job's model "
-                              f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''})") from None
+    except (Exception, DCPException) as err:
+        if found:
+            raise found[0] from None
+        # The files verified: not damage but another model's checkpoint.
+        text = str(err).strip()
+        # DCP wraps the planner's error in a CheckpointException holding its traceback: its last line.
+        first = next((line for line in reversed(text.splitlines()) if "Error:" in line), text.splitlines()[0] if text else "")
+        raise RuntimeError(f"{Path(directory) / DCP_DIR}: does not load into this job's models ({type(err).__name__}: "
+                           f"{first.strip()})") from None
 
 
 def write_metadata(directory: str | Path) -> Path:

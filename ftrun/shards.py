@@ -198,6 +198,12 @@ class RankCheckpoints:
             return save_shard(directory, shard, state)
         from .dcp import save_part
 
+        if self._async is not None:  # DCP writes its data files in place: never two writers of one file
+            try:
+                self._async.wait()
+            except Exception:  # noqa: BLE001  already reported by that write's own error message
+                pass
+
         info = save_shard(directory, shard, self._without(state, sharded))
         return ShardInfo(info.file, info.bytes, info.sha256, tuple(save_part(directory, shard, sharded.state_dict())))
 

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from conftest import clean_env, kinds, read_events, run_bounded
 from ftrun import checkpoint as ckpt
-from ftrun.dcp import MergedReader, check_coverage, merge_metadata, save_part, write_metadata
+from ftrun.dcp import MergedReader, check_coverage, load_sliced, merge_metadata, save_part, write_metadata
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_fsdp.py"
@@ -106,6 +106,10 @@ def test_a_sliced_manifest_lists_every_file_and_a_damaged_one_is_skipped(tmp_pat
     again = {"model": {"w": torch.zeros(4, 2)}}
     dcp.load(again, checkpoint_id=str(newer / "dcp"), no_dist=True)
     assert torch.equal(again["model"]["w"], torch.full((4, 2), 2.0))
+    # Another model (a name the checkpoint lacks) is the job's mistake, not damage: not a CheckpointError.
+    with pytest.raises(RuntimeError, match=r"does not load into this job's models .*Missing key") as refused:
+        load_sliced(newer, {"model": {"v": torch.zeros(4, 2)}}, manifest.dcp_parts())
+    assert not isinstance(refused.value, ckpt.CheckpointError)
     # One flipped byte in the newer checkpoint's data file: it does not verify, the older one is chosen.
     data_file = newer / "dcp" / "__0_0.distcp"
     raw = bytearray(data_file.read_bytes())
@@ -113,6 +117,10 @@ def test_a_sliced_manifest_lists_every_file_and_a_damaged_one_is_skipped(tmp_pat
     data_file.write_bytes(bytes(raw))
     with pytest.raises(ckpt.CheckpointError, match=r"__0_0\.distcp: SHA-256 .* \(corrupted\)"):
         ckpt.verify(newer)
+    # A rank that loads checks each data file it reads before DCP reads it: the same error.
+    with pytest.raises(ckpt.CheckpointError, match=r"__0_0\.distcp: SHA-256 .* \(corrupted\)"):
+        load_sliced(newer, {"model": {"w": torch.zeros(4, 2)}}, manifest.dcp_parts(),
+                    lambda name: ckpt.check_file(newer, manifest.dcp_file(name)))
     skipped: list[tuple[Path, str]] = []
     assert ckpt.find_latest(tmp_path, lambda p, r: skipped.append((p, r))).directory == older
     assert skipped and skipped[0][0] == data_file
