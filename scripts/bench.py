@@ -1320,31 +1320,50 @@ def _by_repeat(runs: list[dict[str, Any]], launcher: str, faulted: bool) -> dict
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
-    return num / den if num and den else None
+    """num / den where both are positive, else None (a negative loss, within the noise, has no ratio)."""
+    return num / den if num and den and num > 0 and den > 0 else None
 
 
 def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def wall_time_lost(faulted: dict[str, Any] | None, clean: dict[str, Any] | None) -> tuple[float | None, float | None]:
+    """Seconds a faulted run lost against a fault-free run of the same job: its span (first step
+    line to last) less the fault-free span, and less the fault-free span scaled by the two runs'
+    median steps away from the fault (the load of a shared machine changes from one run to the
+    next: the pace-adjusted figure compares them at the faulted run's own pace). None where a run
+    or a figure is missing."""
+    if not faulted or not clean or not faulted.get("span_s") or not clean.get("span_s"):
+        return None, None
+    raw = faulted["span_s"] - clean["span_s"]
+    if not faulted.get("step_s") or not clean.get("step_s"):
+        return raw, None
+    return raw, faulted["span_s"] - clean["span_s"] * faulted["step_s"] / clean["step_s"]
+
+
+FSDP_RATIOS = ("recovery", "restart", "lost", "lost_paced", "step", "step_faulted")
+
+
 def fsdp_notes(runs: list[dict[str, Any]]) -> list[str]:
     """The fsdp part pair by pair: each launcher's recovery (ftrun's with its ``recovery_finished``
     figures, torchrun's split into restart and recompute), the wall time each lost against its own
-    fault-free run of the same repeat (``span_s``: first step line to last), the ratios
-    torchrun/ftrun, the fault-free step times' ratio ftrun/torchrun, and whether every final
-    ``params_sha256`` equals the fault-free runs'; then the medians of the ratios."""
+    fault-free run of the same repeat (see :func:`wall_time_lost`), the ratios torchrun/ftrun, the
+    step times' ratio ftrun/torchrun (the fault-free pair's, and the faulted pair's away from the
+    fault), and whether every final ``params_sha256`` equals the fault-free runs'; then the
+    medians of the ratios."""
     ft, tr = _by_repeat(runs, "ftrun", True), _by_repeat(runs, "torchrun", True)
     ft0, tr0 = _by_repeat(runs, "ftrun", False), _by_repeat(runs, "torchrun", False)
     reference = sorted({d for r in runs if r["case"]["kill_step"] is None and (d := _digest(r["final"]))})
     out: list[str] = []
-    ratios: dict[str, list[float]] = {"recovery": [], "restart": [], "lost": [], "step": []}
+    ratios: dict[str, list[float]] = {name: [] for name in FSDP_RATIOS}
     for k in sorted(set(ft) | set(tr) | set(ft0) | set(tr0)):
         order = " then ".join(launcher_order("fsdp", k))
         out.append(f"repeat {k + 1} ({order}):")
-        lost: dict[str, float | None] = {}
+        lost: dict[str, tuple[float | None, float | None]] = {}
         for launcher, faulted, clean in (("ftrun", ft, ft0), ("torchrun", tr, tr0)):
-            r, c = faulted.get(k), clean.get(k)
-            lost[launcher] = (r["span_s"] - c["span_s"]) if r and c and r.get("span_s") and c.get("span_s") else None
+            r = faulted.get(k)
+            lost[launcher] = wall_time_lost(r, clean.get(k))
             if r is None:
                 out.append(f"  {launcher}: no faulted run")
                 continue
@@ -1355,28 +1374,31 @@ def fsdp_notes(runs: list[dict[str, Any]]) -> list[str]:
                    if launcher == "ftrun" else
                    f"restart {_fmt(b.get('restart'))} s + recompute {_fmt(b.get('recompute'))} s ({r['recomputed']} steps again)")
             out.append(f"  {launcher}: killed at step {r['case']['kill_step']}, failed step {r['failed_step']}, recovered in "
-                       f"{_fmt(r['recover_s'])} s: {how}; wall time lost against the fault-free run {_fmt(lost[launcher])} s")
+                       f"{_fmt(r['recover_s'])} s: {how}; wall time lost against the fault-free run {_fmt(lost[launcher][0])} s "
+                       f"({_fmt(lost[launcher][1])} s at its own pace)")
         pair = {"recovery": _ratio(tr.get(k, {}).get("recover_s"), ft.get(k, {}).get("recover_s")),
                 "restart": _ratio(tr.get(k, {}).get("breakdown", {}).get("restart"), ft.get(k, {}).get("recover_s")),
-                "lost": _ratio(lost["torchrun"], lost["ftrun"]),
-                "step": _ratio(ft0.get(k, {}).get("step_s"), tr0.get(k, {}).get("step_s"))}
+                "lost": _ratio(lost["torchrun"][0], lost["ftrun"][0]),
+                "lost_paced": _ratio(lost["torchrun"][1], lost["ftrun"][1]),
+                "step": _ratio(ft0.get(k, {}).get("step_s"), tr0.get(k, {}).get("step_s")),
+                "step_faulted": _ratio(ft.get(k, {}).get("step_s"), tr.get(k, {}).get("step_s"))}
         for name, value in pair.items():
             if value is not None:
                 ratios[name].append(value)
         steps = (f"fault-free step {_fmt((ft0[k]['step_s'] or 0) * 1e3, 1)} ms against {_fmt((tr0[k]['step_s'] or 0) * 1e3, 1)} ms"
                  if k in ft0 and k in tr0 else "fault-free step: no pair")
         out.append(f"  torchrun/ftrun: recovery {_x(pair['recovery'])}, torchrun's restart alone (its best case, a "
-                   f"checkpoint at the failed step) {_x(pair['restart'])}, wall time lost {_x(pair['lost'])}; "
-                   f"{steps}, ftrun/torchrun {_x(pair['step'])}")
+                   f"checkpoint at the failed step) {_x(pair['restart'])}, wall time lost {_x(pair['lost'])} "
+                   f"({_x(pair['lost_paced'])} at each run's pace); {steps}, ftrun/torchrun {_x(pair['step'])} "
+                   f"(the faulted pair's steps away from the fault: {_x(pair['step_faulted'])})")
     faulted = [r for r in runs if r["case"]["kill_step"] is not None]
     same = {l: sum(1 for r in faulted if r["launcher"] == l and _digest(r["final"]) in reference) for l in LAUNCHERS}
     count = {l: sum(1 for r in faulted if r["launcher"] == l) for l in LAUNCHERS}
     out.append("params_sha256 of the fault-free runs: " + (", ".join(d[:16] for d in reference) or "-")
                + (" (they differ)" if len(reference) > 1 else "") + "; faulted runs ending with it: "
                + ", ".join(f"{l} {same[l]}/{count[l]}" for l in LAUNCHERS))
-    out.append("medians of the pairs: " + ", ".join(
-        f"{name} {_x(_med(values))}" for name, values in ratios.items())
-        + " (recovery, restart, lost: torchrun/ftrun; step: ftrun/torchrun)")
+    out.append("medians of the pairs: " + ", ".join(f"{name} {_x(_med(values))}" for name, values in ratios.items())
+               + " (recovery, restart, lost, lost_paced: torchrun/ftrun; step, step_faulted: ftrun/torchrun)")
     return out
 
 

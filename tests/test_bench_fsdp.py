@@ -83,22 +83,33 @@ def test_notes_pair_each_fault_with_its_repeat_s_fault_free_run() -> None:
     runs = [
         _run("ftrun", 0, None, step_s=0.105, span_s=21.0),
         _run("torchrun", 0, None, step_s=0.100, span_s=20.0),
-        _run("ftrun", 0, 100, failed_step=101, recover_s=2.0, span_s=23.5,
+        _run("ftrun", 0, 100, failed_step=101, recover_s=2.0, span_s=23.5, step_s=0.105,
              breakdown={"reported_total": 1.2, "transfer": 0.01, "rebuild": 0.2, "bytes": 2e5, "restart": None}),
-        _run("torchrun", 0, 100, failed_step=101, recover_s=20.0, recomputed=101, span_s=40.0,
+        _run("torchrun", 0, 100, failed_step=101, recover_s=20.0, recomputed=101, span_s=40.0, step_s=0.05,
              breakdown={"restart": 9.0, "recompute": 11.0}, digest="0" * 64),
     ]
     notes = bench.fsdp_notes(runs)
     text = "\n".join(notes)
     assert notes[0] == "repeat 1 (ftrun then torchrun):"
     assert "ftrun: killed at step 100, failed step 101, recovered in 2.00 s: recovery_finished total 1.20 s" in text
-    assert "wall time lost against the fault-free run 2.50 s" in text  # 23.5 - 21.0
+    # 23.5 - 21.0; at its own pace: the same (its steps as fast as the fault-free run's)
+    assert "wall time lost against the fault-free run 2.50 s (2.50 s at its own pace)" in text
     assert "restart 9.00 s + recompute 11.00 s (101 steps again)" in text
-    assert "wall time lost against the fault-free run 20.00 s" in text  # 40.0 - 20.0
+    # 40.0 - 20.0; at its own pace 40.0 - 20.0 * 0.05 / 0.1 (its steps twice as fast)
+    assert "wall time lost against the fault-free run 20.00 s (30.00 s at its own pace)" in text
     assert ("torchrun/ftrun: recovery 10.00x, torchrun's restart alone (its best case, a checkpoint at the failed "
-            "step) 4.50x, wall time lost 8.00x; fault-free step 105.0 ms against 100.0 ms, ftrun/torchrun 1.05x") in text
+            "step) 4.50x, wall time lost 8.00x (12.00x at each run's pace); fault-free step 105.0 ms against 100.0 ms, "
+            "ftrun/torchrun 1.05x (the faulted pair's steps away from the fault: 2.10x)") in text
     assert f"params_sha256 of the fault-free runs: {DIGEST[:16]}; faulted runs ending with it: ftrun 1/1, torchrun 0/1" in text
-    assert notes[-1].startswith("medians of the pairs: recovery 10.00x, restart 4.50x, lost 8.00x, step 1.05x")
+    assert notes[-1].startswith("medians of the pairs: recovery 10.00x, restart 4.50x, lost 8.00x, lost_paced 12.00x, "
+                                "step 1.05x, step_faulted 2.10x")
+
+
+def test_a_negative_loss_has_no_ratio() -> None:
+    assert bench.wall_time_lost({"span_s": 19.0, "step_s": 0.1}, {"span_s": 20.0, "step_s": 0.1}) == (-1.0, -1.0)
+    assert bench.wall_time_lost({"span_s": 19.0}, None) == (None, None)
+    assert bench.wall_time_lost({"span_s": 19.0, "step_s": None}, {"span_s": 20.0, "step_s": 0.1}) == (-1.0, None)
+    assert bench._ratio(10.0, -1.0) is None and bench._ratio(None, 2.0) is None and bench._ratio(3.0, 2.0) == 1.5
 
 
 def test_report_has_the_fsdp_tables() -> None:
