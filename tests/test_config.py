@@ -33,6 +33,8 @@ from ftrun.config import (
 )
 from ftrun.faults import parse_faults
 
+from config_fixtures import cli, res
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -43,13 +45,6 @@ def script(tmp_path: Path) -> str:
     return str(path)
 
 
-def cli(**values):
-    """CLI values as the CLI passes them: every option present, None where not given."""
-    out = {opt.name: None for opt in OPTIONS}
-    out.update(values)
-    return out
-
-
 def write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
@@ -58,17 +53,6 @@ def write(path: Path, text: str) -> Path:
 # A shared secret for multi-node jobs (they refuse to start without one).
 TOKEN = "0123456789abcdef0123"
 TOKEN_ENV = {"FTRUN_TOKEN": TOKEN}
-
-
-def res(tmp_path: Path, script: str, cli_values=None, environ=None, config_file=None, **kw) -> JobSpec:
-    return resolve(
-        cli(**(cli_values or {})),
-        script=script,
-        environ=environ or {},
-        cwd=tmp_path,
-        config_file=None if config_file is None else str(config_file),
-        **kw,
-    )
 
 
 # --------------------------------------------------------------------------- defaults & precedence

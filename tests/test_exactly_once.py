@@ -16,8 +16,8 @@ from ftrun.digest import first_difference, fingerprint
 from ftrun.protocol import MsgType
 from ftrun.rankstate import RankStateStore
 
-from test_config import res
-from test_coordinator import events, hello_all, make, send
+from config_fixtures import res
+from coordinator_fixtures import close_coordinators, events, hello_all, make, send  # noqa: F401
 
 
 def test_fingerprint_sees_one_ulp_and_ignores_copies() -> None:

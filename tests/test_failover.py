@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_coordinator import TOKEN, Clock, FakeAgent, _close_coordinators, _made, events, hello_all, ident, make, msg, send, step  # noqa: F401
+from coordinator_fixtures import MADE, TOKEN, Clock, FakeAgent, close_coordinators, events, hello_all, ident, make, msg, send, step  # noqa: F401
 
 from ftrun.config import JobSpec
 from ftrun.coordinator import Coordinator
@@ -50,7 +50,7 @@ def _standby_of(tmp_path: Path, port: int, clock: Clock) -> Coordinator:
     spec = JobSpec(script="train.py", worker_num=4, local_worker_num=2, node_rank=1, master_addr="127.0.0.1",
                    master_port=port, log_dir=str(tmp_path / "new"), checkpoint_dir=str(tmp_path / "ckpt"))
     coord = Coordinator(spec, TOKEN, None, port, local_agent=FakeAgent(1), clock=clock)
-    _made.append(coord)  # closed after the test (its ZeroMQ context would block the interpreter's exit)
+    MADE.append(coord)  # closed after the test (its ZeroMQ context would block the interpreter's exit)
     return coord
 
 

@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from test_coordinator import FakeAgent, events, hello_all, make, send, step
+from coordinator_fixtures import FakeAgent, close_coordinators, events, hello_all, make, send, step  # noqa: F401
 
 from ftrun.clocks import RunningClock
 from ftrun.coordinator import environment
