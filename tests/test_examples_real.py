@@ -9,9 +9,7 @@ bitwise, without and with faults (2 ranks):
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,10 +18,10 @@ import digits_job as dj
 from once import shared_once
 import pytest
 from reference_runs import run_torchrun
+from example_jobs import assert_recovered_in_place as _assert_recovered_in_place, final_digest as _digest, job_events as _events
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-FINAL = re.compile(r"final step=(\d+) loss=\S+ test_accuracy=(\S+) params_sha256=([0-9a-f]{64})")
 MNIST_ARGS = ["--epochs", "2", "--log-interval", "4"]
 REAL_ARGS = ["--epochs", "3", "--eval_every", "15", "--log_every", "5"]
 
@@ -34,17 +32,6 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     out = {k: v for k, v in os.environ.items() if not k.startswith(("FTRUN_", "TORCHELASTIC_", "MS_ENABLE_TFT"))}
     out.update(extra or {})
     return out
-
-
-def _digest(stdout: str) -> str:
-    match = FINAL.search(stdout)
-    assert match, f"no final line in output:\n{stdout[-4000:]}"
-    return match.group(3)
-
-
-def _events(log_dir: Path) -> list[dict]:
-    path = log_dir / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def _ftrun_cmd(log_dir: Path, script: str, args: list[str], ftrun_args: tuple[str, ...] = ()) -> list[str]:
@@ -60,18 +47,6 @@ def _run_ftrun(tmp_path: Path, script: str, args: list[str], fault: str | None =
                           capture_output=True, text=True, timeout=280, cwd=tmp_path)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
     return _digest(proc.stdout), _events(log_dir)
-
-
-def _assert_recovered_in_place(events: list[dict], faulted: set[int]) -> None:
-    pids: dict[int, list[int]] = {}
-    for ev in events:
-        if ev["kind"] == "rank_started":
-            pids.setdefault(ev["rank"], []).append(ev["pid"])
-    for rank, started in pids.items():
-        if rank not in faulted:
-            assert len(started) == 1, f"rank {rank} was restarted: {started}"
-    assert not [e for e in events if e["kind"] == "job_restarting"], "fell back to a whole-job restart"
-    assert [e for e in events if e["kind"] == "recovery_finished"], "no recovery finished"
 
 
 def _torchrun_digest(cwd: Path, script: str, args: list[str]) -> str:

@@ -26,7 +26,8 @@ from pathlib import Path
 from once import shared_once
 import pytest
 from reference_runs import run_torchrun
-from test_examples_real import _assert_recovered_in_place, _digest, _env, _events
+from conftest import clean_env
+from example_jobs import assert_recovered_in_place, final_digest, job_events
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -40,9 +41,9 @@ pytestmark = pytest.mark.integration
 
 def _torchrun_digest(cwd: Path, script: str, ranks: int, args: list[str]) -> str:
     """The digest of ``script`` under plain torchrun (DDP, no ftrun)."""
-    proc = run_torchrun(["--standalone", "--nproc_per_node", str(ranks), str(EXAMPLES / script), *args], env=_env(), cwd=cwd)
+    proc = run_torchrun(["--standalone", "--nproc_per_node", str(ranks), str(EXAMPLES / script), *args], env=clean_env(), cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return _digest(proc.stdout)
+    return final_digest(proc.stdout)
 
 
 def _run_ftrun(tmp_path: Path, script: str, ranks: int, args: list[str], fault: str | None = None) -> tuple[str, list[dict]]:
@@ -51,10 +52,10 @@ def _run_ftrun(tmp_path: Path, script: str, ranks: int, args: list[str], fault: 
     log_dir = tmp_path / "logs"
     cmd = [sys.executable, "-m", "ftrun", "--worker_num", str(ranks), "--master_port", "0", "--plain",
            "--log_dir", str(log_dir), "--tail_worker_log", "0", "--max_restarts", "3", str(EXAMPLES / script), *args]
-    proc = subprocess.run(cmd, env=_env({"FTRUN_FAULT": fault} if fault else None), capture_output=True, text=True,
+    proc = subprocess.run(cmd, env=clean_env({"FTRUN_FAULT": fault} if fault else None), capture_output=True, text=True,
                           timeout=280, cwd=tmp_path)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
-    return _digest(proc.stdout), _events(log_dir)
+    return final_digest(proc.stdout), job_events(log_dir)
 
 
 def _divergences(events: list[dict]) -> list[str]:
@@ -91,7 +92,7 @@ def test_dcgan_kill_in_second_update(tmp_path: Path, dcgan_reference: str) -> No
     again; only rank 2 is respawned, and the run ends with the twin's parameters and buffers."""
     digest, events = _run_ftrun(tmp_path, "dcgan.py", DCGAN_RANKS, DCGAN_ARGS,
                                 "rank=2,step=11,point=optimizer,nth=2,kind=kill")
-    _assert_recovered_in_place(events, {2})
+    assert_recovered_in_place(events, {2})
     assert not _divergences(events)
     assert digest == dcgan_reference
 
@@ -112,6 +113,6 @@ def test_time_sequence_prediction_kill_in_closure_allreduce(tmp_path: Path, tsp_
     with the twin's parameters."""
     digest, events = _run_ftrun(tmp_path, "time_sequence_prediction.py", TSP_RANKS, TSP_ARGS,
                                 "rank=1,step=1,point=allreduce,nth=2,kind=kill")
-    _assert_recovered_in_place(events, {1})
+    assert_recovered_in_place(events, {1})
     assert not _divergences(events)
     assert digest == tsp_reference
