@@ -47,8 +47,9 @@ fault, bitwise. What accelerate keeps outside the step is made ftrun's:
 The contract (docs/frameworks/accelerate.md): ``ftrun.init()`` before the ``Accelerator``; the forward is a function of
 its inputs, the parameters and the global RNG streams; work after a step that makes collectives
 is called through ``recoverable`` with plain arguments (numbers, strings); that work and the
-loop's other post-step code are under ``if accelerator.sync_gradients:``; no DeepSpeed, FSDP or
-fp16 ``GradScaler``; the default ``sync_with_dataloader`` and ``rng_types``.
+loop's other post-step code are under ``if accelerator.sync_gradients:``; no DeepSpeed, FSDP
+(refused: what to use instead is :data:`ftrun.integrations.common.FSDP_INSTEAD`) or fp16
+``GradScaler``; the default ``sync_with_dataloader`` and ``rng_types``.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
 from ftrun.contract import RankEnv
-from ftrun.integrations.common import END, RecoverableWork, WorkMarker
+from ftrun.integrations.common import END, FSDP_INSTEAD, RecoverableWork, WorkMarker
 from ftrun.worker import Worker, current
 
 #: The name of the training pass's position in ftrun's registered rank state.
@@ -204,8 +205,9 @@ class FTAccelerator(RecoverableWork, Accelerator):
     Raises:
         RuntimeError: under ftrun, ``ftrun.init()`` was not called first (accelerate would own the
             process group, which ftrun must rebuild after a fault).
-        ValueError: under ftrun, a setting whose state ftrun cannot carry (DeepSpeed, FSDP,
-            ``sync_with_dataloader=False``, ``rng_types`` other than ``["generator"]``).
+        ValueError: under ftrun, a setting whose state ftrun cannot carry (DeepSpeed, FSDP: its line
+            names what to use instead, ``sync_with_dataloader=False``, ``rng_types`` other than
+            ``["generator"]``).
     """
 
     _ft_label, _ft_loop, _ft_pass_name = "accelerate", "Accelerate loop", PASS_NAME
@@ -223,6 +225,8 @@ class FTAccelerator(RecoverableWork, Accelerator):
                                "(the process group must be ftrun's)")
         if not ft.managed or ft.world_size == 1:
             return
+        if self.distributed_type is DistributedType.FSDP:
+            raise ValueError(f"ftrun.integrations.accelerate: FSDP is not recovered by this integration: {FSDP_INSTEAD}")
         if self.distributed_type not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
             raise ValueError(f"ftrun.integrations.accelerate: {self.distributed_type} is not supported (plain DDP only)")
         if not self.gradient_state.sync_with_dataloader:

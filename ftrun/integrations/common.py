@@ -24,6 +24,9 @@ from ftrun.worker import Worker
 #: How long a rank whose collective raised waits for the coordinator's abort before it takes the
 #: error for a bug of its own (seconds).
 ABORT_WAIT_S = 5.0
+#: What an integration that refuses FSDP names instead, in its refusal's one line.
+FSDP_INSTEAD = ("for an FSDP2/HSDP model use Lightning Fabric's ModelParallelStrategy with "
+                "ftrun.integrations.fabric.FTFabric, or ftrun's own port (ftrun.init(mesh_shape=...), docs/sharded.md)")
 #: What a loop's pass holds as its next step when the pass ended during a recovery.
 END = object()
 

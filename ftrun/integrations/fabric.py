@@ -61,8 +61,20 @@ ends with the parameters of the run without the fault, bitwise:
   rank, which runs it first, before its first step (a marker in the replica state says so). As in
   :mod:`ftrun.integrations.accelerate`.
 
+A model sharded with FSDP2 (HSDP, docs/frameworks/fabric.md "FSDP2 and HSDP") goes through Fabric's
+``ModelParallelStrategy``: with the mesh declared at ``ftrun.init(mesh_shape=, mesh_dim_names=)``
+the strategy becomes an :class:`FTMeshStrategy` (under torchrun too), whose ``parallelize_fn`` gets
+``ft.device_mesh()``; under ftrun an :class:`FTShardedStrategy`, whose model is
+``ft.wrap_model(sharded model)`` (its local shards are its state). FSDP's collectives raise inside
+the forward, ``fabric.backward`` and ``clip_gradients``; ``FTFabric`` recovers there: the forward
+returns its output detached (:class:`_Forward`), ``fabric.backward`` runs the loss's backward down
+to it and then the model's from the gradient it got, and a retry runs the forward again before
+the model's backward, so the survivors' collectives come in the order of the respawned rank's,
+which runs the step from its start. One micro-batch a step.
+
 The contract (docs/frameworks/fabric.md): ``ftrun.init()`` before ``FTFabric``; ``strategy="ddp"`` (or ``"auto"``, which
-picks it for several devices), no ``GradScaler`` (``16-mixed``), one model and one optimizer; the scheduler given to
+picks it for several devices) or ``ModelParallelStrategy`` on ftrun's mesh, no ``GradScaler``
+(``16-mixed``), one model and one optimizer; the scheduler given to
 ``setup(..., scheduler=...)`` and stepped after ``optimizer.step()``; the training loader iterated
 through ``train_batches`` inside ``ft.epochs``, with ``optimizer.step()`` at each step's last
 micro-batch (``(i + 1) % accumulate == 0`` or the pass's end) and ``fabric.backward`` for that
@@ -81,10 +93,13 @@ from typing import Any, Callable, Iterator
 
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.fabric.wrappers import _FabricModule
 
 from ftrun.contract import RankEnv
-from ftrun.integrations.common import END, RecoverableWork, WorkMarker
+from ftrun.errors import describe
+from ftrun.integrations.common import END, RecoverableWork, WorkMarker, is_fault
+from ftrun.sharding import is_sharded, mesh_coordinates
 from ftrun.transfer import RNGState
 from ftrun.worker import Worker, current
 
@@ -187,6 +202,15 @@ class _Retained:
         self.clip: tuple[tuple[Any, ...], dict[str, Any], Any] | None = None  # the loop's clip_gradients call and result
 
 
+class _Forward:
+    """A sharded model's forward in the step under way: ``run`` runs it again, from the random
+    streams ``rng``; ``out`` is its output (in the model's graph), ``leaf`` the detached tensor the
+    loop's loss was built on, whose gradient :meth:`FTFabric.backward` carries into the model."""
+
+    def __init__(self, run: Callable[[], Any], rng: dict[str, Any], out: torch.Tensor, leaf: torch.Tensor) -> None:
+        self.run, self.rng, self.out, self.leaf = run, rng, out, leaf
+
+
 class StepCounter:
     """A Fabric callback counting ``optimizer.step()`` calls (``completed_steps`` outside ftrun)."""
 
@@ -197,6 +221,15 @@ class StepCounter:
         self.count += 1
 
 
+def _setup_optimizer(strategy: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """A strategy's ``setup_optimizer`` under ftrun: ``ft.wrap_optimizer`` (one optimizer only)."""
+    ft = strategy.ft_worker
+    if "optimizer" in ft.registry:
+        raise ValueError("ftrun.integrations.fabric: one optimizer only")
+    strategy.ft_params = [p for group in optimizer.param_groups for p in group["params"]]
+    return ft.wrap_optimizer(optimizer)
+
+
 class FTDDPStrategy(DDPStrategy):
     """Fabric's ``DDPStrategy`` with ftrun's model, optimizer and update (see the module docstring).
     :class:`FTFabric` makes the strategy Fabric's connector built one under ftrun; never built
@@ -204,18 +237,10 @@ class FTDDPStrategy(DDPStrategy):
 
     ft_worker: Worker
     ft_optimizer_step: Callable[[Callable[[], Any]], Any]  # FTFabric's: the update, a failed step retried
-
-    def setup_module(self, module: torch.nn.Module) -> Any:
-        ft = self.ft_worker
-        if "model" in ft.registry:
-            raise ValueError("ftrun.integrations.fabric: one model only (setup was called twice)")
-        return ft.wrap_model(module, ddp=True, **self._ddp_kwargs)
+    ft_params: list[torch.Tensor]  # the parameters the wrapped optimizer steps
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
-        ft = self.ft_worker
-        if "optimizer" in ft.registry:
-            raise ValueError("ftrun.integrations.fabric: one optimizer only")
-        return ft.wrap_optimizer(optimizer)
+        return _setup_optimizer(self, optimizer)
 
     def setup_module_and_optimizers(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                                     scheduler: Any = None) -> tuple[Any, list[Any], Any]:
@@ -225,7 +250,87 @@ class FTDDPStrategy(DDPStrategy):
         return module, optimizers, scheduler
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        return self.ft_optimizer_step(lambda: super(FTDDPStrategy, self).optimizer_step(optimizer, **kwargs))
+        parent = super()
+        return self.ft_optimizer_step(lambda: parent.optimizer_step(optimizer, **kwargs))
+
+    def setup_module(self, module: torch.nn.Module) -> Any:
+        ft = self.ft_worker
+        if "model" in ft.registry:
+            raise ValueError("ftrun.integrations.fabric: one model only (setup was called twice)")
+        return ft.wrap_model(module, ddp=True, **self._ddp_kwargs)
+
+
+#: Mesh dimensions whose ranks take the same batches (they split each sample's work, not the data).
+TENSOR_PARALLEL_DIMS = ("tp", "tensor_parallel")
+
+
+class FTMeshStrategy(ModelParallelStrategy):
+    """Fabric's ``ModelParallelStrategy`` on the DeviceMesh declared at ``ftrun.init`` (under ftrun
+    and under torchrun alike, so ``parallelize_fn`` gets the same mesh in both): the strategy's
+    ``data_parallel_size``/``tensor_parallel_size`` are not used. The distributed sampler splits the
+    data over every mesh dimension but a tensor-parallel one (:data:`TENSOR_PARALLEL_DIMS`).
+    :class:`FTFabric` makes the strategy Fabric's connector built one; never built directly."""
+
+    ft_worker: Worker
+
+    def setup_environment(self) -> None:
+        super(ModelParallelStrategy, self).setup_environment()
+        self._setup_distributed()  # the process group is ftrun's already: Lightning keeps it
+        self._device_mesh = self.ft_worker.device_mesh()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        mesh = self.device_mesh
+        shape, names = tuple(mesh.shape), tuple(mesh.mesh_dim_names or ())
+        coords = mesh_coordinates(self.global_rank, shape)
+        replicas, rank = 1, 0
+        for size, name, coord in zip(shape, names, coords):
+            if name not in TENSOR_PARALLEL_DIMS:
+                replicas, rank = replicas * size, rank * size + coord
+        return {"num_replicas": replicas, "rank": rank}
+
+
+class FTShardedStrategy(FTMeshStrategy):
+    """:class:`FTMeshStrategy` under ftrun: the model ``parallelize_fn`` sharded is
+    ``ft.wrap_model(module)`` (its local shards are its state), the optimizer ftrun's, the update
+    and the forward through :class:`FTFabric` (a failed step retried)."""
+
+    ft_forward: Callable[[Callable[[], Any]], Any]  # FTFabric's: the forward, run again after a recovery
+    ft_optimizer_step: Callable[[Callable[[], Any]], Any]  # FTFabric's: the update, a failed step retried
+    ft_params: list[torch.Tensor]  # the parameters the wrapped optimizer steps
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
+        return _setup_optimizer(self, optimizer)
+
+    def setup_module_and_optimizers(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                                    scheduler: Any = None) -> tuple[Any, list[Any], Any]:
+        module, optimizers, scheduler = super().setup_module_and_optimizers(module, optimizers, scheduler)
+        if scheduler is not None:
+            self.ft_worker.register("scheduler", scheduler, kind="replica")
+        return module, optimizers, scheduler
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        parent = super()
+        return self.ft_optimizer_step(lambda: parent.optimizer_step(optimizer, **kwargs))
+
+    def setup_module(self, module: torch.nn.Module) -> Any:
+        ft = self.ft_worker
+        if "model" in ft.registry:
+            raise ValueError("ftrun.integrations.fabric: one model only (setup was called twice)")
+        module = super().setup_module(module)
+        if not is_sharded(module):
+            raise ValueError("ftrun.integrations.fabric: parallelize_fn left the model without a sharded (DTensor) "
+                             "parameter; apply fully_shard on the mesh it gets")
+        return ft.wrap_model(module)
+
+
+class _FTFabricModule(_FabricModule):
+    """Fabric's model wrapper whose forward, inside a step of a sharded model under ftrun, is run
+    again after a recovery when one of its collectives (FSDP's all-gathers) fails."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        parent = super()
+        return self._strategy.ft_forward(lambda: parent.forward(*args, **kwargs))
 
 
 class FTFabric(RecoverableWork, Fabric):
@@ -235,8 +340,10 @@ class FTFabric(RecoverableWork, Fabric):
     Raises:
         RuntimeError: under ftrun, ``ftrun.init()`` was not called first (Fabric would own the
             process group, which ftrun must rebuild after a fault).
-        ValueError: under ftrun, a strategy other than Fabric's ``DDPStrategy`` (DeepSpeed, FSDP,
-            ``ddp_spawn``...) or a precision with a ``GradScaler`` (``16-mixed``).
+        ValueError: under ftrun, a strategy other than Fabric's ``DDPStrategy`` or
+            ``ModelParallelStrategy`` (DeepSpeed, ``FSDPStrategy``, ``ddp_spawn``...), a
+            ``ModelParallelStrategy`` without the mesh declared at ``ftrun.init``, or a precision
+            with a ``GradScaler`` (``16-mixed``).
     """
 
     _ft_label, _ft_loop, _ft_pass_name = "fabric", "Fabric loop", PASS_NAME
@@ -244,27 +351,38 @@ class FTFabric(RecoverableWork, Fabric):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._ft: Worker | None = None
         self._ft_counter = StepCounter()  # optimizer.step() calls (not under ftrun)
+        self._ft_sharded = False  # a sharded model (ModelParallelStrategy) recovered under ftrun
         super().__init__(*args, **kwargs)
         env = RankEnv.from_environ(os.environ)
+        ft = current()
+        strategy = self._strategy
+        on_mesh = type(strategy) is ModelParallelStrategy and ft is not None and ft.sharding.shape is not None
+        if on_mesh:
+            strategy.__class__ = FTMeshStrategy  # ftrun's mesh, under torchrun too
+            strategy.ft_worker = ft
         if env.control_addr is None or not env.arf:
             self._callbacks.append(self._ft_counter)
-            return  # torchrun, one process, or ftrun without ARF: the plain Fabric
-        ft = current()
+            return  # torchrun, one process, or ftrun without ARF: the plain Fabric (on ftrun's mesh)
         if ft is None:
             raise RuntimeError("ftrun.integrations.fabric: call ftrun.init() before FTFabric(...) "
                                "(the process group must be ftrun's)")
         if not ft.managed or ft.world_size == 1:
             self._callbacks.append(self._ft_counter)
             return
-        strategy = self._strategy
-        if type(strategy) is not DDPStrategy or strategy._start_method != "popen":
-            raise ValueError(f"ftrun.integrations.fabric: strategy {type(strategy).__name__} is not supported "
-                             "(strategy=\"ddp\" only)")
+        if type(strategy) is ModelParallelStrategy:
+            raise ValueError("ftrun.integrations.fabric: ModelParallelStrategy needs the mesh declared at "
+                             "ftrun.init(mesh_shape=..., mesh_dim_names=...) (ftrun builds it and knows each rank's replicas)")
+        if type(strategy) is not FTMeshStrategy and (type(strategy) is not DDPStrategy or strategy._start_method != "popen"):
+            raise ValueError(f"ftrun.integrations.fabric: strategy {type(strategy).__name__} is not supported: use "
+                             "strategy=\"ddp\", or ModelParallelStrategy (FSDP2, HSDP) for a sharded model")
         if getattr(self._precision, "scaler", None) is not None:
             raise ValueError("ftrun.integrations.fabric: a precision with a GradScaler (16-mixed) is not supported "
                              "(bf16-mixed is)")
-        strategy.__class__ = FTDDPStrategy
-        strategy.ft_worker, strategy.ft_optimizer_step = ft, self._optimizer_step
+        self._ft_sharded = on_mesh
+        strategy.__class__ = FTShardedStrategy if on_mesh else FTDDPStrategy
+        strategy.ft_worker, strategy.ft_optimizer_step, strategy.ft_params = ft, self._optimizer_step, []
+        if on_mesh:
+            strategy.ft_forward = self._forward
         self._ft = ft
         self._ft_marker = WorkMarker()
         ft.register("fabric", self._ft_marker, kind="replica")
@@ -276,6 +394,7 @@ class FTFabric(RecoverableWork, Fabric):
         self._ft_sync = True  # whether the current micro-batch is its step's last
         self._ft_place = (0, 1)  # (index, size) of the current micro-batch in its step
         self._ft_retained: _Retained | None = None
+        self._ft_forward: _Forward | None = None  # a sharded model's forward in the step under way
         self._ft_work: list[Callable[..., Any]] = []
 
     # ------------------------------------------------------------------ data
@@ -304,11 +423,15 @@ class FTFabric(RecoverableWork, Fabric):
             accumulate: micro-batches per optimizer step (>= 1).
 
         Raises:
-            ValueError: ``accumulate`` < 1, or (under ftrun) a loader not set up by this Fabric.
+            ValueError: ``accumulate`` < 1, or (under ftrun) a loader not set up by this Fabric,
+                or ``accumulate`` > 1 with a sharded model.
             RuntimeError: (under ftrun) a step's last micro-batch passed without ``optimizer.step()``.
         """
         if int(accumulate) < 1:
             raise ValueError(f"ftrun.integrations.fabric: accumulate must be >= 1, not {accumulate}")
+        if self._ft_sharded and int(accumulate) != 1:
+            raise ValueError(f"ftrun.integrations.fabric: accumulate={accumulate} with a sharded model is not "
+                             "supported (one micro-batch a step)")
         if self._ft is None:
             return iter(loader)
         return self._ft_batches(loader, int(accumulate))
@@ -345,7 +468,7 @@ class FTFabric(RecoverableWork, Fabric):
             steps.finish()
         finally:
             gen, self._ft_pass, self._ft_step, self._ft_ahead = self._ft_pass, None, None, None
-            self._ft_sync, self._ft_retained = True, None
+            self._ft_sync, self._ft_retained, self._ft_forward = True, None, None
             close = getattr(gen, "close", None)
             if close is not None:
                 close()
@@ -357,34 +480,119 @@ class FTFabric(RecoverableWork, Fabric):
         return self._ft.committed + 1 if self._ft is not None else self._ft_counter.count
 
     # ------------------------------------------------------------------ one step
+    def setup(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        out = super().setup(module, *args, **kwargs)
+        if self._ft_sharded:  # (_FabricModule's __setattr__ would set it on the wrapped model)
+            object.__setattr__(out[0] if isinstance(out, tuple) else out, "__class__", _FTFabricModule)
+        return out
+
+    def setup_module(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        out = super().setup_module(module, *args, **kwargs)
+        if self._ft_sharded:
+            object.__setattr__(out, "__class__", _FTFabricModule)
+        return out
+
+    def _in_step(self) -> bool:
+        """Whether a step of the training pass is under way (its micro-batch given, its update not
+        yet committed): a collective failing now is recovered inside the step's doors."""
+        ft = self._ft
+        return ft is not None and self._ft_pass is not None and self._ft_step is not None and ft.committed != self._ft_step
+
+    def _forward(self, run: Callable[[], Any]) -> Any:
+        """A sharded model's forward (``run``) inside a step: a fault in its collectives (FSDP's
+        all-gathers) is recovered (:meth:`_rejoin_step`) and the forward runs again, from the random
+        streams it began with. Returns its output detached from the model's graph, as a tensor that
+        requires grad (the loop's loss is built on it): :meth:`backward` carries that tensor's
+        gradient into the model (:class:`_Forward`), so a retry runs the forward and the model's
+        backward again, the collectives in the order a respawned rank makes them.
+
+        Raises:
+            ValueError: the forward returned something other than one tensor."""
+        ft = self._ft
+        if ft is None or not self._in_step():
+            return run()
+        rng = RNGState().state_dict()
+        while True:
+            failure = None
+            try:
+                out = run()
+                break
+            except Exception as err:
+                if not is_fault(ft, err):
+                    raise
+                failure = f"a collective of the Fabric loop failed in the forward: {describe(err)}"
+            ft.record_failure(failure)  # outside the except block: its traceback holds the group
+            self._rejoin_step(f"step {self._ft_step}'s forward failed; it runs again after the recovery")
+            RNGState().load_state_dict(rng)
+        if not torch.is_tensor(out):
+            raise ValueError("ftrun.integrations.fabric: a sharded model's forward must return one tensor "
+                             f"(got {type(out).__name__})")
+        if not out.requires_grad:
+            return out
+        leaf = out.detach().requires_grad_()
+        self._ft_forward = _Forward(run, rng, out, leaf)
+        return leaf
+
     def backward(self, tensor: torch.Tensor, *args: Any, model: Any = None, **kwargs: Any) -> None:
         if self._ft is None or self._ft_pass is None or not self._ft_sync:
             return super().backward(tensor, *args, model=model, **kwargs)
         # A step's last micro-batch: what a retry inside optimizer.step() starts from.
         params = self._ft_params()
-        kwargs = {**kwargs, "retain_graph": True}
-        self._ft_retained = _Retained((tensor, *args), {**kwargs, "model": model},
-                                      [None if p.grad is None else p.grad.detach().clone() for p in params],
-                                      RNGState().state_dict())
-        return super().backward(tensor, *args, model=model, **kwargs)
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+        if not self._ft_sharded:
+            kwargs = {**kwargs, "retain_graph": True}
+            self._ft_retained = _Retained((tensor, *args), {**kwargs, "model": model}, grads, RNGState().state_dict())
+            return super().backward(tensor, *args, model=model, **kwargs)
+        forward = self._ft_forward
+        if forward is None:
+            raise RuntimeError("ftrun.integrations.fabric: fabric.backward of a sharded model without its forward "
+                               "in this step")
+        rng = RNGState().state_dict()
+        super().backward(tensor, *args, model=model, **kwargs)  # the loss's graph, down to the model's output
+        grad = forward.leaf.grad
+        if grad is None:
+            raise RuntimeError("ftrun.integrations.fabric: the loss given to fabric.backward does not depend on the "
+                               "model's output of this step")
+        self._ft_retained = _Retained((forward.out, grad), {"model": model}, grads, rng)
+        forward.out, forward.leaf.grad = None, None
+        failure = None
+        try:
+            return super().backward(*self._ft_retained.args, model=model)  # the model's graph: its collectives
+        except Exception as err:  # FSDP's reduce-scatters raise
+            if not is_fault(self._ft, err):
+                raise
+            failure = f"a collective of the Fabric loop failed in the backward: {describe(err)}"
+        self._ft.record_failure(failure)
+        self._retry(f"step {self._ft_step}'s backward failed; its forward and backward run again after the recovery")
+        return None
 
     def clip_gradients(self, module: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        result = super().clip_gradients(module, optimizer, *args, **kwargs)
+        ft = self._ft
+        while True:
+            failure = None
+            try:
+                result = super().clip_gradients(module, optimizer, *args, **kwargs)
+                break
+            except Exception as err:  # a sharded model's norm is a collective
+                if ft is None or not self._ft_sharded or not self._in_step() or not is_fault(ft, err):
+                    raise
+                failure = f"a collective of the Fabric loop failed in clip_gradients: {describe(err)}"
+            ft.record_failure(failure)
+            self._retry(f"step {self._ft_step}'s clip_gradients failed; its forward and backward run again after "
+                        "the recovery")
         if self._ft is not None and self._ft_retained is not None and self._ft_sync:
             self._ft_retained.clip = ((module, optimizer, *args), kwargs, result)
         return result
 
     def _ft_params(self) -> list[torch.Tensor]:
-        ft = self._ft
-        assert ft is not None
-        optimizer = ft.registry["optimizer"] if "optimizer" in ft.registry else None
-        if optimizer is None:
+        params = self._strategy.ft_params
+        if not params:
             raise RuntimeError("ftrun.integrations.fabric: fabric.setup(model, optimizer) first")
-        return [p for group in optimizer.param_groups for p in group["params"]]
+        return params
 
     def _optimizer_step(self, update: Callable[[], Any]) -> Any:
-        """``optimizer.step()`` (through :class:`FTDDPStrategy`): the update if the step's
-        collectives succeeded; else recover and retry the step's last backward, then update."""
+        """``optimizer.step()`` (through the strategy): the update if the step's collectives
+        succeeded; else recover and retry the step's last backward, then update."""
         ft = self._ft
         if ft is None or self._ft_pass is None:
             return update()
@@ -397,44 +605,71 @@ class FTFabric(RecoverableWork, Fabric):
             out = update()
             if ft.committed == self._ft_step:
                 break
-            self._retry()
-        self._ft_retained = None
+            self._retry(f"step {self._ft_step}'s update failed; its last backward runs again after the recovery")
+        self._ft_retained = self._ft_forward = None
         return out
 
-    def _retry(self) -> None:
-        """The step's collectives failed: recover (ftrun's step loop rolls this rank's state back to
-        the step's start), put back the gradients and streams the step's last backward started
-        from, run it again (its all-reduce over the new group) and clip again."""
+    def _rejoin_step(self, why: str) -> None:
+        """A fault was recorded inside the step under way: recover (ftrun's step loop rolls this
+        rank's state back to the step's start) and check the recovery resumes that very step.
+
+        Raises:
+            RuntimeError: the recovery resumed another step (this rank alone failed while its
+                replicas committed it, or the pass moved on): the loop's code after the step would
+                run over the state it took; the rank ends and ARF replaces it."""
+        ft = self._ft
+        assert ft is not None
+        step = self._ft_step
+        item = self._next_step()
+        if item is None or int(item[0]) != step:
+            got = "the pass's end" if item is None else f"step {int(item[0])}"
+            raise RuntimeError(f"ftrun.integrations.fabric: rank {ft.rank} recovered at {got}, not at step {step} "
+                               "whose update it retries")
+        print(f"ftrun: rank {ft.rank}: {why}", file=sys.stderr, flush=True)
+
+    def _retry(self, why: str) -> None:
+        """The step's collectives failed (recorded): recover, put back the gradients and streams
+        the step's last backward started from, run it again (its collectives over the new group)
+        and clip again. A sharded model's forward runs again first (a respawned rank's step makes
+        the forward's all-gathers before the backward's), and the model's backward from the
+        gradient the loss gave its output; a fault there is recovered again."""
         ft = self._ft
         retained = self._ft_retained
         assert ft is not None
         if retained is None:
             raise RuntimeError("ftrun.integrations.fabric: the step's update failed and its last micro-batch's "
                                "backward did not go through fabric.backward")
-        step = self._ft_step
-        item = self._next_step()
-        if item is None or int(item[0]) != step:
-            # Its replicas committed the step (this rank alone failed its update: a recoverable
-            # error repaired in place), or the pass moved on: the loop's code after the step would
-            # run over the state it took. It ends, and ARF replaces it.
-            got = "the pass's end" if item is None else f"step {int(item[0])}"
-            raise RuntimeError(f"ftrun.integrations.fabric: rank {ft.rank} recovered at {got}, not at step {step} "
-                               "whose update it retries")
-        print(f"ftrun: rank {ft.rank}: step {step}'s update failed; its last backward runs again after the recovery",
-              file=sys.stderr, flush=True)
-        for p, g in zip(self._ft_params(), retained.grads):
-            if g is None:
-                p.grad = None
-            elif p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
-        RNGState().load_state_dict(retained.rng)
-        kwargs = dict(retained.kwargs)
-        model = kwargs.pop("model")
-        super().backward(*retained.args, model=model, **kwargs)
-        if retained.clip is not None:
-            args, clip_kwargs, result = retained.clip
-            again = super().clip_gradients(*args, **clip_kwargs)
-            if isinstance(result, torch.Tensor) and isinstance(again, torch.Tensor):
-                result.copy_(again)  # the norm the loop holds
+        while True:
+            self._rejoin_step(why)
+            for p, g in zip(self._ft_params(), retained.grads):
+                if g is None:
+                    p.grad = None
+                elif p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+            forward = self._ft_forward
+            if self._ft_sharded and forward is not None:
+                RNGState().load_state_dict(forward.rng)
+            kwargs = dict(retained.kwargs)
+            model = kwargs.pop("model")
+            failure = None
+            try:
+                args = retained.args
+                if self._ft_sharded and forward is not None:
+                    out = forward.run()  # the model's forward again: its all-gathers, with the new rank's
+                    args = (out, *args[1:])
+                RNGState().load_state_dict(retained.rng)
+                super().backward(*args, model=model, **kwargs)
+                if retained.clip is not None:
+                    args, clip_kwargs, result = retained.clip
+                    again = super().clip_gradients(*args, **clip_kwargs)
+                    if isinstance(result, torch.Tensor) and isinstance(again, torch.Tensor):
+                        result.copy_(again)  # the norm the loop holds
+                return
+            except Exception as err:
+                if not self._ft_sharded or not is_fault(ft, err):
+                    raise
+                failure = f"a collective of the Fabric loop failed in the retried backward: {describe(err)}"
+            ft.record_failure(failure)
+            why = f"step {self._ft_step}'s retried backward failed; it runs again after the recovery"

@@ -59,7 +59,7 @@ from transformers import Trainer, TrainerControl
 
 from ftrun.contract import RankEnv
 from ftrun.errors import describe
-from ftrun.integrations.common import is_fault
+from ftrun.integrations.common import FSDP_INSTEAD, is_fault
 from ftrun.optim import FTOptimizer
 from ftrun.transfer import RNGState
 from ftrun.worker import Worker, current
@@ -146,6 +146,8 @@ class FTTrainer(Trainer):
         RuntimeError: under ftrun, the process group was built before ``ftrun.init()`` (by
             ``TrainingArguments``/accelerate), so ftrun cannot rebuild it after a fault; or this
             transformers' ``Trainer`` lacks a member it overrides (:data:`TRAINER_MEMBERS`).
+        ValueError: under ftrun, FSDP or DeepSpeed is enabled (one line; for FSDP it names what to
+            use instead: :data:`ftrun.integrations.common.FSDP_INSTEAD`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -162,6 +164,10 @@ class FTTrainer(Trainer):
                                "(the process group must be ftrun's)")
         if not ft.managed or ft.world_size == 1:
             return
+        if self.is_fsdp_enabled:
+            raise ValueError(f"ftrun.integrations.hf: FSDP is not recovered by this integration: {FSDP_INSTEAD}")
+        if self.is_deepspeed_enabled:
+            raise ValueError("ftrun.integrations.hf: DeepSpeed is not supported (plain DDP only)")
         _check_trainer()
         self._ft = ft
         self._ft_steps: Iterator[int] | None = None
