@@ -5,7 +5,6 @@ survivors keep their processes) and the run ends bitwise equal to the fault-free
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -18,6 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from conftest import FtrunProc, clean_env, kinds, read_events, run_bounded
+from once import shared_once
 from reference_runs import run_torchrun
 from ftrun.group import GroupDown
 from ftrun.sharding import (ShardedModels, is_collective_failure, mesh_coordinates, mesh_replica_groups,
@@ -28,6 +28,7 @@ SCRIPT = ROOT / "examples" / "train_fsdp.py"
 TORCHRUN_SCRIPT = ROOT / "examples" / "train_fsdp_torchrun.py"
 FINAL = re.compile(r"final step=(\d+) loss=(\S+) params_sha256=([0-9a-f]{64})")
 RUN = ["--mesh", "2,2", "--steps", "8"]
+LONG = ["--mesh", "2,2", "--steps", "30"]
 
 
 # --------------------------------------------------------------------------- replicas of a mesh, no processes
@@ -143,7 +144,7 @@ def _twin(cwd: Path, run: list[str]) -> str:
 @pytest.fixture(scope="module")
 def twin_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
     """params_sha256 of the plain torchrun twin, 4 ranks, HSDP 2x2."""
-    return _twin(tmp_path_factory.mktemp("fsdp_torchrun"), RUN)
+    return shared_once(tmp_path_factory, "fsdp_twin", lambda: _twin(tmp_path_factory.mktemp("fsdp_torchrun"), RUN))
 
 
 def _ftrun(tmp_path: Path, name: str, fault: str | None, run: list[str] = RUN,
@@ -175,27 +176,42 @@ def test_hsdp_without_faults_equals_the_torchrun_twin(tmp_path: Path, twin_diges
     assert not kinds(events, "rank_failed") and not kinds(events, "recovery_started")
 
 
+@pytest.fixture(scope="module")
+def twin_long(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """params_sha256 of the plain torchrun twin, 4 ranks, HSDP 2x2, LONG's 30 steps."""
+    return shared_once(tmp_path_factory, "fsdp_twin_long", lambda: _twin(tmp_path_factory.mktemp("fsdp_torchrun_long"), LONG))
+
+
 @pytest.mark.integration
-@pytest.mark.timeout(300)
-def test_hsdp_ranks_killed_inside_each_collective_are_respawned_alone_and_end_bitwise(tmp_path: Path,
-                                                                                      twin_digest: str) -> None:
-    """One job, three faults: rank 2 killed inside the all-gathers of step 2, rank 1 inside the
-    reduce-scatters of step 4, rank 3 inside the optimizer of step 6. Each is one recovery that
-    respawns that rank alone, its donor the rank with its shard index in the other replica group,
-    and the replicas' local shards agree afterwards; the run ends as the twin's."""
+@pytest.mark.timeout(600)
+def test_hsdp_ranks_killed_inside_each_collective_and_from_outside_are_respawned_alone_and_end_bitwise(
+        tmp_path: Path, ftrun_proc, twin_long: str) -> None:
+    """One job, four faults: rank 2 killed inside the all-gathers of step 2, rank 1 inside the
+    reduce-scatters of step 4, rank 3 inside the optimizer of step 6, then rank 0 by a SIGKILL
+    from outside, wherever it is. Each is one recovery that respawns that rank alone, its donor
+    the rank with its shard index in the other replica group, and the replicas' local shards
+    agree afterwards; the run ends as the twin's."""
     faults = [(2, 2, "allgather"), (1, 4, "reduce_scatter"), (3, 6, "optimizer")]
-    digest, events = _ftrun(tmp_path, "kills", "; ".join(f"rank={r},step={s},point={p},kind=kill" for r, s, p in faults))
-    assert digest == twin_digest
+    log_dir = tmp_path / "kills"
+    proc = ftrun_proc(["--worker_num", "4", "--master_port", "0", "--plain", "--log_dir", str(log_dir), "--tail_worker_log", "0",
+                       "--max_restarts", "4", str(SCRIPT), *LONG],
+                      env={"FTRUN_FAULT": "; ".join(f"rank={r},step={s},point={p},kind=kill" for r, s, p in faults)})
+    _wait_for_event(proc, log_dir, lambda ev: len(kinds(ev, "recovery_finished")) == 3, timeout=300)
+    os.kill(next(e["pid"] for e in read_events(log_dir) if e["kind"] == "rank_started" and e["rank"] == 0), signal.SIGKILL)
+    result = proc.wait(timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]
+    events = read_events(log_dir)
     started = kinds(events, "rank_started")
-    assert sorted(e["rank"] for e in started) == sorted([0, 1, 2, 3, 2, 1, 3])  # only the killed ranks again
-    assert len(kinds(events, "recovery_finished")) == 3 and not kinds(events, "job_restarting")
-    for rank, _step, _point in faults:
+    assert sorted(e["rank"] for e in started) == [0, 0, 1, 1, 2, 2, 3, 3]  # only the killed ranks again
+    assert len(kinds(events, "recovery_finished")) == 4 and not kinds(events, "job_restarting")
+    for rank, _step, _point in faults + [(0, None, "outside")]:
         recovered = [e for e in kinds(events, "rank_recovered") if e["rank"] == rank and "recipient" in e["message"]]
         donor = replica_peers(rank, (2, 2), ("replicate", "shard"))[0]
         assert recovered, f"rank {rank} was not a recipient"
         assert any(e["rank"] == donor and "donor" in e["message"] for e in kinds(events, "rank_recovered")
                    if e["generation"] == recovered[0]["generation"]), f"rank {rank}'s donor was not {donor}"
     assert not kinds(events, "divergence")  # replicas compared their local shards after each recovery
+    assert _final(result.stdout) == twin_long
 
 
 @pytest.mark.integration
@@ -274,47 +290,13 @@ def test_pure_fsdp_rolls_every_rank_back_in_place_and_ends_bitwise(tmp_path: Pat
     assert _final(result.stdout) == _twin(tmp_path, run)
 
 
-def _wait_for_step(proc: FtrunProc, log_dir: Path, step: int, timeout: float = 120.0) -> None:
-    """Until every rank of the job's progress board (progress.jsonl) has reached ``step``."""
-    deadline = time.monotonic() + timeout
-    path = log_dir / "progress.jsonl"
-    while time.monotonic() < deadline:
-        assert proc.popen.poll() is None, f"ftrun exited first:\n{proc.stdout()[-3000:]}"
-        lines = path.read_text().splitlines() if path.exists() else []
-        steps = json.loads(lines[-1])["steps"] if lines else []
-        if steps and all(s is not None and s >= step for s in steps):
-            return
-        time.sleep(0.05)
-    pytest.fail(f"the job did not reach step {step} within {timeout} s")
-
-
-@pytest.mark.integration
-@pytest.mark.timeout(300)
-def test_hsdp_rank_killed_from_outside_mid_run_ends_bitwise(tmp_path: Path, ftrun_proc) -> None:
-    """A SIGKILL from outside (no fault point): rank 1 dies wherever it is; the run ends as the twin's."""
-    run = ["--mesh", "2,2", "--steps", "30"]
-    log_dir = tmp_path / "logs"
-    proc = ftrun_proc(["--worker_num", "4", "--master_port", "0", "--plain", "--log_dir", str(log_dir),
-                       "--tail_worker_log", "0", str(SCRIPT), *run])
-    _wait_for_step(proc, log_dir, 3)
-    victim = next(e["pid"] for e in read_events(log_dir) if e["kind"] == "rank_started" and e["rank"] == 1)
-    os.kill(victim, signal.SIGKILL)
-    result = proc.wait(timeout=200)
-    assert result.returncode == 0, result.stdout[-4000:]
-    events = read_events(log_dir)
-    assert sorted(e["rank"] for e in kinds(events, "rank_started")) == [0, 1, 1, 2, 3]
-    assert kinds(events, "recovery_finished") and not kinds(events, "job_restarting")
-    assert _final(result.stdout) == _twin(tmp_path, run)
-
-
 @pytest.mark.integration
 @pytest.mark.timeout(240)
-def test_hsdp_rank_hung_inside_the_allgathers_is_found_and_replaced(tmp_path: Path) -> None:
+def test_hsdp_rank_hung_inside_the_allgathers_is_found_and_replaced(tmp_path: Path, twin_long: str) -> None:
     """Rank 1 loops in Python between FSDP's all-gathers; its peers wait in torch.distributed. The
     watchdog blames rank 1 alone (a sharded model's forward is announced as a collective), the
-    kill releases the others, and the run ends bitwise. 20 steps: the step bound needs its warm-up."""
-    run = ["--mesh", "2,2", "--steps", "20"]
-    digest, events = _ftrun(tmp_path, "hang", "rank=1,step=15,point=allgather,kind=hang", run)
+    kill releases the others, and the run ends bitwise. At step 15: the step bound needs its warm-up."""
+    digest, events = _ftrun(tmp_path, "hang", "rank=1,step=15,point=allgather,kind=hang", LONG)
     assert [e["rank"] for e in kinds(events, "rank_hung")] == [1]
     assert sorted(e["rank"] for e in kinds(events, "rank_started")) == [0, 1, 1, 2, 3]
-    assert digest == _twin(tmp_path, run)
+    assert digest == twin_long
