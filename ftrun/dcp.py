@@ -11,7 +11,7 @@ chunks for the global ``.metadata``) and hangs on a dead rank. Instead:
   use_collectives=False)`` on its sharded state (FQN-keyed DTensors from
   ``get_model_state_dict``/``get_optimizer_state_dict`` with ``full_state_dict=False``, which run
   no collective for FSDP2, HSDP and tensor parallelism: checked in torch 2.13's source, and by the
-  dying-gasp test, whose writers save while their peers are gone). DTensors carry their global
+  dying-gasp test, whose writers save while a peer is dead). DTensors carry their global
   shape and their slice's offsets (``compute_local_shape_and_global_offset``, from the mesh
   coordinates alone), so the writer's plan names its chunks in global coordinates. Its files, in
   the step directory's ``dcp/`` folder, are DCP's own names for a rank that writes without
@@ -30,8 +30,11 @@ chunks for the global ``.metadata``) and hangs on a dead rank. Instead:
   hold it. A checkpoint of a 2x2 HSDP job resumes on a 1x2 mesh, a 1x4 one, or 2x2.
 
 Everything else a rank registered (a scheduler, data positions, RNG streams, model buffers) goes in
-the shard file as before (:func:`ftrun.checkpoint.save_shard`). Every file is in the manifest with
-its size and SHA-256 (:class:`ftrun.checkpoint.ShardInfo`), checked before it is read.
+the shard file as before (:func:`ftrun.checkpoint.save_shard`); on another world size or other
+replica groups a rank takes shard 0's, less the per-rank state, which is not carried
+(:meth:`ftrun.shards.RankCheckpoints.resume`). Every file is in the manifest with its size and
+SHA-256 (:class:`ftrun.checkpoint.ShardInfo`), checked before it is read (the metadata parts are
+pickles DCP wrote: unpickled only once their SHA-256 matched).
 
 Measured on torch 2.13 CPU with gloo: ``tests/test_fsdp_checkpoint.py``.
 """
@@ -349,7 +352,8 @@ class MergedReader:
 
     Args:
         directory: the step directory.
-        parts: the metadata parts, relative to ``directory`` (default: those its manifest names).
+        parts: the metadata parts, relative to ``directory`` (default: those its manifest names,
+            once the checkpoint verified with its checksums).
         check: called with each data file's name (relative to ``dcp/``) before it is read (ftrun
             checks its size and SHA-256 against the manifest there).
 
@@ -363,7 +367,7 @@ class MergedReader:
         if parts is None:
             from .checkpoint import verify
 
-            parts = verify(directory, checksums=False).dcp_parts()
+            parts = verify(directory).dcp_parts()  # every file's SHA-256 too
         self.metadata = merged_metadata(directory, parts)
         self.reader = _reader(directory / DCP_DIR, self.metadata, check)
 

@@ -168,7 +168,7 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)  # with the module's writing run (its fixture)
 def test_a_checkpoint_of_four_ranks_resumes_on_two_and_on_the_same_mesh(tmp_path: Path, written: tuple[Path, str]) -> None:
     """The checkpoint of step 5 resumed with the same --steps (no step runs): on 2 ranks (1x2, each
     rank's slice read from both writers' files) and on 2x2, the full parameters are the writing
