@@ -507,10 +507,14 @@ class FTFabric(RecoverableWork, Fabric):
         backward again, the collectives in the order a respawned rank makes them.
 
         Raises:
-            ValueError: the forward returned something other than one tensor."""
+            ValueError: the forward returned something other than one tensor.
+            RuntimeError: a second forward in the step."""
         ft = self._ft
         if ft is None or not self._in_step():
             return run()
+        if self._ft_forward is not None:
+            raise RuntimeError(f"ftrun.integrations.fabric: a sharded model's forward ran twice in step {self._ft_step}: "
+                               "one forward a step (its backward is carried from the one output)")
         rng = RNGState().state_dict()
         while True:
             failure = None
