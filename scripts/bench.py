@@ -210,6 +210,9 @@ class Run:
     steady_from: int | None = None
     spare_window_s: float | None = None  # wordlm: the median step after the first epoch, before steady_from
     span_s: float | None = None  # from rank 0's first step line to its last (its clock): training's wall time, start-up left out
+    # fsdp, fault-free: CPU seconds a step of a rank's process (every thread, user + system), the mean over the
+    # ranks, from step WARMUP_STEPS to the last (less sensitive than step_s to the load of a shared machine)
+    rank_cpu_s: float | None = None
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -344,6 +347,26 @@ class MemorySampler:
             self._stop.wait(self.interval)
 
 
+def ranks_cpu(launcher_pid: int, script: str) -> tuple[float, int]:
+    """(CPU seconds used so far by the processes below the launcher that serve a rank, their count):
+    every thread, user + system, of each process running ``script`` or a promoted ftrun spare with
+    ``RANK`` in its environment."""
+    total, count = 0.0, 0
+    try:
+        children = psutil.Process(launcher_pid).children(recursive=True)
+    except psutil.Error:
+        return total, count
+    for child in children:
+        try:
+            line = " ".join(child.cmdline())
+            if (script in line or "ftrun.spare" in line) and "RANK" in child.environ():
+                times = child.cpu_times()
+                total, count = total + times.user + times.system, count + 1
+        except psutil.Error:
+            continue
+    return total, count
+
+
 def _kill_tree(pid: int) -> None:
     try:
         procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
@@ -408,6 +431,7 @@ def _run_in(launcher: str, case: Case, workdir: Path, timeout: float, steady_fro
     cpu_lines: list[tuple[int, float]] = []  # (step, rank 0's training-thread CPU time, s) where printed
     tail: list[str] = []
     kill: dict[str, float] = {}
+    cpu_marks: list[tuple[int, float, int]] = []  # fsdp, fault-free: (step, the ranks' CPU s so far, ranks seen)
 
     def reader() -> None:
         assert proc.stdout is not None
@@ -419,6 +443,8 @@ def _run_in(launcher: str, case: Case, workdir: Path, timeout: float, steady_fro
                 continue
             step, stamp = int(match.group(1)), float(match.group(2))
             lines.append((step, stamp))
+            if case.workload == "fsdp" and case.kill_step is None and step in (WARMUP_STEPS, case.steps - 1):
+                cpu_marks.append((step, *ranks_cpu(proc.pid, script)))
             cpu = CPU.search(line)
             if cpu:
                 cpu_lines.append((step, float(cpu.group(2))))
@@ -464,6 +490,9 @@ def _run_in(launcher: str, case: Case, workdir: Path, timeout: float, steady_fro
         return run
     if case.kill_step is None:
         run.step_s = steady_step_time(lines)
+        if len(cpu_marks) == 2 and cpu_marks[0][2] == cpu_marks[1][2] == case.ranks:
+            (s0, c0, _), (s1, c1, _) = cpu_marks
+            run.rank_cpu_s = (c1 - c0) / (s1 - s0) / case.ranks
         return run
     analyse_fault(run, lines, kill["time"], workdir / "logs" / "events.jsonl" if launcher == "ftrun" else None)
     return run
@@ -1342,7 +1371,7 @@ def wall_time_lost(faulted: dict[str, Any] | None, clean: dict[str, Any] | None)
     return raw, faulted["span_s"] - clean["span_s"] * faulted["step_s"] / clean["step_s"]
 
 
-FSDP_RATIOS = ("recovery", "restart", "lost", "lost_paced", "step", "step_faulted")
+FSDP_RATIOS = ("recovery", "restart", "lost", "lost_paced", "step", "step_faulted", "cpu")
 
 
 def fsdp_notes(runs: list[dict[str, Any]]) -> list[str]:
@@ -1358,8 +1387,9 @@ def fsdp_notes(runs: list[dict[str, Any]]) -> list[str]:
     out: list[str] = []
     ratios: dict[str, list[float]] = {name: [] for name in FSDP_RATIOS}
     for k in sorted(set(ft) | set(tr) | set(ft0) | set(tr0)):
-        order = " then ".join(launcher_order("fsdp", k))
-        out.append(f"repeat {k + 1} ({order}):")
+        order = " then ".join(launcher_order("fsdp", k % 1000))
+        # runs pooled by --from_json: the n-th file's repeats are numbered from (n - 1) * 1000 (merge)
+        out.append(f"repeat {k % 1000 + 1}{f' of file {k // 1000 + 1}' if k >= 1000 else ''} ({order}):")
         lost: dict[str, tuple[float | None, float | None]] = {}
         for launcher, faulted, clean in (("ftrun", ft, ft0), ("torchrun", tr, tr0)):
             r = faulted.get(k)
@@ -1381,16 +1411,19 @@ def fsdp_notes(runs: list[dict[str, Any]]) -> list[str]:
                 "lost": _ratio(lost["torchrun"][0], lost["ftrun"][0]),
                 "lost_paced": _ratio(lost["torchrun"][1], lost["ftrun"][1]),
                 "step": _ratio(ft0.get(k, {}).get("step_s"), tr0.get(k, {}).get("step_s")),
-                "step_faulted": _ratio(ft.get(k, {}).get("step_s"), tr.get(k, {}).get("step_s"))}
+                "step_faulted": _ratio(ft.get(k, {}).get("step_s"), tr.get(k, {}).get("step_s")),
+                "cpu": _ratio(ft0.get(k, {}).get("rank_cpu_s"), tr0.get(k, {}).get("rank_cpu_s"))}
         for name, value in pair.items():
             if value is not None:
                 ratios[name].append(value)
         steps = (f"fault-free step {_fmt((ft0[k]['step_s'] or 0) * 1e3, 1)} ms against {_fmt((tr0[k]['step_s'] or 0) * 1e3, 1)} ms"
                  if k in ft0 and k in tr0 else "fault-free step: no pair")
+        cpu = [(r.get("rank_cpu_s") or 0) * 1e3 for r in (ft0.get(k, {}), tr0.get(k, {}))]
         out.append(f"  torchrun/ftrun: recovery {_x(pair['recovery'])}, torchrun's restart alone (its best case, a "
                    f"checkpoint at the failed step) {_x(pair['restart'])}, wall time lost {_x(pair['lost'])} "
                    f"({_x(pair['lost_paced'])} at each run's pace); {steps}, ftrun/torchrun {_x(pair['step'])} "
-                   f"(the faulted pair's steps away from the fault: {_x(pair['step_faulted'])})")
+                   f"(the faulted pair's steps away from the fault: {_x(pair['step_faulted'])}); a rank's CPU a "
+                   f"fault-free step {_fmt(cpu[0] or None, 1)} ms against {_fmt(cpu[1] or None, 1)} ms, {_x(pair['cpu'])}")
     faulted = [r for r in runs if r["case"]["kill_step"] is not None]
     same = {l: sum(1 for r in faulted if r["launcher"] == l and _digest(r["final"]) in reference) for l in LAUNCHERS}
     count = {l: sum(1 for r in faulted if r["launcher"] == l) for l in LAUNCHERS}
@@ -1398,7 +1431,7 @@ def fsdp_notes(runs: list[dict[str, Any]]) -> list[str]:
                + (" (they differ)" if len(reference) > 1 else "") + "; faulted runs ending with it: "
                + ", ".join(f"{l} {same[l]}/{count[l]}" for l in LAUNCHERS))
     out.append("medians of the pairs: " + ", ".join(f"{name} {_x(_med(values))}" for name, values in ratios.items())
-               + " (recovery, restart, lost, lost_paced: torchrun/ftrun; step, step_faulted: ftrun/torchrun)")
+               + " (recovery, restart, lost, lost_paced: torchrun/ftrun; step, step_faulted, cpu: ftrun/torchrun)")
     return out
 
 

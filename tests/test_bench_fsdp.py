@@ -5,10 +5,15 @@ wall time lost against the fault-free run, step-time ratio, digests)."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,8 +86,8 @@ def _run(launcher: str, repeat: int, kill: int | None, **fields) -> dict:
 
 def test_notes_pair_each_fault_with_its_repeat_s_fault_free_run() -> None:
     runs = [
-        _run("ftrun", 0, None, step_s=0.105, span_s=21.0),
-        _run("torchrun", 0, None, step_s=0.100, span_s=20.0),
+        _run("ftrun", 0, None, step_s=0.105, span_s=21.0, rank_cpu_s=0.044),
+        _run("torchrun", 0, None, step_s=0.100, span_s=20.0, rank_cpu_s=0.040),
         _run("ftrun", 0, 100, failed_step=101, recover_s=2.0, span_s=23.5, step_s=0.105,
              breakdown={"reported_total": 1.2, "transfer": 0.01, "rebuild": 0.2, "bytes": 2e5, "restart": None}),
         _run("torchrun", 0, 100, failed_step=101, recover_s=20.0, recomputed=101, span_s=40.0, step_s=0.05,
@@ -99,10 +104,40 @@ def test_notes_pair_each_fault_with_its_repeat_s_fault_free_run() -> None:
     assert "wall time lost against the fault-free run 20.00 s (30.00 s at its own pace)" in text
     assert ("torchrun/ftrun: recovery 10.00x, torchrun's restart alone (its best case, a checkpoint at the failed "
             "step) 4.50x, wall time lost 8.00x (12.00x at each run's pace); fault-free step 105.0 ms against 100.0 ms, "
-            "ftrun/torchrun 1.05x (the faulted pair's steps away from the fault: 2.10x)") in text
+            "ftrun/torchrun 1.05x (the faulted pair's steps away from the fault: 2.10x); a rank's CPU a fault-free "
+            "step 44.0 ms against 40.0 ms, 1.10x") in text
     assert f"params_sha256 of the fault-free runs: {DIGEST[:16]}; faulted runs ending with it: ftrun 1/1, torchrun 0/1" in text
     assert notes[-1].startswith("medians of the pairs: recovery 10.00x, restart 4.50x, lost 8.00x, lost_paced 12.00x, "
-                                "step 1.05x, step_faulted 2.10x")
+                                "step 1.05x, step_faulted 2.10x, cpu 1.10x")
+
+
+def test_pooled_runs_are_numbered_by_file() -> None:
+    runs = [_run("ftrun", 1001, None, step_s=0.1, span_s=20.0), _run("torchrun", 1001, None, step_s=0.1, span_s=20.0)]
+    assert bench.fsdp_notes(runs)[0] == "repeat 2 of file 2 (torchrun then ftrun):"
+
+
+def test_ranks_cpu_of_a_missing_launcher_is_nothing() -> None:
+    assert bench.ranks_cpu(2**22 + 12345, "train_fsdp.py") == (0.0, 0)
+
+
+def test_ranks_cpu_counts_the_script_s_processes_with_a_rank() -> None:
+    """Below a launcher: one process of the script with RANK, one of another script; only the first counts."""
+    sleeper = f"{sys.executable} -c 'import time; time.sleep(60)'"
+    launcher = subprocess.Popen(["sh", "-c", f"{sleeper} train_fsdp.py & {sleeper} other.py & wait"],
+                                env={**os.environ, "RANK": "0"}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        found = (0.0, 0)
+        while time.monotonic() < deadline:
+            procs = psutil.Process(launcher.pid).children(recursive=True)
+            if len(procs) == 2 and all(p.cmdline()[:1] == [sys.executable] for p in procs):  # both past their exec
+                found = bench.ranks_cpu(launcher.pid, "train_fsdp.py")
+                break
+            time.sleep(0.05)
+        assert found[1] == 1 and found[0] >= 0.0
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
 
 
 def test_a_negative_loss_has_no_ratio() -> None:
