@@ -1,7 +1,5 @@
-"""Helpers shared by the framework integrations' tests (tests/test_fabric.py): the ranks'
-environment, the job's events, the in-place recovery check, torchrun's exit, and the count of a
-port's changed lines. (tests/test_hf.py, test_lightning.py and test_accelerate.py keep their own
-copies of the first four.)"""
+"""Helpers shared by the framework integrations' tests: the ranks' environment, the job's events,
+the in-place recovery check, torchrun's exit, and the count of a port's changed lines."""
 
 from __future__ import annotations
 
@@ -31,17 +29,34 @@ def events(log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def assert_recovered_in_place(evs: list[dict], faulted: int, world: int) -> None:
+def hf_env() -> dict[str, str]:
+    """:func:`env` for Hugging Face's libraries: offline, no tokenizer threads, no advisory warnings."""
+    out = env()
+    out.update({"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"})
+    out.pop("PYTHONWARNINGS")
+    return out
+
+
+def assert_recovered_in_place(evs: list[dict], faulted: int, world: int, allow_behind: bool = False) -> None:
     """Only ``faulted`` was restarted (the survivors' PIDs never changed), once, by a rank-level
-    recovery (no whole-job restart), and no exactly-once check reported a divergence."""
+    recovery (no whole-job restart), and no exactly-once check reported a divergence.
+
+    ``allow_behind``: one order is allowed besides (CI saw it on a loaded machine): a survivor
+    still in the previous step's all-reduce when the victim died, which failed for it while its
+    replicas' completed (a ring's ranks finish at different moments). Its replicas committed that
+    step, so the integration ends it on purpose (``retry_step``: a Trainer cannot run the step's
+    logging and callbacks twice) and ARF replaces it, once."""
     pids: dict[int, list[int]] = {}
     for ev in evs:
         if ev["kind"] == "rank_started":
             pids.setdefault(ev["rank"], []).append(ev["pid"])
     assert sorted(pids) == list(range(world))
+    failed = {e["rank"]: e for e in evs if e["kind"] == "rank_failed"}
+    behind = {rank for rank, ev in failed.items() if allow_behind and rank != faulted
+              and any("which its replicas committed; it resumes at step" in line for line in ev["detail"].get("log_tail", []))}
     for rank, started in pids.items():
-        assert len(started) == (2 if rank == faulted else 1), f"rank {rank}: {started}"
-    assert [e["rank"] for e in evs if e["kind"] == "rank_failed"] == [faulted]
+        assert len(started) == (2 if rank == faulted or rank in behind else 1), f"rank {rank}: {started}"
+    assert sorted(failed) == sorted({faulted} | behind)
     assert not [e for e in evs if e["kind"] == "job_restarting"], "fell back to a whole-job restart"
     assert [e for e in evs if e["kind"] == "recovery_finished"], "no recovery finished"
     assert not [e.get("message") for e in evs if e["kind"] == "divergence"]

@@ -25,7 +25,7 @@ pytest.importorskip("accelerate", reason="accelerate (pip install 'ftrun[hf]') i
 
 import digits_job as dj  # noqa: E402
 from once import shared_once  # noqa: E402
-from test_hf import _assert_recovered_in_place, _env, _events  # noqa: E402
+from framework_helpers import assert_recovered_in_place, events as _events, hf_env as _env  # noqa: E402
 from reference_runs import run_torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,6 +35,10 @@ ARGS = ["--train_size", "128", "--epochs", "3", "--eval_every", "5", "--accum", 
 WORLD = 4
 
 pytestmark = [pytest.mark.integration, pytest.mark.frameworks, pytest.mark.xdist_group("accelerate")]
+
+
+def _assert_recovered_in_place(events: list[dict], faulted: int) -> None:
+    assert_recovered_in_place(events, faulted, WORLD, allow_behind=True)
 
 
 def _final(stdout: str) -> tuple[int, str, str]:
