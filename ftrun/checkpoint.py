@@ -312,7 +312,7 @@ def _temp_name(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{os.getpid()}-{threading.get_ident()}")
 
 
-def _write_atomically(final: Path, fill: Callable[[Any], Any]) -> Any:
+def write_atomically(final: Path, fill: Callable[[Any], Any]) -> Any:
     """Write ``final`` through a temporary name in its directory: ``fill(binary file)``, flush,
     fsync, rename into place, fsync the directory. Returns what ``fill`` returned; on any error the
     temporary file is removed and ``final`` is untouched."""
@@ -444,7 +444,7 @@ def save_shard(directory: str | os.PathLike[str], shard: int, state: Mapping[str
         return writer
 
     try:
-        writer = _write_atomically(final, fill)
+        writer = write_atomically(final, fill)
     except OSError:
         with contextlib.suppress(OSError):
             directory.rmdir()  # left empty: no step directory without a shard in it
@@ -570,7 +570,7 @@ def write_manifest(
     )
     final = directory / MANIFEST
     text = json.dumps(manifest.to_json(), indent=1) + "\n"
-    _write_atomically(final, lambda f: f.write(text.encode("utf-8")))
+    write_atomically(final, lambda f: f.write(text.encode("utf-8")))
     return final
 
 
@@ -588,7 +588,7 @@ def write_orphan_note(directory: str | os.PathLike[str], shard: int, info: Shard
     final = Path(directory) / ORPHAN_NOTE.format(shard)
     text = json.dumps({"shard": int(shard), "info": info.to_json(), "world_size": int(world_size),
                        "replica_groups": [[int(r) for r in g] for g in replica_groups], "torch_version": torch_version})
-    _write_atomically(final, lambda f: f.write(text.encode("utf-8")))
+    write_atomically(final, lambda f: f.write(text.encode("utf-8")))
     return final
 
 
@@ -726,7 +726,7 @@ def mark_unusable(directory: str | os.PathLike[str], err: CheckpointError) -> No
     note = Path(directory) / UNUSABLE_NOTE
     text = json.dumps({"file": str(err.path), "problem": err.problem})
     try:
-        _write_atomically(note, lambda f: f.write(text.encode("utf-8")))
+        write_atomically(note, lambda f: f.write(text.encode("utf-8")))
     except OSError:
         pass
 

@@ -419,12 +419,12 @@ def write_metadata(directory: str | Path) -> Path:
     Raises:
         CheckpointError: the checkpoint does not verify or is not sliced, or its parts do not merge.
         OSError: the file cannot be written."""
-    from .checkpoint import _write_atomically, verify
+    from .checkpoint import write_atomically, verify
 
     manifest = verify(directory)
     if not manifest.sliced:
         raise CheckpointError(manifest.path, "is not a sliced (DCP) checkpoint")
     metadata = merged_metadata(manifest.directory, manifest.dcp_parts())
     final = manifest.directory / DCP_DIR / METADATA
-    _write_atomically(final, lambda f: pickle.dump(metadata, f))
+    write_atomically(final, lambda f: pickle.dump(metadata, f))
     return final

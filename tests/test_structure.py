@@ -262,3 +262,35 @@ def test_the_suites_serial_groups_reach_pytest_xdist(tmp_path: Path) -> None:
     assert all(nodeid.endswith("@slurm") for nodeid, _ in slurm), slurm
     assert len({worker for _, worker in slurm}) == 1, slurm
     assert not any(nodeid.endswith("@slurm") for nodeid, _ in (seen[f"test_other_{i}"] for i in range(4)))
+
+
+def test_no_module_imports_a_private_name_of_another() -> None:
+    """What a module of ftrun leaves private (``_x``) stays its own: no other module of ftrun imports
+    it, at any depth (a function-level import counts)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "ftrun"
+    wrong = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").split(".")[0] == "ftrun"):
+                wrong += [f"ftrun/{path.relative_to(root)}:{node.lineno} imports {a.name} from {'.' * node.level}{node.module or ''}"
+                          for a in node.names if a.name.startswith("_") and not a.name.endswith("__")]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_test_module_imports_another() -> None:
+    """Helpers the tests share live in modules of their own (``*_fixtures``, ``conftest``...), not in
+    a test module another one imports (which runs that module's import-time work twice)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent
+    wrong = []
+    for path in sorted(root.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else
+                     [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            wrong += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert not wrong, "\n".join(wrong)
