@@ -74,7 +74,9 @@ SIGKILLed from outside when rank 0 prints step ``--fsdp_steps / 2``, the launche
 alternating from one repeat to the next. It reports the recovery pair by pair, with the figures of
 ftrun's ``recovery_finished`` event; the wall time each launcher lost (the faulted run's span from
 the first step line to the last against the same launcher's fault-free span in the same repeat);
-each final ``params_sha256`` against the fault-free runs'; and the fault-free step times' ratio.
+each final ``params_sha256`` against the fault-free runs'; and the fault-free step times' ratio,
+with the CPU a step of a rank's process (psutil, every thread, from step 3 to the last), which a
+shared machine's load changes less than the wall time.
 
 With ``--standby`` the third host runs, for ftrun, a launcher started before the loss (the same
 command without ``--node_rank``, as soon as every node has joined: a standby node, which runs one
