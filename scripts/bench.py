@@ -1711,7 +1711,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     parser.add_argument("--repeats", type=int, default=None,
-                        help="runs of each recovery, overhead, multinode and nodeloss case per launcher (default 2, multinode 3)")
+                        help="runs of each recovery, overhead, multinode, nodeloss, elastic, hf and fsdp case per launcher "
+                             "(default 2, multinode and overhead-real 3)")
     parser.add_argument("--scaling_repeats", type=int, default=1,
                         help="runs of each case of scaling-world, scaling-state and memory (default 1)")
     parser.add_argument("--quick", action="store_true", help="short jobs, small worlds and sizes: a smoke run")
