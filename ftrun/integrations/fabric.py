@@ -93,7 +93,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, ParallelStrategy
 from lightning.fabric.wrappers import _FabricModule
 
 from ftrun.contract import RankEnv
@@ -221,26 +221,23 @@ class StepCounter:
         self.count += 1
 
 
-def _setup_optimizer(strategy: Any, optimizer: torch.optim.Optimizer) -> Any:
-    """A strategy's ``setup_optimizer`` under ftrun: ``ft.wrap_optimizer`` (one optimizer only)."""
-    ft = strategy.ft_worker
-    if "optimizer" in ft.registry:
-        raise ValueError("ftrun.integrations.fabric: one optimizer only")
-    strategy.ft_params = [p for group in optimizer.param_groups for p in group["params"]]
-    return ft.wrap_optimizer(optimizer)
-
-
-class FTDDPStrategy(DDPStrategy):
-    """Fabric's ``DDPStrategy`` with ftrun's model, optimizer and update (see the module docstring).
-    :class:`FTFabric` makes the strategy Fabric's connector built one under ftrun; never built
-    directly."""
+class FTUpdates(ParallelStrategy):
+    """What both of ftrun's Fabric strategies do with the optimizer (put before Fabric's strategy in
+    the bases): ``ft.wrap_optimizer`` (one optimizer only), the scheduler registered as replica
+    state, the update through :class:`FTFabric` (a failed step retried). A ``ParallelStrategy``,
+    as both Fabric strategies are: a strategy Fabric built becomes one of ftrun's by a change of
+    class, which needs the same layout."""
 
     ft_worker: Worker
     ft_optimizer_step: Callable[[Callable[[], Any]], Any]  # FTFabric's: the update, a failed step retried
     ft_params: list[torch.Tensor]  # the parameters the wrapped optimizer steps
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
-        return _setup_optimizer(self, optimizer)
+        ft = self.ft_worker
+        if "optimizer" in ft.registry:
+            raise ValueError("ftrun.integrations.fabric: one optimizer only")
+        self.ft_params = [p for group in optimizer.param_groups for p in group["params"]]
+        return ft.wrap_optimizer(optimizer)
 
     def setup_module_and_optimizers(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                                     scheduler: Any = None) -> tuple[Any, list[Any], Any]:
@@ -252,6 +249,12 @@ class FTDDPStrategy(DDPStrategy):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         parent = super()
         return self.ft_optimizer_step(lambda: parent.optimizer_step(optimizer, **kwargs))
+
+
+class FTDDPStrategy(FTUpdates, DDPStrategy):
+    """Fabric's ``DDPStrategy`` with ftrun's model, optimizer and update (see the module docstring).
+    :class:`FTFabric` makes the strategy Fabric's connector built one under ftrun; never built
+    directly."""
 
     def setup_module(self, module: torch.nn.Module) -> Any:
         ft = self.ft_worker
@@ -290,28 +293,12 @@ class FTMeshStrategy(ModelParallelStrategy):
         return {"num_replicas": replicas, "rank": rank}
 
 
-class FTShardedStrategy(FTMeshStrategy):
+class FTShardedStrategy(FTUpdates, FTMeshStrategy):
     """:class:`FTMeshStrategy` under ftrun: the model ``parallelize_fn`` sharded is
     ``ft.wrap_model(module)`` (its local shards are its state), the optimizer ftrun's, the update
     and the forward through :class:`FTFabric` (a failed step retried)."""
 
     ft_forward: Callable[[Callable[[], Any]], Any]  # FTFabric's: the forward, run again after a recovery
-    ft_optimizer_step: Callable[[Callable[[], Any]], Any]  # FTFabric's: the update, a failed step retried
-    ft_params: list[torch.Tensor]  # the parameters the wrapped optimizer steps
-
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
-        return _setup_optimizer(self, optimizer)
-
-    def setup_module_and_optimizers(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-                                    scheduler: Any = None) -> tuple[Any, list[Any], Any]:
-        module, optimizers, scheduler = super().setup_module_and_optimizers(module, optimizers, scheduler)
-        if scheduler is not None:
-            self.ft_worker.register("scheduler", scheduler, kind="replica")
-        return module, optimizers, scheduler
-
-    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        parent = super()
-        return self.ft_optimizer_step(lambda: parent.optimizer_step(optimizer, **kwargs))
 
     def setup_module(self, module: torch.nn.Module) -> Any:
         ft = self.ft_worker
