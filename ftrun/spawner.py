@@ -380,6 +380,20 @@ class RankProcesses:
             _unlink(path)
         self._hot.clear()
 
+    def holds(self, rank: int, incarnation: int) -> bool:
+        """Whether this node runs (or has not reaped yet) that incarnation of ``rank``."""
+        p = self.procs.get(rank)
+        return p is not None and p.incarnation == incarnation
+
+    def absent(self, rank: int, incarnation: int) -> ExitReport:
+        """The exit of an incarnation this node never ran: a coordinator that took the job over
+        restored its spawn, but the order died with the coordinator that gave it. Reported as
+        killed, so that the coordinator that asked for the kill recovers the rank as a death
+        instead of waiting for an exit that cannot come."""
+        return ExitReport(rank, incarnation, 0, -signal.SIGKILL, time.time(),
+                          log_tail=(f"ftrun: this node runs no incarnation {incarnation} of rank {rank} (its spawn order was "
+                                    "lost with the coordinator that gave it)",))
+
     def kill_hung(self, rank: int, incarnation: int, line: str, dump: bool) -> tuple[list[str], str]:
         """Dump a hung rank's stacks (if ``dump``: only the worker library answers), write ``line``
         in its log (``{note}`` replaced by how the dump went), SIGKILL it; returns (the stacks' lines,

@@ -947,3 +947,22 @@ def test_no_replica_and_an_epoch_loop_restarts_the_job(tmp_path: Path) -> None:
                                   replica_group=[2], library=True))
     assert "epoch loop" in events(tmp_path, "recovery_fallback")[-1]["message"]
     assert len(events(tmp_path, "job_restarting")) == 1 and not events(tmp_path, "recovery_planned")
+
+
+def test_a_hung_rank_its_node_never_ran_is_reported_gone(tmp_path: Path) -> None:
+    """A coordinator that took the job over restores a spawn whose order died with its predecessor:
+    the node runs no such process. Killing it as hung must end in an exit report (killed), or the
+    recovery would wait for an exit that never comes (seen in CI: a standby coordinator stalled)."""
+    import sys
+
+    from ftrun.coordinator.agents import LocalAgent
+    from ftrun.spawner import ExitReport, RankProcesses
+
+    processes = RankProcesses([sys.executable], ["x.py"], False, tmp_path, 1, "127.0.0.1", False, "secret")
+    assert not processes.holds(0, 1)
+    agent = LocalAgent(0, processes)
+    agent.kill_hung(0, 1, "===== hung: {note} =====", dump=True)
+    stacks, gone = agent.take_reports()
+    assert "the process is gone" in stacks.note
+    assert isinstance(gone, ExitReport) and (gone.rank, gone.incarnation, gone.returncode) == (0, 1, -signal.SIGKILL)
+    assert "runs no incarnation 1 of rank 0" in gone.log_tail[0]
