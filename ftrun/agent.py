@@ -402,12 +402,11 @@ class NodeAgent:
         self.processes.signal(msg["rank"], msg["incarnation"], msg["signal"])
 
     def _on_kill_hung(self, msg: Message) -> None:
-        held = self.processes.holds(msg["rank"], msg["incarnation"])
-        lines, note = self.processes.kill_hung(msg["rank"], msg["incarnation"], msg["line"], bool(msg.get("dump", True)))
+        lines, note, gone = self.processes.kill_hung(msg["rank"], msg["incarnation"], msg["line"], bool(msg.get("dump", True)))
         self.send(MsgType.STACKS, node=self.node, rank=msg["rank"], incarnation=msg["incarnation"], lines=lines[-200:],
                   note=note)
-        if not held:  # no process here will ever exit for it: say it is gone (RankProcesses.absent)
-            self._send_exit(self.processes.absent(msg["rank"], msg["incarnation"]))
+        if gone is not None:  # this node never ran it (RankProcesses.kill_hung)
+            self._send_exit(gone)
 
     def _on_stop_ranks(self, msg: Message) -> None:
         for report in self.processes.stop(float(msg["grace"])):

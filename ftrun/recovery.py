@@ -143,10 +143,10 @@ class Recovery:
             rebuild_s = time.monotonic() - started
             # A retried step: undo what the failed body did after (or instead of) its update. A
             # recipient takes replica state from its donor, so only its own rank state rolls back.
-            rollback = plan.get("rollback")
+            rollback = plan.get("rollback")  # a checkpoint's directory: every rank rolls back to it
             progress.stage = "transfer"
-            if isinstance(rollback, str):
-                role, nbytes, transfer_s = self.load_checkpoint(rollback)
+            if rollback is not None:
+                role, nbytes, transfer_s = self.load_checkpoint(str(rollback))
             else:
                 recipient = any(int(r) == self.rank for _, r in plan["transfers"])
                 self.registry.roll_back(plan["step"], ("rank",) if recipient else ("rank", "replica"))

@@ -364,9 +364,8 @@ class RankProcesses:
 
     def signal(self, rank: int, incarnation: int, sig: int) -> None:
         """Send ``sig`` to the process group of that rank's process, if it is still that process."""
-        p = self.procs.get(rank)
-        if p is not None and p.incarnation == incarnation:
-            procs.signal_group(p.proc, sig)
+        if self.holds(rank, incarnation):
+            procs.signal_group(self.procs[rank].proc, sig)
 
     def stop(self, grace_period: float) -> list[ExitReport]:
         """Stop every rank (SIGTERM, then SIGKILL after ``grace_period`` s) and reap them."""
@@ -385,26 +384,28 @@ class RankProcesses:
         p = self.procs.get(rank)
         return p is not None and p.incarnation == incarnation
 
-    def absent(self, rank: int, incarnation: int) -> ExitReport:
-        """The exit of an incarnation this node never ran: a coordinator that took the job over
-        restored its spawn, but the order died with the coordinator that gave it. Reported as
-        killed, so that the coordinator that asked for the kill recovers the rank as a death
-        instead of waiting for an exit that cannot come."""
-        return ExitReport(rank, incarnation, 0, -signal.SIGKILL, time.time(),
-                          log_tail=(f"ftrun: this node runs no incarnation {incarnation} of rank {rank} (its spawn order was "
-                                    "lost with the coordinator that gave it)",))
-
-    def kill_hung(self, rank: int, incarnation: int, line: str, dump: bool) -> tuple[list[str], str]:
+    def kill_hung(self, rank: int, incarnation: int, line: str,
+                  dump: bool) -> tuple[list[str], str, ExitReport | None]:
         """Dump a hung rank's stacks (if ``dump``: only the worker library answers), write ``line``
         in its log (``{note}`` replaced by how the dump went), SIGKILL it; returns (the stacks' lines,
-        the note)."""
+        the note, the exit to report when this node never ran that incarnation, else None).
+
+        An incarnation this node never ran: a coordinator that took the job over restored its spawn,
+        but the order died with the coordinator that gave it. No process will ever exit for it, so
+        its exit is reported as killed, and the coordinator that asked for the kill recovers the
+        rank as a death instead of waiting."""
+        held = self.holds(rank, incarnation)
         if dump:
             lines, note = self.dump_stacks(rank, incarnation)
         else:
             lines, note = [], "no stack dump (the rank does not use the worker library)"
         self.note_in_log(rank, line.replace("{note}", note))
         self.signal(rank, incarnation, signal.SIGKILL)
-        return lines, note
+        gone = None if held else ExitReport(
+            rank, incarnation, 0, -signal.SIGKILL, time.time(),
+            log_tail=(f"ftrun: this node runs no incarnation {incarnation} of rank {rank} (its spawn order was lost with the "
+                      "coordinator that gave it)",))
+        return lines, note, gone
 
     def dump_stacks(self, rank: int, incarnation: int) -> tuple[list[str], str]:
         """Ask a rank for the Python stacks of all its threads (faulthandler on SIGUSR1, set up by

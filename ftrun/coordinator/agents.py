@@ -145,10 +145,10 @@ class LocalAgent(AgentHandle):
         self.processes.signal(rank, incarnation, sig)
 
     def kill_hung(self, rank: int, incarnation: int, line: str, dump: bool) -> None:
-        held = self.processes.holds(rank, incarnation)
-        self._reports.append(Stacks(rank, incarnation, *self.processes.kill_hung(rank, incarnation, line, dump)))
-        if not held:  # no process here will ever exit for it (RankProcesses.absent)
-            self._reports.append(self.processes.absent(rank, incarnation))
+        lines, note, gone = self.processes.kill_hung(rank, incarnation, line, dump)
+        self._reports.append(Stacks(rank, incarnation, lines, note))
+        if gone is not None:  # this node never ran it (RankProcesses.kill_hung)
+            self._reports.append(gone)
 
     def stop_ranks(self, grace_period: float) -> None:
         self._reports.extend(self.processes.stop(grace_period))

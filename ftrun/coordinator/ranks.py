@@ -272,4 +272,3 @@ class Recovery:
     joined_at: dict[int, float] = field(default_factory=dict)
     rounds: int = 1
     round_started: float = 0.0  # when the current round began (its deadlines count from here)
-    redone: int = 0  # committed steps a rollback to a checkpoint computes again (ftrun.policy.redone_steps)

@@ -130,11 +130,11 @@ class RecoveryRounds:
             if target is None or rolled is None:
                 return self.fall_back(str(err))
             plan, rollback = rolled, {"rollback": str(target[1])}
-            rec.redone = redone_steps(committed, plan)
+            redone = redone_steps(committed, plan)
             job.emit(EventKind.RECOVERY_FALLBACK,
                      f"{err}: every rank rolls back in place to checkpoint {target[1]} (step {plan.step}; "
-                     f"{rec.redone} committed step(s) computed again), no whole-job restart",
-                     reason=str(err), rollback=str(target[1]), step=plan.step, redone_steps=rec.redone)
+                     f"{redone} committed step(s) computed again), no whole-job restart",
+                     reason=str(err), rollback=str(target[1]), step=plan.step, redone_steps=redone)
         except ValueError as err:
             return self.fall_back(str(err))
         rec.plan = plan
@@ -191,6 +191,7 @@ class RecoveryRounds:
         job = self.job
         assert rec.plan is not None
         now = job.clock()
+        redone = redone_steps(rec.reports, rec.plan)  # the reports the plan was made from
         total_bytes = sum(int(v["bytes"]) for v in rec.recovered.values() if v["role"] in ("recipient", "rollback"))
         transfer_s = max((float(v["seconds"]) for v in rec.recovered.values()), default=0.0)
         # Survivors wait inside the rebuild for the new rank; the last rank to arrive measures
@@ -218,12 +219,12 @@ class RecoveryRounds:
             + f"respawn {max(map(float, respawn_s.values()), default=0.0):.2f} s, "
             f"group rebuild {rebuild_s:.2f} s, " + ("checkpoint load" if rec.plan.rollback else "transfer")
             + f" {transfer_s:.3f} s): resuming at step {rec.plan.step + 1}, "
-            + (f"every rank rolled back to its checkpoint ({total_bytes / 1e6:.2f} MB loaded, {rec.redone} committed "
+            + (f"every rank rolled back to its checkpoint ({total_bytes / 1e6:.2f} MB loaded, {redone} committed "
                "step(s) to compute again)" if rec.plan.rollback else f"{total_bytes / 1e6:.2f} MB transferred"),
             failed=sorted(rec.failed), resume_step=rec.plan.step + 1, total_seconds=round(now - rec.started_at, 3),
             detection_seconds=round(rec.detection_seconds, 4), respawn_seconds=respawn_s, node_wait_seconds=node_wait_s,
             rebuild_seconds=round(rebuild_s, 3),
-            transfer_seconds=round(transfer_s, 3), bytes=total_bytes, rounds=rec.rounds, redone_steps=rec.redone,
+            transfer_seconds=round(transfer_s, 3), bytes=total_bytes, rounds=rec.rounds, redone_steps=redone,
         )
         self.current = None
         job.round_failures = []
