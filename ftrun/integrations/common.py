@@ -46,6 +46,25 @@ def is_fault(ft: Worker, err: BaseException) -> bool:
     return False
 
 
+def until_done(ft: Worker, run: Callable[[], Any], what: str, recover: Callable[[], None]) -> Any:
+    """``run()``'s result once it ends without a fault of the job's collectives (:func:`is_fault`):
+    after each fault, the failure (``what``, then the error) is recorded and ``recover()``
+    recovers before ``run()`` is tried again. Any other exception propagates.
+
+    The failure is recorded outside the ``except`` block: the exception's traceback holds the
+    broken group, which would keep a survivor waiting for the full gloo timeout."""
+    while True:
+        failure = None
+        try:
+            return run()
+        except Exception as err:
+            if not is_fault(ft, err):
+                raise
+            failure = f"{what}: {describe(err)}"
+        ft.record_failure(failure)
+        recover()
+
+
 def plain(value: Any) -> bool:
     """Whether ``value`` may be an argument of recoverable work (kept in the replica state)."""
     return value is None or isinstance(value, (bool, int, float, str))

@@ -98,7 +98,7 @@ from lightning.fabric.wrappers import _FabricModule
 
 from ftrun.contract import RankEnv
 from ftrun.errors import describe
-from ftrun.integrations.common import END, RecoverableWork, WorkMarker, is_fault
+from ftrun.integrations.common import END, RecoverableWork, WorkMarker, is_fault, until_done
 from ftrun.sharding import is_sharded, mesh_coordinates
 from ftrun.transfer import RNGState
 from ftrun.worker import Worker, current
@@ -503,18 +503,12 @@ class FTFabric(RecoverableWork, Fabric):
             raise RuntimeError(f"ftrun.integrations.fabric: a sharded model's forward ran twice in step {self._ft_step}: "
                                "one forward a step (its backward is carried from the one output)")
         rng = RNGState().state_dict()
-        while True:
-            failure = None
-            try:
-                out = run()
-                break
-            except Exception as err:
-                if not is_fault(ft, err):
-                    raise
-                failure = f"a collective of the Fabric loop failed in the forward: {describe(err)}"
-            ft.record_failure(failure)  # outside the except block: its traceback holds the group
+
+        def recover() -> None:
             self._rejoin_step(f"step {self._ft_step}'s forward failed; it runs again after the recovery")
             RNGState().load_state_dict(rng)
+
+        out = until_done(ft, run, "a collective of the Fabric loop failed in the forward", recover)
         if not torch.is_tensor(out):
             raise ValueError("ftrun.integrations.fabric: a sharded model's forward must return one tensor "
                              f"(got {type(out).__name__})")
@@ -559,18 +553,15 @@ class FTFabric(RecoverableWork, Fabric):
 
     def clip_gradients(self, module: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         ft = self._ft
-        while True:
-            failure = None
-            try:
-                result = super().clip_gradients(module, optimizer, *args, **kwargs)
-                break
-            except Exception as err:  # a sharded model's norm is a collective
-                if ft is None or not self._ft_sharded or not self._in_step() or not is_fault(ft, err):
-                    raise
-                failure = f"a collective of the Fabric loop failed in clip_gradients: {describe(err)}"
-            ft.record_failure(failure)
-            self._retry(f"step {self._ft_step}'s clip_gradients failed; its forward and backward run again after "
-                        "the recovery")
+
+        def clip() -> Any:
+            return super(FTFabric, self).clip_gradients(module, optimizer, *args, **kwargs)
+
+        if ft is None or not self._ft_sharded or not self._in_step():
+            result = clip()
+        else:  # a sharded model's norm is a collective
+            result = until_done(ft, clip, "a collective of the Fabric loop failed in clip_gradients", lambda: self._retry(
+                f"step {self._ft_step}'s clip_gradients failed; its forward and backward run again after the recovery"))
         if self._ft is not None and self._ft_retained is not None and self._ft_sync:
             self._ft_retained.clip = ((module, optimizer, *args), kwargs, result)
         return result

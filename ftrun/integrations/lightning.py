@@ -67,8 +67,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer import call
 
 from ftrun.contract import RankEnv
-from ftrun.errors import describe
-from ftrun.integrations.common import is_fault
+from ftrun.integrations.common import until_done
 from ftrun.transfer import RNGState
 from ftrun.worker import Worker, current
 
@@ -348,27 +347,21 @@ class FTStrategy(DDPStrategy):
         self._restore_joined_rng()  # a respawned rank joining its replicas' validation
         # The validation's start is the state a fault in it rolls back to, and this rank's record.
         ft.checks.snapshot_step_start()
+
+        def recover() -> None:
+            self._step, self._begun = next(self._step_loop()), True
+            # What the failed run left: its progress, its logged metrics (reset at a validation's
+            # end only), the modules in eval mode (a run puts back the mode it found), the
+            # callbacks' states (ModelCheckpoint may have taken the score in).
+            val_loop.batch_progress.load_state_dict(copy.deepcopy(progress))
+            val_loop._results.reset()
+            for module, training in modes:
+                module.training = training
+            call._call_callbacks_load_state_dict(trainer, {"callbacks": copy.deepcopy(self._callbacks)})
+            trainer.validating = True
+
         with ft.section("validation"):
-            while True:
-                failure = None
-                try:
-                    result = run()
-                    break
-                except Exception as err:
-                    if not is_fault(ft, err):
-                        raise
-                    failure = f"a collective of Lightning's validation failed: {describe(err)}"
-                ft.record_failure(failure)  # outside the except block: its traceback holds the group
-                self._step, self._begun = next(self._step_loop()), True
-                # What the failed run left: its progress, its logged metrics (reset at a validation's
-                # end only), the modules in eval mode (a run puts back the mode it found), the
-                # callbacks' states (ModelCheckpoint may have taken the score in).
-                val_loop.batch_progress.load_state_dict(copy.deepcopy(progress))
-                val_loop._results.reset()
-                for module, training in modes:
-                    module.training = training
-                call._call_callbacks_load_state_dict(trainer, {"callbacks": copy.deepcopy(self._callbacks)})
-                trainer.validating = True
+            result = until_done(ft, run, "a collective of Lightning's validation failed", recover)
         self._mid_eval = False
         # And its end: a rank replaced after it is replaced by one whose streams made its draws
         # (its record is sent before the loop goes on); a recovery at the next step's
