@@ -58,8 +58,7 @@ import torch
 from transformers import Trainer, TrainerControl
 
 from ftrun.contract import RankEnv
-from ftrun.errors import describe
-from ftrun.integrations.common import FSDP_INSTEAD, is_fault
+from ftrun.integrations.common import FSDP_INSTEAD, until_done
 from ftrun.optim import FTOptimizer
 from ftrun.transfer import RNGState
 from ftrun.worker import Worker, current
@@ -451,16 +450,10 @@ class FTTrainer(Trainer):
         ``redo_step``: the step has not been updated yet (its start is the retry's start)."""
         ft = self._ft
         assert ft is not None and self._ft_steps is not None
-        while True:
-            failure = None
-            try:
-                return work()
-            except Exception as err:
-                if not is_fault(ft, err):
-                    raise
-                failure = f"a collective of the Trainer failed: {describe(err)}"
-            ft.record_failure(failure)  # outside the except block: its traceback holds the group
-            step = next(self._ft_steps)
+        steps = self._ft_steps
+
+        def recover() -> None:
+            step = next(steps)
             if redo_step:
                 if step != self._ft_step:
                     raise RuntimeError(f"ftrun.integrations.hf: a retry of step {self._ft_step} resumed at step {step}")
@@ -468,6 +461,8 @@ class FTTrainer(Trainer):
                     RNGState().load_state_dict(self._ft_rng_after_fetch)
             else:
                 self._ft_step, self._ft_begun = step, True
+
+        return until_done(ft, work, "a collective of the Trainer failed", recover)
 
     def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, model: Any, trial: Any, epoch: Any,
                                  ignore_keys_for_eval: Any, start_time: float, learning_rate: Any = None) -> None:
