@@ -65,6 +65,22 @@ def until_done(ft: Worker, run: Callable[[], Any], what: str, recover: Callable[
         recover()
 
 
+def keep_grads(params: list[Any]) -> list[Any]:
+    """A copy of each parameter's gradient (None where it has none), for :func:`put_grads`."""
+    return [None if p.grad is None else p.grad.detach().clone() for p in params]
+
+
+def put_grads(params: list[Any], grads: list[Any]) -> None:
+    """Give each parameter the gradient :func:`keep_grads` copied (in place where it has one)."""
+    for p, g in zip(params, grads):
+        if g is None:
+            p.grad = None
+        elif p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.copy_(g)
+
+
 def plain(value: Any) -> bool:
     """Whether ``value`` may be an argument of recoverable work (kept in the replica state)."""
     return value is None or isinstance(value, (bool, int, float, str))

@@ -98,7 +98,7 @@ from lightning.fabric.wrappers import _FabricModule
 
 from ftrun.contract import RankEnv
 from ftrun.errors import describe
-from ftrun.integrations.common import END, RecoverableWork, WorkMarker, is_fault, until_done
+from ftrun.integrations.common import END, RecoverableWork, WorkMarker, is_fault, keep_grads, put_grads, until_done
 from ftrun.sharding import is_sharded, mesh_coordinates
 from ftrun.transfer import RNGState
 from ftrun.worker import Worker, current
@@ -523,7 +523,7 @@ class FTFabric(RecoverableWork, Fabric):
             return super().backward(tensor, *args, model=model, **kwargs)
         # A step's last micro-batch: what a retry inside optimizer.step() starts from.
         params = self._ft_params()
-        grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+        grads = keep_grads(params)
         if not self._ft_sharded:
             kwargs = {**kwargs, "retain_graph": True}
             self._ft_retained = _Retained((tensor, *args), {**kwargs, "model": model}, grads, RNGState().state_dict())
@@ -623,13 +623,7 @@ class FTFabric(RecoverableWork, Fabric):
                                "backward did not go through fabric.backward")
         while True:
             self._rejoin_step(why)
-            for p, g in zip(self._ft_params(), retained.grads):
-                if g is None:
-                    p.grad = None
-                elif p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
+            put_grads(self._ft_params(), retained.grads)
             forward = self._ft_forward
             if self._ft_sharded and forward is not None:
                 RNGState().load_state_dict(forward.rng)

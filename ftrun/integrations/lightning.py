@@ -67,7 +67,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer import call
 
 from ftrun.contract import RankEnv
-from ftrun.integrations.common import until_done
+from ftrun.integrations.common import keep_grads, put_grads, until_done
 from ftrun.transfer import RNGState
 from ftrun.worker import Worker, current
 
@@ -297,7 +297,7 @@ class FTStrategy(DDPStrategy):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         # What the closure's retry starts from: the gradients the earlier micro-batches accumulated
         # (only the last micro-batch is run again), the random streams, the logged step metrics.
-        grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+        grads = keep_grads(params)
         rng = RNGState().state_dict()
         results = _results_state(self._trainer)
         while True:
@@ -322,13 +322,7 @@ class FTStrategy(DDPStrategy):
             # second time over the state it took. It ends, and ARF replaces it.
             raise RuntimeError(f"ftrun.integrations.lightning: rank {self._ft.rank} repaired step {self._step}, which "
                                f"its replicas committed; it resumes at step {step} as a respawned rank")
-        for p, g in zip(params, grads):
-            if g is None:
-                p.grad = None
-            elif p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
+        put_grads(params, grads)
         RNGState().load_state_dict(rng)
         _load_results_state(self._trainer, results)
 
