@@ -2,7 +2,7 @@
 
 Run a script with ``ftrun --worker_num 4 train.py``. Inside the script, the worker library (this
 package's top level) reports progress and, with :func:`init`, lets ftrun recover a failed rank in
-place: see :mod:`ftrun.worker`. Importing ``ftrun`` does not import torch; the worker library loads
+place: see :mod:`ftrun.rank.worker`. Importing ``ftrun`` does not import torch; the worker library loads
 it when first used.
 """
 
@@ -24,18 +24,18 @@ def report(step: int, **metrics: Any) -> None:
         step: the training step just finished (0-based).
         **metrics: numbers or short strings shown on the console (loss, lr, tokens/s...).
     """
-    from . import worker
+    from ftrun.rank import worker
 
     worker.report(step, **metrics)
 
 
 def __getattr__(name: str) -> Any:
     if name == "RecoverableError":
-        from .errors import RecoverableError
+        from ftrun.errors import RecoverableError
 
         return RecoverableError
     if name in ("init", "Worker"):
-        from . import worker
+        from ftrun.rank import worker
 
         return getattr(worker, name)
     raise AttributeError(f"module 'ftrun' has no attribute {name!r}")

@@ -1,5 +1,5 @@
 """``python -m ftrun``: the same as the ``ftrun`` command."""
 
-from .cli import main
+from ftrun.cli import main
 
 main()

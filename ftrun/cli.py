@@ -22,7 +22,7 @@ from typing import Any, List, Mapping, Optional
 
 import typer
 
-from .config import (
+from ftrun.config import (
     OPTIONS,
     UNSUPPORTED_TORCHRUN_FLAGS,
     ConfigError,
@@ -170,7 +170,7 @@ def run(**given: Any) -> None:
     LOG_DIR [--plot FILE.png]` summarises a run; `ftrun check SCRIPT [ARGS]` tells whether SCRIPT is exactly-once under ftrun (a script named status, report or check runs as ./status)."""
     spec = spec_from_flags(given)
     if spec.resume.lower() not in ("auto", "none"):
-        from .checkpoint import CheckpointError, resolve_resume
+        from ftrun.common.checkpoint import CheckpointError, resolve_resume
 
         try:
             resolve_resume(None, spec.resume, on_skip=lambda *_: None)
@@ -178,8 +178,8 @@ def run(**given: Any) -> None:
             raise ConfigError(f"--resume {spec.resume}: {err}; give a checkpoint directory, 'auto' or 'none'") from None
     if spec.metrics_port and spec.node_rank == 0 and not spec.node_rank_auto:
         _check_metrics_endpoint(spec)
-    from .console import make_console
-    from .launcher import Launcher
+    from ftrun.node.console import make_console
+    from ftrun.node.launcher import Launcher
 
     console = make_console(f"ftrun: {spec.script} on {spec.worker_num} rank(s)", force_plain=given["plain"])
     raise SystemExit(Launcher(spec, console).run())
@@ -199,7 +199,7 @@ def _check_metrics_endpoint(spec: JobSpec) -> None:
     if spec.metrics_port == spec.master_port:
         raise ConfigError(f"--metrics_port {spec.metrics_port} is also --master_port (the rendezvous store's); "
                           "give the metrics another port")
-    from .metrics import MetricsError, check_endpoint, metrics_bind_address
+    from ftrun.coordinator.metrics import MetricsError, check_endpoint, metrics_bind_address
 
     try:
         check_endpoint(metrics_bind_address(spec.metrics_addr, spec.master_addr, spec.nnodes), spec.metrics_port)
@@ -224,7 +224,7 @@ def status(
     """Show a job's ranks, progress, goodput and faults, read from its log directory. Exit code: 0 when it
     runs or succeeded, its exit code when it failed (1 when it ended without a final status), 2 when there
     is no job."""
-    from .status import resolve_log_dir, show
+    from ftrun.tools.status import resolve_log_dir, show
 
     raise SystemExit(show(resolve_log_dir(log_dir), watch=watch, plain=True if plain else None))
 
@@ -242,8 +242,8 @@ def report(
 ) -> None:
     """Summarise a run from its events.jsonl: the faults and recoveries on a timeline with their cost
     (detection, respawn, rebuild, transfer), goodput, checkpoints, and the root cause of a failure."""
-    from .report import ReportError, format_report, load_report, plot_timeline
-    from .status import resolve_log_dir
+    from ftrun.tools.report import ReportError, format_report, load_report, plot_timeline
+    from ftrun.tools.status import resolve_log_dir
 
     if plot is not None:
         target = Path(plot)
@@ -285,7 +285,7 @@ def check(
     section; each must end with the same parameters and buffers. If one does not: the step and the
     tensor where it first differs (a parameter or buffer, or a module or optimizer not registered
     with ftrun), and the likely cause. Exit code 0: exactly-once; 1: not; 2: it did not run."""
-    from .check import check as run_check, parse_scenarios
+    from ftrun.tools.check import check as run_check, parse_scenarios
 
     try:
         only = parse_scenarios(scenarios)
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     ``ftrun status ...``, ``ftrun report ...`` and ``ftrun check ...`` are subcommands when the first
     argument is exactly ``status``, ``report`` or ``check``; a script of that name runs as ``ftrun ./status``.
     """
-    from .report import ReportError
+    from ftrun.tools.report import ReportError
 
     args = list(argv if argv is not None else sys.argv[1:])
     if args and args[0] in SUBCOMMANDS:

@@ -97,8 +97,8 @@ def _patch_digest(mod):
             return None
         return update(self, t)
     F.update = _update
-_PATCHES = {"ftrun.exactlyonce": ("ExactlyOnceChecks", _patch_exactlyonce), "ftrun.reducer": ("GradientReducer", _patch_reducer),
-            "ftrun.rankstate": ("RankStateStore", _patch_rankstate), "ftrun.digest": ("Fingerprint", _patch_digest)}
+_PATCHES = {"ftrun.rank.exactlyonce": ("ExactlyOnceChecks", _patch_exactlyonce), "ftrun.rank.reducer": ("GradientReducer", _patch_reducer),
+            "ftrun.rank.rankstate": ("RankStateStore", _patch_rankstate), "ftrun.rank.digest": ("Fingerprint", _patch_digest)}
 _import = builtins.__import__
 def _hooked(name, *args, **kwargs):
     module = _import(name, *args, **kwargs)

@@ -275,7 +275,7 @@ def hot_ready(workdir: Path) -> bool:
 
 def find_rank_pid(launcher_pid: int, rank: int, script: str) -> int | None:
     """PID of the process serving ``rank`` below the launcher (read from its environment; a promoted
-    ftrun spare, ``python -m ftrun.spare``, shows its rank's there too)."""
+    ftrun spare, ``python -m ftrun.rank.spare``, shows its rank's there too)."""
     try:
         children = psutil.Process(launcher_pid).children(recursive=True)
     except psutil.NoSuchProcess:
@@ -283,7 +283,7 @@ def find_rank_pid(launcher_pid: int, rank: int, script: str) -> int | None:
     for child in children:
         try:
             line = " ".join(child.cmdline())
-            if (script in line or "ftrun.spare" in line) and child.environ().get("RANK") == str(rank):
+            if (script in line or "ftrun.rank.spare" in line) and child.environ().get("RANK") == str(rank):
                 return child.pid
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -323,9 +323,9 @@ class MemorySampler:
             return None
         if proc.pid == self.root_pid:
             return "launcher"
-        if "ftrun.supervisor" in cmdline:
+        if "ftrun.node.supervisor" in cmdline:
             return "supervisor"
-        if "ftrun.spare" in cmdline:
+        if "ftrun.rank.spare" in cmdline:
             return "spare"  # a warm spare, idle or (same command line) promoted to a rank
         return "rank" if self.script in cmdline else None
 
@@ -361,7 +361,7 @@ def ranks_cpu(launcher_pid: int, script: str) -> tuple[float, int]:
     for child in children:
         try:
             line = " ".join(child.cmdline())
-            if (script in line or "ftrun.spare" in line) and "RANK" in child.environ():
+            if (script in line or "ftrun.rank.spare" in line) and "RANK" in child.environ():
                 times = child.cpu_times()
                 total, count = total + times.user + times.system, count + 1
         except psutil.Error:
@@ -1533,7 +1533,7 @@ def report(results: dict[str, Any]) -> str:
                       "spare_window; cpu_*: rank 0's training thread, CPU ms a step, and ftrun's extra, pairwise)"]
         lines += overhead_table(parts["overhead-real"])
     if results.get("transfer"):
-        lines += ["", "== transfer: ftrun.transfer between two otherwise idle processes over gloo, no training "
+        lines += ["", "== transfer: ftrun.rank.transfer between two otherwise idle processes over gloo, no training "
                       "(into: into tensors the recipient has; fresh: into new ones)"]
         lines += transfer_table(results["transfer"])
     if results.get("errors"):
@@ -1637,13 +1637,13 @@ def plot(results: dict[str, Any], directory: Path) -> list[Path]:
 
 
 def transfer_worker(rank: int, port: int, sizes_mb: list[float], repeats: int) -> None:
-    """One side of the raw transfer measurement: rank 0 sends ``ftrun.transfer`` states of each
+    """One side of the raw transfer measurement: rank 0 sends ``ftrun.rank.transfer`` states of each
     size to rank 1, which receives them into tensors it already has ("into") and into none ("fresh",
     what a respawned rank's optimizer state does). Rank 1 prints one JSON line per measurement."""
     import torch
     import torch.distributed as dist
 
-    from ftrun.transfer import recv_state, send_state
+    from ftrun.rank.transfer import recv_state, send_state
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)

@@ -3,9 +3,9 @@
 A plain single-process CPU training loop (an MLP trained with Adam) is timed three ways:
 
 - ``none``: no checkpoint;
-- ``async``: :class:`ftrun.checkpoint.AsyncCheckpointer` saves model + optimizer state after
+- ``async``: :class:`ftrun.common.checkpoint.AsyncCheckpointer` saves model + optimizer state after
   *every* step (snapshot at the step boundary, written by the background thread);
-- ``sync``: the same save done inline with :func:`ftrun.checkpoint.save_shard` (for reference).
+- ``sync``: the same save done inline with :func:`ftrun.common.checkpoint.save_shard` (for reference).
 
 For each model (a large one, width 2048 with four hidden layers: 13.7 M parameters, 164 MB
 of saved state with Adam's moments; and a small one) it prints the mean and median step time,
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from ftrun import checkpoint as ckpt
+from ftrun.common import checkpoint as ckpt
 
 MODELS = {"large": (2048, 4), "small": (256, 2)}  # (hidden width, hidden layers)
 

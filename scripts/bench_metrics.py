@@ -71,8 +71,8 @@ def run_job(ranks: int, steps: int, scrape_hz: float | None) -> tuple[float, int
 
 def micro(ranks: int, repeats: int = 2000) -> tuple[float, float]:
     """CPU seconds of one progress sample and one /metrics render, for a status of ``ranks`` rows."""
-    from ftrun.metrics import JobMetrics
-    from ftrun.report import ProgressRecorder
+    from ftrun.coordinator.metrics import JobMetrics
+    from ftrun.tools.report import ProgressRecorder
 
     with tempfile.TemporaryDirectory() as tmp:
         rows = [{"rank": r, "local_rank": r, "node": 0, "pid": 1000 + r, "state": "healthy", "step": 100 + (r % 2),

@@ -12,11 +12,11 @@ import inspect
 import timeit
 
 import torch
-from ftrun.registry import StateRegistry
-from ftrun.transfer import RNGState
-from ftrun.rankstate import RankStateStore
-from ftrun.checkpoint import snapshot
-from ftrun import codec
+from ftrun.rank.registry import StateRegistry
+from ftrun.rank.transfer import RNGState
+from ftrun.rank.rankstate import RankStateStore
+from ftrun.common.checkpoint import snapshot
+from ftrun.common import codec
 
 torch.set_num_threads(1)
 NEW = "encode_rank" in inspect.signature(StateRegistry.snapshot_step_start).parameters

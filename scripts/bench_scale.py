@@ -3,15 +3,15 @@
 The job coordinator is the real one (:class:`ftrun.coordinator.Coordinator`, its main loop
 ``run()``, its ZeroMQ ROUTER, the real frame authentication, status publishing and events), in a
 process of its own, as node 0's supervisor runs it. The job's store is the real one too
-(:func:`ftrun.stores.serve_store`, a torch ``TCPStore``), in another process, as node 0's launcher
+(:func:`ftrun.common.stores.serve_store`, a torch ``TCPStore``), in another process, as node 0's launcher
 hosts it. Only the ranks and the other nodes' agents are simulated, many per process and without
 torch: each simulated rank has its own DEALER connection, its own frame session
-(:class:`ftrun.protocol.Sender`) and its own :class:`ftrun.control.StepBoard`, and sends what a rank
+(:class:`ftrun.common.protocol.Sender`) and its own :class:`ftrun.rank.client.StepBoard`, and sends what a rank
 of the worker library sends (``hello``, a ``heartbeat`` with its step board every
 ``--heartbeat_interval``, ``fault`` in answer to an abort, ``recovered`` after a plan); each
 simulated agent says hello, beats, answers ``spawn`` with ``spawned`` and starts the new rank's
 connection, and reports a rank's exit. Rank-state records go to the store through the real
-:class:`ftrun.rankstate.RankStateStore` (one store client per simulation process, not one per rank).
+:class:`ftrun.rank.rankstate.RankStateStore` (one store client per simulation process, not one per rank).
 Node 0's own agent is :class:`SimLocalAgent`, an :class:`ftrun.coordinator.agents.AgentHandle` that starts no
 process: its ranks are simulated like the others.
 
@@ -62,8 +62,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from ftrun.contract import GENERATION, STANDBY_NODE_INDEX  # noqa: E402
-from ftrun.protocol import MsgType  # noqa: E402
+from ftrun.common.contract import GENERATION, STANDBY_NODE_INDEX  # noqa: E402
+from ftrun.common.protocol import MsgType  # noqa: E402
 
 PER_NODE = 8
 RECORD_BYTES = 18_912  # word_lm's rank-state record (docs/benchmarks.md)
@@ -162,7 +162,7 @@ def _as_agent_handle() -> type:
 # --------------------------------------------------------------------------- node 0's processes
 def store_main(conn: Any) -> None:
     """Node 0's launcher's part: host the job's store (the real one) until killed."""
-    from ftrun.stores import serve_store
+    from ftrun.common.stores import serve_store
 
     store, port = serve_store("127.0.0.1", 0, 600.0)
     conn.send(port)
@@ -245,7 +245,7 @@ def proc_rss_bytes(pid: int) -> int:
 # --------------------------------------------------------------------------- simulated ranks and agents
 @dataclass
 class Progress:
-    """What :class:`ftrun.control.StepBoard` reads of a rank's progress."""
+    """What :class:`ftrun.rank.client.StepBoard` reads of a rank's progress."""
 
     committed: int = -1
     current_step: int | None = None
@@ -328,7 +328,7 @@ class Simulation:
                  step_s: float) -> None:
         import zmq
 
-        from ftrun.protocol import FrameAuth
+        from ftrun.common.protocol import FrameAuth
 
         self.zmq = zmq
         self.ctx = zmq.Context()
@@ -352,7 +352,7 @@ class Simulation:
 
     # ------------------------------------------------------------------ sockets and frames
     def _dealer(self, prefix: bytes) -> tuple[Any, Any, Any]:
-        from ftrun.protocol import Receiver, Sender, to_peer
+        from ftrun.common.protocol import Receiver, Sender, to_peer
 
         zmq = self.zmq
         sock = self.ctx.socket(zmq.DEALER)
@@ -365,7 +365,7 @@ class Simulation:
         return sock, Sender(self.auth), Receiver(self.auth, to_peer(identity))
 
     def _send(self, sock: Any, sender: Any, msg_type: MsgType, **fields: Any) -> None:
-        from ftrun.protocol import CONTROL, encode
+        from ftrun.common.protocol import CONTROL, encode
 
         frame = encode(msg_type, sender, CONTROL, **fields)
         try:
@@ -387,7 +387,7 @@ class Simulation:
                 self.start_rank(node, rank, 0, 0)
 
     def start_rank(self, node: SimNode, rank: int, incarnation: int, generation: int) -> None:
-        from ftrun.control import StepBoard
+        from ftrun.rank.client import StepBoard
 
         sock, sender, receiver = self._dealer(b"r")
         progress = Progress(committed=-1 if incarnation == 0 else -2)
@@ -409,7 +409,7 @@ class Simulation:
 
     # ------------------------------------------------------------------ what node 0 sends
     def receive(self, timeout_ms: int) -> None:
-        from ftrun.protocol import ProtocolError, decode
+        from ftrun.common.protocol import ProtocolError, decode
 
         for sock, _ in self.poller.poll(timeout_ms):
             owner = self.by_sock.get(sock)
@@ -528,7 +528,7 @@ class Simulation:
 
         from torch.distributed import TCPStore
 
-        from ftrun.rankstate import RankStateStore
+        from ftrun.rank.rankstate import RankStateStore
 
         client = CountingStore(TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60)))
         writers = [(r, RankStateStore(client, 0, r.rank)) for r in self.ranks_list if r.alive and not r.node.silent]
@@ -543,7 +543,7 @@ class Simulation:
         writers = rec["writers"]
         label = 1000 + rec["step"]
         for r, writer in writers[rec["next"]:rec["next"] + chunk]:
-            # A step's writes (ftrun.rankstate): the provisional record at the backward pass, the
+            # A step's writes (ftrun.rank.rankstate): the provisional record at the backward pass, the
             # local gradient's digest, the next step start's record (equal to the provisional one:
             # not written).
             writer.put_encoded(label, rec["blob"], provisional=True)

@@ -3,7 +3,7 @@ ftrun's step transaction against the same step without it, in one process, pair 
 
 With two optimizers, the first update of a step (the discriminator's) may not be the step's last
 change, so ftrun keeps an undo copy of what it changes (its parameters and Adam's two moments)
-until the step commits (:mod:`ftrun.transaction`); the generator's update, the last, keeps none.
+until the step commits (:mod:`ftrun.rank.transaction`); the generator's update, the last, keeps none.
 With one optimizer nothing is copied. Prints, as JSON: the bytes held by the undo copy, the
 model's parameter bytes, and the step time with and without the transaction (medians over
 interleaved rounds, and their ratio).
@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ftrun.registry import StateRegistry  # noqa: E402
-from ftrun.transaction import ModuleBuffers  # noqa: E402
+from ftrun.rank.registry import StateRegistry  # noqa: E402
+from ftrun.rank.transaction import ModuleBuffers  # noqa: E402
 
 
 def nets(nz: int, ngf: int, ndf: int, nc: int = 3) -> tuple[nn.Module, nn.Module]:

@@ -43,7 +43,7 @@ def draw_console(log_dir: Path, target: Path, width: int = 118) -> None:
     """Draw the job in LOG_DIR as the console shows it, into TARGET (SVG)."""
     from rich.console import Console
 
-    from ftrun.status import read_snapshot, rich_view
+    from ftrun.tools.status import read_snapshot, rich_view
 
     console = Console(record=True, width=width, file=open(os.devnull, "w"), force_terminal=True)
     console.print(rich_view(read_snapshot(log_dir)))

@@ -232,7 +232,7 @@ def gpu_bytes_of(pids: list[int]) -> dict[str, int] | None:
 
 
 def memory_wait(log_dir: Path, rank: int) -> dict[str, Any] | None:
-    """The respawned rank's wait for its GPU's memory, as its log says (ftrun.cuda.MemoryWait.line)."""
+    """The respawned rank's wait for its GPU's memory, as its log says (ftrun.rank.cuda.MemoryWait.line)."""
     path = log_dir / f"worker_{rank}.log"
     match = MEMORY_LINE.search(path.read_text(errors="replace")) if path.exists() else None
     return None if match is None else {"ready": match.group(1) == "ready", "waited_s": float(match.group(2)),
@@ -346,7 +346,7 @@ def charlm_medium_state(device: str) -> dict[str, Any]:
 
 
 def state_digest(state: Any) -> str:
-    from ftrun.codec import flatten
+    from ftrun.common.codec import flatten
 
     _skeleton, tensors = flatten(state)
     h = hashlib.sha256()
@@ -359,7 +359,7 @@ def _transfer_rank(rank: int, device: str, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from ftrun.transfer import recv_state, send_state
+    from ftrun.rank.transfer import recv_state, send_state
 
     if device == "cuda":
         torch.cuda.set_device(0)
@@ -396,7 +396,7 @@ def transfer_and_snapshot(device: str) -> dict[str, Any]:
     import torch
     import torch.multiprocessing as mp
 
-    from ftrun.checkpoint import snapshot
+    from ftrun.common.checkpoint import snapshot
 
     state = charlm_medium_state(device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -406,8 +406,8 @@ def transfer_and_snapshot(device: str) -> dict[str, Any]:
         started = time.perf_counter()
         copy = snapshot(state, reuse=copy)
         timings.append(round(time.perf_counter() - started, 4))
-    nbytes = sum(t.numel() * t.element_size() for t in __import__("ftrun.codec").codec.flatten(state)[1])
-    pinned = all(t.is_pinned() for t in __import__("ftrun.codec").codec.flatten(copy)[1] if t.numel()) if device == "cuda" else None
+    nbytes = sum(t.numel() * t.element_size() for t in __import__("ftrun.common.codec").codec.flatten(state)[1])
+    pinned = all(t.is_pinned() for t in __import__("ftrun.common.codec").codec.flatten(copy)[1] if t.numel()) if device == "cuda" else None
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -77,7 +77,7 @@ fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # 2. Imports and the GPU.
-if INFO=$("$PYTHON" -c "import ftrun.worker, ftrun.cuda, zmq, msgpack, xxhash, torch; print(torch.__version__, int(torch.cuda.is_available()), torch.cuda.device_count())" 2>&1); then
+if INFO=$("$PYTHON" -c "import ftrun.rank.worker, ftrun.rank.cuda, zmq, msgpack, xxhash, torch; print(torch.__version__, int(torch.cuda.is_available()), torch.cuda.device_count())" 2>&1); then
     stage imports PASS "torch $INFO"
     GPU=$(echo "$INFO" | awk '{print $2}')
 else

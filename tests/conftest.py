@@ -181,7 +181,7 @@ class FtrunProc:
 
     def dump_stacks(self) -> str:
         """The Python stacks of the launcher (in its stderr) and of its supervisor or agent (in its
-        log's tail), asked for with SIGUSR1 (``ftrun.procs.dump_stacks_on_sigusr1``): where a
+        log's tail), asked for with SIGUSR1 (``ftrun.common.procs.dump_stacks_on_sigusr1``): where a
         launcher that did not exit was stuck."""
         try:
             launcher = psutil.Process(self.pid)

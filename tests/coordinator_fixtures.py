@@ -18,12 +18,12 @@ from typing import Any, Mapping
 import pytest
 
 from ftrun.config import JobSpec
-from ftrun.control import StepBoard
+from ftrun.rank.client import StepBoard
 from ftrun.coordinator import Coordinator
 from ftrun.coordinator.agents import AgentHandle, Spawned, Stacks
-from ftrun.protocol import Message, MsgType
-from ftrun.recovery import RankProgress
-from ftrun.spawner import ExitReport
+from ftrun.common.protocol import Message, MsgType
+from ftrun.rank.recovery import RankProgress
+from ftrun.node.spawner import ExitReport
 
 TOKEN = "t" * 64
 

@@ -13,8 +13,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import bench_scale as bs  # noqa: E402
 
 from ftrun.coordinator.agents import AgentHandle, Spawned  # noqa: E402
-from ftrun.contract import STANDBY_NODE_INDEX  # noqa: E402
-from ftrun.policy import replica_groups_from_hello  # noqa: E402
+from ftrun.common.contract import STANDBY_NODE_INDEX  # noqa: E402
+from ftrun.coordinator.policy import replica_groups_from_hello  # noqa: E402
 
 
 def test_beats_are_spread_over_the_interval_and_a_late_sender_does_not_burst() -> None:

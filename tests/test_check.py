@@ -56,7 +56,7 @@ def test_check_finds_a_broken_port_and_says_why(tmp_path: Path, scenarios: str, 
 def _doc(steps: dict[int, list[str]], names: list[tuple[str, str, str]], rank: int = 0, incarnation: int = 0,
          epochs: list[tuple[int, int]] = (), points: dict[int, dict[str, int]] | None = None,
          sections: list[tuple[str, int]] = (), unregistered: dict[str, str] | None = None) -> dict:
-    """A trace document as ftrun.trace.RunTrace.write writes it; ``names``: (name, kind, owner)."""
+    """A trace document as ftrun.rank.trace.RunTrace.write writes it; ``names``: (name, kind, owner)."""
     return {"rank": rank, "incarnation": incarnation, "committed": max(steps, default=-1),
             "names": [n for n, _, _ in names], "kinds": [k for _, k, _ in names], "owners": [o for _, _, o in names],
             "steps": {str(s): v for s, v in steps.items()},
@@ -71,13 +71,13 @@ _DCGAN = [("netD.main.0.weight", "parameter", "netD"), ("netD.main.1.running_mea
 
 
 def _run_trace(fingerprints: dict[int, list[str]], world: int = 2, **kw) -> "Trace":
-    from ftrun.check import Trace
+    from ftrun.tools.check import Trace
 
     return Trace({r: _doc(fingerprints, _DCGAN, rank=r, **kw) for r in range(world)})
 
 
 def test_a_step_with_several_all_reduces_and_updates_gets_a_kill_at_each() -> None:
-    from ftrun.check import StepShape, Trace, choose_scenarios, step_shape
+    from ftrun.tools.check import StepShape, Trace, choose_scenarios, step_shape
 
     steps = {s: ["p", "b", "g", "o"] for s in range(40)}
     epochs = [(1, 0), (2, 10), (3, 20), (4, 30)]
@@ -113,7 +113,7 @@ def test_a_step_with_several_all_reduces_and_updates_gets_a_kill_at_each() -> No
 
 
 def test_a_step_with_many_all_reduces_gets_kills_spread_over_them() -> None:
-    from ftrun.check import MAX_PER_POINT, Trace, choose_scenarios, spread
+    from ftrun.tools.check import MAX_PER_POINT, Trace, choose_scenarios, spread
 
     assert spread(2, 4) == [2, 3, 4] and spread(1, 1) == [1] and spread(2, 1) == []
     assert spread(2, 20, 4) == [2, 8, 14, 20]
@@ -124,7 +124,7 @@ def test_a_step_with_many_all_reduces_gets_kills_spread_over_them() -> None:
 
 
 def test_the_new_scenario_kinds_are_options() -> None:
-    from ftrun.check import parse_scenarios
+    from ftrun.tools.check import parse_scenarios
 
     assert parse_scenarios("backward,update") == {"backward", "update"}
     with pytest.raises(ValueError, match="choose from allreduce, epoch_end, epoch_start, section, backward, update"):
@@ -132,7 +132,7 @@ def test_the_new_scenario_kinds_are_options() -> None:
 
 
 def test_first_difference_names_an_unregistered_object_then_a_buffer_then_a_parameter() -> None:
-    from ftrun.check import Difference, first_difference
+    from ftrun.tools.check import Difference, first_difference
 
     good = {s: [f"p{s}", f"b{s}", f"g{s}", f"o{s}"] for s in range(10)}
     reference = _run_trace(good)
@@ -162,7 +162,7 @@ def test_first_difference_names_an_unregistered_object_then_a_buffer_then_a_para
     assert later.describe() == "in optimizerG, an optimizer not registered with ftrun (its state)"
     # Only on the respawned rank (rank 1's newest incarnation, from step 6 on), matched by name
     # although its process found one more object.
-    from ftrun.check import Trace
+    from ftrun.tools.check import Trace
 
     bad = changed({6: (2,)})
     extra = _DCGAN + [("unregistered:best.weight", "unregistered module", "best")]
@@ -172,7 +172,7 @@ def test_first_difference_names_an_unregistered_object_then_a_buffer_then_a_para
 
 
 def test_the_likely_cause_names_what_ftrun_does_not_know_about() -> None:
-    from ftrun.check import Difference, Scenario, Trace, explain
+    from ftrun.tools.check import Difference, Scenario, Trace, explain
 
     steps = {s: ["p", "b", "g", "o"] for s in range(12)}
     reference = _run_trace(steps, epochs=[(1, 0), (2, 6)])
@@ -217,7 +217,8 @@ def test_the_likely_cause_names_what_ftrun_does_not_know_about() -> None:
 
 
 def test_the_check_and_the_trace_name_kinds_alike() -> None:
-    from ftrun import check, trace
+    from ftrun.tools import check
+    from ftrun.rank import trace
 
     for name in ("PARAMETER", "BUFFER", "UNREGISTERED_MODULE", "UNREGISTERED_OPTIMIZER"):
         assert getattr(check, name) == getattr(trace, name)
@@ -229,11 +230,11 @@ def test_the_trace_fingerprints_buffers_point_counts_and_unregistered_objects(tm
 
     import torch
 
-    from ftrun import trace as trace_module
-    from ftrun.check import Trace, layout
-    from ftrun.digest import fingerprint
-    from ftrun.optim import FTOptimizer
-    from ftrun.registry import StateRegistry
+    from ftrun.rank import trace as trace_module
+    from ftrun.tools.check import Trace, layout
+    from ftrun.rank.digest import fingerprint
+    from ftrun.rank.optim import FTOptimizer
+    from ftrun.rank.registry import StateRegistry
 
     torch.manual_seed(0)
     net_d = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))

@@ -1,4 +1,4 @@
-"""Unit tests of ftrun.checkpoint: format, atomic writes, verification, resume, pruning, async saves.
+"""Unit tests of ftrun.common.checkpoint: format, atomic writes, verification, resume, pruning, async saves.
 
 All in one process, on small states; corruption is made by editing files, never by timing.
 """
@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from ftrun import checkpoint as ckpt
-from ftrun.checkpoint import AsyncCheckpointer, CheckpointError, ShardInfo
-from ftrun.transfer import RNGState
+from ftrun.common import checkpoint as ckpt
+from ftrun.common.checkpoint import AsyncCheckpointer, CheckpointError, ShardInfo
+from ftrun.rank.transfer import RNGState
 
 
 def _realistic_state() -> dict[str, Any]:
@@ -160,7 +160,7 @@ def test_the_next_start_completes_a_full_set_the_supervisor_could_not_record(tmp
 
 def test_write_manifest_does_not_import_torch(tmp_path: Path) -> None:
     code = (
-        "import sys, json; from pathlib import Path; from ftrun import checkpoint as c\n"
+        "import sys, json; from pathlib import Path; from ftrun.common import checkpoint as c\n"
         "d = Path(sys.argv[1]); d.mkdir(); (d / 'shard_0.pt').write_bytes(b'x')\n"
         "c.write_manifest(d, 1, 1, [[0]], {0: {'file': 'shard_0.pt', 'bytes': 1, 'sha256': '0' * 64}})\n"
         "c.find_latest(d.parent, on_skip=lambda p, r: None); c.prune(d.parent, 1)\n"
@@ -384,7 +384,7 @@ def test_a_shard_that_does_not_load_marks_its_checkpoint_unusable(tmp_path: Path
     import hashlib
     import pathlib
 
-    from ftrun.shards import RankCheckpoints
+    from ftrun.rank.shards import RankCheckpoints
 
     _complete(tmp_path, 3)
     directory = _complete(tmp_path, 4)
@@ -410,7 +410,7 @@ def test_snapshot_of_plain_dicts_rebuilds_them_and_shares_primitives() -> None:
     dicts); the copy is what the general path gives: new dicts, numpy keys as Python scalars."""
     import numpy as np
 
-    from ftrun.checkpoint import snapshot
+    from ftrun.common.checkpoint import snapshot
 
     inner = {"lr": 20.0, "name": "x", "on": True, "none": None, np.int64(3): b"b"}
     state = {"annealing": inner, "t": torch.ones(2)}

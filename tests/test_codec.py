@@ -1,4 +1,4 @@
-"""The one state codec (ftrun.codec) that transfers, checkpoints and rank state share: each case
+"""The one state codec (ftrun.common.codec) that transfers, checkpoints and rank state share: each case
 round-trips through the wire form, the byte form and a checkpoint file."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from ftrun import checkpoint as ckpt
-from ftrun import codec
-from ftrun.transfer import RNGState
+from ftrun.common import checkpoint as ckpt
+from ftrun.common import codec
+from ftrun.rank.transfer import RNGState
 
 
 def _wire(state: Any) -> Any:
@@ -105,7 +105,7 @@ def test_rng_state_reuses_python_randoms_words_only_while_unchanged():
     one, and loading an older state dict restores the stream exactly."""
     import random
 
-    from ftrun.transfer import RNGState
+    from ftrun.rank.transfer import RNGState
 
     rng = RNGState()
     random.seed(5)
@@ -196,8 +196,8 @@ def test_a_rank_record_keeps_every_value_and_type_bit_for_bit() -> None:
 
     import numpy as np
 
-    from ftrun.codec import from_bytes, from_record, to_bytes, to_record
-    from ftrun.transfer import RNGState
+    from ftrun.common.codec import from_bytes, from_record, to_bytes, to_record
+    from ftrun.rank.transfer import RNGState
 
     fast = [
         {"rng": RNGState().state_dict(), "hidden": {"h": torch.randn(2, 3, requires_grad=True), "c": torch.randn(3, 4)[:, 1]}},
@@ -223,7 +223,7 @@ def test_a_record_takes_the_common_tensor_by_a_short_path_with_the_same_bytes() 
     """A contiguous CPU tensor of a dtype numpy can view, with no gradient, is recorded
     with a third of the calls (a record is made twice a step); its bytes must be those of the
     general path, which a strided view or a tensor that requires grad takes."""
-    from ftrun.codec import from_record, to_record
+    from ftrun.common.codec import from_record, to_record
 
     for dtype in (torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64,
                   torch.uint8, torch.bool):
@@ -244,8 +244,8 @@ def test_a_lazily_negated_or_conjugated_tensor_is_kept_as_its_values(monkeypatch
     transfer never receives into such a tensor's memory (the values would come out negated)."""
     import torch.distributed as dist
 
-    from ftrun.digest import fingerprint
-    from ftrun.transfer import recv_state, send_state
+    from ftrun.rank.digest import fingerprint
+    from ftrun.rank.transfer import recv_state, send_state
 
     base, complex_base = torch.tensor([1.5, -2.0, 0.0]), torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
     lazy = {"neg": torch._neg_view(base), "conj": complex_base.conj()}

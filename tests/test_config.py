@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import ftrun.cli
-import ftrun.launcher
+import ftrun.node.launcher
 from ftrun.config import (
     MAX_CONFIG_BYTES,
     MAX_TIMEOUT_S,
@@ -31,7 +31,7 @@ from ftrun.config import (
     read_toml,
     resolve,
 )
-from ftrun.faults import parse_faults
+from ftrun.common.faults import parse_faults
 
 from config_fixtures import cli, res
 
@@ -406,7 +406,7 @@ def test_jobspec_json_round_trip_defaults():
 
 
 class FakeLauncher:
-    """Stands in for ftrun.launcher.Launcher: records the spec, runs nothing."""
+    """Stands in for ftrun.node.launcher.Launcher: records the spec, runs nothing."""
 
     specs: list[JobSpec] = []
 
@@ -424,7 +424,7 @@ def cli_spec(tmp_path, monkeypatch, script):
         if key.startswith("FTRUN_") or key == "MS_ENABLE_TFT":
             monkeypatch.delenv(key)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(ftrun.launcher, "Launcher", FakeLauncher)
+    monkeypatch.setattr(ftrun.node.launcher, "Launcher", FakeLauncher)
     FakeLauncher.specs = []
 
     def run(*argv: str) -> JobSpec:
@@ -754,7 +754,7 @@ def test_ftrun_fault_valid_values_pass(tmp_path, script):
 
 
 def test_ftrun_fault_nth_fires_at_the_kth_visit_of_the_point_at_that_step():
-    from ftrun.faults import FaultInjector, InjectedFault
+    from ftrun.common.faults import FaultInjector, InjectedFault
 
     faults = parse_faults("rank=1,step=5,point=allreduce,nth=3,kind=exception; rank=1,step=5,point=optimizer,kind=exception")
     injector = FaultInjector(faults, rank=1, incarnation=0, attempt=0)
@@ -1156,7 +1156,7 @@ def test_the_default_port_of_a_single_node_job_falls_back_to_a_free_one(tmp_path
     takes a free port, as torchrun does; a port given anywhere is kept (and refused when taken)."""
     import socket
 
-    from ftrun.launcher import host_store
+    from ftrun.node.launcher import host_store
 
     assert res(tmp_path, script).master_port_auto
     assert not res(tmp_path, script, {"master_port": "29500"}).master_port_auto

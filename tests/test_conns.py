@@ -1,4 +1,4 @@
-"""ftrun.conns: a release shuts down the process group's connections and nothing else."""
+"""ftrun.rank.conns: a release shuts down the process group's connections and nothing else."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from ftrun.conns import GroupConnections
+from ftrun.rank.conns import GroupConnections
 
 
 def _pair(listener: socket.socket) -> tuple[socket.socket, socket.socket]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ftrun.protocol import CONTROL, MsgType, Receiver, Sender, decode, encode, pack, to_peer, unpack
+from ftrun.common.protocol import CONTROL, MsgType, Receiver, Sender, decode, encode, pack, to_peer, unpack
 
 TOKEN = "a" * 64
 
@@ -17,7 +17,7 @@ def test_channel_io_thread_survives_a_failing_handler(capfd):
 
     import zmq
 
-    from ftrun.channel import Channel
+    from ftrun.rank.channel import Channel
 
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)
@@ -52,10 +52,10 @@ def test_recovery_uses_a_plan_taken_with_its_abort():
     """A plan that arrived right behind its abort (both taken by one poll, before the rank entered
     its recovery loop) is carried out, not dropped: dropping it left the rank waiting for a plan
     that had come, until the coordinator replaced it as hung."""
-    from ftrun.control import ControlClient
-    from ftrun.faults import FaultInjector
-    from ftrun.recovery import RankProgress, Recovery
-    from ftrun.registry import StateRegistry
+    from ftrun.rank.client import ControlClient
+    from ftrun.common.faults import FaultInjector
+    from ftrun.rank.recovery import RankProgress, Recovery
+    from ftrun.rank.registry import StateRegistry
 
     sent = []
 
@@ -96,7 +96,7 @@ def test_an_abandoned_all_reduce_failing_late_leaves_later_passes_alone(monkeypa
 
     import torch
 
-    from ftrun import reducer as reducer_mod
+    from ftrun.rank import reducer as reducer_mod
 
     works = []
 
@@ -136,7 +136,7 @@ def test_a_gloo_group_is_unregistered_and_never_destructed():
     GIL the destructor holds to free their last work."""
     import torch.distributed as dist
 
-    from ftrun import group as group_mod
+    from ftrun.rank import group as group_mod
 
     for managed in (True, False):
         group = group_mod.TrainingGroup("gloo", world_size=1, pg_timeout=30, cluster_timeout=30)
@@ -156,8 +156,8 @@ def test_a_bucket_all_reduce_started_directly_is_dist_all_reduce():
     import torch
     import torch.distributed as dist
 
-    from ftrun.group import GroupDown, TrainingGroup
-    from ftrun.reducer import start_all_reduce
+    from ftrun.rank.group import GroupDown, TrainingGroup
+    from ftrun.rank.reducer import start_all_reduce
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     group = TrainingGroup("gloo", world_size=4, pg_timeout=30, cluster_timeout=30)
@@ -183,7 +183,7 @@ def test_between_generations_the_default_group_knows_its_rank_and_fails_collecti
     import torch
     import torch.distributed as dist
 
-    from ftrun.group import GroupDown, TrainingGroup
+    from ftrun.rank.group import GroupDown, TrainingGroup
 
     group = TrainingGroup("gloo", world_size=4, pg_timeout=30, cluster_timeout=30)
     group.bind(rank=2, incarnation=0, attempt=0, managed=True)
@@ -212,8 +212,8 @@ class _Clock:
 
 
 def _board():
-    from ftrun.control import StepBoard
-    from ftrun.recovery import RankProgress
+    from ftrun.rank.client import StepBoard
+    from ftrun.rank.recovery import RankProgress
 
     clock = _Clock()
     return StepBoard(RankProgress(), clock=clock), clock
@@ -249,7 +249,7 @@ def test_step_board_gives_phases_as_ages_and_each_step_time_once():
 
 
 def test_step_board_lists_the_newest_step_times_and_folds_the_older_ones():
-    from ftrun.control import SAMPLES_LISTED
+    from ftrun.rank.client import SAMPLES_LISTED
 
     board, clock = _board()
     for step in range(SAMPLES_LISTED + 6):
@@ -282,8 +282,8 @@ def test_step_board_takes_no_step_time_across_a_section_or_a_recovery():
 def test_control_messages_move_the_board_before_they_leave():
     """A fault report, a recovery's end and the loop's end set the board's phase before the
     message is queued, so no heartbeat after the message contradicts it."""
-    from ftrun.control import ControlClient
-    from ftrun.recovery import RankProgress
+    from ftrun.rank.client import ControlClient
+    from ftrun.rank.recovery import RankProgress
 
     sent = []
 

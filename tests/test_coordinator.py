@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from ftrun.coordinator import OFFENDER_REJECTS, PLAN_DEADLINE_S, REPORT_DEADLINE_S, Coordinator
-from ftrun.policy import STARTUP_HOLD_S, STARTUP_WINDOW_S
-from ftrun.protocol import MsgType
-from ftrun.spawner import ExitReport
+from ftrun.coordinator.policy import STARTUP_HOLD_S, STARTUP_WINDOW_S
+from ftrun.common.protocol import MsgType
+from ftrun.node.spawner import ExitReport
 
 from coordinator_fixtures import (TOKEN, Clock, FakeAgent, beat, beat_all, begin, board, close_coordinators,  # noqa: F401
                                   events, hello_all, ident, kinds, make, msg, send, step)
@@ -448,7 +448,7 @@ def test_lost_node_is_replaced_and_its_old_agent_fenced(tmp_path: Path) -> None:
     # the recovery's cost split: the node's silence, then the wait for its replacement, apart from the respawn
     assert finished["detection_seconds"] == 30.0 and finished["node_wait_seconds"] == {"2": 4.0, "3": 4.0}
     assert all(v <= 0.0 for v in finished["respawn_seconds"].values())  # the fake clock stood still after the join
-    from ftrun.metrics import JobMetrics
+    from ftrun.coordinator.metrics import JobMetrics
 
     metrics = JobMetrics(tmp_path, status_source=lambda: None)
     for line in (tmp_path / "events.jsonl").read_text().splitlines():
@@ -763,7 +763,7 @@ def test_every_kind_of_captured_rank_frame_replayed_is_rejected_and_changes_noth
     replayed, on the original connection or a new one, is rejected (message_rejected) and changes
     nothing: the rank keeps its connection, its step and its liveness (round 3 found a replayed
     ``hello`` taking over rank 2's place, which then got it replaced as hung)."""
-    from ftrun.channel import Channel
+    from ftrun.rank.channel import Channel
 
     coord, agent, clock = make(tmp_path)
     hello_all(coord, [0, 1, 3])
@@ -797,7 +797,7 @@ def test_every_kind_of_captured_rank_frame_replayed_is_rejected_and_changes_noth
 def test_every_kind_of_captured_agent_frame_replayed_is_rejected(tmp_path: Path) -> None:
     """The same for a node agent's frames (hello, beat, spawned, exited, stopped, stacks, spare note):
     replayed, none is accepted, and node 1 stays bound to its agent's connection."""
-    from ftrun.agent import NodeAgent
+    from ftrun.node.agent import NodeAgent
     from ftrun.coordinator.agents import RemoteAgent
 
     coord, _agent, _clock = make(tmp_path, world=4, local=2)
@@ -832,7 +832,7 @@ def test_an_agent_connection_that_closes_is_its_nodes_loss_at_once(tmp_path: Pat
     that as the node's loss at once, with no heartbeat timeout (the test's clock never moves)."""
     import time
 
-    from ftrun.agent import NodeAgent
+    from ftrun.node.agent import NodeAgent
     from ftrun.coordinator.agents import RemoteAgent
 
     coord, _agent, clock = make(tmp_path, world=4, local=2)
@@ -899,7 +899,7 @@ def _alone_with_a_checkpoint(tmp_path: Path) -> tuple[Coordinator, FakeAgent, Cl
     of step 3 completed, rank 2 killed at step 5."""
     import torch
 
-    from ftrun import checkpoint as ckpt
+    from ftrun.common import checkpoint as ckpt
 
     coord, agent, clock = make(tmp_path, max_restarts=3)
     for rank in range(4):
@@ -956,7 +956,7 @@ def test_a_hung_rank_its_node_never_ran_is_reported_gone(tmp_path: Path) -> None
     import sys
 
     from ftrun.coordinator.agents import LocalAgent
-    from ftrun.spawner import ExitReport, RankProcesses
+    from ftrun.node.spawner import ExitReport, RankProcesses
 
     processes = RankProcesses([sys.executable], ["x.py"], False, tmp_path, 1, "127.0.0.1", False, "secret")
     assert not processes.holds(0, 1)

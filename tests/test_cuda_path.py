@@ -1,4 +1,4 @@
-"""The CUDA path's logic, tested without a GPU and without processes (ftrun.cuda): the NCCL settings of
+"""The CUDA path's logic, tested without a GPU and without processes (ftrun.rank.cuda): the NCCL settings of
 a rank's environment, the choice of a rank's and a spare's device, the release of a blocked group (NCCL
 abort or gloo cut), the wait for a GPU's memory with a fake clock and a fake probe, and a state
 transfer's placement of tensors by their recorded device. What needs a GPU is in tests/test_gpu.py."""
@@ -12,22 +12,23 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ftrun import cuda
-from ftrun.cuda import DeviceMemory, Release
+from ftrun.common import contract
+from ftrun.rank import cuda
+from ftrun.rank.cuda import DeviceMemory, Release
 
 
 # ----------------------------------------------------------------------------- NCCL settings
 def test_a_managed_rank_gets_the_nccl_settings_and_the_users_own_win() -> None:
-    assert cuda.nccl_environment({}, managed=True) == cuda.NCCL_SETTINGS
-    assert cuda.NCCL_SETTINGS["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # clean up only: the process lives
-    assert cuda.NCCL_SETTINGS["TORCH_NCCL_ENABLE_MONITORING"] == "0"
-    mine = cuda.nccl_environment({"TORCH_NCCL_BLOCKING_WAIT": "0"}, managed=True)
-    assert "TORCH_NCCL_BLOCKING_WAIT" not in mine and len(mine) == len(cuda.NCCL_SETTINGS) - 1
-    assert cuda.nccl_environment({}, managed=False) == {}  # a whole-job restart keeps torch's defaults
+    assert contract.nccl_environment({}, managed=True) == contract.NCCL_SETTINGS
+    assert contract.NCCL_SETTINGS["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # clean up only: the process lives
+    assert contract.NCCL_SETTINGS["TORCH_NCCL_ENABLE_MONITORING"] == "0"
+    mine = contract.nccl_environment({"TORCH_NCCL_BLOCKING_WAIT": "0"}, managed=True)
+    assert "TORCH_NCCL_BLOCKING_WAIT" not in mine and len(mine) == len(contract.NCCL_SETTINGS) - 1
+    assert contract.nccl_environment({}, managed=False) == {}  # a whole-job restart keeps torch's defaults
 
 
 def test_the_agent_puts_them_in_a_recovered_ranks_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ftrun.spawner import RankProcesses
+    from ftrun.node.spawner import RankProcesses
 
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")  # the user's choice
     procs = RankProcesses(["python"], ["x.py"], False, tmp_path, 1, "127.0.0.1", False, "secret")
@@ -41,8 +42,8 @@ def test_the_agent_puts_them_in_a_recovered_ranks_environment(tmp_path: Path, mo
 def test_the_agent_names_a_respawned_ranks_predecessor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from ftrun import procs as procs_mod
-    from ftrun.spawner import RankProcesses
+    from ftrun.common import procs as procs_mod
+    from ftrun.node.spawner import RankProcesses
 
     started = []
 
@@ -117,7 +118,7 @@ def test_nccl_is_aborted_and_gloo_is_cut() -> None:
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
 def test_the_group_releases_by_its_backend(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ftrun import group as group_mod
+    from ftrun.rank import group as group_mod
 
     calls: list[str] = []
     monkeypatch.setattr(group_mod, "abort_group", lambda g: calls.append("abort") or True)  # given dist.group.WORLD
@@ -133,7 +134,7 @@ def test_the_group_releases_by_its_backend(backend: str, monkeypatch: pytest.Mon
 
 
 def test_a_failing_abort_is_logged_not_raised(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    from ftrun import group as group_mod
+    from ftrun.rank import group as group_mod
 
     def abort(_g):  # type: ignore[no-untyped-def]
         raise RuntimeError("already destroyed")
@@ -229,8 +230,8 @@ def test_wire_device_is_the_cpu_with_gloo() -> None:
 
 def test_a_transfer_keeps_each_tensors_device_and_places_it_by_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Over a fake wire (no processes): the skeleton sent records each tensor's device, and the
-    recipient places every received tensor by that record (ftrun.cuda.placement), bitwise."""
-    from ftrun import transfer
+    recipient places every received tensor by that record (ftrun.rank.cuda.placement), bitwise."""
+    from ftrun.rank import transfer
 
     state = {"model": {"w": torch.randn(3, 4), "b": torch.arange(5, dtype=torch.int64)}, "rng": torch.randint(0, 255, (8,), dtype=torch.uint8)}
     wire: list[torch.Tensor] = []
@@ -238,7 +239,7 @@ def test_a_transfer_keeps_each_tensors_device_and_places_it_by_it(monkeypatch: p
     monkeypatch.setattr(dist, "recv", lambda t, src, group=None: t.copy_(wire.pop(0)))
     transfer.send_state(state, dst=1)
     skeleton = msgpack.unpackb(wire[1].numpy().tobytes(), raw=False, strict_map_key=False)
-    from ftrun import codec
+    from ftrun.common import codec
 
     assert {ref["path"]: ref["device"] for ref in codec.tensor_refs(skeleton)} == {
         "state['model']['w']": "cpu", "state['model']['b']": "cpu", "state['rng']": "cpu"}
@@ -251,7 +252,7 @@ def test_a_transfer_keeps_each_tensors_device_and_places_it_by_it(monkeypatch: p
 
 
 def test_gpu_check_reads_the_memory_wait_line_ftrun_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """scripts/gpu_check.py finds the respawned rank's wait in its log by the line ftrun.cuda writes."""
+    """scripts/gpu_check.py finds the respawned rank's wait in its log by the line ftrun.rank.cuda writes."""
     import importlib.util
     import sys
 

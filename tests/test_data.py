@@ -1,4 +1,4 @@
-"""ftrun.data's cursor, without processes: a rank rebuilt from its saved place (a respawned rank)
+"""ftrun.rank.data's cursor, without processes: a rank rebuilt from its saved place (a respawned rank)
 gets the batches its predecessor would have, and rebuilding moves no one's random stream."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ftrun.data import LoaderCursor
-from ftrun.checkpoint import snapshot
-from ftrun import codec
+from ftrun.rank.data import LoaderCursor
+from ftrun.common.checkpoint import snapshot
+from ftrun.common import codec
 
 
 def _dataset() -> TensorDataset:
@@ -37,7 +37,7 @@ def test_respawned_cursor_continues_with_the_same_batches_and_draws(name: str, m
 
     torch.manual_seed(99)  # a new process: anything else in the global generator
     second = LoaderCursor(make(), epoch=1)  # built in its set-up (StatefulDataLoader() draws twice)
-    torch.set_rng_state(rng_after)  # at its first step, its RNG comes back from its own record (ftrun.rankstate)
+    torch.set_rng_state(rng_after)  # at its first step, its RNG comes back from its own record (ftrun.rank.rankstate)
     second.load_state_dict(saved)
     again = [second.next() for _ in range(4)]
     assert all(torch.equal(a[0], b[0]) for a, b in zip(rest, again))

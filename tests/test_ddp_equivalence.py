@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from ftrun.reducer import BucketLayout
+from ftrun.rank.reducer import BucketLayout
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_twin.py"
 CASES = ("lstm", "lstm-unused", "transformer-unused", "transformer-caps", "branchy-unused", "branchy-nobuffers",
@@ -112,7 +112,7 @@ def test_a_work_that_completes_right_after_a_timed_out_wait_is_taken_for_what_it
     unaveraged (DDP's bits lost)."""
     import threading
 
-    from ftrun.reducer import GradientReducer
+    from ftrun.rank.reducer import GradientReducer
 
     reducer = GradientReducer([torch.nn.Parameter(torch.ones(2))], 2, before_first_bucket=lambda: None,
                               is_failed=lambda: False, on_hook_error=lambda err: False, on_failure=lambda error: None,
@@ -133,7 +133,7 @@ def test_the_local_gradient_fingerprint_is_the_same_however_the_pass_launches_it
     the fingerprint's write (``after_last_bucket``) right after it left, while the all-reduce runs."""
     import threading
 
-    from ftrun.reducer import BucketLayout, GradientReducer
+    from ftrun.rank.reducer import BucketLayout, GradientReducer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
@@ -216,7 +216,7 @@ def _ddp_reducer(model: torch.nn.Module, launch: Any, abandon: Any = None) -> tu
 
     from torch.nn.parallel import DistributedDataParallel
 
-    from ftrun.reducer import GradientReducer, local_gradients_hook, one_rank_group
+    from ftrun.rank.reducer import GradientReducer, local_gradients_hook, one_rank_group
 
     reducer = GradientReducer(list(model.parameters()), 2, before_first_bucket=lambda: None, is_failed=lambda: False,
                               on_hook_error=lambda err: False, on_failure=lambda error: None,
@@ -234,7 +234,7 @@ def test_ddp_bucket_views_are_reduced_in_place_with_the_bits_of_a_copy() -> None
     back) and ``.grad`` ends as the copying path leaves it, bit for bit (the plain model here)."""
     import threading
 
-    from ftrun.reducer import GradientReducer
+    from ftrun.rank.reducer import GradientReducer
 
     def fake_all_reduce(flat: torch.Tensor, average: bool = True) -> _DoneWork:
         in_place.append(any(flat.untyped_storage().data_ptr() == p.grad.untyped_storage().data_ptr()
@@ -276,7 +276,7 @@ def test_an_in_place_all_reduce_given_up_on_blocks_the_next_step_until_it_settle
     import threading
     from types import SimpleNamespace
 
-    from ftrun import gradsync, reducer as reducer_mod
+    from ftrun.rank import gradsync, reducer as reducer_mod
 
     monkeypatch.setattr(reducer_mod, "ABANDON_GRACE_S", 0.0)
     stuck: list[_StuckWork] = []

@@ -1,4 +1,4 @@
-"""ftrun.errorfile: per-process error-file paths, and reading what torch's ``@record`` writes."""
+"""ftrun.node.errorfile: per-process error-file paths, and reading what torch's ``@record`` writes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.errorfile import (
+from ftrun.node.errorfile import (
     ERROR_FILE_ENV,
     MAX_ERROR_FILE_BYTES,
     RankError,
@@ -80,8 +80,8 @@ def test_reads_torch_format(tmp_path):
 
 
 def test_type_is_qualified_from_the_traceback(tmp_path):
-    path = _write(tmp_path / "e.json", _torch_style("InjectedFault: boom", "Traceback ...\nftrun.faults.InjectedFault: boom\n"))
-    assert read_error_file(path).exc_type == "ftrun.faults.InjectedFault"
+    path = _write(tmp_path / "e.json", _torch_style("InjectedFault: boom", "Traceback ...\nftrun.common.faults.InjectedFault: boom\n"))
+    assert read_error_file(path).exc_type == "ftrun.common.faults.InjectedFault"
 
 
 def test_empty_message_and_error_code(tmp_path):

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from ftrun.config import ConfigError
-from ftrun.digest import first_difference, fingerprint
-from ftrun.protocol import MsgType
-from ftrun.rankstate import RankStateStore
+from ftrun.rank.digest import first_difference, fingerprint
+from ftrun.common.protocol import MsgType
+from ftrun.rank.rankstate import RankStateStore
 
 from config_fixtures import res
 from coordinator_fixtures import close_coordinators, events, hello_all, make, send  # noqa: F401
@@ -80,7 +80,7 @@ _KILLED_WRITER = """
 import os, signal, sys
 from datetime import timedelta
 import torch.distributed as dist
-from ftrun.rankstate import RankStateStore
+from ftrun.rank.rankstate import RankStateStore
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30))
 records = RankStateStore(store, attempt=0, rank=1)
 records.put(7, {"hidden": {"h": bytes(range(256)) * 32}}, provisional=True)
@@ -90,7 +90,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # right after the send, as a rank killed b
 
 def test_a_record_sent_right_before_a_sigkill_reaches_the_store() -> None:
     """Records are written on the training thread by ``TCPStore.set``, one request with no reply:
-    what :mod:`ftrun.rankstate` rests on is that a record whose ``put`` has returned is in the
+    what :mod:`ftrun.rank.rankstate` rests on is that a record whose ``put`` has returned is in the
     store even if the rank is SIGKILLed the next instant."""
     import subprocess
     import sys
@@ -177,7 +177,7 @@ def _trace(steps: dict[int, list[str]], epochs: list[tuple[int, int]] = (), sect
 
 
 def test_check_picks_the_steps_where_scripts_go_wrong() -> None:
-    from ftrun.check import Trace, choose_scenarios
+    from ftrun.tools.check import Trace, choose_scenarios
 
     reference = Trace({0: _trace({s: ["x", "y"] for s in range(40)}, epochs=[(1, 0), (2, 10), (3, 20), (4, 30)],
                                  sections=[("eval", 9), ("eval", 19), ("eval", 29), ("eval", 39)])})
@@ -195,7 +195,7 @@ def test_check_picks_the_steps_where_scripts_go_wrong() -> None:
 
 
 def test_check_scenarios_option_names_a_subset() -> None:
-    from ftrun.check import parse_scenarios
+    from ftrun.tools.check import parse_scenarios
 
     assert parse_scenarios(None) is None and parse_scenarios("") is None
     assert parse_scenarios("allreduce, section") == {"allreduce", "section"}
@@ -204,7 +204,7 @@ def test_check_scenarios_option_names_a_subset() -> None:
 
 
 def test_check_names_the_first_step_and_tensor_and_the_likely_cause() -> None:
-    from ftrun.check import Scenario, Trace, explain, first_difference
+    from ftrun.tools.check import Scenario, Trace, explain, first_difference
 
     good = {s: ["a%d" % s, "b%d" % s] for s in range(12)}
     reference = Trace({0: _trace(good, epochs=[(1, 0), (2, 6)]), 1: _trace(good, rank=1, epochs=[(1, 0), (2, 6)])})
@@ -242,9 +242,9 @@ def test_the_step_start_copy_of_rank_state_is_its_record_and_rolls_back() -> Non
 
     import numpy as np
 
-    from ftrun import codec
-    from ftrun.registry import StateRegistry
-    from ftrun.transfer import RNGState
+    from ftrun.common import codec
+    from ftrun.rank.registry import StateRegistry
+    from ftrun.rank.transfer import RNGState
 
     registry = StateRegistry()
     registry.register("rng", RNGState(), kind="rank")
@@ -270,7 +270,7 @@ def test_the_step_start_copy_of_rank_state_is_its_record_and_rolls_back() -> Non
 
 
 def test_the_gradient_record_has_the_codecs_bytes() -> None:
-    from ftrun import codec
+    from ftrun.common import codec
 
     store = dist.HashStore()
     records = RankStateStore(store, attempt=0, rank=1)
@@ -285,7 +285,7 @@ def test_the_unwrapped_models_all_reduce_writes_the_provisional_record_before_an
     step left its successor no record of its own state at that step."""
     from types import SimpleNamespace
 
-    from ftrun import gradsync
+    from ftrun.rank import gradsync
 
     order: list[str] = []
     monkeypatch.setattr(gradsync, "all_reduce_in_buckets", lambda grads, world, cap: order.append("all-reduce"))
@@ -312,10 +312,10 @@ def test_a_steps_record_is_written_when_its_backward_starts_and_its_fingerprint_
     gradient and the all-reduce."""
     from types import SimpleNamespace
 
-    from ftrun.exactlyonce import ExactlyOnceChecks
-    from ftrun.recovery import RankProgress
-    from ftrun.registry import StateRegistry
-    from ftrun.workerstate import WorkerState
+    from ftrun.rank.exactlyonce import ExactlyOnceChecks
+    from ftrun.rank.recovery import RankProgress
+    from ftrun.rank.registry import StateRegistry
+    from ftrun.rank.workerstate import WorkerState
 
     store = dist.HashStore()
     writes: list[str] = []

@@ -135,7 +135,7 @@ def test_port_under_torchrun_is_the_loop_and_exits(tmp_path: Path, reference: tu
     """The port without ftrun (torchrun), run :data:`TORCHRUN_RUNS` times: ``FTFabric`` is
     ``Fabric``, each run is the loop's, and every rank exits. One rank of such a run once never
     exited (its gloo group destructed, with the GIL held, as ``main_ftrun`` returned after
-    ``ft.finish()``; ``ftrun.group.TrainingGroup.drop``); a run that hangs times out here, killed
+    ``ft.finish()``; ``ftrun.rank.group.TrainingGroup.drop``); a run that hangs times out here, killed
     whole. ``scripts/exit_loop.py`` runs it 50 times."""
     for run in range(TORCHRUN_RUNS):
         cwd = tmp_path / f"run{run}"

@@ -16,8 +16,8 @@ from coordinator_fixtures import MADE, TOKEN, Clock, FakeAgent, close_coordinato
 from ftrun.config import JobSpec
 from ftrun.coordinator import Coordinator
 from ftrun.coordinator.failover import hard_state, restore, silence_timeout
-from ftrun.policy import RankState
-from ftrun.protocol import MsgType
+from ftrun.coordinator.policy import RankState
+from ftrun.common.protocol import MsgType
 
 
 class StandbyAgent(FakeAgent):
@@ -37,7 +37,7 @@ class StandbyAgent(FakeAgent):
 
 @pytest.fixture()
 def store() -> Any:
-    from ftrun.stores import serve_store
+    from ftrun.common.stores import serve_store
 
     served, port = serve_store("127.0.0.1", 0, 10)
     yield port
@@ -312,7 +312,7 @@ def test_a_standby_takes_over_a_silent_coordinator_only_with_a_majority(seat: An
     it becomes, before anything that arrives later."""
     import time
 
-    from ftrun.protocol import CONTROL, Sender, encode
+    from ftrun.common.protocol import CONTROL, Sender, encode
 
     assert seat.votes() == (1, 3) and not seat.elected()
     rank = _dealer_to(seat, b"r-rank2")
@@ -341,7 +341,7 @@ def test_a_rank_moves_to_the_standby_when_its_coordinator_falls_silent(tmp_path:
 
     import zmq
 
-    from ftrun.channel import Channel
+    from ftrun.rank.channel import Channel
     from ftrun.coordinator.control import ControlPlane
 
     ctx = zmq.Context()

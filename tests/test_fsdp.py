@@ -19,8 +19,8 @@ import torch.distributed as dist
 from conftest import FtrunProc, clean_env, kinds, read_events, run_bounded
 from once import shared_once
 from reference_runs import run_torchrun
-from ftrun.group import GroupDown
-from ftrun.sharding import (ShardedModels, is_collective_failure, mesh_coordinates, mesh_replica_groups,
+from ftrun.rank.group import GroupDown
+from ftrun.rank.sharding import (ShardedModels, is_collective_failure, mesh_coordinates, mesh_replica_groups,
                             replica_peers)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,7 +82,7 @@ import torch.testing._internal.distributed.fake_pg  # noqa
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from ftrun.sharding import LocalOptimizerState, LocalShards
+from ftrun.rank.sharding import LocalOptimizerState, LocalShards
 
 dist.init_process_group("fake", store=dist.HashStore(), rank=3, world_size=4)
 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))

@@ -1,4 +1,4 @@
-"""Sliced checkpoints of sharded models (torch.distributed.checkpoint's format, ftrun.dcp): the
+"""Sliced checkpoints of sharded models (torch.distributed.checkpoint's format, ftrun.rank.dcp): the
 writers' metadata merged and checked without processes; a checkpoint written by 4 ranks on a 2x2
 HSDP mesh resumed on 2 ranks (1x2) and on 2x2 with the same parameters; a dying gasp written by
 the survivors of a kill resumed to the end of the run, bitwise."""
@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from conftest import clean_env, kinds, read_events, run_bounded
-from ftrun import checkpoint as ckpt
-from ftrun.dcp import MergedReader, check_coverage, load_sliced, merge_metadata, save_part, write_metadata
+from ftrun.common import checkpoint as ckpt
+from ftrun.rank.dcp import MergedReader, check_coverage, load_sliced, merge_metadata, save_part, write_metadata
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_fsdp.py"

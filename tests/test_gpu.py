@@ -20,7 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ftrun import cuda
+from ftrun.common import contract
+from ftrun.rank import cuda
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh, docs/gpu.md)")]
@@ -53,7 +54,7 @@ def test_a_transfer_keeps_cuda_tensors_on_the_recipients_gpu(wire: str, monkeypa
     """Over a fake wire (no processes): staged through host memory (gloo) or on the GPU (NCCL), each
     received tensor is bitwise the sent one and on this rank's GPU; a GPU wire receives into the
     recipient's own tensors."""
-    from ftrun.transfer import recv_state, send_state
+    from ftrun.rank.transfer import recv_state, send_state
 
     torch.cuda.set_device(0)
     wire_device = "cpu" if wire == "cpu" else "cuda:0"
@@ -72,7 +73,7 @@ def test_a_transfer_keeps_cuda_tensors_on_the_recipients_gpu(wire: str, monkeypa
 
 
 def test_cuda_rng_state_travels_with_a_rank() -> None:
-    from ftrun.transfer import RNGState
+    from ftrun.rank.transfer import RNGState
 
     torch.cuda.manual_seed(1234)
     torch.cuda.init()
@@ -89,7 +90,7 @@ def test_fingerprints_on_the_gpu_are_int64_sums_made_there() -> None:
     """A CUDA tensor's fingerprint hashes the int64 (wrapping) sums of its bit patterns, computed on
     the GPU: they equal the CPU's sums of the same bits, the fingerprint is the same for the same
     bits, and one changed element changes it."""
-    from ftrun.digest import fingerprint, tensor_sums
+    from ftrun.rank.digest import fingerprint, tensor_sums
 
     tensors = [torch.randn(1000, 37), torch.randint(-(1 << 62), 1 << 62, (300,), dtype=torch.int64),
                torch.randn(9, dtype=torch.float16), torch.randn(5, dtype=torch.bfloat16)]
@@ -102,7 +103,7 @@ def test_fingerprints_on_the_gpu_are_int64_sums_made_there() -> None:
 
 
 def test_a_snapshot_of_cuda_state_lands_in_pinned_memory_and_is_reused() -> None:
-    from ftrun.checkpoint import snapshot
+    from ftrun.common.checkpoint import snapshot
 
     state = {"w": torch.randn(4096, 1024, device="cuda"), "m": [torch.randn(1024, device="cuda")]}
     started = time.perf_counter()
@@ -120,7 +121,7 @@ def test_a_snapshot_of_cuda_state_lands_in_pinned_memory_and_is_reused() -> None
 
 
 def _nccl_group() -> dist.ProcessGroup:
-    from ftrun.reducer import one_rank_group
+    from ftrun.rank.reducer import one_rank_group
 
     return one_rank_group(torch.device("cuda:0"), timeout_s=60)
 
@@ -128,9 +129,9 @@ def _nccl_group() -> dist.ProcessGroup:
 def nccl_abort_scenario() -> dict[str, object]:
     """A 1-rank NCCL all-reduce queued behind a 3 s GPU spin (``torch.cuda._sleep``, its rate measured
     first) is blocked; the group is aborted from another thread after 0.5 s, as the I/O thread does
-    (:func:`ftrun.cuda.abort_group`); then a new group is built and all-reduces. Run in a process of
+    (:func:`ftrun.rank.cuda.abort_group`); then a new group is built and all-reduces. Run in a process of
     its own (``python tests/test_gpu.py nccl-abort``), under a managed rank's NCCL settings."""
-    for name, value in cuda.NCCL_SETTINGS.items():
+    for name, value in contract.NCCL_SETTINGS.items():
         os.environ.setdefault(name, value)
     torch.cuda.set_device(0)
     group = _nccl_group()

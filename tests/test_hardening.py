@@ -24,7 +24,7 @@ import psutil
 import pytest
 import zmq
 
-from ftrun.protocol import PROTOCOL_VERSION
+from ftrun.common.protocol import PROTOCOL_VERSION
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -204,7 +204,7 @@ def test_a_flood_of_the_launchers_event_endpoint_does_not_keep_it_running(ftrun_
         assert time.monotonic() < deadline and proc.popen.poll() is None, proc.stderr()
         for child in psutil.Process(proc.pid).children():
             try:
-                if "ftrun.supervisor" in " ".join(child.cmdline()):
+                if "ftrun.node.supervisor" in " ".join(child.cmdline()):
                     supervisor = child
             except psutil.Error:  # a child that just ended (a zombie until reaped): not the supervisor
                 continue
@@ -239,7 +239,7 @@ def test_a_flood_of_the_launchers_event_endpoint_does_not_keep_it_running(ftrun_
 def test_a_stopped_coordinator_kills_no_rank_when_it_wakes(long_reference: str, tmp_path: Path) -> None:
     """The coordinator's process stopped for 10 s (SIGSTOP, as a swapped or descheduled host) while
     the ranks train on: when it wakes, the heartbeats sent meanwhile still wait in its socket. It
-    judges silence on the time it ran (ftrun.clocks.RunningClock), so no rank is declared hung and
+    judges silence on the time it ran (ftrun.common.clocks.RunningClock), so no rank is declared hung and
     the job ends bitwise, every rank in its first process."""
     pause = tmp_path / "pause"
     pause.touch()
@@ -250,7 +250,7 @@ def test_a_stopped_coordinator_kills_no_rank_when_it_wakes(long_reference: str, 
     try:
         dj.wait_for(lambda: dj.training(log_dir))
         supervisor = next(p for p in psutil.Process(proc.pid).children(recursive=True)
-                          if "ftrun.supervisor" in " ".join(p.cmdline()))
+                          if "ftrun.node.supervisor" in " ".join(p.cmdline()))
         supervisor.suspend()
         try:
             time.sleep(10.0)

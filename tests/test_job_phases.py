@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 from coordinator_fixtures import FakeAgent, close_coordinators, events, hello_all, make, send, step  # noqa: F401
 
-from ftrun.clocks import RunningClock
+from ftrun.common.clocks import RunningClock
 from ftrun.coordinator import environment
 from ftrun.coordinator.environment import SPARES_CHECK_S
 from ftrun.coordinator.phases import TRANSITIONS, IllegalTransition, JobPhase, JobPhases
 from ftrun.coordinator.ranks import Rank, RankPhase
 from ftrun.coordinator.watchdog import CommHang, Hung, Unrepaired, Watchdog, WatchdogBounds
-from ftrun.protocol import Message, MsgType
+from ftrun.common.protocol import Message, MsgType
 
 ILLEGAL = [(a, b) for a in JobPhase for b in JobPhase if b not in TRANSITIONS[a]]
 

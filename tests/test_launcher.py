@@ -57,7 +57,7 @@ def procs_of(infos: list[dict], key: str = "pid") -> list[psutil.Process]:
 
 
 def supervisor_of(launcher_pid: int) -> psutil.Process:
-    children = [c for c in psutil.Process(launcher_pid).children() if "ftrun.supervisor" in " ".join(c.cmdline())]
+    children = [c for c in psutil.Process(launcher_pid).children() if "ftrun.node.supervisor" in " ".join(c.cmdline())]
     assert len(children) == 1, f"expected one supervisor child of the launcher, found {children}"
     return children[0]
 
@@ -264,7 +264,7 @@ def test_second_sigint_leaves_no_grandchild(ftrun_proc, tmp_path, out):
     for target in (proc.pid, supervisor.pid):
         os.kill(target, signal.SIGUSR1)
     deadline = time.monotonic() + 30
-    while not ("ftrun/launcher.py" in proc.stderr()
+    while not ("ftrun/node/launcher.py" in proc.stderr()
                and "ftrun/coordinator/core.py" in (tmp_path / "logs" / "supervisor.log").read_text(errors="replace")):
         assert time.monotonic() < deadline, f"no stacks after SIGUSR1:\n{proc.stderr()}"
         time.sleep(0.05)
@@ -401,7 +401,7 @@ def test_worker_num_precedence(ftrun_proc, tmp_path, out, setup, cli, env, expec
 def test_a_second_stop_signal_during_the_forwarding_of_the_first_is_not_lost(monkeypatch: pytest.MonkeyPatch) -> None:
     """The second SIGINT arrives while the first is being forwarded: it still kills without grace
     (before, both were counted as handled by the first turn and the second did nothing)."""
-    from ftrun import launcher as launcher_mod
+    from ftrun.node import launcher as launcher_mod
 
     done: list[tuple[str, int]] = []
     launcher = launcher_mod.Launcher.__new__(launcher_mod.Launcher)

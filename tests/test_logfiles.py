@@ -15,10 +15,10 @@ from typing import Callable
 import pytest
 
 from ftrun.coordinator.publish import STATUS_PERIOD_S, STATUS_SECONDS_PER_RANK, Publisher, write_status_file
-from ftrun.events import AppendLog, EventKind
-from ftrun.procs import LogFile
-from ftrun.protocol import Sender
-from ftrun.report import ProgressRecorder
+from ftrun.common.events import AppendLog, EventKind
+from ftrun.common.procs import LogFile
+from ftrun.common.protocol import Sender
+from ftrun.tools.report import ProgressRecorder
 
 
 def lines(path: Path) -> list[str]:
@@ -113,7 +113,7 @@ def test_a_ranks_log_file_drops_output_on_a_full_disk_and_is_made_again_when_rem
 
 GUARDED = """
 import os, sys
-from ftrun import procs
+from ftrun.common import procs
 print("before", flush=True)
 assert procs.guard_log_output() and not procs.guard_log_output()  # once only
 os.unlink(sys.argv[1])

@@ -21,8 +21,8 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from ftrun.cli import main
-from ftrun.metrics import JobMetrics, MetricsError, check_endpoint, metrics_bind_address
-from ftrun.report import Sample
+from ftrun.coordinator.metrics import JobMetrics, MetricsError, check_endpoint, metrics_bind_address
+from ftrun.tools.report import Sample
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = 1_700_000_000.0
@@ -153,7 +153,7 @@ def test_bad_metrics_options_are_one_line_and_exit_2(tmp_path, capsys, monkeypat
 
 
 def test_metrics_off_costs_no_import():
-    code = "import sys, ftrun.supervisor, ftrun.cli, ftrun.console; print('prometheus_client' in sys.modules)"
+    code = "import sys, ftrun.node.supervisor, ftrun.cli, ftrun.node.console; print('prometheus_client' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.strip() == "False"
 

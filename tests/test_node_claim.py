@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 
 from ftrun.config import ConfigError, JobSpec
-from ftrun.launcher import can_host_store, claim_node_rank, host_store
+from ftrun.node.launcher import can_host_store, claim_node_rank, host_store
 
 TCPStore = pytest.importorskip("torch.distributed").TCPStore
 

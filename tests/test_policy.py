@@ -1,4 +1,4 @@
-"""The restart policy (ftrun/policy.py): pure functions, tested with no processes at all.
+"""The restart policy (ftrun/coordinator/policy.py): pure functions, tested with no processes at all.
 
 What to do when ranks fail (respawn them, restart the job, fail it: the restart budget), and the
 plan of a recovery (the step every rank resumes from, and which replica gives its state to whom).
@@ -6,7 +6,7 @@ plan of a recovery (the step every rank resumes from, and which replica gives it
 
 import pytest
 
-from ftrun.policy import (
+from ftrun.coordinator.policy import (
     INITIAL,
     NO_STATE,
     Action,

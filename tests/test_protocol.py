@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from ftrun.protocol import (
+from ftrun.common.protocol import (
     CONTROL,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -172,7 +172,7 @@ def test_a_frame_for_one_endpoint_does_not_verify_at_another():
 
 
 def test_standby_line_reads_the_seats_first_first_and_an_older_message_s_control() -> None:
-    from ftrun.protocol import Message, MsgType, standby_line
+    from ftrun.common.protocol import Message, MsgType, standby_line
 
     line = Message(MsgType.STANDBY, {"control": "tcp://a:1", "store": "a:2", "epoch": 0,
                                      "seats": [["tcp://a:1", 1], ["tcp://b:1", 2], ["bad"], [3, 4], ["tcp://c:1", True]]})
@@ -184,7 +184,7 @@ def test_standby_line_reads_the_seats_first_first_and_an_older_message_s_control
 def test_an_endpoint_nothing_listens_on_refuses_and_a_bound_one_does_not() -> None:
     import socket
 
-    from ftrun.protocol import endpoint_refuses
+    from ftrun.common.protocol import endpoint_refuses
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from ftrun.cli import main
-from ftrun.report import (
+from ftrun.tools.report import (
     Repair, Sample, build_timeline, format_report, job_steps_done, load_report, plot_timeline,
     read_events, step_rate, stragglers,
 )

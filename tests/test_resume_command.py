@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ftrun import checkpoint as ckpt
+from ftrun.common import checkpoint as ckpt
 from ftrun.config.options import JobSpec
 from ftrun.coordinator.ttp import Checkpoints, job_command
 

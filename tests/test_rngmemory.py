@@ -1,4 +1,4 @@
-"""Reading the random generators' state in place (ftrun.rngmemory): RNGState must give
+"""Reading the random generators' state in place (ftrun.rank.rngmemory): RNGState must give
 what the public getters give, for every kind of change, including numpy's cached gaussian, which
 changes while the Mersenne Twister words do not."""
 
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from ftrun import codec, rngmemory
-from ftrun.transfer import RNGState
+from ftrun.common import codec
+from ftrun.rank import rngmemory
+from ftrun.rank.transfer import RNGState
 
 
 def _public() -> dict[str, Any]:

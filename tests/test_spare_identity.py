@@ -56,7 +56,7 @@ def test_each_rank_shows_on_exactly_one_process(tmp_path: Path, spares: str) -> 
         promoted = started[-1]
         assert promoted["rank"] == 2 and (promoted["detail"].get("warm_spare") or promoted["detail"].get("hot_spare")), started
         # The node starts a new spare in place of the promoted one: wait until it is up, then look.
-        dj.wait_for(lambda: sum("ftrun.spare" in " ".join(p.cmdline()) for p in _job_processes(proc.pid)) >= 2
+        dj.wait_for(lambda: sum("ftrun.rank.spare" in " ".join(p.cmdline()) for p in _job_processes(proc.pid)) >= 2
                     or proc.poll() is not None, timeout=120)
         shown: dict[str, list[int]] = {}
         spare_pids = []
@@ -64,7 +64,7 @@ def test_each_rank_shows_on_exactly_one_process(tmp_path: Path, spares: str) -> 
             env = _environ(p.pid)
             if "RANK" in env:
                 shown.setdefault(env["RANK"], []).append(p.pid)
-            if "ftrun.spare" in " ".join(p.cmdline()) and p.pid != promoted["pid"]:
+            if "ftrun.rank.spare" in " ".join(p.cmdline()) and p.pid != promoted["pid"]:
                 spare_pids.append(p.pid)
                 assert "RANK" not in env and "LOCAL_RANK" not in env, (p.pid, env.get("RANK"))
         assert sorted(shown) == ["0", "1", "2", "3"], shown
@@ -88,7 +88,7 @@ def test_each_rank_shows_on_exactly_one_process(tmp_path: Path, spares: str) -> 
 # own thread ran with, in a fresh process whose standard input is given or withheld.
 _PRIORITY_PROBE = """
 import os, sys, threading, time
-import ftrun.spare as spare
+import ftrun.rank.spare as spare
 seen, pool, stop = [], [], threading.Event()
 def imports():
     threading.Thread(target=lambda: (pool.append(threading.get_native_id()), stop.wait()), daemon=True).start()
@@ -133,7 +133,7 @@ def test_a_spare_assigned_before_its_imports_end_finishes_them_at_the_normal_pri
 
 
 def test_a_spare_that_could_not_leave_idle_priority_imports_at_the_normal_one(monkeypatch) -> None:
-    import ftrun.spare as spare
+    import ftrun.rank.spare as spare
 
     seen = []
     monkeypatch.setattr(spare, "_can_leave_idle", lambda _policy: False)
@@ -145,11 +145,11 @@ def test_a_spare_that_could_not_leave_idle_priority_imports_at_the_normal_one(mo
 def test_a_warm_spare_imports_what_the_first_optimizer_would() -> None:
     """The first ``torch.optim`` optimizer imports ``torch._dynamo`` (1.3 s of CPU here, as much as
     torch): a warm spare imports it too, so a rank respawned in it does not pay it in the recovery."""
-    probe = ("import sys, ftrun.spare as spare; spare._import_libraries(); "
-             "print(sorted(m for m in ('numpy', 'torch', 'torch.distributed', 'torch._dynamo', 'ftrun.worker') if m in sys.modules))")
+    probe = ("import sys, ftrun.rank.spare as spare; spare._import_libraries(); "
+             "print(sorted(m for m in ('numpy', 'torch', 'torch.distributed', 'torch._dynamo', 'ftrun.rank.worker') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=dj.env())
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split("\n")[0] == "['ftrun.worker', 'numpy', 'torch', 'torch._dynamo', 'torch.distributed']", done.stdout
+    assert done.stdout.split("\n")[0] == "['ftrun.rank.worker', 'numpy', 'torch', 'torch._dynamo', 'torch.distributed']", done.stdout
 
 
 def test_a_warm_spare_says_when_it_is_ready() -> None:
@@ -157,7 +157,7 @@ def test_a_warm_spare_says_when_it_is_ready() -> None:
     when they ended, as a Unix time (``scripts/bench.py`` starts its steady state there), and a
     spare whose input closes without an assignment exits 0."""
     started = time.time()
-    done = subprocess.run([sys.executable, "-u", "-m", "ftrun.spare"], input=b"", capture_output=True, timeout=120,
+    done = subprocess.run([sys.executable, "-u", "-m", "ftrun.rank.spare"], input=b"", capture_output=True, timeout=120,
                           env=dj.env())
     ended = time.time()
     assert done.returncode == 0, done.stderr[-2000:]

@@ -19,7 +19,8 @@ import digits_job as dj
 import pytest
 
 import ftrun
-from ftrun import contract, procs, spawner
+from ftrun.common import contract, procs
+from ftrun.node import spawner
 
 INSTALLED = str(Path(ftrun.__file__).resolve())
 
@@ -78,7 +79,7 @@ def test_ftrun_module_argv_runs_the_installed_package_without_the_working_direct
         "import importlib.util, json, sys\n"
         "if __name__ == '__main__':\n"
         "    print('PROBE ' + json.dumps({'path': sys.path, 'argv': sys.argv[1:],\n"
-        "                                 'ftrun': importlib.util.find_spec('ftrun.spare').origin}))\n")
+        "                                 'ftrun': importlib.util.find_spec('ftrun.rank.spare').origin}))\n")
     env = dj.env({"PYTHONPATH": str(probes), **({"PYTHONSAFEPATH": "1"} if safe else {})})
     done = subprocess.run(procs.ftrun_module_argv("pathprobe", ["--hot", "x"], unbuffered=True), cwd=cwd,
                           capture_output=True, text=True, timeout=60, env=env)
@@ -88,7 +89,7 @@ def test_ftrun_module_argv_runs_the_installed_package_without_the_working_direct
     assert (expected[0] == "") is not safe  # python -c puts the working directory first, unless safe
     assert seen["path"] == (expected if safe else expected[1:])
     assert seen["argv"] == ["--hot", "x"]
-    assert str(Path(seen["ftrun"]).resolve().parent) == str(Path(INSTALLED).parent)
+    assert str(Path(seen["ftrun"]).resolve().parents[1]) == str(Path(INSTALLED).parent)
 
 
 def _spare_job(tmp_path: Path, module: bool) -> tuple[Path, Path, list[str]]:

@@ -21,9 +21,9 @@ from rich.console import Console
 
 from conftest import WORKER
 from ftrun.cli import main
-from ftrun.console import PlainConsole, job_lines, job_view
-from ftrun.report import JobTimeline, Sample
-from ftrun.status import judge, read_snapshot, show
+from ftrun.node.console import PlainConsole, job_lines, job_view
+from ftrun.tools.report import JobTimeline, Sample
+from ftrun.tools.status import judge, read_snapshot, show
 
 T0 = 1_700_000_000.0
 
@@ -80,7 +80,7 @@ def test_status_of_a_running_job_then_of_its_killed_supervisor(ftrun_proc, tmp_p
         assert any(line.startswith(f"rank {rank}: ") and f"pid {pid}" in line for line in lines), result.stdout
 
     # The supervisor is SIGKILLed: its status file still says "running", but nobody runs it.
-    supervisor = next(c for c in psutil.Process(job.pid).children() if "ftrun.supervisor" in " ".join(c.cmdline()))
+    supervisor = next(c for c in psutil.Process(job.pid).children() if "ftrun.node.supervisor" in " ".join(c.cmdline()))
     supervisor.kill()
     job.wait(timeout=60)
     assert status_json(log_dir)["state"] == "running"
@@ -220,7 +220,7 @@ def test_read_snapshot_of_a_running_job_samples_the_status(tmp_path):
 
 @pytest.mark.parametrize("phase, shown", [("gasping", "gasping"), ("recovering", "recovering"), ("running", None)])
 def test_the_header_names_the_jobs_phase(tmp_path, phase, shown):
-    from ftrun.status import _header
+    from ftrun.tools.status import _header
 
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
@@ -233,7 +233,7 @@ def test_the_header_names_the_jobs_phase(tmp_path, phase, shown):
 
 
 def test_the_header_lists_the_standby_nodes(tmp_path):
-    from ftrun.status import _header
+    from ftrun.tools.status import _header
 
     log_dir = tmp_path / "logs"
     log_dir.mkdir()

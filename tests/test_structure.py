@@ -11,25 +11,25 @@ from pathlib import Path
 import pytest
 
 
-@pytest.mark.parametrize("module", ["ftrun.cli", "ftrun.launcher", "ftrun.supervisor", "ftrun.coordinator",
-                                    "ftrun.agent", "ftrun.spawner", "ftrun.policy", "ftrun.protocol",
+@pytest.mark.parametrize("module", ["ftrun.cli", "ftrun.node.launcher", "ftrun.node.supervisor", "ftrun.coordinator",
+                                    "ftrun.node.agent", "ftrun.node.spawner", "ftrun.coordinator.policy", "ftrun.common.protocol",
                                     "ftrun.config"])
 def test_control_side_does_not_import_torch(module: str) -> None:
-    code = f"import sys, {module}; print('torch' in sys.modules, 'ftrun.worker' in sys.modules)"
+    code = f"import sys, {module}; print('torch' in sys.modules, 'ftrun.rank.worker' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.split() == ["False", "False"], f"{module} imports torch or the worker library"
 
 
 @pytest.mark.parametrize("module, forbidden", [
-    ("ftrun.agent", ("ftrun.coordinator", "ftrun.launcher")),
-    ("ftrun.spawner", ("ftrun.coordinator", "ftrun.agent", "ftrun.launcher")),
-    ("ftrun.policy", ("ftrun.coordinator", "ftrun.agent", "ftrun.launcher", "ftrun.protocol")),
-    ("ftrun.protocol", ("ftrun.coordinator", "ftrun.agent", "ftrun.launcher")),
+    ("ftrun.node.agent", ("ftrun.coordinator", "ftrun.node.launcher")),
+    ("ftrun.node.spawner", ("ftrun.coordinator", "ftrun.node.agent", "ftrun.node.launcher")),
+    ("ftrun.coordinator.policy", ("ftrun.coordinator.core", "ftrun.node.agent", "ftrun.node.launcher", "ftrun.common.protocol")),
+    ("ftrun.common.protocol", ("ftrun.coordinator", "ftrun.node.agent", "ftrun.node.launcher")),
     # inside the coordinator package: the pure roles import neither the wiring nor the sockets
     ("ftrun.coordinator.watchdog", ("ftrun.coordinator.core", "ftrun.coordinator.control", "zmq")),
     ("ftrun.coordinator.ranks", ("ftrun.coordinator.core", "ftrun.coordinator.control", "zmq")),
     ("ftrun.coordinator.phases", ("ftrun.coordinator.core", "ftrun.coordinator.ranks", "zmq")),
-    ("ftrun.config", ("ftrun.cli", "ftrun.launcher", "ftrun.coordinator", "ftrun.agent", "ftrun.spawner")),
+    ("ftrun.config", ("ftrun.cli", "ftrun.node.launcher", "ftrun.coordinator", "ftrun.node.agent", "ftrun.node.spawner")),
 ])
 def test_imports_flow_one_way(module: str, forbidden: tuple[str, ...]) -> None:
     code = f"import sys, {module}; print(' '.join(m for m in {forbidden!r} if m in sys.modules))"
@@ -106,8 +106,8 @@ def test_the_control_side_has_no_import_cycle() -> None:
     (``ftrun.coordinator.seat``, loaded by an agent that stands by) builds a coordinator. The rank
     side (the worker library) still has a cycle through the ``ftrun`` package; none may reach the
     control side."""
-    control = ("ftrun.cli", "ftrun.launcher", "ftrun.agent", "ftrun.supervisor", "ftrun.spawner", "ftrun.coordinator",
-               "ftrun.policy", "ftrun.protocol", "ftrun.config")
+    control = ("ftrun.cli", "ftrun.node.launcher", "ftrun.node.agent", "ftrun.node.supervisor", "ftrun.node.spawner", "ftrun.coordinator",
+               "ftrun.coordinator.policy", "ftrun.common.protocol", "ftrun.config")
     tangled = [sorted(c) for c in _cycles(_import_graph()) if any(m == p or m.startswith(p + ".") for m in c for p in control)]
     assert tangled == [], f"import cycles on the control side: {tangled}"
 

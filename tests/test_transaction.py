@@ -1,4 +1,4 @@
-"""A step is a transaction (ftrun.transaction, ftrun.registry): undo copies of updates that may not
+"""A step is a transaction (ftrun.rank.transaction, ftrun.rank.registry): undo copies of updates that may not
 be a step's last change, module buffers as rank state rolled back with a retried step, names that
 cannot collide, and fingerprints keyed by (step, backward pass). Pure logic: no processes."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ftrun.exactlyonce import ExactlyOnceChecks
-from ftrun.registry import StateRegistry
-from ftrun.transaction import ModuleBuffers
-from ftrun.workerstate import Phase, WorkerState
+from ftrun.rank.exactlyonce import ExactlyOnceChecks
+from ftrun.rank.registry import StateRegistry
+from ftrun.rank.transaction import ModuleBuffers
+from ftrun.rank.workerstate import Phase, WorkerState
 
 
 def gan() -> tuple[nn.Module, nn.Module]:

@@ -103,7 +103,7 @@ def test_killed_supervisor_leaves_a_dying_gasp_checkpoint(long_reference: str, t
     try:
         dj.wait_for(lambda: dj.training(log_dir))
         ranks = [psutil.Process(pids[0]) for pids in dj.started(dj.events(log_dir)).values()]
-        [supervisor] = [p for p in psutil.Process(proc.pid).children() if "ftrun.supervisor" in " ".join(p.cmdline())]
+        [supervisor] = [p for p in psutil.Process(proc.pid).children() if "ftrun.node.supervisor" in " ".join(p.cmdline())]
         supervisor.kill()
         out, _ = proc.communicate(timeout=150)
     finally:

@@ -14,7 +14,7 @@ import digits_job as dj
 import pytest
 
 from ftrun.errors import RecoverableError
-from ftrun.worker import Step
+from ftrun.rank.worker import Step
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -131,7 +131,7 @@ def test_recoverable_error_with_uce_off_replaces_the_rank(reference: str, tmp_pa
 
 
 def test_step_guard_suppresses_only_recoverable_errors(monkeypatch) -> None:
-    from ftrun.worker import Worker
+    from ftrun.rank.worker import Worker
 
     monkeypatch.setenv("FTRUN_HOT_SPARE", "1")  # a worker without a process group or a channel
     worker = Worker("gloo", None, None)

@@ -14,7 +14,7 @@ def test_schedulers_grad_scaler_and_clipping_take_the_wrapper() -> None:
         for k in list(os.environ):
             if k.startswith(("FTRUN_", "TORCHELASTIC_")) or k in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
                 del os.environ[k]
-        from ftrun.optim import FTOptimizer
+        from ftrun.rank.optim import FTOptimizer
 
         def train(wrap):
             torch.manual_seed(0)
@@ -45,7 +45,7 @@ def test_schedulers_grad_scaler_and_clipping_take_the_wrapper() -> None:
             return [p.detach().clone() for p in model.parameters()], opt.param_groups[0]["lr"]
 
         plain, lr_plain = train(False)
-        import ftrun.worker as w
+        import ftrun.rank.worker as w
         w._worker = None
         wrapped, lr_wrapped = train(True)
         assert lr_plain == lr_wrapped, (lr_plain, lr_wrapped)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ftrun.workerstate import ERROR_PHASES, TRANSITIONS, IllegalTransition, Phase, WorkerState
+from ftrun.rank.workerstate import ERROR_PHASES, TRANSITIONS, IllegalTransition, Phase, WorkerState
 
 
 def test_every_phase_has_its_row() -> None:
@@ -78,7 +78,7 @@ def test_error_phases_are_what_skips_a_steps_collectives() -> None:
 
 
 def test_a_hot_spare_worker_is_in_the_spare_phase(monkeypatch) -> None:
-    from ftrun.worker import Worker
+    from ftrun.rank.worker import Worker
 
     monkeypatch.setenv("FTRUN_HOT_SPARE", "1")  # a worker without a process group or a channel
     worker = Worker("gloo", None, None)

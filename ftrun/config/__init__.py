@@ -40,7 +40,7 @@ problem and the fix; the CLI prints it and exits with code 2.
 
 from __future__ import annotations
 
-from .checks import (
+from ftrun.config.checks import (
     check_address,
     check_faults,
     check_script,
@@ -53,7 +53,7 @@ from .checks import (
     parse_tft,
     read_job_token,
 )
-from .options import (
+from ftrun.config.options import (
     DEFAULT_RDZV_PORT,
     MAX_CONFIG_BYTES,
     MAX_INTERVAL_S,
@@ -75,8 +75,8 @@ from .options import (
     format_number,
     option,
 )
-from .resolve import resolve
-from .sources import (
+from ftrun.config.resolve import resolve
+from ftrun.config.sources import (
     ClusterEnv,
     convert_toml,
     expand_hostlist,
@@ -86,7 +86,7 @@ from .sources import (
     read_env,
     read_toml,
 )
-from .torchrun import (
+from ftrun.config.torchrun import (
     DEVICE_COUNT_ALIAS,
     RDZV_CONF_KEYS,
     START_METHODS,

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from .options import (
+from ftrun.config.options import (
     MAX_TOKEN_FILE_BYTES,
     MAX_WORLD_SIZE,
     MIN_TOKEN_CHARS,
@@ -291,10 +291,10 @@ def check_faults(text: str, worker_num: int) -> None:
     """Check an ``FTRUN_FAULT`` value before any rank starts (every rank parses it at import).
 
     Raises:
-        ConfigError: :func:`ftrun.faults.parse_faults` refuses it, or a fault names a rank the job
+        ConfigError: :func:`ftrun.common.faults.parse_faults` refuses it, or a fault names a rank the job
             does not have.
     """
-    from ..faults import parse_faults
+    from ftrun.common.faults import parse_faults
 
     fix = "fix or unset FTRUN_FAULT; its form is 'rank=2,step=50,point=allreduce,kind=kill' (several separated by ';')"
     try:

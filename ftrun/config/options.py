@@ -243,7 +243,7 @@ class JobSpec:
         node_rank_auto: no node index was given anywhere (flag, variable, TOML, cluster
             environment) in a multi-node job: the launcher decides it at start (node 0 where it can
             host the store, else the next free index or a vacant one; see
-            :func:`ftrun.launcher.claim_node_rank`); ``node_rank`` is 0 until then.
+            :func:`ftrun.node.launcher.claim_node_rank`); ``node_rank`` is 0 until then.
         tft_explicit: whether the switches were given (not the default).
         config_file: the TOML file the spec was read from, if any.
         warnings: one-line notices for the user about flags accepted with a different meaning

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .checks import (
+from ftrun.config.checks import (
     check_address,
     check_faults,
     check_script,
@@ -23,9 +23,9 @@ from .checks import (
     parse_tft,
     read_job_token,
 )
-from .options import MAX_WORLD_SIZE, OPTIONS, OPTIONS_BY_NAME, STANDBY_SPARES, ConfigError, JobSpec, TftSwitches
-from .sources import ClusterEnv, read_cluster_env, read_env, read_toml
-from .torchrun import TorchrunFlags, apply_torchrun
+from ftrun.config.options import MAX_WORLD_SIZE, OPTIONS, OPTIONS_BY_NAME, STANDBY_SPARES, ConfigError, JobSpec, TftSwitches
+from ftrun.config.sources import ClusterEnv, read_cluster_env, read_env, read_toml
+from ftrun.config.torchrun import TorchrunFlags, apply_torchrun
 
 def resolve(
     cli: Mapping[str, Any],

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from .checks import check_text, convert_text, count_local_devices
-from .options import MAX_CONFIG_BYTES, MAX_WORLD_SIZE, OPTIONS, OPTIONS_BY_NAME, ConfigError, Option
+from ftrun.config.checks import check_text, convert_text, count_local_devices
+from ftrun.config.options import MAX_CONFIG_BYTES, MAX_WORLD_SIZE, OPTIONS, OPTIONS_BY_NAME, ConfigError, Option
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .checks import count_local_devices
-from .options import (
+from ftrun.config.checks import count_local_devices
+from ftrun.config.options import (
     DEFAULT_RDZV_PORT,
     MAX_TIMEOUT_S,
     OPTIONS,

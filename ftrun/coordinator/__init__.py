@@ -2,7 +2,7 @@
 
 Imports flow one way inside it: :mod:`.core` wires the roles (:mod:`.control`, :mod:`.membership`,
 :mod:`.environment`, :mod:`.rounds`, :mod:`.watchdog`, :mod:`.ttp`, :mod:`.publish`), which use the
-rank table and phases (:mod:`.ranks`, :mod:`.phases`) and ``ftrun.policy`` / ``ftrun.protocol``;
+rank table and phases (:mod:`.ranks`, :mod:`.phases`) and ``ftrun.coordinator.policy`` / ``ftrun.common.protocol``;
 none imports torch (the store of a whole-job restart imports it lazily). The names below are
 loaded on first use, so importing one pure role (the watchdog, the phases) loads only that role.
 """

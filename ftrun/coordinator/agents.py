@@ -6,12 +6,12 @@ The coordinator sees every node's agent through :class:`AgentHandle` (cf. torche
 - :class:`LocalAgent`: node 0's agent, in the coordinator's own process (a single-node job is the
   coordinator and one local agent; no extra hop on the path from a death to its recovery);
 - :class:`RemoteAgent`: the coordinator's proxy of another node's agent process
-  (:class:`ftrun.agent.NodeAgent`, ``python -m ftrun.agent``), which talks to the coordinator over
-  the authenticated control plane (:mod:`ftrun.protocol`).
+  (:class:`ftrun.node.agent.NodeAgent`, ``python -m ftrun.node.agent``), which talks to the coordinator over
+  the authenticated control plane (:mod:`ftrun.common.protocol`).
 
 Results come back the same way from both: :meth:`AgentHandle.take_reports` returns what happened
-since the last call (:class:`Spawned`, :class:`~ftrun.spawner.ExitReport`, :class:`Stacks`,
-:class:`~ftrun.spawner.StopReport`, :class:`SpareNote`, :class:`StandbyOffer`).
+since the last call (:class:`Spawned`, :class:`~ftrun.node.spawner.ExitReport`, :class:`Stacks`,
+:class:`~ftrun.node.spawner.StopReport`, :class:`SpareNote`, :class:`StandbyOffer`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from ..protocol import Message, MsgType
-from ..spawner import EXIT_TAIL_LINES, ExitReport, RankProcesses, StopReport
+from ftrun.common.protocol import Message, MsgType
+from ftrun.node.spawner import EXIT_TAIL_LINES, ExitReport, RankProcesses, StopReport
 
 log = logging.getLogger("ftrun.coordinator")
 
@@ -50,7 +50,7 @@ class Stacks:
 @dataclass(frozen=True)
 class SpareNote:
     """What a node's spares showed the coordinator should know (a script that breaks the
-    hot-spare contract, :meth:`ftrun.spawner.RankProcesses.keep_spares`)."""
+    hot-spare contract, :meth:`ftrun.node.spawner.RankProcesses.keep_spares`)."""
 
     message: str
 

@@ -1,6 +1,6 @@
 """The coordinator's side of the control plane: one ZeroMQ ROUTER that ranks and agents talk to.
 
-Every frame is authenticated and fresh or it is dropped before decoding (:mod:`ftrun.protocol`:
+Every frame is authenticated and fresh or it is dropped before decoding (:mod:`ftrun.common.protocol`:
 HMAC-SHA256 over the frame and its audience, a per-session counter); rejects are counted, only the
 first few are logged, and a connection that keeps sending bad frames is not read any more. The
 ROUTER's monitor reports connections that close (an agent's closing is its node's loss at once).
@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import zmq
 
-from ..protocol import (CONTROL, MAX_FRAME_BYTES, Message, MsgType, ProtocolError, Receiver, Sender, decode, encode,
+from ftrun.common.protocol import (CONTROL, MAX_FRAME_BYTES, Message, MsgType, ProtocolError, Receiver, Sender, decode, encode,
                         to_peer)
 
 log = logging.getLogger("ftrun.coordinator")
@@ -82,7 +82,7 @@ class ControlPlane:
 
         The closes the monitor reported so far are read first: a connection that closed before
         this one was accepted may have had the same descriptor (the kernel reuses the lowest free
-        one; an agent's or a rank's probe of this endpoint, :func:`ftrun.protocol.endpoint_refuses`,
+        one; an agent's or a rank's probe of this endpoint, :func:`ftrun.common.protocol.endpoint_refuses`,
         connects and closes at once), and its close must not be taken for this agent's."""
         if fd is not None:
             self._drain_closes()

@@ -1,6 +1,6 @@
 """The job coordinator: one per job, on node 0, where every job-wide decision is made.
 
-It runs in node 0's supervisor process (``python -m ftrun.supervisor``, a child of the launcher),
+It runs in node 0's supervisor process (``python -m ftrun.node.supervisor``, a child of the launcher),
 beside node 0's agent (:class:`~ftrun.coordinator.agents.LocalAgent`); every other node's agent connects to it
 over the authenticated control plane, and so does every rank of every node. :class:`Coordinator`
 keeps the main loop, the job's phase and the restart policy's outcomes (respawn, restart, fail,
@@ -33,26 +33,26 @@ from typing import Any, Callable
 
 import zmq
 
-from .. import procs
-from .agents import AgentHandle, RemoteAgent, SpareNote, Spawned, StandbyOffer, Stacks
-from ..clocks import RunningClock
-from ..config import JobSpec
-from ..events import Event, EventKind
-from ..policy import Action, RankState, StartupFailures, decide_on_failure, restart_fits
-from ..protocol import Message, MsgType, Sender
-from ..spawner import ExitReport, StopReport
-from .control import ControlPlane
-from .environment import Spawning
-from .failover import Replication, restore
-from .messages import RankMessages
-from .elastic import Elastic, Shrink
-from .membership import Membership, NodeLoss, NoReplacement, QuorumLost
-from .phases import JobPhase, JobPhases
-from .publish import Publisher, status_header
-from .ranks import Failure, Rank, Recovery, first_failure_tail, teardown_crash
-from .rounds import RecoveryRounds
-from .ttp import Checkpoints
-from .watchdog import CommHang, Hung, Unrepaired, Watchdog, WatchdogBounds
+from ftrun.common import procs
+from ftrun.coordinator.agents import AgentHandle, RemoteAgent, SpareNote, Spawned, StandbyOffer, Stacks
+from ftrun.common.clocks import RunningClock
+from ftrun.config import JobSpec
+from ftrun.common.events import Event, EventKind
+from ftrun.coordinator.policy import Action, RankState, StartupFailures, decide_on_failure, restart_fits
+from ftrun.common.protocol import Message, MsgType, Sender
+from ftrun.node.spawner import ExitReport, StopReport
+from ftrun.coordinator.control import ControlPlane
+from ftrun.coordinator.environment import Spawning
+from ftrun.coordinator.failover import Replication, restore
+from ftrun.coordinator.messages import RankMessages
+from ftrun.coordinator.elastic import Elastic, Shrink
+from ftrun.coordinator.membership import Membership, NodeLoss, NoReplacement, QuorumLost
+from ftrun.coordinator.phases import JobPhase, JobPhases
+from ftrun.coordinator.publish import Publisher, status_header
+from ftrun.coordinator.ranks import Failure, Rank, Recovery, first_failure_tail, teardown_crash
+from ftrun.coordinator.rounds import RecoveryRounds
+from ftrun.coordinator.ttp import Checkpoints
+from ftrun.coordinator.watchdog import CommHang, Hung, Unrepaired, Watchdog, WatchdogBounds
 
 log = logging.getLogger("ftrun.coordinator")
 
@@ -74,7 +74,7 @@ class Coordinator:
         local_agent: node 0's agent (in this process); other nodes' agents connect over the
             control plane and are added as :class:`~ftrun.coordinator.agents.RemoteAgent` when they say hello.
         clock: monotonic seconds for deadlines (injected by tests); by default a RunningClock
-            (:mod:`ftrun.clocks`: this process's own stalls are no one's silence).
+            (:mod:`ftrun.common.clocks`: this process's own stalls are no one's silence).
         wall: Unix time in seconds, for timestamps.
 
     ``run()`` returns the job's exit code.
@@ -84,7 +84,7 @@ class Coordinator:
                  local_agent: AgentHandle | None = None, clock: Callable[[], float] | None = None,
                  wall: Callable[[], float] = time.time, control: ControlPlane | None = None,
                  audience: int = 0) -> None:
-        from ..stores import bind_host
+        from ftrun.common.stores import bind_host
 
         self.spec, self.token, self.wall = spec, token, wall
         self.clock = clock if clock is not None else RunningClock.for_loop(spec.monitor_interval)
@@ -481,9 +481,9 @@ class Coordinator:
     # ----------------------------------------------------------------- the policy's outcomes
     def on_failure(self, failed: list[int], kind: str = "death") -> int | None:
         """Ranks failed (``kind``: death, or node_loss): respawn them (ARF), restart the job, or fail
-        it (:func:`ftrun.policy.decide_on_failure`). While the job is already restarting or ending,
+        it (:func:`ftrun.coordinator.policy.decide_on_failure`). While the job is already restarting or ending,
         the failure is only recorded. Failures before ``ftrun.init`` may be held a few seconds
-        (:class:`ftrun.policy.StartupFailures`: does every rank fail alike?)."""
+        (:class:`ftrun.coordinator.policy.StartupFailures`: does every rank fail alike?)."""
         if self.spec.join or self.phase.current not in ACTIVE:
             return None
         if self.elastic.home(failed):  # stopped to move back to their node, which joined: no restart spent

@@ -27,12 +27,12 @@ import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from ..events import EventKind
+from ftrun.common.events import EventKind
 
 START_SETTLE_S = 30.0  # a node not joined at the start is awaited this long at least (torchrun's last_call_timeout)
 
 if TYPE_CHECKING:
-    from .core import Coordinator
+    from ftrun.coordinator.core import Coordinator
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The ranks' environment and their spawning, on whichever node each runs.
 
 :func:`rank_environment` is torchrun's and msrun's contract plus ftrun's own variables (pure: the
-job, the rank and where the job stands in, a :class:`ftrun.contract.RankEnv` out). :class:`Spawning` has each node's agent
+job, the rank and where the job stands in, a :class:`ftrun.common.contract.RankEnv` out). :class:`Spawning` has each node's agent
 start a rank's next incarnation, keeps warm or hot spares on every node, and gives every whole-job
 attempt its own c10d store (so a restarted job never meets a previous attempt's keys).
 """
@@ -13,23 +13,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import checkpoint as ckpt
-from ..config import JobSpec
-from ..events import EventKind
-from ..policy import RankState
-from ..contract import CONTROL_ADDR_KEY, RankEnv
-from ..spawner import shared_dir_marker
-from .ranks import Rank
+from ftrun.common import checkpoint as ckpt
+from ftrun.config import JobSpec
+from ftrun.common.events import EventKind
+from ftrun.coordinator.policy import RankState
+from ftrun.common.contract import CONTROL_ADDR_KEY, RankEnv
+from ftrun.node.spawner import shared_dir_marker
+from ftrun.coordinator.ranks import Rank
 
 if TYPE_CHECKING:
-    from .agents import AgentHandle
-    from .core import Coordinator
+    from ftrun.coordinator.agents import AgentHandle
+    from ftrun.coordinator.core import Coordinator
 
 
 def rank_environment(spec: JobSpec, r: Rank, *, attempt: int, generation: int, attempt_port: int, store_port: int,
                      control_addr: str, run_id: str, checkpoint_root: Path,
                      resume_from: ckpt.Manifest | None) -> RankEnv:
-    """One rank's environment (:class:`ftrun.contract.RankEnv`; its ``to_environ()`` gives the
+    """One rank's environment (:class:`ftrun.common.contract.RankEnv`; its ``to_environ()`` gives the
     variables the agent of its node adds to that node's environment, with the job secret). No
     secret is in it: it travels in the spawn order.
 
@@ -67,7 +67,7 @@ SPARES_REFRESH_S = 1.0
 @dataclass(frozen=True)
 class SparesOrder:
     """The last spares order sent to one agent: to whom, the counts, the spares' environment
-    (:meth:`ftrun.contract.RankEnv.without_identity`) and when (monotonic seconds)."""
+    (:meth:`ftrun.common.contract.RankEnv.without_identity`) and when (monotonic seconds)."""
 
     agent: "AgentHandle"
     warm: int
@@ -219,7 +219,7 @@ class Spawning:
         job = self.job
         if job.attempt == 0:
             return self.store_port
-        from ..stores import bind_host, serve_store  # imports torch: only a whole-job restart needs it
+        from ftrun.common.stores import bind_host, serve_store  # imports torch: only a whole-job restart needs it
 
         self.attempt_store = None  # release the previous attempt's store first
         self.attempt_store, port = serve_store(bind_host(job.spec.master_addr, job.spec.nnodes), 0, job.spec.cluster_time_out)

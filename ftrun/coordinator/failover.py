@@ -36,7 +36,7 @@ endpoint and hosts a c10d store of its own, and says so in its hello. Then:
 - **A line of two standbys** (:data:`SEATS`): the coordinator asks another node's agent too and
   announces the line (``seats``: control endpoint and node, first first) to ranks and agents. The
   second takes over only once the coordinator's and the first standby's processes are found dead
-  (a closed connection, or a refused one: :func:`ftrun.protocol.endpoint_refuses`), never on
+  (a closed connection, or a refused one: :func:`ftrun.common.protocol.endpoint_refuses`), never on
   silence, so it never competes with the first's majority: node 1 lost while it takes over.
   The line only grows at its end or loses a lost node's entry, so no two agents disagree on
   who is next.
@@ -54,15 +54,15 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..policy import RankState
-from ..protocol import MsgType
-from .ranks import Incarnation
+from ftrun.coordinator.policy import RankState
+from ftrun.common.protocol import MsgType
+from ftrun.coordinator.ranks import Incarnation
 
-from .agents import RemoteAgent
+from ftrun.coordinator.agents import RemoteAgent
 
 if TYPE_CHECKING:
-    from .agents import AgentHandle
-    from .core import Coordinator
+    from ftrun.coordinator.agents import AgentHandle
+    from ftrun.coordinator.core import Coordinator
 
 log = logging.getLogger("ftrun.coordinator")
 

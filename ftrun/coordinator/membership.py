@@ -10,7 +10,7 @@ term). A lost node's old connection is fenced (anything it sends later is answer
 (recovery, restart, failure) is the coordinator's decision: this module reports it.
 
 Standby nodes: a launcher started without ``--node_rank`` after every node has its index connects
-its agent with the node index :data:`~ftrun.contract.STANDBY_NODE_INDEX` and waits, running spares for
+its agent with the node index :data:`~ftrun.common.contract.STANDBY_NODE_INDEX` and waits, running spares for
 the ranks it may take over (``--standby_spares``, :meth:`ftrun.coordinator.environment.Spawning.keep_spares`).
 A lost node is handed at once to the standby that joined first (``take_node``: its agent becomes
 the node's agent, its spares take the node's ranks), never to two; with none, the node is awaited
@@ -24,15 +24,15 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
-from .agents import AgentHandle, RemoteAgent
-from ..contract import STANDBY_NODE_INDEX, VACANT_KEY
-from ..events import EventKind
-from ..protocol import Message, MsgType
-from .elastic import Shrink
-from .failover import silence_timeout
+from ftrun.coordinator.agents import AgentHandle, RemoteAgent
+from ftrun.common.contract import STANDBY_NODE_INDEX, VACANT_KEY
+from ftrun.common.events import EventKind
+from ftrun.common.protocol import Message, MsgType
+from ftrun.coordinator.elastic import Shrink
+from ftrun.coordinator.failover import silence_timeout
 
 if TYPE_CHECKING:
-    from .core import Coordinator
+    from ftrun.coordinator.core import Coordinator
 
 log = logging.getLogger("ftrun.coordinator")
 
@@ -276,7 +276,7 @@ class Membership:
     def publish_vacancies(self) -> None:
         """Keep ``ftrun/vacant`` in the job's store: the node indices awaiting a replacement,
         comma-separated (a launcher started without ``--node_rank`` takes one; see
-        :func:`ftrun.launcher.claim_node_rank`)."""
+        :func:`ftrun.node.launcher.claim_node_rank`)."""
         if self.main_store is None:
             return
         try:

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from ..events import EventKind
-from ..policy import RankState
-from ..protocol import Message, MsgType
-from .phases import JobPhase
-from .ranks import Incarnation, Rank, RankPhase
+from ftrun.common.events import EventKind
+from ftrun.coordinator.policy import RankState
+from ftrun.common.protocol import Message, MsgType
+from ftrun.coordinator.phases import JobPhase
+from ftrun.coordinator.ranks import Incarnation, Rank, RankPhase
 
 if TYPE_CHECKING:
-    from .core import Coordinator
+    from ftrun.coordinator.core import Coordinator
 
 DIVERGENCE_EXIT_CODE = 3  # the job stopped on a detected divergence (--on_divergence fail)
 
@@ -112,7 +112,7 @@ class RankMessages:
 
     def on_heartbeat(self, r: Rank, msg: Message) -> None:
         """A rank's heartbeat: its heartbeat thread's evidence and its step board (where its
-        training thread is: :class:`ftrun.control.StepBoard`)."""
+        training thread is: :class:`ftrun.rank.client.StepBoard`)."""
         now = self.job.clock()
         r.on_heartbeat(msg.get("in_dist"), msg.get("stage"), msg.get("stage_bytes"), now)
         if "phase" in msg.fields:

@@ -21,9 +21,9 @@ from typing import Any, Callable, Mapping
 
 import zmq
 
-from ..events import Event, EventKind, EventLog
-from ..protocol import MsgType, Sender, encode, events_for
-from .ranks import Rank
+from ftrun.common.events import Event, EventKind, EventLog
+from ftrun.common.protocol import MsgType, Sender, encode, events_for
+from ftrun.coordinator.ranks import Rank
 
 log = logging.getLogger("ftrun.coordinator")
 
@@ -37,7 +37,7 @@ class Publisher:
     Args:
         log_dir: the job's log directory (``events.jsonl``, ``status.json``).
         node: this node's index (the node of events that name no rank).
-        sender: the frame sender for node 0's launcher (:mod:`ftrun.protocol`).
+        sender: the frame sender for node 0's launcher (:mod:`ftrun.common.protocol`).
         push: a connected ZeroMQ PUSH socket to the launcher, or None.
         clock: the coordinator's monotonic clock (paces the snapshots), seconds.
         audience: the node whose launcher reads the frames (0; after a takeover, the new

@@ -16,8 +16,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from ..policy import NO_STATE, STARTUP_WINDOW_S, RankState, RecoveryPlan
-from ..spawner import tail_lines
+from ftrun.coordinator.policy import NO_STATE, STARTUP_WINDOW_S, RankState, RecoveryPlan
+from ftrun.node.spawner import tail_lines
 
 
 class RankPhase(str, Enum):
@@ -61,7 +61,7 @@ class Incarnation:
     finished: bool = False  # it called ft.finish(): it waits in the finish barrier, then its code after that runs unwatched
     released: bool = False  # told that every rank finished (it leaves the finish barrier)
     in_dist: bool | None = None  # its last heartbeat: training thread inside torch.distributed (None: unknown)
-    stage: str = "setup"  # its last heartbeat: where in ftrun's flow (ftrun.recovery.RankProgress.stage)
+    stage: str = "setup"  # its last heartbeat: where in ftrun's flow (ftrun.rank.recovery.RankProgress.stage)
     stage_bytes: int = 0  # the bytes that stage moves (a transfer's state)
     rejoin_by: float | None = None  # after a takeover: it says hello to the new coordinator by then, or is hung
     outside_since: float | None = None  # first heartbeat of this stage seeing it outside torch.distributed
@@ -109,7 +109,7 @@ class Rank:
 
     def started_up(self, now: float) -> bool:
         """Past its start-up: it said hello through the worker library, exited 0, or has run for
-        :data:`~ftrun.policy.STARTUP_WINDOW_S` (a failure then is no start-up failure)."""
+        :data:`~ftrun.coordinator.policy.STARTUP_WINDOW_S` (a failure then is no start-up failure)."""
         return (self.library or self.proc.state == RankState.SUCCEEDED
                 or now - self.proc.started_at > STARTUP_WINDOW_S)
 
@@ -152,7 +152,7 @@ class Rank:
             p.stage_bytes = stage_bytes if isinstance(stage_bytes, int) and not isinstance(stage_bytes, bool) and stage_bytes > 0 else 0
 
     def on_board(self, board: dict[str, Any], now: float, warmup_steps: int) -> tuple[bool, float | None]:
-        """A heartbeat's step board (:class:`ftrun.control.StepBoard`): its step, committed step and
+        """A heartbeat's step board (:class:`ftrun.rank.client.StepBoard`): its step, committed step and
         phase, with the phase's age; the watchdog counts progress from the phase's start. Returns
         (whether its step moved, the largest of its new step times that are samples for the
         automatic step timeout: past ``warmup_steps`` samples of this process, else None). Once the rank

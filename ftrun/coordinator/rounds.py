@@ -2,7 +2,7 @@
 orchestrate the state transfer to them, or repair the group in place (HCCE, UCE).
 
 A round is one generation: the failed ranks are respawned, every survivor is aborted to a safe
-point and reports its committed step; once every live rank has reported, :func:`ftrun.policy.plan_recovery`
+point and reports its committed step; once every live rank has reported, :func:`ftrun.coordinator.policy.plan_recovery`
 chooses the step to resume from and the donor of each recipient's state, and every live rank is
 sent the plan; the round ends when every live rank says it carried it out. A fault during a round
 starts the next round (the next generation), keeping the first failure's start time.
@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..events import EventKind
-from ..policy import (NO_STATE, NoLiveReplica, RankState, default_replica_groups, plan_recovery, plan_rollback, redone_steps,
+from ftrun.common.events import EventKind
+from ftrun.coordinator.policy import (NO_STATE, NoLiveReplica, RankState, default_replica_groups, plan_recovery, plan_rollback, redone_steps,
                       replica_groups_from_hello, respawn_restarts)
-from ..protocol import Message, MsgType
-from .phases import JobPhase
-from .ranks import Rank, RankPhase, Recovery
+from ftrun.common.protocol import Message, MsgType
+from ftrun.coordinator.phases import JobPhase
+from ftrun.coordinator.ranks import Rank, RankPhase, Recovery
 
 if TYPE_CHECKING:
-    from .core import Coordinator
+    from ftrun.coordinator.core import Coordinator
 
 _KIND_LABEL = {"comm_error": "HCCE: communication error", "recoverable_error": "UCE: recoverable error"}
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import zmq
 
-from ..stores import serve_store
-from ..supervisor import start_job_metrics
-from .agents import LocalAgent
-from .control import ControlPlane
-from .core import Coordinator
-from .failover import address_towards
+from ftrun.common.stores import serve_store
+from ftrun.node.supervisor import start_job_metrics
+from ftrun.coordinator.agents import LocalAgent
+from ftrun.coordinator.control import ControlPlane
+from ftrun.coordinator.core import Coordinator
+from ftrun.coordinator.failover import address_towards
 
 
 class StandbySeat:
@@ -35,7 +35,7 @@ class StandbySeat:
 
     Raises:
         OSError: no address towards the master address, or nothing can be bound on it.
-        ftrun.stores.StoreBindError: the store cannot be hosted.
+        ftrun.common.stores.StoreBindError: the store cannot be hosted.
     """
 
     def __init__(self, spec: Any, token: str) -> None:
@@ -69,7 +69,7 @@ class StandbySeat:
     def take_over(self, processes: Any, events_addr: str | None, node: int, audience: int,
                   lost: list[int] | tuple[int, ...] = (0,), cause: str = "") -> int:
         """Run the job's coordinator here, from the last replicated state, as node ``node``, with
-        this node's ranks (``processes``, a :class:`ftrun.spawner.RankProcesses`) as its local
+        this node's ranks (``processes``, a :class:`ftrun.node.spawner.RankProcesses`) as its local
         agent's, its events for this node's launcher (which knows it as node ``audience``: a
         standby node's keeps its first index); ``lost``: the nodes whose coordinator or standby
         died (the coordinator's first); ``cause``: why, in words (default: the coordinator's

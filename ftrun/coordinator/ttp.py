@@ -4,7 +4,7 @@ Before a whole-job restart, a failure with the budget used up, a lost node, or a
 SIGTERM/SIGINT, one live replica of each shard writes the newest step every shard committed (a
 *dying-gasp* checkpoint); periodic checkpoints (``--save_steps``) are completed with their
 manifest once every shard is in; every attempt starts from the newest complete checkpoint
-(``--resume``). The files' format and checks are :mod:`ftrun.checkpoint`'s.
+(``--resume``). The files' format and checks are :mod:`ftrun.common.checkpoint`'s.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from .. import checkpoint as ckpt
-from ..events import EventKind
-from ..policy import NoLiveReplica, plan_recovery
-from ..protocol import Message, MsgType
-from .phases import JobPhase
+from ftrun.common import checkpoint as ckpt
+from ftrun.common.events import EventKind
+from ftrun.coordinator.policy import NoLiveReplica, plan_recovery
+from ftrun.common.protocol import Message, MsgType
+from ftrun.coordinator.phases import JobPhase
 
 if TYPE_CHECKING:
-    from .core import Coordinator
+    from ftrun.coordinator.core import Coordinator
 
 log = logging.getLogger("ftrun.coordinator")
 
@@ -101,7 +101,7 @@ class Checkpoints:
         except ckpt.CheckpointError as err:  # checked by the launcher; it may have changed since
             skipped(err.path, err.problem)
         if manifest is not None and manifest.world_size != spec.worker_num and not manifest.sliced:
-            # A sliced checkpoint (a sharded model's, in DCP's format: ftrun.dcp) reshards onto any world size.
+            # A sliced checkpoint (a sharded model's, in DCP's format: ftrun.rank.dcp) reshards onto any world size.
             skipped(manifest.directory, f"written by {manifest.world_size} ranks, this job has {spec.worker_num}")
             manifest = None
         # Another program's checkpoint is not resumed unasked: at the first attempt under 'auto', and
@@ -120,7 +120,7 @@ class Checkpoints:
 
     def rollback_target(self) -> tuple[int, Path] | None:
         """(step, directory) of the checkpoint every rank may roll back to in place when no replica
-        holds a lost rank's state (:func:`ftrun.policy.plan_rollback`): the newest one this attempt
+        holds a lost rank's state (:func:`ftrun.coordinator.policy.plan_rollback`): the newest one this attempt
         completed or started from, if its files are all there with their sizes and no rank found
         it unusable. Each rank checks its own files' checksums as it loads them. None: there is
         none (a warning event says why when one was found wanting)."""
@@ -174,7 +174,7 @@ class Checkpoints:
 
     def unusable(self) -> tuple[Path, str] | None:
         """(file, problem) when a rank found that the checkpoint this attempt started from does not
-        load (:func:`ftrun.checkpoint.mark_unusable`): the attempt's failure is the checkpoint's."""
+        load (:func:`ftrun.common.checkpoint.mark_unusable`): the attempt's failure is the checkpoint's."""
         return ckpt.read_unusable_note(self.resume_from.directory) if self.resume_from is not None else None
 
     def on_saved(self, msg: Message) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection, Iterable, Sequence
 
-from .ranks import Rank, RankPhase, Recovery
+from ftrun.coordinator.ranks import Rank, RankPhase, Recovery
 
 REPORT_DEADLINE_S = 10.0  # a survivor answers an abort in milliseconds; after this it is hung
 PLAN_DEADLINE_S = 60.0  # to build the new group and move the state, unless waiting in torch.distributed
@@ -20,7 +20,7 @@ UNREPAIRED_GRACE_S = 1.0  # wait this long for a death to explain a failed colle
 STALL_BASE_S = 5.0  # a rank outside torch.distributed this long during a watched stage, peers waiting, is hung
 STALL_MIN_BYTES_PER_S = 50e6  # ...plus the stage's bytes at this rate (copying state runs at GB/s)
 STALL_STAGES = {"recover": "the recovery's drop of its group", "transfer": "the state transfer",
-                "init": "the initial broadcast"}  # watched stages (ftrun.recovery.RankProgress.stage)
+                "init": "the initial broadcast"}  # watched stages (ftrun.rank.recovery.RankProgress.stage)
 
 
 @dataclass(frozen=True)

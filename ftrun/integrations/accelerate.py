@@ -33,7 +33,7 @@ fault, bitwise. What accelerate keeps outside the step is made ftrun's:
   micro-batches grouped as accelerate's ``accumulate`` groups them (``gradient_accumulation_steps``
   from the pass's start, the pass's last micro-batch closing a shorter group): one ftrun step per
   optimizer step. A failed step's micro-batches are given again; a respawned rank starts at its
-  replicas' step and place in the pass (:mod:`ftrun.data`).
+  replicas' step and place in the pass (:mod:`ftrun.rank.data`).
 - ``accumulate`` takes ``sync_gradients`` from the micro-batch's place in the step instead of the
   ``Accelerator``'s counter and the loader's end-of-data flag. When the step's update failed (a
   peer died), it leaves ``sync_gradients`` False after the block, so the loop's
@@ -65,9 +65,9 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
-from ftrun.contract import RankEnv
+from ftrun.common.contract import RankEnv
 from ftrun.integrations.common import END, FSDP_INSTEAD, RecoverableWork, WorkMarker
-from ftrun.worker import Worker, current
+from ftrun.rank.worker import Worker, current
 
 #: The name of the training pass's position in ftrun's registered rank state.
 PASS_NAME = "accelerate_pass"
@@ -139,7 +139,7 @@ class OptimizerSteps:
     """A prepared training loader seen as optimizer steps: each item is the list of micro-batches
     of one step, grouped as ``Accelerator.accumulate`` groups them (``accum`` from the pass's start;
     the pass's last micro-batch closes its group). The seed ``iter()`` draws from torch's global
-    generator is :class:`ftrun.data.LoaderCursor`'s to replay; the sampler generator's draw is
+    generator is :class:`ftrun.rank.data.LoaderCursor`'s to replay; the sampler generator's draw is
     :class:`LoaderState`'s."""
 
     def __init__(self, loader: Any, state: LoaderState, accum: int) -> None:
@@ -178,7 +178,7 @@ class OptimizerSteps:
 
 
 class FTAcceleratedOptimizer(AcceleratedOptimizer):
-    """accelerate's ``AcceleratedOptimizer`` around an :class:`ftrun.optim.FTOptimizer` whose
+    """accelerate's ``AcceleratedOptimizer`` around an :class:`ftrun.rank.optim.FTOptimizer` whose
     ``step_was_skipped`` is also True when the step's update was not applied (its collectives
     failed): accelerate's prepared scheduler then does not step (it would set the learning rates
     of the next step before the retried step's update). :meth:`FTAccelerator.prepare_optimizer`

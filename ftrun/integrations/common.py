@@ -18,8 +18,8 @@ import time
 from typing import Any, Callable, Iterator
 
 from ftrun.errors import describe
-from ftrun.group import GroupDown
-from ftrun.worker import Worker
+from ftrun.rank.group import GroupDown
+from ftrun.rank.worker import Worker
 
 #: How long a rank whose collective raised waits for the coordinator's abort before it takes the
 #: error for a bug of its own (seconds).

@@ -44,7 +44,7 @@ ends with the parameters of the run without the fault, bitwise:
 - ``train_batches(loader, accumulate)`` drives ftrun's step loop (``ft.batches``) over the loader's
   micro-batches grouped by ``accumulate`` from the pass's start (the pass's last micro-batch closing
   a shorter group): one ftrun step per optimizer step. A respawned rank starts at its replicas'
-  step and place in the pass (:mod:`ftrun.data`); its micro-batch index (``enumerate``) counts from
+  step and place in the pass (:mod:`ftrun.rank.data`); its micro-batch index (``enumerate``) counts from
   there, so ``(i + 1) % accumulate`` still says where a micro-batch is in its step.
 - A failed step (a peer died in its gradient all-reduce) is retried inside ``optimizer.step()``:
   the loop's code after it (scheduler, logging, evaluation) runs once, after the update. Fabric's
@@ -96,12 +96,12 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, ParallelStrategy
 from lightning.fabric.wrappers import _FabricModule
 
-from ftrun.contract import RankEnv
+from ftrun.common.contract import RankEnv
 from ftrun.errors import describe
 from ftrun.integrations.common import END, RecoverableWork, WorkMarker, is_fault, keep_grads, put_grads, until_done
-from ftrun.sharding import is_sharded, mesh_coordinates
-from ftrun.transfer import RNGState
-from ftrun.worker import Worker, current
+from ftrun.rank.sharding import is_sharded, mesh_coordinates
+from ftrun.rank.transfer import RNGState
+from ftrun.rank.worker import Worker, current
 
 #: The name of the training pass's position in ftrun's registered rank state.
 PASS_NAME = "fabric_pass"
@@ -155,7 +155,7 @@ class LoaderState:
 class OptimizerSteps:
     """A set-up training loader seen as optimizer steps: each item is the list of micro-batches of
     one step (``accum`` from the pass's start; the pass's last micro-batch closes its group). The
-    seed ``iter()`` draws from torch's global generator is :class:`ftrun.data.LoaderCursor`'s to
+    seed ``iter()`` draws from torch's global generator is :class:`ftrun.rank.data.LoaderCursor`'s to
     replay; the pass counter is :class:`LoaderState`'s."""
 
     def __init__(self, loader: Any, state: LoaderState, accum: int) -> None:

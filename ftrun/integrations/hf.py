@@ -57,11 +57,11 @@ from typing import Any, Iterator
 import torch
 from transformers import Trainer, TrainerControl
 
-from ftrun.contract import RankEnv
+from ftrun.common.contract import RankEnv
 from ftrun.integrations.common import FSDP_INSTEAD, until_done
-from ftrun.optim import FTOptimizer
-from ftrun.transfer import RNGState
-from ftrun.worker import Worker, current
+from ftrun.rank.optim import FTOptimizer
+from ftrun.rank.transfer import RNGState
+from ftrun.rank.worker import Worker, current
 
 #: The ``resume_from_checkpoint`` a respawned rank passes to the Trainer's resume path: no
 #: directory; the state came from a replica (:meth:`FTTrainer._load_rng_state` knows it).
@@ -102,7 +102,7 @@ PROCESS_FIELDS = frozenset({"is_local_process_zero", "is_world_process_zero"})
 
 class RetryingOptimizer(FTOptimizer):
     """The optimizer the Trainer steps (inside accelerate's ``AcceleratedOptimizer``): an
-    :class:`ftrun.optim.FTOptimizer` whose ``step()`` does not return before the step's update is
+    :class:`ftrun.rank.optim.FTOptimizer` whose ``step()`` does not return before the step's update is
     applied. When the step's collectives failed it recovers and runs the step again
     (:meth:`FTTrainer.retry_step`), as many times as faults come. Returns None, as
     ``torch.optim.Optimizer.step`` does without a closure.

@@ -26,7 +26,7 @@ import runpy
 import sys
 from typing import Any
 
-from ftrun.contract import RankEnv
+from ftrun.common.contract import RankEnv
 
 USAGE = "usage: python -m ftrun.integrations.hf_resume SCRIPT [ARGS...]"
 

@@ -66,10 +66,10 @@ from lightning.pytorch import __version__ as LIGHTNING_VERSION
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer import call
 
-from ftrun.contract import RankEnv
+from ftrun.common.contract import RankEnv
 from ftrun.integrations.common import keep_grads, put_grads, until_done
-from ftrun.transfer import RNGState
-from ftrun.worker import Worker, current
+from ftrun.rank.transfer import RNGState
+from ftrun.rank.worker import Worker, current
 
 #: The fit loop's state-dict key of the validation loop's batch progress (Lightning 2.6).
 VAL_PROGRESS = "epoch_loop.val_loop.batch_progress"

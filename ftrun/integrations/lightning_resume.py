@@ -30,7 +30,7 @@ import runpy
 import sys
 from typing import Any
 
-from ftrun.contract import RankEnv
+from ftrun.common.contract import RankEnv
 
 USAGE = "usage: python -m ftrun.integrations.lightning_resume SCRIPT [ARGS...]"
 #: Lightning's checkpoint file extension (``ModelCheckpoint.FILE_EXTENSION``).

@@ -18,10 +18,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ftrun.control import StepBoard
-from ftrun.gradsync import GradientSync
-from ftrun.transaction import StepTransaction
-from ftrun.workerstate import WorkerState
+from ftrun.rank.client import StepBoard
+from ftrun.rank.gradsync import GradientSync
+from ftrun.rank.transaction import StepTransaction
+from ftrun.rank.workerstate import WorkerState
 
 rank, world, store_file, cases = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
 case = ""

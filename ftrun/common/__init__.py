@@ -1,0 +1,1 @@
+"""What every ftrun process shares: the wire protocol and codec, the rank contract, events, checkpoints on disk."""

@@ -1,0 +1,257 @@
+"""The worker's side of the control plane: one ZeroMQ DEALER owned by a background thread.
+
+ZeroMQ sockets must not be shared between threads, so a single I/O thread owns the DEALER. Other
+threads hand it frames through a queue and wake it through a pipe that its poller watches; it sends
+them, sends a heartbeat every ``heartbeat_interval`` seconds, and queues what the supervisor sends
+(``abort``, ``reconfigure``, ``stop``) for the training thread to take with :meth:`Channel.receive`.
+Heartbeats come from this thread, so a rank whose training thread is busy in a long step still
+proves it is alive; a frozen process (SIGSTOP) stops sending them.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+import zmq
+
+from ftrun.common.protocol import (CONTROL, MAX_FRAME_BYTES, Message, MsgType, Receiver, Sender, endpoint_refuses, pack, receive,
+                       standby_line, to_peer)
+
+RECEIVE_BUDGET = 1000  # frames read per wake-up of the I/O thread (then it beats and sends again)
+
+
+class Channel:
+    """A rank's connection to its supervisor.
+
+    Args:
+        addr: the supervisor's ROUTER endpoint (``FTRUN_CONTROL_ADDR``).
+        token: the job secret (``FTRUN_TOKEN``).
+        rank, incarnation: this process's identity.
+        heartbeat_interval: seconds between heartbeats.
+    """
+
+    def __init__(self, addr: str, token: str, rank: int, incarnation: int, heartbeat_interval: float) -> None:
+        # One session per process (a respawned rank's frames can never pass as its predecessor's),
+        # sealed on the I/O thread as they leave, so counters arrive in increasing order.
+        self._sender = Sender(token)
+        self.rank = rank
+        self.incarnation = incarnation
+        self.heartbeat_interval = heartbeat_interval
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._wake_lock = threading.Lock()
+        self._wake_pending = False
+        self._ctx = zmq.Context.instance()
+        self._connect(addr)
+        # The standby coordinators' endpoints, first first (a ``standby`` message): when this
+        # connection closes (the coordinator's process died), the channel moves to the first and says
+        # hello again; when that one's closes or refuses before it spoke, to the next.
+        self.line: list[str] = []
+        self._at_seat = False  # connected to a standby that has said nothing yet
+        # ... and when nothing is heard from the coordinator for this many seconds (its beats, the
+        # ``standby`` message told again once a heartbeat interval): a partition between them.
+        self.silence_timeout: float | None = None
+        self._hello: dict[str, Any] | None = None
+        self._closed = False
+        # Called on the I/O thread with each message from the supervisor, before it is queued: the
+        # one way to act while the training thread is blocked (e.g. inside a collective).
+        self.on_receive: Callable[[Message], None] | None = None
+        # Called on the I/O thread at each heartbeat: extra fields that describe what the training
+        # thread is doing (the watchdog's evidence), e.g. {"in_dist": True} while it waits in a
+        # torch.distributed call.
+        self.probe: Callable[[], dict[str, Any]] | None = None
+        # Called on the I/O thread at each heartbeat: the fields of a ``progress`` message to send
+        # with it, or None (an open ft.section() says so at every beat).
+        self.beat_extra: Callable[[], dict[str, Any] | None] | None = None
+        # Called on the I/O thread when it says hello again to a standby coordinator: extra fields
+        # (the newest generation this rank has seen, which the new coordinator must go beyond).
+        self.rejoin_fields: Callable[[], dict[str, Any]] = dict
+        self._thread = threading.Thread(target=self._run, name="ftrun-channel", daemon=True)
+        self._thread.start()
+
+    def _connect(self, addr: str) -> None:
+        """A DEALER to ``addr``, with a monitor that sees the connection close (I/O thread, or
+        before it starts)."""
+        self._sock = self._ctx.socket(zmq.DEALER)
+        # An unguessable routing identity: the supervisor binds this rank's messages to the
+        # connection whose hello verified, and its ROUTER never hands an identity over to another
+        # connection, so no local process can take this rank's place on the control plane.
+        identity = b"r" + secrets.token_bytes(15)
+        self._sock.setsockopt(zmq.IDENTITY, identity)
+        self._receiver = Receiver(self._sender.auth, to_peer(identity))
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._sock.setsockopt(zmq.LINGER, 1000)
+        self._closes = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+        self._sock.connect(addr)
+        self._endpoint = addr
+
+    def _gone(self) -> bool:
+        """Read the connection's monitor: its connection closed, or connecting to a standby that
+        has said nothing yet was refused (its process died before this rank reached it)."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        event = parse_monitor_message(self._closes.recv_multipart())["event"]
+        return event == zmq.EVENT_DISCONNECTED or (self._at_seat and endpoint_refuses(self._endpoint))
+
+    def _move(self, poller: zmq.Poller) -> None:
+        """The coordinator's connection closed, or it fell silent, and a standby is known: connect
+        to the first in line that does not refuse and say hello again (same process, same
+        incarnation; ``rejoin``), before anything else is sent."""
+        target = self.line.pop(0)
+        while self.line and endpoint_refuses(target):
+            target = self.line.pop(0)
+        for sock in (self._sock, self._closes):
+            poller.unregister(sock)
+        self._sock.disable_monitor()
+        self._closes.close(0)
+        self._sock.close(0)
+        self._connect(target)
+        self._at_seat = True
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._closes, zmq.POLLIN)
+        if self._hello is not None:
+            hello = {k: v for k, v in self._hello.items() if k != "hot"}
+            try:
+                hello.update(self.rejoin_fields())
+            except Exception:  # noqa: BLE001  the hello must go out
+                _log_io_error("describing this rank for its new coordinator")
+            self._sock.send(self._sender.seal(pack(MsgType.HELLO, rank=self.rank, incarnation=self.incarnation,
+                                                   rejoin=True, **hello), CONTROL))
+
+    def send(self, msg_type: MsgType, **fields: Any) -> None:
+        """Queue a message (rank and incarnation are added). Never blocks on the network."""
+        if self._closed:
+            return
+        if msg_type == MsgType.HELLO:
+            self._hello = dict(fields)  # said again to a standby coordinator after a takeover
+        frame = pack(msg_type, rank=self.rank, incarnation=self.incarnation, **fields)
+        # Wake the I/O thread once per burst: until it has taken the wake-up, it will drain
+        # everything queued meanwhile (a step sends several messages; a system call each was
+        # measurable on small steps).
+        with self._wake_lock:
+            self._outbox.put(frame)
+            if not self._wake_pending:
+                self._wake_pending = True
+                try:
+                    os.write(self._wake_w, b"x")
+                except OSError:
+                    pass  # the I/O thread has ended: nothing is sent any more
+
+    def receive(self, timeout: float | None = 0.0) -> Message | None:
+        """Take the next message from the supervisor, waiting up to ``timeout`` seconds (None: forever)."""
+        try:
+            if timeout == 0.0:
+                return self._inbox.get_nowait()
+            return self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        """Flush queued messages (up to about a second) and stop the I/O thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._outbox.put(None)
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass  # the I/O thread has already ended (and closed its pipe): nothing to wake
+        self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._closes, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        seal = self._sender.seal
+        heartbeat = pack(MsgType.HEARTBEAT, rank=self.rank, incarnation=self.incarnation)
+        next_beat = time.monotonic() + self.heartbeat_interval  # the hello goes first
+        last_heard = time.monotonic()
+        running = True
+        while running:
+            now = time.monotonic()
+            if (self.line and not self._at_seat and self.silence_timeout is not None
+                    and now - last_heard > self.silence_timeout):  # a standby is silent until it takes over
+                print(f"ftrun: control channel: nothing heard from the coordinator for {now - last_heard:.1f} s; "
+                      "moving to the standby coordinator", file=sys.stderr, flush=True)
+                self._move(poller)
+                last_heard = now
+            if now >= next_beat:
+                beat = heartbeat
+                if self.probe is not None:
+                    try:
+                        beat = pack(MsgType.HEARTBEAT, rank=self.rank, incarnation=self.incarnation, **self.probe())
+                    except Exception:  # a probe must never stop the heartbeats
+                        beat = heartbeat
+                try:
+                    self._sock.send(seal(beat, CONTROL), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # the supervisor is not reading (a full queue): the next beat says the same
+                if self.beat_extra is not None:
+                    try:
+                        extra = self.beat_extra()
+                        if extra is not None:
+                            self._sock.send(seal(pack(MsgType.PROGRESS, rank=self.rank, incarnation=self.incarnation,
+                                                      **extra), CONTROL), zmq.NOBLOCK)
+                    except Exception:  # like the probe (zmq.Again included): never stop the heartbeats
+                        pass
+                next_beat = now + self.heartbeat_interval
+            events = dict(poller.poll(timeout=max(0, int((next_beat - now) * 1000))))
+            if self._wake_r in events:
+                with self._wake_lock:
+                    self._wake_pending = False  # messages queued from now on wake us again
+                    try:
+                        os.read(self._wake_r, 65536)
+                    except BlockingIOError:
+                        pass
+            while True:
+                try:
+                    frame = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if frame is None:
+                    running = False
+                    break
+                self._sock.send(seal(frame, CONTROL))
+            if self._closes in events and self._gone():
+                if self.line and running:
+                    self._move(poller)
+                    last_heard = time.monotonic()
+                    continue
+            if self._sock in events:
+                # only the supervisor knows our secret: a frame that does not verify is dropped
+                for msg in receive(self._sock, self._receiver, RECEIVE_BUDGET, lambda _err: None):
+                    last_heard = time.monotonic()
+                    self._at_seat = False  # whoever this is connected to speaks: it is the coordinator
+                    if msg.type == MsgType.STANDBY:
+                        self.line = [control for control, _ in standby_line(msg)]  # []: the standby was lost, none yet
+                        timeout = msg.get("timeout")
+                        self.silence_timeout = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else None
+                        continue
+                    if self.on_receive is not None:
+                        try:
+                            self.on_receive(msg)
+                        except Exception:  # noqa: BLE001  the message must still reach the training thread
+                            _log_io_error(f"acting on {msg.type.value} on the I/O thread")
+                    self._inbox.put(msg)
+        self._sock.disable_monitor()
+        self._closes.close(0)
+        self._sock.close(linger=1000)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+
+def _log_io_error(what: str) -> None:
+    """Write an error of the I/O thread to the rank's log (stderr) and go on: this thread carries the
+    heartbeats and the supervisor's aborts, so an exception that ended it would leave the rank deaf
+    and silent (replaced as hung at the next abort or heartbeat timeout)."""
+    print(f"ftrun: control channel: {what} failed (ignored):\n{traceback.format_exc()}", file=sys.stderr, flush=True)

@@ -1,0 +1,281 @@
+"""A warm spare: a process that has already paid for ``import torch`` and waits to become a rank.
+
+Respawning a rank costs a new interpreter and its imports (about 1.2 s for torch alone on an idle
+machine, several seconds on a busy one; docs/benchmarks.md), and that is most of an ARF recovery. The
+supervisor therefore keeps ``--warm_spares`` processes started as ``python -m ftrun.rank.spare`` (but
+with the installed ftrun whatever the working directory holds: :func:`ftrun.node.spawner.spare_argv`): each
+imports torch, torch.distributed, numpy, the worker library and ``torch._dynamo``, which the
+first ``torch.optim`` optimizer imports (at idle priority: it is started while the ranks train,
+:func:`import_at_idle_priority`), then blocks reading its standard input. To replace a failed
+rank, the supervisor writes one JSON object there and closes it::
+
+    {"env": {...the rank's environment...}, "argv": [script, args...], "module": false,
+     "log": "/path/worker_<rank>.log", "cwd": "/path"}
+
+The spare takes that environment, sends its output to the rank's log, and runs the script as
+``__main__`` (``runpy``), exactly as ``python script args`` would, in a process that is already
+the supervisor's child, in its own session and tied to the supervisor's life. JSON only: nothing
+arriving here is unpickled. An idea from hot-spare schemes in elastic training (e.g. MindCluster's
+standby processes), applied to the interpreter rather than the node.
+
+A *hot* spare (``--hot_spares``, ``python -m ftrun.rank.spare --hot``) goes further: it runs the script
+at once, without a rank, through its own set-up (imports, data, model, optimizer) up to the
+training loop, where the worker library waits for the same assignment and binds the rank late
+(docs/hot_spares.md).
+
+Neither kind of spare is started with a rank's identity (``RANK`` and the other
+:data:`ftrun.common.contract.IDENTITY_VARS` are absent), so a process listing never shows a spare as a
+rank. A process cannot move its initial environment block (what ``/proc/<pid>/environ`` and
+``ps e`` show; ``os.environ`` changes only the C library's copy), but it may rewrite the bytes in
+it: a spare's environment ends with :data:`ftrun.common.contract.IDENTITY_PAD`, room that its promotion
+overwrites with the rank's identity (:func:`show_identity`, the trick ``setproctitle`` plays on
+the argument block). So each rank's ``RANK`` shows on exactly one process, the one serving it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import runpy
+import sys
+import time
+from typing import Mapping
+
+from ftrun.common.contract import HOT_SPARE, IDENTITY_PAD, IDENTITY_VARS, SPARE_JOB
+
+
+def take_assignment(hot: bool) -> dict:
+    """Block until the agent writes this spare's assignment on its standard input, then become
+    that rank's process: its log on stdout/stderr and its environment (a hot spare keeps what
+    its script set in its set-up and adds the rank's variables). Returns the assignment.
+    Exits (code 0) when the input closes without one: the spare is no longer needed."""
+    raw = sys.stdin.buffer.read()
+    if not raw:
+        sys.exit(0)
+    job = json.loads(raw)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    log = os.open(job["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    if hot:
+        os.environ.pop(HOT_SPARE, None)
+        os.environ.pop(SPARE_JOB, None)
+        os.environ.pop(IDENTITY_PAD, None)
+    else:
+        os.environ.clear()
+    os.environ.update(job["env"])
+    show_identity(job["env"])
+    return job
+
+
+def show_identity(env: Mapping[str, str]) -> bool:
+    """Write the rank's identity variables (those of :data:`ftrun.common.contract.IDENTITY_VARS` in ``env``)
+    over the :data:`ftrun.common.contract.IDENTITY_PAD` room at the end of this process's initial
+    environment block, so ``/proc/<pid>/environ`` (``ps e``) names the rank it now serves.
+
+    The block's bounds are ``env_start``/``env_end`` of ``/proc/self/stat`` (fields 50 and 51,
+    proc(5)); nothing moves, only bytes inside the room change, and the C library's environment no
+    longer points there (the variable was unset before). What does not fit in the room is left
+    out (the short names come first). Returns False when there is no room (a process not started as
+    a spare) or the kernel does not say where the block is."""
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            stat = fh.read()
+        fields = stat[stat.rindex(b")") + 2:].split()
+        env_start, env_end = int(fields[50 - 3]), int(fields[51 - 3])
+        with open("/proc/self/environ", "rb") as fh:
+            block = fh.read()
+    except (OSError, ValueError, IndexError):
+        return False
+    marker = f"{IDENTITY_PAD}=".encode()
+    at = 0 if block.startswith(marker) else block.find(b"\0" + marker) + 1
+    if (at == 0 and not block.startswith(marker)) or len(block) != env_end - env_start:
+        return False
+    room = len(block) - at
+    text = b""
+    for name in IDENTITY_VARS:
+        item = f"{name}={env[name]}".encode() + b"\0" if name in env else b""
+        if len(text) + len(item) <= room:
+            text += item
+    rest = room - len(text)
+    filler = marker + b"-" * (rest - len(marker) - 1) + b"\0" if rest > len(marker) + 1 else b"\0" * rest
+    ctypes.memmove(env_start + at, text + filler, room)
+    return True
+
+
+def await_promotion(what: str, ready_file: str | None) -> dict:
+    """A hot spare at the point where its script needs its rank (``what``: "the training loop",
+    "ft.rank"...): say so in ``spares.log``, create ``ready_file`` (its agent may now give it a
+    rank) and block until the rank comes (:func:`take_assignment`). Returns the assignment."""
+    print(f"ftrun: hot spare (pid {os.getpid()}) waits for a rank at {what}", flush=True)  # into spares.log
+    if ready_file:
+        open(ready_file, "a").close()
+    return take_assignment(hot=True)
+
+
+def run_script(argv: list[str], module: bool) -> None:
+    """Run the script as ``__main__`` (``runpy``), as ``python script args`` would (``python -m
+    module args`` when ``module``): with the script's directory (the working directory for a
+    module) first on ``sys.path``, for the script's own imports, as torchrun's ranks have it.
+
+    The spare was started without the working directory on its path
+    (:func:`ftrun.node.spawner.spare_argv`), so the ftrun and torch it has imported are the installed
+    ones whatever that directory holds; the script's entry is added here, in front. Under
+    ``PYTHONSAFEPATH`` Python adds none for a script, and neither does this.
+
+    Args:
+        argv: the script's path (the module's name when ``module``) and its arguments.
+        module: run ``argv[0]`` as a module.
+
+    Raises:
+        whatever the script raises (``SystemExit`` included).
+    """
+    sys.argv = argv
+    safe = getattr(sys.flags, "safe_path", False)  # PYTHONSAFEPATH (3.11+)
+    if module:
+        if not safe:
+            sys.path.insert(0, os.getcwd())
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    else:
+        if not safe:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def _import_libraries() -> None:
+    # What a respawned rank would otherwise import after its start (the slow part).
+    import numpy  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+    from ftrun.rank import worker  # noqa: F401
+
+    # torch.optim's first optimizer imports torch._dynamo (torch._compile._disable_dynamo, torch
+    # 2.x): 1.3 s of CPU on this project's machines, as much again as torch itself, which a rank
+    # respawned from this spare would pay inside the recovery.
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception:  # a build without it: the script imports what it needs itself
+        pass
+
+
+def _set_policy(tid: int, policy: int) -> bool:
+    """Set thread ``tid``'s scheduling policy (Linux: per thread); False where it cannot be."""
+    try:
+        os.sched_setscheduler(tid, policy, os.sched_param(0))
+        return True
+    except (AttributeError, OSError):  # not Linux, or no right to raise a thread's priority back
+        return False
+
+
+def _can_leave_idle(idle_policy: int) -> bool:
+    """Whether a thread of this process may go from ``SCHED_IDLE`` back to the normal policy
+    (root, ``CAP_SYS_NICE``, or an ``RLIMIT_NICE`` that allows it), tried on a throwaway thread."""
+    import threading
+
+    ok: list[bool] = []
+    probe = threading.Thread(target=lambda: ok.append(_set_policy(0, idle_policy) and _set_policy(0, os.SCHED_OTHER)))
+    probe.start()
+    probe.join()
+    return bool(ok and ok[0])
+
+
+def _leave_idle(idle_policy: int, keep: int) -> None:
+    """Put every thread of this process but ``keep`` that is scheduled ``SCHED_IDLE`` back to the
+    normal policy (the import's helper, and any pool a library started while it imported)."""
+    for name in os.listdir("/proc/self/task"):
+        tid = int(name)
+        try:
+            if tid != keep and os.sched_getscheduler(tid) == idle_policy:
+                _set_policy(tid, os.SCHED_OTHER)
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
+def import_at_idle_priority(poll_s: float = 0.05) -> bool:
+    """Import what a rank needs (numpy, torch, torch.distributed, the worker library) on a helper
+    thread scheduled ``SCHED_IDLE``, so a warm spare started while the ranks train takes only CPU
+    time they leave unused (on 2 cores, a warm spare's 1.5 s of imports overlapped the
+    first seconds of a job's training and slowed those steps).
+
+    A thread that a library starts during its import inherits the policy (OpenBLAS starts its
+    pool when numpy is imported), so once the imports end, every thread left at ``SCHED_IDLE`` is
+    put back to the normal policy; the thread that runs the script never leaves it. Leaving
+    ``SCHED_IDLE`` needs root, ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` that allows it: where this
+    process has none of them, the imports run at the normal priority, as they always did. If the
+    spare's standard input becomes readable before the imports end (its assignment: a rank waits
+    for it), they are put back to the normal policy at once.
+
+    Args:
+        poll_s: seconds between looks at standard input while the imports run.
+
+    Returns:
+        True if the imports started at idle priority (False: at the normal one, where
+        ``SCHED_IDLE`` does not exist or could not be left again).
+
+    Raises:
+        whatever the imports raise (re-raised on this thread).
+    """
+    import select
+    import threading
+
+    idle_policy = getattr(os, "SCHED_IDLE", None)
+    if idle_policy is None or not os.path.isdir("/proc/self/task") or not _can_leave_idle(idle_policy):
+        _import_libraries()
+        return False
+    main_tid = threading.get_native_id()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        _set_policy(0, idle_policy)
+        try:
+            _import_libraries()
+        except BaseException as err:  # re-raised on the main thread
+            failure.append(err)
+
+    helper = threading.Thread(target=run, name="ftrun-spare-import", daemon=True)
+    helper.start()
+    while helper.is_alive():
+        helper.join(poll_s)
+        try:
+            readable = select.select([sys.stdin], [], [], 0)[0]
+        except (OSError, ValueError):  # no standard input to watch
+            readable = []
+        if readable and helper.is_alive():  # assigned (or no longer needed): finish at the normal priority
+            _leave_idle(idle_policy, main_tid)
+            helper.join()
+    _leave_idle(idle_policy, main_tid)
+    if failure:
+        raise failure[0]
+    return True
+
+
+def main() -> None:
+    if "--hot" in sys.argv[1:]:
+        # A hot spare is there to be past its set-up before the next fault (the user asked for
+        # one): on a node whose ranks keep every core busy, an idle-priority import could wait
+        # until that fault. So it imports at the normal priority, then runs the script now,
+        # without a rank; ftrun.init() gives it none until take_assignment() returns (called by
+        # the worker library at the training loop, or when the script first asks for its rank).
+        _import_libraries()
+        job = json.loads(os.environ[SPARE_JOB])
+    else:
+        started = time.monotonic()
+        idle = import_at_idle_priority()  # a warm spare's imports are promoted with its assignment
+        # Into spares.log: when the spare can take a rank (its imports are the job's one-time
+        # cost on a busy node: scripts/bench.py measures a steady state from this moment on).
+        print(f"ftrun: warm spare (pid {os.getpid()}) ready at {time.time():.3f}: its imports took "
+              f"{time.monotonic() - started:.2f} s{' at idle priority' if idle else ''}", flush=True)
+        job = take_assignment(hot=False)
+    os.chdir(job["cwd"])
+    run_script([str(a) for a in job["argv"]], bool(job["module"]))
+
+
+if __name__ == "__main__":
+    main()

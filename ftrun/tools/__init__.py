@@ -1,0 +1,1 @@
+"""Commands that read a job back: ``ftrun status``, ``ftrun report``, ``ftrun check``."""
