@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from ftrun.common import __version__
 
 __all__ = ["__version__", "report", "init", "RecoverableError", "Worker"]
 

@@ -83,10 +83,10 @@ def test_the_contract_does_not_import_torch() -> None:
 @pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="Linux /proc")
 def test_a_promoted_spare_shows_its_identity_in_its_initial_environment() -> None:
     """What ``ps e`` reads (/proc/<pid>/environ, the block the process started with) names the rank
-    after :func:`ftrun.rank.spare.show_identity`, in the room the spare's environment ended with."""
+    after :func:`ftrun.rank.promotion.show_identity`, in the room the spare's environment ended with."""
     env = {k: v for k, v in os.environ.items() if k not in IDENTITY_VARS}
     env[contract.IDENTITY_PAD] = "-" * contract.IDENTITY_PAD_BYTES
-    code = ("import os, sys; from ftrun.rank.spare import show_identity; os.environ.pop('FTRUN_IDENTITY_PAD'); "
+    code = ("import os, sys; from ftrun.rank.promotion import show_identity; os.environ.pop('FTRUN_IDENTITY_PAD'); "
             "print(show_identity({'RANK': '3', 'LOCAL_RANK': '1', 'FTRUN_INCARNATION': '2', 'WORLD_SIZE': '4'}), flush=True); "
             "sys.stdin.read()")
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -100,7 +100,7 @@ def test_a_promoted_spare_shows_its_identity_in_its_initial_environment() -> Non
     assert ["RANK=3", "LOCAL_RANK=1", "FTRUN_INCARNATION=2"] == [i for i in items if i.split("=")[0] in IDENTITY_VARS]
     assert not [i for i in items if i.startswith("WORLD_SIZE=4")]  # only identity variables are written there
     # a process started without the room is left alone
-    out = subprocess.run([sys.executable, "-c", "from ftrun.rank.spare import show_identity; print(show_identity({'RANK': '1'}))"],
+    out = subprocess.run([sys.executable, "-c", "from ftrun.rank.promotion import show_identity; print(show_identity({'RANK': '1'}))"],
                          env={k: v for k, v in env.items() if k != contract.IDENTITY_PAD}, capture_output=True, text=True,
                          timeout=60, check=True).stdout
     assert out.strip() == "False"

@@ -543,7 +543,7 @@ def write_manifest(
         CheckpointError: ``check_files`` and a shard file is missing or has another size.
         OSError: the manifest cannot be written.
     """
-    from ftrun import __version__
+    from ftrun.common import __version__
 
     directory = Path(directory)
     groups = canonical_groups(replica_groups)

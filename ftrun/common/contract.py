@@ -54,7 +54,7 @@ PREVIOUS_PID = "FTRUN_PREVIOUS_PID"  # a respawned rank's predecessor (agent -> 
 IDENTITY_VARS = ("RANK", "LOCAL_RANK", "ROLE_RANK", "RANK_ID", "DEVICE_ID", INCARNATION, GENERATION, ERROR_FILE)
 #: The last variable of a spare's environment: room in its initial environment block (what
 #: ``/proc/<pid>/environ`` and ``ps e`` show) that its promotion overwrites with the rank's identity
-#: (:func:`ftrun.rank.spare.show_identity`).
+#: (:func:`ftrun.rank.promotion.show_identity`).
 IDENTITY_PAD = "FTRUN_IDENTITY_PAD"
 IDENTITY_PAD_BYTES = 1024
 

@@ -275,7 +275,7 @@ class RankProcesses:
             ready = self.log_dir / f".hot_spare_{os.getpid()}_{self._spare_count}.ready"
             env[SPARE_READY_VAR] = str(ready)
         env.pop(contract.IDENTITY_PAD, None)
-        env[contract.IDENTITY_PAD] = "-" * contract.IDENTITY_PAD_BYTES  # last: see ftrun.rank.spare.show_identity
+        env[contract.IDENTITY_PAD] = "-" * contract.IDENTITY_PAD_BYTES  # last: see ftrun.rank.promotion.show_identity
         with open(self.log_dir / "spares.log", "ab") as fh:
             spare = procs.spawn(argv, env=env, stdout=fh.fileno(), stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
         self.spares.append(spare)

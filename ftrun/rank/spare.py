@@ -28,95 +28,20 @@ Neither kind of spare is started with a rank's identity (``RANK`` and the other
 rank. A process cannot move its initial environment block (what ``/proc/<pid>/environ`` and
 ``ps e`` show; ``os.environ`` changes only the C library's copy), but it may rewrite the bytes in
 it: a spare's environment ends with :data:`ftrun.common.contract.IDENTITY_PAD`, room that its promotion
-overwrites with the rank's identity (:func:`show_identity`, the trick ``setproctitle`` plays on
+overwrites with the rank's identity (:func:`ftrun.rank.promotion.show_identity`, the trick ``setproctitle`` plays on
 the argument block). So each rank's ``RANK`` shows on exactly one process, the one serving it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import runpy
 import sys
 import time
-from typing import Mapping
 
-from ftrun.common.contract import HOT_SPARE, IDENTITY_PAD, IDENTITY_VARS, SPARE_JOB
-
-
-def take_assignment(hot: bool) -> dict:
-    """Block until the agent writes this spare's assignment on its standard input, then become
-    that rank's process: its log on stdout/stderr and its environment (a hot spare keeps what
-    its script set in its set-up and adds the rank's variables). Returns the assignment.
-    Exits (code 0) when the input closes without one: the spare is no longer needed."""
-    raw = sys.stdin.buffer.read()
-    if not raw:
-        sys.exit(0)
-    job = json.loads(raw)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    log = os.open(job["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    if hot:
-        os.environ.pop(HOT_SPARE, None)
-        os.environ.pop(SPARE_JOB, None)
-        os.environ.pop(IDENTITY_PAD, None)
-    else:
-        os.environ.clear()
-    os.environ.update(job["env"])
-    show_identity(job["env"])
-    return job
-
-
-def show_identity(env: Mapping[str, str]) -> bool:
-    """Write the rank's identity variables (those of :data:`ftrun.common.contract.IDENTITY_VARS` in ``env``)
-    over the :data:`ftrun.common.contract.IDENTITY_PAD` room at the end of this process's initial
-    environment block, so ``/proc/<pid>/environ`` (``ps e``) names the rank it now serves.
-
-    The block's bounds are ``env_start``/``env_end`` of ``/proc/self/stat`` (fields 50 and 51,
-    proc(5)); nothing moves, only bytes inside the room change, and the C library's environment no
-    longer points there (the variable was unset before). What does not fit in the room is left
-    out (the short names come first). Returns False when there is no room (a process not started as
-    a spare) or the kernel does not say where the block is."""
-    try:
-        with open("/proc/self/stat", "rb") as fh:
-            stat = fh.read()
-        fields = stat[stat.rindex(b")") + 2:].split()
-        env_start, env_end = int(fields[50 - 3]), int(fields[51 - 3])
-        with open("/proc/self/environ", "rb") as fh:
-            block = fh.read()
-    except (OSError, ValueError, IndexError):
-        return False
-    marker = f"{IDENTITY_PAD}=".encode()
-    at = 0 if block.startswith(marker) else block.find(b"\0" + marker) + 1
-    if (at == 0 and not block.startswith(marker)) or len(block) != env_end - env_start:
-        return False
-    room = len(block) - at
-    text = b""
-    for name in IDENTITY_VARS:
-        item = f"{name}={env[name]}".encode() + b"\0" if name in env else b""
-        if len(text) + len(item) <= room:
-            text += item
-    rest = room - len(text)
-    filler = marker + b"-" * (rest - len(marker) - 1) + b"\0" if rest > len(marker) + 1 else b"\0" * rest
-    ctypes.memmove(env_start + at, text + filler, room)
-    return True
-
-
-def await_promotion(what: str, ready_file: str | None) -> dict:
-    """A hot spare at the point where its script needs its rank (``what``: "the training loop",
-    "ft.rank"...): say so in ``spares.log``, create ``ready_file`` (its agent may now give it a
-    rank) and block until the rank comes (:func:`take_assignment`). Returns the assignment."""
-    print(f"ftrun: hot spare (pid {os.getpid()}) waits for a rank at {what}", flush=True)  # into spares.log
-    if ready_file:
-        open(ready_file, "a").close()
-    return take_assignment(hot=True)
+from ftrun.common.contract import SPARE_JOB
+from ftrun.rank.promotion import take_assignment
 
 
 def run_script(argv: list[str], module: bool) -> None:

@@ -312,11 +312,11 @@ class Worker:
                 self.parent.watch()  # outlive the supervisor for a dying gasp (ftrun.rank.orphan)
 
     def _await_promotion(self, what: str) -> None:
-        """A hot spare: block until the agent gives it a rank (:func:`ftrun.rank.spare.take_assignment`),
+        """A hot spare: block until the agent gives it a rank (:func:`ftrun.rank.promotion.take_assignment`),
         then bind it. ``what`` names what needed the rank ("the training loop", or "ft.rank" when
         the script asked in its set-up: the spare then did part of its set-up after promotion,
         as a warm spare does, and the coordinator says so)."""
-        from ftrun.rank.spare import await_promotion
+        from ftrun.rank.promotion import await_promotion
 
         self.promoted_at = what
         await_promotion(what, self.env.spare_ready)
