@@ -122,6 +122,28 @@ def test_manifest_records_the_job(tmp_path: Path) -> None:
         ckpt.write_manifest(directory, 12, 4, [[0, 2], [1, 3]], {0: infos[0]})
 
 
+def test_verify_names_what_is_wrong_with_a_manifest(tmp_path: Path) -> None:
+    directory = ckpt.step_dir(tmp_path, 3)
+    path = ckpt.write_manifest(directory, 3, 1, [[0]], {0: ckpt.save_shard(directory, 0, {"k": 3})})
+    good = json.loads(path.read_text())
+    manifest = ckpt.verify(path)  # the manifest file itself names its directory too
+    assert ckpt.Manifest.from_json(manifest.to_json(), directory) == manifest
+    cases = [("{", "bad JSON"), (json.dumps({**good, "format": "other"}), "not an ftrun checkpoint manifest"),
+             (json.dumps({**good, "version": 7}), "manifest version 7, this ftrun reads 1 and 2"),
+             (json.dumps({**good, "step": -1}), r"malformed manifest \(ValueError: step -1"),
+             (json.dumps({k: v for k, v in good.items() if k != "shards"}), r"malformed manifest \(KeyError"),
+             (json.dumps({**good, "replica_groups": [[0], [1]]}), "do not match 2 replica groups")]
+    for text, problem in cases:
+        path.write_text(text)
+        with pytest.raises(CheckpointError, match=problem):
+            ckpt.verify(directory)
+    path.unlink()
+    with pytest.raises(CheckpointError, match="missing manifest"):
+        ckpt.verify(directory)
+    with pytest.raises(CheckpointError, match="no such checkpoint directory"):
+        ckpt.verify(tmp_path / "nowhere")
+
+
 def test_orphaned_writers_notes_complete_a_checkpoint(tmp_path: Path) -> None:
     # Ranks whose supervisor died write their shards with notes; the launcher completes the newest
     # full set, leaves an incomplete one alone.
@@ -194,8 +216,7 @@ def test_load_refuses_arbitrary_pickles_without_executing_them(tmp_path: Path) -
     marker = tmp_path / "executed"
     shard = directory / "shard_0.pt"
     torch.save({"format": "ftrun-checkpoint", "version": 1, "shard": 0, "state": {"x": Payload(str(marker))}}, shard)
-    size, digest = ckpt._sha256_file(shard)
-    ckpt.write_manifest(directory, 1, 1, [[0]], {0: ShardInfo("shard_0.pt", size, digest)})
+    ckpt.write_manifest(directory, 1, 1, [[0]], {0: ckpt.file_info(directory, "shard_0.pt")})
     ckpt.verify(directory)  # sizes and checksums are right: the content is what is refused
     with pytest.raises(CheckpointError, match="shard_0.pt.*not plain tensors"):
         ckpt.load_shard(directory, 0)

@@ -298,3 +298,53 @@ def test_control_messages_move_the_board_before_they_leave():
     client.send(MsgType.RECOVERED, generation=1, role="none", bytes=0, seconds=0.0)
     client.send(MsgType.STEPS_END)
     assert sent == [(MsgType.FAULT, "recovering"), (MsgType.RECOVERED, "compute"), (MsgType.STEPS_END, "done")]
+
+
+@pytest.mark.parametrize("loss", ["silent", "closed"])
+def test_channel_moves_to_the_standby_and_says_hello_again(loss, capfd):
+    """The coordinator's ``standby`` message names a standby and a silence timeout: when the
+    coordinator falls silent past it, or its connection closes, the channel connects to the standby
+    and says its hello again (``rejoin``, with :attr:`Channel.rejoin_fields`), then beats there."""
+    import time
+
+    import zmq
+
+    from ftrun.rank.channel import Channel
+
+    ctx = zmq.Context.instance()
+    coordinator, standby = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    for sock in (coordinator, standby):
+        sock.setsockopt(zmq.LINGER, 0)
+    port = coordinator.bind_to_random_port("tcp://127.0.0.1")
+    standby_port = standby.bind_to_random_port("tcp://127.0.0.1")
+    channel = Channel(f"tcp://127.0.0.1:{port}", TOKEN, rank=1, incarnation=2, heartbeat_interval=0.05)
+    channel.rejoin_fields = lambda: {"generation": 7}
+    try:
+        channel.send(MsgType.HELLO, pid=1, generation=0, replica_group=[1], library=True, hot=True)
+        assert coordinator.poll(10_000), "no hello from the channel"
+        identity, frame = coordinator.recv_multipart()
+        assert decode(frame, Receiver(TOKEN, CONTROL)).type == MsgType.HELLO
+        timeout = 0.3 if loss == "silent" else None
+        coordinator.send_multipart([identity, encode(MsgType.STANDBY, Sender(TOKEN), to_peer(identity),
+                                                     control=f"tcp://127.0.0.1:{standby_port}", store="s", epoch=1,
+                                                     timeout=timeout)])
+        deadline = time.monotonic() + 10.0
+        while channel.line == [] and time.monotonic() < deadline:
+            time.sleep(0.01)  # the I/O thread takes the standby message
+        assert channel.line == [f"tcp://127.0.0.1:{standby_port}"] and channel.silence_timeout == timeout
+        assert channel.receive() is None  # the standby message stays on the I/O thread
+        if loss == "closed":
+            coordinator.close()
+        assert standby.poll(10_000), "the channel did not move to the standby"
+        _, frame = standby.recv_multipart()
+        hello = decode(frame, Receiver(TOKEN, CONTROL))
+        assert hello.type == MsgType.HELLO and hello["rejoin"] is True and hello["generation"] == 7
+        assert (hello["rank"], hello["incarnation"]) == (1, 2) and "hot" not in hello.fields
+        assert standby.poll(10_000)
+        assert decode(standby.recv_multipart()[1], Receiver(TOKEN, CONTROL)).type == MsgType.HEARTBEAT
+        moved = "nothing heard from the coordinator" in capfd.readouterr().err
+        assert moved == (loss == "silent")
+    finally:
+        channel.close()
+        coordinator.close()
+        standby.close()

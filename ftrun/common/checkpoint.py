@@ -203,6 +203,38 @@ class Manifest:
                     return f
         raise CheckpointError(self.directory / DCP_DIR / name, "is not in the manifest")
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], directory: Path) -> "Manifest":
+        """Inverse of :meth:`to_json`, for the checkpoint in ``directory``; ``data`` is of a format
+        and version this ftrun reads (:func:`verify` checked them).
+
+        Raises:
+            KeyError, TypeError, ValueError: a field is missing, has the wrong type, or disagrees
+                with another (shards and replica groups; DCP files and the version).
+        """
+        version = data.get("version")
+        step, world_size = data["step"], data["world_size"]
+        if not isinstance(step, int) or not isinstance(world_size, int) or step < 0 or world_size < 1:
+            raise ValueError(f"step {step!r} / world_size {world_size!r} are not valid")
+        groups = canonical_groups(data["replica_groups"])
+        shards = {int(k): ShardInfo.from_json(v) for k, v in dict(data["shards"]).items()}
+        if sorted(shards) != list(range(len(groups))):
+            raise ValueError(f"shards {sorted(shards)} do not match {len(groups)} replica groups")
+        if any(bool(info.files) != (version == SLICED_VERSION) for info in shards.values()):
+            raise ValueError(f"a version {version} manifest whose shards {'lack' if version == SLICED_VERSION else 'hold'} DCP files")
+        return cls(
+            directory=directory,
+            step=step,
+            world_size=world_size,
+            replica_groups=groups,
+            shards=shards,
+            ftrun_version=str(data.get("ftrun_version", "unknown")),
+            torch_version=str(data.get("torch_version", "unknown")),
+            created=float(data.get("created", 0.0)),
+            reason=str(data.get("reason", "")),
+            extra=dict(data.get("extra") or {}),
+        )
+
     def to_json(self) -> dict[str, Any]:
         """The manifest's JSON object (what ``manifest.json`` holds)."""
         return {
@@ -390,7 +422,6 @@ def check_file(directory: str | os.PathLike[str], info: ShardInfo) -> None:
 
 # ---------------------------------------------------------------------- state encoding (save)
 # One codec for checkpoints and transfers (ftrun.common.codec); the names this module has always used.
-from ftrun.common.codec import NDARRAY as _NDARRAY  # noqa: E402
 from ftrun.common.codec import SCALARS as _SCALARS  # noqa: E402
 from ftrun.common.codec import check_key as _check_key  # noqa: E402
 from ftrun.common.codec import decode as _decode  # noqa: E402
@@ -506,6 +537,28 @@ def _torch_version() -> str:
     return str(getattr(torch, "__version__", "unknown")) if torch is not None else "unknown"
 
 
+def _reported_shards(directory: Path, count: int, shards: Mapping[int, ShardInfo | Mapping[str, Any]],
+                     check_files: bool) -> dict[int, ShardInfo]:
+    """The writers' reports as ``{k: ShardInfo}``, checked: one per replica group (``count``), all
+    of them sliced (holding DCP files) or none, and with ``check_files`` each file there with its
+    reported size (stat only).
+
+    Raises:
+        ValueError: a shard is missing, an entry is malformed, or sliced and plain shards are mixed.
+        CheckpointError: ``check_files`` and a file is missing or has another size.
+    """
+    infos = {int(k): v if isinstance(v, ShardInfo) else ShardInfo.from_json(v) for k, v in shards.items()}
+    if sorted(infos) != list(range(count)):
+        raise ValueError(f"checkpoint {directory}: shards {sorted(infos)} reported, expected 0..{count - 1} (one per replica group)")
+    if len({bool(info.files) for info in infos.values()}) > 1:
+        raise ValueError(f"checkpoint {directory}: some shards hold DCP files and some do not")
+    if check_files:
+        for info in infos.values():
+            for one in (info,) + info.files:
+                _check_shard(directory / one.file, one, checksum=False)
+    return infos
+
+
 def write_manifest(
     directory: str | os.PathLike[str],
     step: int,
@@ -547,15 +600,7 @@ def write_manifest(
 
     directory = Path(directory)
     groups = canonical_groups(replica_groups)
-    infos = {int(k): v if isinstance(v, ShardInfo) else ShardInfo.from_json(v) for k, v in shards.items()}
-    if sorted(infos) != list(range(len(groups))):
-        raise ValueError(f"checkpoint {directory}: shards {sorted(infos)} reported, expected 0..{len(groups) - 1} (one per replica group)")
-    if len({bool(info.files) for info in infos.values()}) > 1:
-        raise ValueError(f"checkpoint {directory}: some shards hold DCP files and some do not")
-    if check_files:
-        for info in infos.values():
-            for one in (info,) + info.files:
-                _check_shard(directory / one.file, one, checksum=False)
+    infos = _reported_shards(directory, len(groups), shards, check_files)
     manifest = Manifest(
         directory=directory,
         step=int(step),
@@ -648,6 +693,32 @@ def _check_shard(path: Path, info: ShardInfo, checksum: bool) -> None:
             raise CheckpointError(path, f"SHA-256 {digest[:12]}... does not match the manifest's {info.sha256[:12]}... (corrupted)")
 
 
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """The JSON object in manifest file ``path``, of a format and a version this ftrun reads.
+
+    Raises:
+        CheckpointError: no such file (an incomplete checkpoint) or directory, unreadable, bad
+            JSON, not an ftrun manifest, or another version.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        problem = "missing manifest (incomplete checkpoint)" if path.parent.is_dir() else "no such checkpoint directory"
+        raise CheckpointError(path, problem) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(path, f"cannot be read ({e})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(path, f"bad JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointError(path, f"not an ftrun checkpoint manifest (format {data.get('format') if isinstance(data, dict) else None!r})")
+    version = data.get("version")
+    if version not in (VERSION, SLICED_VERSION):
+        raise CheckpointError(path, f"manifest version {version!r}, this ftrun reads {VERSION} and {SLICED_VERSION}")
+    return data
+
+
 def verify(directory: str | os.PathLike[str], checksums: bool = True) -> Manifest:
     """Read a step directory's manifest and check its shard files against it.
 
@@ -668,51 +739,16 @@ def verify(directory: str | os.PathLike[str], checksums: bool = True) -> Manifes
     if directory.name == MANIFEST and directory.is_file():
         directory = directory.parent
     path = directory / MANIFEST
+    data = _read_manifest(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        problem = "missing manifest (incomplete checkpoint)" if directory.is_dir() else "no such checkpoint directory"
-        raise CheckpointError(path, problem) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(path, f"cannot be read ({e})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(path, f"bad JSON ({e})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise CheckpointError(path, f"not an ftrun checkpoint manifest (format {data.get('format') if isinstance(data, dict) else None!r})")
-    version = data.get("version")
-    if version not in (VERSION, SLICED_VERSION):
-        raise CheckpointError(path, f"manifest version {version!r}, this ftrun reads {VERSION} and {SLICED_VERSION}")
-    try:
-        step, world_size = data["step"], data["world_size"]
-        if not isinstance(step, int) or not isinstance(world_size, int) or step < 0 or world_size < 1:
-            raise ValueError(f"step {step!r} / world_size {world_size!r} are not valid")
-        groups = canonical_groups(data["replica_groups"])
-        shards = {int(k): ShardInfo.from_json(v) for k, v in dict(data["shards"]).items()}
-        if sorted(shards) != list(range(len(groups))):
-            raise ValueError(f"shards {sorted(shards)} do not match {len(groups)} replica groups")
-        if any(bool(info.files) != (version == SLICED_VERSION) for info in shards.values()):
-            raise ValueError(f"a version {version} manifest whose shards {'lack' if version == SLICED_VERSION else 'hold'} DCP files")
-        manifest = Manifest(
-            directory=directory,
-            step=step,
-            world_size=world_size,
-            replica_groups=groups,
-            shards=shards,
-            ftrun_version=str(data.get("ftrun_version", "unknown")),
-            torch_version=str(data.get("torch_version", "unknown")),
-            created=float(data.get("created", 0.0)),
-            reason=str(data.get("reason", "")),
-            extra=dict(data.get("extra") or {}),
-        )
+        manifest = Manifest.from_json(data, directory)
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(path, f"malformed manifest ({type(e).__name__}: {e})") from None
     unusable = read_unusable_note(directory)
     if unusable is not None:
         raise CheckpointError(*unusable)
-    for k in sorted(shards):
-        for one in (shards[k],) + shards[k].files:
+    for k in sorted(manifest.shards):
+        for one in (manifest.shards[k],) + manifest.shards[k].files:
             _check_shard(directory / one.file, one, checksum=checksums)
     return manifest
 
@@ -889,81 +925,121 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
         TypeError: the state holds an object that cannot be checkpointed (naming its place), so
             the error shows at the save, not later in the writer thread.
     """
-    import numpy as np
     import torch
 
-    copies: dict[int, Any] = {}
-    used: set[int] = set()
-    from_cuda: list[bool] = []  # a CUDA tensor was copied: wait for the copies once, at the end
+    copier = _StateCopier()
+    out = copier.copy(state, reuse, "state")
+    if copier.from_cuda:
+        torch.cuda.synchronize()  # the copies into pinned memory ran without waiting
+    return out
 
-    def reusable(old: Any, like: Any) -> bool:
-        return id(old) not in used and old.dtype == like.dtype and old.shape == like.shape
 
+class _StateCopier:
+    """One :func:`snapshot` under way: the copy of each tensor made so far (a tensor that appears
+    twice is copied once), the buffers of the earlier snapshot already taken (each is reused once),
+    and whether a CUDA tensor was copied (the snapshot then waits for the copies once, at its end).
+
+    A place in the state (``path``) is a string, or ``(parent, key)`` for a plain dict's child,
+    written out (:meth:`where`) only where it is used: in a message, or below a container other
+    than a dict.
+    """
+
+    def __init__(self) -> None:
+        import numpy as np
+        import torch
+
+        self._np = np
+        self._torch = torch
+        self._copies: dict[int, Any] = {}
+        self._used: set[int] = set()
+        self.from_cuda = False
+
+    @staticmethod
     def where(path: Any) -> str:
-        """A place in the state; a plain dict's children get theirs as (parent, key), written out
-        only where it is used (a message, or below a container other than a dict)."""
-        return path if type(path) is str else _key_path(where(path[0]), path[1])
+        """A place in the state, written out."""
+        return path if type(path) is str else _key_path(_StateCopier.where(path[0]), path[1])
 
-    def copy(obj: Any, old: Any, path: Any) -> Any:
+    def reusable(self, old: Any, like: Any) -> bool:
+        """Whether ``old`` (of the earlier snapshot) can take ``like``'s copy: not taken yet, same dtype and shape."""
+        return id(old) not in self._used and old.dtype == like.dtype and old.shape == like.shape
+
+    def copy(self, obj: Any, old: Any, path: Any) -> Any:
+        """The copy of ``obj``, into ``old`` (the earlier snapshot's value at the same place) where it fits.
+
+        Raises:
+            TypeError: ``obj`` holds an object that cannot be checkpointed (naming its place).
+        """
         kind = type(obj)
         if kind in _SCALARS:  # shared, as the last line would (and with no isinstance walk: a step start copies small dicts)
             return obj
         if kind is dict:
             prior = old if isinstance(old, dict) else {}
-            return {k if type(k) is str else _check_key(k, where(path)): copy(v, prior.get(k), (path, k)) for k, v in obj.items()}
-        path = where(path)
-        if isinstance(obj, torch.Tensor):
-            if id(obj) in copies:
-                return copies[id(obj)]
-            src = _encode(obj, path).detach()
-            if (
-                type(old) is torch.Tensor
-                and old.device.type == "cpu"
-                and old.layout == torch.strided == src.layout
-                and old.is_contiguous()
-                and reusable(old, src)
-            ):
-                _copy_into(old, src)
-                out = old
-            elif src.layout == torch.strided and not src.is_quantized:
-                out = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
-                _copy_into(out, src)
-            else:  # sparse, quantized: torch's own copy
-                out = src.to("cpu", copy=True)
-            used.add(id(out))
-            copies[id(obj)] = out
-            if src.is_cuda:
-                from_cuda.append(True)
-            return out
-        if isinstance(obj, np.ndarray):
-            _encode(obj, path)  # type check
-            if isinstance(old, np.ndarray) and old.flags.writeable and reusable(old, obj):
-                np.copyto(old, obj)
-                out = old
-            else:
-                out = obj.copy()
-            used.add(id(out))
-            return out
+            return {k if type(k) is str else _check_key(k, self.where(path)): self.copy(v, prior.get(k), (path, k))
+                    for k, v in obj.items()}
+        path = self.where(path)
+        if isinstance(obj, self._torch.Tensor):
+            return self.copy_tensor(obj, old, path)
+        if isinstance(obj, self._np.ndarray):
+            return self.copy_array(obj, old, path)
         if isinstance(obj, Mapping):
             out = _new_dict(obj)
             prior = old if isinstance(old, Mapping) else {}
             for k, v in obj.items():
-                out[_check_key(k, path)] = copy(v, prior.get(k), _key_path(path, k))
+                out[_check_key(k, path)] = self.copy(v, prior.get(k), _key_path(path, k))
             return out
-        if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
-            if type(obj) in (list, tuple) and all(type(v) in _SCALARS for v in obj):
-                return list(obj) if type(obj) is list else obj  # a long list of numbers: one pass
-            if isinstance(obj, tuple) and type(obj) is not tuple:
-                _encode(obj, path)  # raises: named tuples and other tuple subclasses
-            prior = old if isinstance(old, (list, tuple)) and len(old) == len(obj) else [None] * len(obj)
-            items = [copy(v, prior[i], f"{path}[{i}]") for i, v in enumerate(obj)]
-            return items if isinstance(obj, list) else tuple(items)
+        if isinstance(obj, (list, tuple)) and not isinstance(obj, self._torch.Size):
+            return self.copy_sequence(obj, old, path)
         return _encode(obj, path)  # primitives, dtypes, devices, sizes; raises on anything else
 
-    out = copy(state, reuse, "state")
-    if from_cuda:
-        torch.cuda.synchronize()  # the copies into pinned memory ran without waiting
-    return out
+    def copy_tensor(self, obj: Any, old: Any, path: str) -> Any:
+        """A tensor detached and copied to CPU: into ``old`` when it is a contiguous CPU tensor that
+        fits, else into a new buffer (pinned for a CUDA tensor); sparse and quantized tensors by
+        torch's own copy."""
+        torch = self._torch
+        if id(obj) in self._copies:
+            return self._copies[id(obj)]
+        src = _encode(obj, path).detach()
+        if (
+            type(old) is torch.Tensor
+            and old.device.type == "cpu"
+            and old.layout == torch.strided == src.layout
+            and old.is_contiguous()
+            and self.reusable(old, src)
+        ):
+            _copy_into(old, src)
+            out = old
+        elif src.layout == torch.strided and not src.is_quantized:
+            out = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+            _copy_into(out, src)
+        else:  # sparse, quantized: torch's own copy
+            out = src.to("cpu", copy=True)
+        self._used.add(id(out))
+        self._copies[id(obj)] = out
+        if src.is_cuda:
+            self.from_cuda = True
+        return out
+
+    def copy_array(self, obj: Any, old: Any, path: str) -> Any:
+        """A numpy array copied: into ``old`` when it is a writeable array that fits."""
+        _encode(obj, path)  # type check
+        if isinstance(old, self._np.ndarray) and old.flags.writeable and self.reusable(old, obj):
+            self._np.copyto(old, obj)
+            out = old
+        else:
+            out = obj.copy()
+        self._used.add(id(out))
+        return out
+
+    def copy_sequence(self, obj: list[Any] | tuple[Any, ...], old: Any, path: str) -> list[Any] | tuple[Any, ...]:
+        """A list or plain tuple rebuilt (a tuple of primitives is shared); a named tuple or another
+        tuple subclass raises TypeError."""
+        if type(obj) in (list, tuple) and all(type(v) in _SCALARS for v in obj):
+            return list(obj) if type(obj) is list else obj  # a long list of numbers: one pass
+        if isinstance(obj, tuple) and type(obj) is not tuple:
+            _encode(obj, path)  # raises: named tuples and other tuple subclasses
+        prior = old if isinstance(old, (list, tuple)) and len(old) == len(obj) else [None] * len(obj)
+        items = [self.copy(v, prior[i], f"{path}[{i}]") for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
 
 
 def _copy_into(dst: Any, src: Any) -> None:

@@ -168,81 +168,112 @@ class Channel:
         self._thread.join(timeout=2.0)
 
     def _run(self) -> None:
+        """The I/O thread: beat, send what is queued, read what arrives, and move to a standby
+        coordinator when the connection closes or falls silent, until :meth:`close`."""
         poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._closes, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        seal = self._sender.seal
+        for watched in (self._sock, self._closes, self._wake_r):
+            poller.register(watched, zmq.POLLIN)
         heartbeat = pack(MsgType.HEARTBEAT, rank=self.rank, incarnation=self.incarnation)
         next_beat = time.monotonic() + self.heartbeat_interval  # the hello goes first
         last_heard = time.monotonic()
         running = True
         while running:
             now = time.monotonic()
-            if (self.line and not self._at_seat and self.silence_timeout is not None
-                    and now - last_heard > self.silence_timeout):  # a standby is silent until it takes over
+            if self._fell_silent(now - last_heard):
                 print(f"ftrun: control channel: nothing heard from the coordinator for {now - last_heard:.1f} s; "
                       "moving to the standby coordinator", file=sys.stderr, flush=True)
                 self._move(poller)
                 last_heard = now
             if now >= next_beat:
-                beat = heartbeat
-                if self.probe is not None:
-                    try:
-                        beat = pack(MsgType.HEARTBEAT, rank=self.rank, incarnation=self.incarnation, **self.probe())
-                    except Exception:  # a probe must never stop the heartbeats
-                        beat = heartbeat
-                try:
-                    self._sock.send(seal(beat, CONTROL), zmq.NOBLOCK)
-                except zmq.Again:
-                    pass  # the supervisor is not reading (a full queue): the next beat says the same
-                if self.beat_extra is not None:
-                    try:
-                        extra = self.beat_extra()
-                        if extra is not None:
-                            self._sock.send(seal(pack(MsgType.PROGRESS, rank=self.rank, incarnation=self.incarnation,
-                                                      **extra), CONTROL), zmq.NOBLOCK)
-                    except Exception:  # like the probe (zmq.Again included): never stop the heartbeats
-                        pass
+                self._beat(heartbeat)
                 next_beat = now + self.heartbeat_interval
             events = dict(poller.poll(timeout=max(0, int((next_beat - now) * 1000))))
             if self._wake_r in events:
-                with self._wake_lock:
-                    self._wake_pending = False  # messages queued from now on wake us again
-                    try:
-                        os.read(self._wake_r, 65536)
-                    except BlockingIOError:
-                        pass
-            while True:
+                self._take_wake_up()
+            running = self._send_queued()
+            if self._closes in events and self._gone() and self.line and running:
+                self._move(poller)
+                last_heard = time.monotonic()
+                continue
+            if self._sock in events and self._take_incoming():
+                last_heard = time.monotonic()
+        self._close_sockets()
+
+    def _fell_silent(self, silence: float) -> bool:
+        """Nothing heard from the coordinator for longer than the ``standby`` message allows, and a
+        standby is known to move to (a standby that was connected to is silent until it takes over)."""
+        return (bool(self.line) and not self._at_seat and self.silence_timeout is not None
+                and silence > self.silence_timeout)
+
+    def _beat(self, heartbeat: bytes) -> None:
+        """Send a heartbeat (with the probe's fields) and the progress message the beat carries, if
+        any. Nothing here stops the heartbeats: a failing probe sends the plain ``heartbeat``, and a
+        full queue (the supervisor is not reading) drops the beat, the next one saying the same."""
+        seal = self._sender.seal
+        beat = heartbeat
+        if self.probe is not None:
+            try:
+                beat = pack(MsgType.HEARTBEAT, rank=self.rank, incarnation=self.incarnation, **self.probe())
+            except Exception:  # a probe must never stop the heartbeats
+                beat = heartbeat
+        try:
+            self._sock.send(seal(beat, CONTROL), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the supervisor is not reading (a full queue): the next beat says the same
+        if self.beat_extra is not None:
+            try:
+                extra = self.beat_extra()
+                if extra is not None:
+                    self._sock.send(seal(pack(MsgType.PROGRESS, rank=self.rank, incarnation=self.incarnation,
+                                              **extra), CONTROL), zmq.NOBLOCK)
+            except Exception:  # like the probe (zmq.Again included): never stop the heartbeats
+                pass
+
+    def _take_wake_up(self) -> None:
+        """Empty the wake-up pipe; messages queued from now on wake the I/O thread again."""
+        with self._wake_lock:
+            self._wake_pending = False
+            try:
+                os.read(self._wake_r, 65536)
+            except BlockingIOError:
+                pass
+
+    def _send_queued(self) -> bool:
+        """Send every frame queued by :meth:`send`, sealed in order; False once :meth:`close` queued
+        its end mark (the frames queued before it are sent)."""
+        while True:
+            try:
+                frame = self._outbox.get_nowait()
+            except queue.Empty:
+                return True
+            if frame is None:
+                return False
+            self._sock.send(self._sender.seal(frame, CONTROL))
+
+    def _take_incoming(self) -> bool:
+        """Read what the coordinator sent (up to :data:`RECEIVE_BUDGET` frames): keep a ``standby``
+        message's line and silence timeout, hand every other message to :attr:`on_receive` and queue
+        it for the training thread. Only the supervisor knows the job's secret: a frame that does not
+        verify is dropped. Returns whether any message arrived."""
+        heard = False
+        for msg in receive(self._sock, self._receiver, RECEIVE_BUDGET, lambda _err: None):
+            heard = True
+            self._at_seat = False  # whoever this is connected to speaks: it is the coordinator
+            if msg.type == MsgType.STANDBY:
+                self.line = [control for control, _ in standby_line(msg)]  # []: the standby was lost, none yet
+                timeout = msg.get("timeout")
+                self.silence_timeout = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else None
+                continue
+            if self.on_receive is not None:
                 try:
-                    frame = self._outbox.get_nowait()
-                except queue.Empty:
-                    break
-                if frame is None:
-                    running = False
-                    break
-                self._sock.send(seal(frame, CONTROL))
-            if self._closes in events and self._gone():
-                if self.line and running:
-                    self._move(poller)
-                    last_heard = time.monotonic()
-                    continue
-            if self._sock in events:
-                # only the supervisor knows our secret: a frame that does not verify is dropped
-                for msg in receive(self._sock, self._receiver, RECEIVE_BUDGET, lambda _err: None):
-                    last_heard = time.monotonic()
-                    self._at_seat = False  # whoever this is connected to speaks: it is the coordinator
-                    if msg.type == MsgType.STANDBY:
-                        self.line = [control for control, _ in standby_line(msg)]  # []: the standby was lost, none yet
-                        timeout = msg.get("timeout")
-                        self.silence_timeout = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else None
-                        continue
-                    if self.on_receive is not None:
-                        try:
-                            self.on_receive(msg)
-                        except Exception:  # noqa: BLE001  the message must still reach the training thread
-                            _log_io_error(f"acting on {msg.type.value} on the I/O thread")
-                    self._inbox.put(msg)
+                    self.on_receive(msg)
+                except Exception:  # noqa: BLE001  the message must still reach the training thread
+                    _log_io_error(f"acting on {msg.type.value} on the I/O thread")
+            self._inbox.put(msg)
+        return heard
+
+    def _close_sockets(self) -> None:
+        """Close the DEALER (queued frames get up to a second to leave), its monitor and the wake-up pipe."""
         self._sock.disable_monitor()
         self._closes.close(0)
         self._sock.close(linger=1000)

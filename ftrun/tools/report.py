@@ -890,12 +890,40 @@ def load_report(log_dir: Path) -> Report:
     return Report(log_dir, timeline, len(runs), problems + progress_problems, len(last), len(timeline.samples))
 
 
+def _job_start(tl: JobTimeline, otherwise: float) -> float:
+    """When the job started: its ``job_started`` event, else its first event, else ``otherwise``."""
+    return tl.started_at if tl.started_at is not None else (tl.timeline[0]["time"] if tl.timeline else otherwise)
+
+
 def format_report(report: Report, now: float | None = None) -> list[str]:
     """The report as lines of text (no colour)."""
     tl = report.timeline
     now = time.time() if now is None else now
-    start = tl.started_at if tl.started_at is not None else (tl.timeline[0]["time"] if tl.timeline else now)
+    start = _job_start(tl, now)
     end = tl.end_time(now)
+    lines = _summary_lines(report, start, end, now)
+    lines.append("")
+    lines.append("timeline:")
+    for ev in tl.timeline:
+        offset = float(ev["time"]) - start
+        lines.append(f"  {offset:+9.2f} s  {_clock(float(ev['time']))}  {ev['kind']:<18} {str(ev.get('message') or '')}")
+    lines.append("")
+    lines.extend(_fault_lines(tl, start, end))
+    lines.append("")
+    lines.extend(_checkpoint_lines(tl, start))
+    if tl.exit_code:
+        lines.append("")
+        lines.extend(_root_cause_lines(tl))
+    if report.problems:
+        lines.append("")
+        lines.append(f"problems reading {report.log_dir}:")
+        lines.extend("  " + p for p in report.problems)
+    return lines
+
+
+def _summary_lines(report: Report, start: float, end: float, now: float) -> list[str]:
+    """The report's heading, the job's command, span and outcome, and its goodput."""
+    tl = report.timeline
     lines = [f"ftrun report of {report.log_dir}" + (f" (the last of {report.runs} runs in this log directory)" if report.runs > 1 else "")]
     command = " ".join([tl.script, *tl.args]).strip() or "?"
     size = f" on {tl.world_size} rank(s)" if tl.world_size else ""
@@ -911,55 +939,52 @@ def format_report(report: Report, now: float | None = None) -> list[str]:
         lines.append(f"goodput: n/a (no {PROGRESS_FILE} in the log directory: goodput needs the ranks' step record)")
     else:
         lines.append(f"goodput: {good.describe()}")
-    lines.append("")
-    lines.append("timeline:")
-    for ev in tl.timeline:
-        offset = float(ev["time"]) - start
-        lines.append(f"  {offset:+9.2f} s  {_clock(float(ev['time']))}  {ev['kind']:<18} {str(ev.get('message') or '')}")
-    lines.append("")
-    if tl.faults:
-        lines.append("faults (times from the job's start, seconds):")
-        header = ("#", "at", "fault", "repair", "lost", "detect", "node wait", "respawn", "rebuild", "transfer", "moved",
-                  "resumed at")
-        rows = []
-        for i, f in enumerate(tl.faults, start=1):
-            resumed = "-" if f.resume_step is None else f"step {f.resume_step}"
-            if f.recomputed:
-                resumed += f" ({f.recomputed} recomputed)"
-            rows.append((str(i), f"{f.start - start:+.2f}", f.label(), f.repair.value, f"{f.lost(end):.2f}",
-                         _fmt_opt(f.detection_s, 3), _fmt_opt(f.node_wait_s, 2), _fmt_opt(f.respawn_s, 2),
-                         _fmt_opt(f.rebuild_s, 2),
-                         _fmt_opt(f.transfer_s, 3), _mb(f.bytes), resumed))
-        lines.extend("  " + line for line in _columns([header, *rows]))
-        for i, f in enumerate(tl.faults, start=1):
-            why = "; ".join(f.causes) or f.note
-            if why:
-                lines.append(f"  {i}: {why}" + (f" (step {f.step})" if f.step is not None else "")
-                             + (f"; {f.rounds} recovery rounds" if f.rounds > 1 else ""))
-    else:
-        lines.append("faults: none")
-    lines.append("")
-    if tl.checkpoints:
-        lines.append("checkpoints:")
-        header = ("at", "step", "size", "write", "reason", "path")
-        rows = [(f"{c.time - start:+.2f} s", "-" if c.step is None else str(c.step), _mb(c.bytes),
-                 _secs(c.seconds), c.reason, c.path) for c in tl.checkpoints]
-        lines.extend("  " + line for line in _columns([header, *rows]))
-    else:
-        lines.append("checkpoints: none")
-    if tl.exit_code:
-        lines.append("")
-        root = tl.root_cause or {}
-        cause = f"rank {root.get('rank')} ({root.get('cause')})" if root else "not named"
-        lines.append(f"root cause: {cause}")
-        lines.append(f"  {tl.final_message}")
-        if tl.log_tail:
-            lines.append(f"  last lines of rank {root.get('rank')}'s log:")
-            lines.extend("    " + line for line in tl.log_tail)
-    if report.problems:
-        lines.append("")
-        lines.append(f"problems reading {report.log_dir}:")
-        lines.extend("  " + p for p in report.problems)
+    return lines
+
+
+def _fault_lines(tl: JobTimeline, start: float, end: float) -> list[str]:
+    """The faults as a table (times from the job's start), then each one's causes."""
+    if not tl.faults:
+        return ["faults: none"]
+    lines = ["faults (times from the job's start, seconds):"]
+    header = ("#", "at", "fault", "repair", "lost", "detect", "node wait", "respawn", "rebuild", "transfer", "moved",
+              "resumed at")
+    rows = []
+    for i, f in enumerate(tl.faults, start=1):
+        resumed = "-" if f.resume_step is None else f"step {f.resume_step}"
+        if f.recomputed:
+            resumed += f" ({f.recomputed} recomputed)"
+        rows.append((str(i), f"{f.start - start:+.2f}", f.label(), f.repair.value, f"{f.lost(end):.2f}",
+                     _fmt_opt(f.detection_s, 3), _fmt_opt(f.node_wait_s, 2), _fmt_opt(f.respawn_s, 2),
+                     _fmt_opt(f.rebuild_s, 2),
+                     _fmt_opt(f.transfer_s, 3), _mb(f.bytes), resumed))
+    lines.extend("  " + line for line in _columns([header, *rows]))
+    for i, f in enumerate(tl.faults, start=1):
+        why = "; ".join(f.causes) or f.note
+        if why:
+            lines.append(f"  {i}: {why}" + (f" (step {f.step})" if f.step is not None else "")
+                         + (f"; {f.rounds} recovery rounds" if f.rounds > 1 else ""))
+    return lines
+
+
+def _checkpoint_lines(tl: JobTimeline, start: float) -> list[str]:
+    """The checkpoints the run saved, as a table (times from the job's start)."""
+    if not tl.checkpoints:
+        return ["checkpoints: none"]
+    header = ("at", "step", "size", "write", "reason", "path")
+    rows = [(f"{c.time - start:+.2f} s", "-" if c.step is None else str(c.step), _mb(c.bytes),
+             _secs(c.seconds), c.reason, c.path) for c in tl.checkpoints]
+    return ["checkpoints:", *("  " + line for line in _columns([header, *rows]))]
+
+
+def _root_cause_lines(tl: JobTimeline) -> list[str]:
+    """Why a failed job failed: the rank named as the root cause, the final message, its log's tail."""
+    root = tl.root_cause or {}
+    cause = f"rank {root.get('rank')} ({root.get('cause')})" if root else "not named"
+    lines = [f"root cause: {cause}", f"  {tl.final_message}"]
+    if tl.log_tail:
+        lines.append(f"  last lines of rank {root.get('rank')}'s log:")
+        lines.extend("    " + line for line in tl.log_tail)
     return lines
 
 
@@ -993,36 +1018,14 @@ def plot_timeline(report: Report, out: Path, now: float | None = None) -> None:
         raise ReportError("--plot needs matplotlib: pip install matplotlib (or ftrun[plot])") from None
     tl = report.timeline
     end = tl.end_time(now)
-    start = tl.started_at if tl.started_at is not None else (tl.timeline[0]["time"] if tl.timeline else end)
+    start = _job_start(tl, end)
     fig, ax = plt.subplots(figsize=(10, 5), dpi=100)
     try:
-        samples = tl.samples
-        ranks = max((len(s.steps) for s in samples), default=0)
-        xs = [s.time - start for s in samples]
-        if ranks and ranks <= 16:
-            for rank in range(ranks):
-                ys = [s.steps[rank] if rank < len(s.steps) and s.steps[rank] is not None else math.nan for s in samples]
-                ax.step(xs, ys, where="post", linewidth=1.2, label=f"rank {rank}")
-        elif ranks:
-            lo = [min((v for v in s.steps if v is not None), default=math.nan) for s in samples]
-            hi = [max((v for v in s.steps if v is not None), default=math.nan) for s in samples]
-            ax.fill_between(xs, lo, hi, step="post", alpha=0.4, label=f"step range over {ranks} ranks")
-        else:
-            ax.text(0.5, 0.5, f"no progress record ({PROGRESS_FILE}) in this log directory",
-                    transform=ax.transAxes, ha="center", va="center", color="grey")
+        _plot_steps(ax, tl.samples, start)
         if tl.first_step_at is not None and tl.first_step_at > start:
             ax.axvspan(0, tl.first_step_at - start, color="grey", alpha=0.12,
                        label=f"start-up ({_secs(tl.first_step_at - start)})")
-        for i, f in enumerate(tl.faults, start=1):
-            colour = _FAULT_COLOURS.get(f.kind, "tab:red")
-            f_end = f.end if f.end is not None else end
-            ax.axvspan(f.start - start, f_end - start, color=colour, alpha=0.18,
-                       label=f"fault {i}: {f.label()}, {f.repair.value} ({_secs(f.lost(end))} lost)")
-            ax.axvline(f.start - start, color=colour, linewidth=1.0)
-            ax.annotate(str(i), (f.start - start, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -12),
-                        textcoords="offset points", color=colour, fontsize=9, fontweight="bold")
-            if f.restart_at is not None:
-                ax.axvline(f.restart_at - start, color=colour, linestyle="--", linewidth=1.0)
+        _mark_faults(ax, tl.faults, start, end)
         for c in tl.checkpoints:
             ax.axvline(c.time - start, color="tab:green", linestyle=":", linewidth=1.0)
         if tl.checkpoints:
@@ -1043,3 +1046,36 @@ def plot_timeline(report: Report, out: Path, now: float | None = None) -> None:
             raise ReportError(f"cannot write {out}: {err.strerror or err}") from None
     finally:
         plt.close(fig)
+
+
+def _plot_steps(ax: Any, samples: Sequence[Sample], start: float) -> None:
+    """Each rank's step against time (at most 16 ranks; beyond, the band from the lowest step to the
+    highest), or a note that the run left no progress record."""
+    ranks = max((len(s.steps) for s in samples), default=0)
+    xs = [s.time - start for s in samples]
+    if ranks and ranks <= 16:
+        for rank in range(ranks):
+            ys = [s.steps[rank] if rank < len(s.steps) and s.steps[rank] is not None else math.nan for s in samples]
+            ax.step(xs, ys, where="post", linewidth=1.2, label=f"rank {rank}")
+    elif ranks:
+        lo = [min((v for v in s.steps if v is not None), default=math.nan) for s in samples]
+        hi = [max((v for v in s.steps if v is not None), default=math.nan) for s in samples]
+        ax.fill_between(xs, lo, hi, step="post", alpha=0.4, label=f"step range over {ranks} ranks")
+    else:
+        ax.text(0.5, 0.5, f"no progress record ({PROGRESS_FILE}) in this log directory",
+                transform=ax.transAxes, ha="center", va="center", color="grey")
+
+
+def _mark_faults(ax: Any, faults: Sequence[Fault], start: float, end: float) -> None:
+    """Shade each fault from its first evidence to its repair (numbered, coloured by kind), and mark
+    the restart of those repaired by one."""
+    for i, f in enumerate(faults, start=1):
+        colour = _FAULT_COLOURS.get(f.kind, "tab:red")
+        f_end = f.end if f.end is not None else end
+        ax.axvspan(f.start - start, f_end - start, color=colour, alpha=0.18,
+                   label=f"fault {i}: {f.label()}, {f.repair.value} ({_secs(f.lost(end))} lost)")
+        ax.axvline(f.start - start, color=colour, linewidth=1.0)
+        ax.annotate(str(i), (f.start - start, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -12),
+                    textcoords="offset points", color=colour, fontsize=9, fontweight="bold")
+        if f.restart_at is not None:
+            ax.axvline(f.restart_at - start, color=colour, linestyle="--", linewidth=1.0)
