@@ -34,8 +34,10 @@ Outside ftrun (plain ``torchrun``, or no launcher at all) the same script runs: 
 the group from the ``env://`` variables and simply trains, without recovery.
 
 Roles (each its own class, used through its public members only, which
-``tests/test_structure.py`` checks): :class:`Worker` is the script's handle and runs the step
-loop; it holds the process group's lifecycle (:class:`ftrun.rank.group.TrainingGroup`), the control
+``tests/test_structure.py`` checks): :class:`Worker` is the script's handle; it holds its
+identity as a rank and the first group's build (:class:`ftrun.rank.binding.RankBinding`, which binds a
+hot spare at its promotion), the step loop and the finish barrier (:class:`ftrun.rank.steploop.StepLoop`),
+the process group's lifecycle (:class:`ftrun.rank.group.TrainingGroup`), the control
 client (:class:`ftrun.rank.client.ControlClient`), the state registry
 (:class:`ftrun.rank.registry.StateRegistry`), the recovery (:class:`ftrun.rank.recovery.Recovery`, sharing
 the loop's :class:`ftrun.rank.recovery.RankProgress`), this rank's checkpoints
@@ -51,51 +53,38 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import faulthandler
 import gc
-import hashlib
 import os
-import signal
-import sys
-import threading
-import time
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from ftrun.common import procs
-from ftrun.common.contract import CONTROL_ADDR, RankEnv
-from ftrun.rank.client import ControlClient, open_channel, training_thread_probe
-from ftrun.rank.cuda import bind_device, spare_device
-from ftrun.rank.epochs import EpochLoop
+from ftrun.common.contract import CONTROL_ADDR, NO_STATE, RankEnv
+from ftrun.common.protocol import MsgType
 from ftrun.errors import RecoverableError, describe
+from ftrun.rank.binding import DUMP_SIGNAL, RankBinding, replica_group_of  # noqa: F401  (ftrun.rank.worker's names)
+from ftrun.rank.client import ControlClient, open_channel
+from ftrun.rank.cuda import spare_device
+from ftrun.rank.epochs import EpochLoop
 from ftrun.rank.exactlyonce import ExactlyOnceChecks
-from ftrun.common.faults import FaultInjector
 from ftrun.rank.group import GroupDown, TrainingGroup, retire  # noqa: F401  (GroupDown: ftrun.rank.worker.GroupDown, documented)
 from ftrun.rank.optim import FTOptimizer
 from ftrun.rank.orphan import ORPHAN_SIGNAL, ParentWatch  # noqa: F401  (ORPHAN_SIGNAL: ftrun.rank.worker.ORPHAN_SIGNAL)
-from ftrun.common.contract import INITIAL, NO_STATE
-from ftrun.common.protocol import MsgType
 from ftrun.rank.recovery import RankProgress, Recovery
 from ftrun.rank.gradsync import UCE_REPORT_WAIT_S, GradientSync  # noqa: F401  (UCE_REPORT_WAIT_S: ftrun.rank.worker's, documented)
 from ftrun.rank.reducer import BUCKET_CAP_BYTES
 from ftrun.rank.registry import StateRegistry
 from ftrun.rank.shards import RankCheckpoints
 from ftrun.rank.sharding import ShardedModels, is_collective_failure, is_sharded
+from ftrun.rank.steploop import GroupFailure, Step, StepLoop, seed_everything, step_seed  # noqa: F401  (ftrun.rank.worker's names)
 from ftrun.rank.trace import RunTrace
 from ftrun.rank.transaction import ModuleBuffers
 from ftrun.rank.transfer import RNGState
 from ftrun.rank.workerstate import Phase, WorkerState
 
 BUCKET_BYTES = BUCKET_CAP_BYTES  # gradient all-reduce bucket (DDP's default cap)
-
-
-DUMP_SIGNAL = signal.SIGUSR1  # the supervisor asks a hung rank for its Python stacks with this
-
-
-class GroupFailure(RuntimeError):
-    """A collective on ftrun's process group failed (recorded, then recovered by :meth:`Worker.steps`)."""
 
 
 _worker: "Worker | None" = None
@@ -116,20 +105,6 @@ def report(step: int, **metrics: Any) -> None:
     _report_channel.send(MsgType.PROGRESS, step=int(step), metrics=_clean_metrics(metrics))
 
 
-def replica_group_of(rank: int, groups: Sequence[Sequence[int]] | None, world_size: int) -> list[int]:
-    """The replica group of ``rank`` in ``groups`` (None: every rank is a replica of every other).
-
-    Raises:
-        ValueError: no group contains ``rank``.
-    """
-    if groups is None:
-        return list(range(world_size))
-    for group in groups:
-        if rank in group:
-            return sorted(int(r) for r in group)
-    raise ValueError(f"replica_groups {groups} do not contain rank {rank}")
-
-
 def _clean_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in metrics.items():
@@ -137,23 +112,6 @@ def _clean_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
             value = value.item()
         out[str(key)] = value if isinstance(value, (int, float, str)) else str(value)
     return out
-
-
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """The seed of (seed, step, rank): 63 bits of a SHA-256, independent of Python's hash salt."""
-    digest = hashlib.sha256(f"ftrun:{seed}:{step}:{rank}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def seed_everything(seed: int) -> None:
-    """Seed torch (CPU and CUDA), numpy and ``random``."""
-    import random
-
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed % (1 << 32))
-    torch.manual_seed(seed)
 
 
 class Worker:
@@ -187,8 +145,11 @@ class Worker:
         self.sharding = ShardedModels(mesh, self.backend, device, self.group.record_connections, retire)
         self.group.after_build.append(self.sharding.rebuild)
         replica_groups = self.sharding.replica_groups(self.world_size) or replica_groups
-        self._replica_groups_arg = replica_groups
         self.replica_groups = [list(g) for g in replica_groups] if replica_groups else [list(range(self.world_size))]
+        # This process's identity as a rank (ftrun.rank.binding). A hot spare (docs/hot_spares.md)
+        # runs this set-up without a rank: it is bound at its promotion, when the script reaches its
+        # loop or first asks for it.
+        self.binding = RankBinding(self, replica_groups)
         self.uce, self.ttp, self.save_steps = env.uce, env.ttp, env.save_steps
         self.checkpoints = RankCheckpoints(env.checkpoint_dir, self.replica_groups, self._send, self.registry)
         # The supervisor (this process's parent) dying: a dying gasp (ftrun.rank.orphan).
@@ -196,9 +157,11 @@ class Worker:
         # What this rank says to its supervisor and hears back (ftrun.rank.client).
         self.control = ControlClient(self.progress)
         self.control.on_abort = self.control.report_abort
+        # The step loop: its entry, its steps, their recovery and retry, the finish barrier (ftrun.rank.steploop).
+        self.loop = StepLoop(self)
         # Its part in recoveries (ftrun.rank.recovery), over the roles above.
         self.recovery = Recovery(self.progress, self.group, self.control, self.registry,
-                                 build_group=self._build_group, safe_point=self._recovery_safe_point, seed=seed,
+                                 build_group=self.binding.build_group, safe_point=self.loop.safe_point, seed=seed,
                                  check_replicas=lambda step: self.checks.compare_replicas(step),
                                  read_checkpoint=lambda directory: self.checkpoints.resume(Path(directory)))
         self.recoverable_names = set(env.recoverable_errors)
@@ -215,33 +178,11 @@ class Worker:
         self.trace = RunTrace(env.check_trace, self.registry) if env.check_trace else None
         # Epoch loops over data loaders (ft.epochs / ft.batches: ftrun.rank.epochs).
         self.epoch_loop = EpochLoop(self.registry, self.recovery, self.checks, self.trace, self._send,
-                                    self._enter_loop, self._step_loop)
-        self._first_step = 0  # the job's first step (DDP's one-bucket iteration)
-        # A hot spare (docs/hot_spares.md) runs this set-up without a rank: the rank's identity is
-        # bound at its promotion, when the script reaches its loop or first asks for it.
-        self._rank: int | None = None
-        self.promoted_at: str | None = None  # a hot spare: what was waiting for the rank at its promotion
+                                    self.loop.enter, self.loop.run)
         # Per-rank RNG streams are this rank's own (rank state); with a seed they are reseeded every
         # step from (seed, step, rank) anyway.
         self.register("rng", RNGState(), kind="rank")
-        if env.hot_spare:
-            # Until its promotion it is what a respawned rank is before its transfer: no state, no
-            # group, no initial broadcast; its identity is unknown.
-            self.state.to(Phase.SPARE)
-            self.state.managed, self.committed = True, NO_STATE
-            self.resume_dir = None
-            self.faults = self.sync.faults
-            return
-        self._bind_rank()
-        if self.world_size > 1 and not self.joining:
-            self.committed = NO_STATE  # until the group stands: an abort may overtake the build
-            if self._build_group(self.generation):
-                self.committed = INITIAL
-            else:
-                self.state.to(Phase.FAILED, "a rank failed before the process group was built")
-                self.group.install_placeholder()
-        elif self.joining:
-            self.group.install_placeholder()  # its set-up may ask torch.distributed for its rank
+        self.binding.start(env.hot_spare)
 
     @property
     def committed(self) -> int:
@@ -273,85 +214,29 @@ class Worker:
         """A respawned rank (or a hot spare, before or after its promotion) that has no state yet."""
         return self.state.phase in (Phase.JOINING, Phase.SPARE)
 
-    def _bind_rank(self) -> None:
-        """Take this process's identity from the environment (at start, or at a hot spare's
-        promotion): rank, incarnation, generation, its control channel and fault injection."""
-        env = self.env = RankEnv.from_environ(os.environ)
-        self._rank = env.rank if env.rank is not None else 0
-        self._local_rank = env.local_rank if env.local_rank is not None else 0
-        self._incarnation = env.incarnation or 0
-        self.attempt = env.attempt
-        self.generation = env.generation or 0
-        self._device, self.memory_wait = bind_device(self.backend, self.device_request, self._local_rank, self._rank,
-                                                     respawned=self._incarnation > 0)  # ftrun.rank.cuda
-        self._replica_group = replica_group_of(self._rank, self._replica_groups_arg, self.world_size)
-        self.faults = self.sync.faults = FaultInjector.from_env(self._rank, self._incarnation, self.attempt)
-        channel = open_channel(True, self._replica_group, self.generation, env=env,
-                               **({"hot": self.promoted_at} if self.promoted_at is not None else {}))
-        self.managed = channel is not None and env.arf
-        self.group.bind(self._rank, self._incarnation, self.attempt, self.managed)
-        self.checkpoints.bind(self._rank)
-        # A rank respawned into a running job (ARF) builds no group of its own: it joins the
-        # recovery's generation from its first call to steps(), and holds no state until then.
-        joining = self.managed and (self._incarnation > 0 and self.generation > 0)
-        self.state.to(Phase.JOINING if joining else Phase.HEALTHY)
-        self.committed = NO_STATE if joining else INITIAL
-        self.recovery.bind(self._rank, self.attempt, self.faults, fresh=joining)
-        self.checks.bind(self._rank, self.attempt, self._device, self._replica_group)
-        # Checkpoints (TTP): the one to start from (not for a respawned rank, which takes a live
-        # replica's newer state).
-        self.resume_dir = None if joining else env.resume_dir
-        self.faults.cut_connections = self.group.cut
-        self.control.attach(channel, probe=training_thread_probe(threading.main_thread().ident, self.sync.waiting,
-                                                                 self.progress, self.control.board),
-                            beat_extra=self.control.beat_progress)
-        if channel is not None:
-            # Stacks of every thread into this rank's log when the supervisor suspects a hang.
-            faulthandler.register(DUMP_SIGNAL, all_threads=True, chain=False)
-            if self.managed:
-                self.parent.watch()  # outlive the supervisor for a dying gasp (ftrun.rank.orphan)
-
-    def _await_promotion(self, what: str) -> None:
-        """A hot spare: block until the agent gives it a rank (:func:`ftrun.rank.promotion.take_assignment`),
-        then bind it. ``what`` names what needed the rank ("the training loop", or "ft.rank" when
-        the script asked in its set-up: the spare then did part of its set-up after promotion,
-        as a warm spare does, and the coordinator says so)."""
-        from ftrun.rank.promotion import await_promotion
-
-        self.promoted_at = what
-        await_promotion(what, self.env.spare_ready)
-        self._bind_rank()
-        if not self.joining:  # promoted outside a recovery (not expected): join as a respawned rank does
-            raise RuntimeError("ftrun: a hot spare was promoted without a recovery to join")
-        self.group.install_placeholder()
-
-    def _identity(self, what: str) -> None:
-        if self.state.phase is Phase.SPARE:  # a hot spare, not promoted yet
-            self._await_promotion(what)
-
     @property
     def rank(self) -> int:
         """This process's rank (a hot spare waits here for its promotion)."""
-        self._identity("ft.rank")
-        return self._rank  # type: ignore[return-value]
+        self.binding.identity("ft.rank")
+        return self.binding.rank  # type: ignore[return-value]
 
     @property
     def local_rank(self) -> int:
         """Its index on its node (a hot spare waits here for its promotion)."""
-        self._identity("ft.local_rank")
-        return self._local_rank
+        self.binding.identity("ft.local_rank")
+        return self.binding.local_rank
 
     @property
     def incarnation(self) -> int:
         """Which process serving this rank (0 = first; a hot spare waits here for its promotion)."""
-        self._identity("ft.incarnation")
-        return self._incarnation
+        self.binding.identity("ft.incarnation")
+        return self.binding.incarnation
 
     @property
     def replica_group(self) -> list[int]:
         """The ranks holding the same state as this one (a hot spare waits here for its promotion)."""
-        self._identity("ft.replica_group")
-        return self._replica_group
+        self.binding.identity("ft.replica_group")
+        return self.binding.replica_group
 
     @property
     def device(self) -> torch.device:
@@ -360,25 +245,8 @@ class Worker:
         unless every rank of its node shares one device (:func:`ftrun.rank.cuda.spare_device`)."""
         if self.state.phase is Phase.SPARE and (early := spare_device(self.backend, self.device_request, torch.cuda.device_count())):
             return torch.device(early)
-        self._identity("ft.device")
-        return self._device
-
-    # ------------------------------------------------------------------ set-up
-    def _build_group(self, generation: int) -> bool:
-        """Build the default process group of ``generation`` (:meth:`ftrun.rank.group.TrainingGroup.build`).
-        False if an abort overtook it while this rank waited for its peers."""
-
-        def abandon() -> bool:
-            if self.control.poll_abort(timeout=0.005, newer_than=generation):
-                return True
-            self.parent.check(self._rank, mid_step=True)
-            return False
-
-        if not self.group.build(generation, abandon):
-            return False
-        if self.managed:
-            self.generation = generation
-        return True
+        self.binding.identity("ft.device")
+        return self.binding.device
 
     def _drop_group(self, broken: bool = True) -> None:
         """Drop the current group (:meth:`ftrun.rank.group.TrainingGroup.drop`): its connections are cut
@@ -451,7 +319,7 @@ class Worker:
         if next(model.buffers(), None) is not None:  # after the broadcast: rank 0's are the initial ones
             self.register(f"{name}.buffers", ModuleBuffers(model), kind="rank")
         return self.sync.wrap(model, self.device, ddp, ddp_kwargs, check_gradients=self.managed or self.state.phase is Phase.SPARE,
-                              is_first_step=lambda: self.progress.current_step == self._first_step)
+                              is_first_step=lambda: self.progress.current_step == self.loop.first_step)
 
     def device_mesh(self, shape: Sequence[int] | None = None, names: Sequence[str] | None = None) -> Any:
         """The ``DeviceMesh`` declared at :func:`init`, kept across generations (:mod:`ftrun.rank.sharding`;
@@ -592,9 +460,9 @@ class Worker:
         around the step's body lets a :class:`RecoverableError` raised there be repaired in place.
         Leaving the loop early (``break``) ends it cleanly, as its end does.
         """
-        step = self._enter_loop(start)
+        step = self.loop.enter(start)
         try:
-            for step_, _ in self._step_loop(step, num_steps, None):
+            for step_, _ in self.loop.run(step, num_steps, None):
                 yield step_
         except GeneratorExit:
             self._send(MsgType.STEPS_END)
@@ -614,109 +482,6 @@ class Worker:
         batch. ``step`` is the global step (a :class:`Step`); the pass's position is rank state
         ``name`` (:class:`ftrun.rank.data.LoaderCursor`). Outside :meth:`epochs`, one call is one pass."""
         return self.epoch_loop.batches(loader, name)
-
-    def _enter_loop(self, step: int) -> int:
-        """Before the first step ``step``: resume from a checkpoint, or join the job (a respawned
-        rank), or recover from a failed initial broadcast. Returns the first step to run."""
-        self._first_step = step
-        if self.state.phase is Phase.SPARE:
-            self._await_promotion("the training loop")  # a hot spare: its set-up is done
-        if self.resume_dir is not None:
-            step = max(step, self._resume() + 1)
-        if self.joining:
-            self.control.abort_generation = self.generation  # its hello was its report for this generation
-            step = self._recover(None) + 1
-        elif self.state.error is not None:  # the initial broadcast failed
-            step = self._recover(self.state.error) + 1
-        return step
-
-    def _step_loop(self, step: int, total: int | None, cursor: Any) -> Generator[tuple["Step", Any], None, int]:
-        """The step loop shared by :meth:`steps` and :meth:`batches`: run steps from ``step`` up to
-        ``total`` (or until ``cursor``'s loader is exhausted), recovering and retrying failed ones.
-        Returns the step after the last one run."""
-        first = step
-        while total is None or step < total:
-            self.parent.check(self._rank, mid_step=False)
-            if self.control.poll_abort():
-                step = self._recover(None) + 1
-                if cursor is not None and self.epoch_loop.epoch_moved(cursor):
-                    return step
-                continue
-            # A respawned rank: its predecessor's own state, where the predecessor's next step
-            # began (or would have: after the pass's last step it goes on to the epoch's end).
-            self.checks.apply_rank_record()
-            if cursor is not None and cursor.exhausted():
-                break
-            self.faults.point("before_forward", step)
-            self.progress.current_step, self.progress.stage = step, "loop"
-            self.control.board.begin(step, total if cursor is None else self.epoch_loop.total(cursor))
-            if self.seed is not None:
-                seed_everything(step_seed(self.seed, step, self.rank))
-            if self.managed:
-                self.checks.snapshot_step_start(mid_pass=step > first)
-            batch = None
-            if cursor is not None:
-                try:
-                    batch = cursor.next()
-                except StopIteration:
-                    break
-            self.sync.settle()  # no abandoned all-reduce can write into this step's gradients
-            self.sync.begin_step()
-            yield Step(step, self, cursor.position - 1 if cursor is not None else None), batch
-            self.sync.in_collective = False
-            if self.state.phase is Phase.PENDING_REPAIR:  # raised in backward, and no opt.step() followed
-                self._repair_in_place(self.state.reason or "", drop=True)
-            if not self.state.failed and self.committed == step - 1:
-                # The body ended well: its updates are the step's (several optimizers), or it made
-                # none (GradScaler skipped it) and the state is that of this step all the same.
-                self.commit(step)
-                self.control.board.enter("compute")
-            if not self.state.failed:
-                self.registry.transaction.end()
-            if self.state.failed or (self.managed and self.control.abort_generation is not None):
-                step = self._recover(self.state.error) + 1
-                if cursor is not None and self.epoch_loop.epoch_moved(cursor):
-                    return step
-                continue
-            if self.save_steps and (step + 1) % self.save_steps == 0 and self.committed == step:
-                self.checkpoints.save_periodic(step, self.state_dict)
-            self.faults.point("between_steps", step)
-            step += 1
-        return step
-
-    def _recover(self, reason: str | None) -> int:
-        """Reconfigure after a fault (:meth:`ftrun.rank.recovery.Recovery.recover`); returns the
-        recovery step S (training resumes at S + 1).
-
-        Raises:
-            GroupFailure: this rank runs without a supervisor (plain torchrun), so it cannot recover.
-        """
-        if not self.managed:
-            raise GroupFailure(reason or "collective failed")
-        if not self.registry.undo_updates(f"rank {self.rank}: step {self.progress.current_step}"):
-            self.committed = NO_STATE  # a partial step that nothing can undo: it takes a replica's state
-        kind = self.state.recover()
-        step = self.recovery.recover(reason, kind)
-        self.state.recovered()
-        return step
-
-    def _recovery_safe_point(self) -> None:
-        """On every turn of a recovery's wait: exit with a dying gasp if the supervisor is gone,
-        write a dying-gasp checkpoint the supervisor asked for."""
-        self.parent.check(self._rank, mid_step=True)
-        if self.control.save_request is not None:  # a dying-gasp checkpoint (TTP): the state is the committed step's
-            self.checkpoints.save_requested(self.control.take_save_request(), self.committed, self.state_dict())
-
-    # ------------------------------------------------------------------ checkpoints (TTP)
-    def _resume(self) -> int:
-        """Load this rank's shard of the checkpoint the supervisor chose; returns its step."""
-        started = time.monotonic()
-        directory, self.resume_dir = Path(self.resume_dir or ""), None
-        self.registry.load(self.checkpoints.resume(directory))
-        self.committed = self.env.resume_step if self.env.resume_step is not None else -1
-        print(f"ftrun: rank {self.rank} resumed from {directory} (step {self.committed}) in "
-              f"{time.monotonic() - started:.2f} s", flush=True)
-        return self.committed
 
     def commit(self, step: int) -> None:
         """Mark ``step`` committed (called by the optimizer wrapper after its update)."""
@@ -742,45 +507,9 @@ class Worker:
         self.state.to(Phase.FINISHED)
         self._drop_group(broken=False)
         if self.control.channel is not None and self.managed:
-            self._finish_barrier()
+            self.loop.finish_barrier()
         self.control.close()
         _worker = None
-
-    def _finish_barrier(self) -> None:
-        """Serve aborts and plans (as a donor, usually) until the coordinator says every rank finished."""
-        self.control.finished = False
-        while not self.control.finished:
-            self.parent.check(self._rank, mid_step=False)
-            if self.control.save_request is not None:  # a dying-gasp checkpoint (TTP)
-                self.checkpoints.save_requested(self.control.take_save_request(), self.committed, self.state_dict())
-            if self.control.poll_abort(timeout=0.5):
-                self._recover(None)  # the abort already carried this rank's report
-                self._drop_group(broken=False)
-
-
-class Step(int):
-    """A step number (an ``int``) that guards the step's body when used as ``with step:``.
-
-    A :class:`RecoverableError` (or a type named in ``--recoverable_errors``) raised inside the
-    block does not end the process: the exception is suppressed, the rank reports it, drops its
-    state, takes a replica's, and every rank retries the step (MindSpore's UCE). Any other
-    exception propagates, the process dies, and ARF replaces it.
-    """
-
-    _worker: Worker
-    index: int | None  # the batch's place in its pass (ft.batches), counted from 0; else None
-
-    def __new__(cls, value: int, worker: Worker, index: int | None = None) -> "Step":
-        obj = super().__new__(cls, value)
-        obj._worker = worker
-        obj.index = index
-        return obj
-
-    def __enter__(self) -> "Step":
-        return self
-
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, _tb: Any) -> bool:
-        return exc is not None and self._worker.repair_step_error(exc)
 
 
 def current() -> Worker | None:
