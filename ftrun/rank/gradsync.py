@@ -120,6 +120,12 @@ class GradientSync:
             reducer.attach()
             model.register_forward_pre_hook(lambda _module, _args: reducer.on_forward() if torch.is_grad_enabled() else None)
             return model
+        return self._wrap_in_ddp(model, reducer, device, ddp_kwargs)
+
+    def _wrap_in_ddp(self, model: torch.nn.Module, reducer: GradientReducer, device: torch.device,
+                     ddp_kwargs: dict[str, Any]) -> torch.nn.Module:
+        """``model`` in ``DistributedDataParallel`` over this rank's private one-rank group, its
+        bucket views averaged by ``reducer`` (:meth:`wrap` with ``ddp``)."""
         from torch.nn.parallel import DistributedDataParallel
 
         ddp_kwargs.setdefault("gradient_as_bucket_view", True)

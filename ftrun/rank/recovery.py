@@ -121,51 +121,57 @@ class Recovery:
             self.control.poll(timeout=1.0)
             self.safe_point()
             plan = self.control.take_plan()
-            if plan is None:
-                continue
-            generation = plan["generation"]
-            if isinstance(plan.get("store"), str):
-                self.group.move_store(plan["store"])  # a standby coordinator took the job over
-            started = time.monotonic()
-            progress.stage = "build"
-            try:
-                if not self.build_group(generation):
-                    continue
-            except dist.DistError as err:
-                # The store the plan named went away during the build (the coordinator that made
-                # the plan died with its host: the next coordinator in line sends another plan,
-                # with its own store), or a peer left the rendezvous. This plan failed, not this
-                # rank: report it (the coordinator starts the next round) and wait for the next.
-                self.group.abandon_build(generation)
-                self.control.send(MsgType.FAULT, generation=generation, step=plan["step"], committed=progress.committed,
-                                  reason=f"building generation {generation}'s group failed: {describe(err)}", kind="comm")
-                continue
-            rebuild_s = time.monotonic() - started
-            # A retried step: undo what the failed body did after (or instead of) its update. A
-            # recipient takes replica state from its donor, so only its own rank state rolls back.
-            rollback = plan.get("rollback")  # a checkpoint's directory: every rank rolls back to it
-            progress.stage = "transfer"
-            if rollback is not None:
-                role, nbytes, transfer_s = self.load_checkpoint(str(rollback))
-            else:
-                recipient = any(int(r) == self.rank for _, r in plan["transfers"])
-                self.registry.roll_back(plan["step"], ("rank",) if recipient else ("rank", "replica"))
-                role, nbytes, transfer_s = self.transfer(plan)
-            progress.stage, progress.stage_bytes = "loop", 0
-            if role == "failed":
-                self.group.drop(progress.generation)
-                self.control.send(MsgType.FAULT, generation=generation, step=plan["step"], committed=progress.committed,
-                                  reason="state transfer failed", kind="comm")
-                continue
-            self.control.recovered(generation)  # unless a newer abort is pending, waits are real again
-            progress.committed = plan["step"]
-            if self.fresh:
-                self.fresh = False
-                if rollback is None:  # a rollback's checkpoint holds this rank's own state too
-                    self._fetch_rank_record(plan["step"])
-            self.control.send(MsgType.RECOVERED, generation=generation, role=role, bytes=nbytes,
-                              seconds=transfer_s, rebuild_seconds=rebuild_s)
-            return plan["step"]
+            if plan is not None and self.carry_out(plan):
+                return plan["step"]
+
+    def carry_out(self, plan: Message) -> bool:
+        """This rank's part in ``plan``: build its generation's group, roll back or take state, and
+        say it recovered. False when the plan failed here (reported when this rank can tell why):
+        the recovery waits for the next plan."""
+        progress = self.progress
+        generation = plan["generation"]
+        if isinstance(plan.get("store"), str):
+            self.group.move_store(plan["store"])  # a standby coordinator took the job over
+        started = time.monotonic()
+        progress.stage = "build"
+        try:
+            if not self.build_group(generation):
+                return False
+        except dist.DistError as err:
+            # The store the plan named went away during the build (the coordinator that made
+            # the plan died with its host: the next coordinator in line sends another plan,
+            # with its own store), or a peer left the rendezvous. This plan failed, not this
+            # rank: report it (the coordinator starts the next round) and wait for the next.
+            self.group.abandon_build(generation)
+            self.control.send(MsgType.FAULT, generation=generation, step=plan["step"], committed=progress.committed,
+                              reason=f"building generation {generation}'s group failed: {describe(err)}", kind="comm")
+            return False
+        rebuild_s = time.monotonic() - started
+        # A retried step: undo what the failed body did after (or instead of) its update. A
+        # recipient takes replica state from its donor, so only its own rank state rolls back.
+        rollback = plan.get("rollback")  # a checkpoint's directory: every rank rolls back to it
+        progress.stage = "transfer"
+        if rollback is not None:
+            role, nbytes, transfer_s = self.load_checkpoint(str(rollback))
+        else:
+            recipient = any(int(r) == self.rank for _, r in plan["transfers"])
+            self.registry.roll_back(plan["step"], ("rank",) if recipient else ("rank", "replica"))
+            role, nbytes, transfer_s = self.transfer(plan)
+        progress.stage, progress.stage_bytes = "loop", 0
+        if role == "failed":
+            self.group.drop(progress.generation)
+            self.control.send(MsgType.FAULT, generation=generation, step=plan["step"], committed=progress.committed,
+                              reason="state transfer failed", kind="comm")
+            return False
+        self.control.recovered(generation)  # unless a newer abort is pending, waits are real again
+        progress.committed = plan["step"]
+        if self.fresh:
+            self.fresh = False
+            if rollback is None:  # a rollback's checkpoint holds this rank's own state too
+                self._fetch_rank_record(plan["step"])
+        self.control.send(MsgType.RECOVERED, generation=generation, role=role, bytes=nbytes,
+                          seconds=transfer_s, rebuild_seconds=rebuild_s)
+        return True
 
     def transfer(self, plan: Message) -> tuple[str, int, float]:
         """Carry out this rank's part of the plan: ('donor'|'recipient'|'none'|'failed', bytes, seconds)."""
