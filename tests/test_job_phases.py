@@ -12,7 +12,7 @@ from coordinator_fixtures import FakeAgent, close_coordinators, events, hello_al
 from ftrun.common.clocks import RunningClock
 from ftrun.coordinator import environment
 from ftrun.coordinator.environment import SPARES_CHECK_S
-from ftrun.coordinator.phases import TRANSITIONS, IllegalTransition, JobPhase, JobPhases
+from ftrun.coordinator.phases import TRANSITIONS, IllegalPhaseTransition, JobPhase, JobPhases
 from ftrun.coordinator.ranks import Rank, RankPhase
 from ftrun.coordinator.watchdog import CommHang, Hung, Unrepaired, Watchdog, WatchdogBounds
 from ftrun.common.protocol import Message, MsgType
@@ -29,7 +29,7 @@ def test_an_illegal_transition_raises_and_changes_nothing(start: JobPhase, to: J
     for phase in path:
         phases.move(phase)
     assert phases.current == start
-    with pytest.raises(IllegalTransition, match=f"{start.value} -> {to.value}"):
+    with pytest.raises(IllegalPhaseTransition, match=f"{start.value} -> {to.value}"):
         phases.move(to)
     assert phases.current == start and phases.history[-1] == start
 

@@ -9,12 +9,18 @@ import pytest
 from ftrun.coordinator.policy import (
     INITIAL,
     NO_STATE,
+    TEARDOWN_CRASH_CODES,
     Action,
+    FailedRank,
+    FailureFacts,
     NoLiveReplica,
     RecoveryPlan,
     StartupFailures,
     Transfer,
+    decide_failed_ranks,
+    decide_failure,
     decide_on_failure,
+    decide_restart,
     default_replica_groups,
     plan_recovery,
     plan_rollback,
@@ -22,6 +28,7 @@ from ftrun.coordinator.policy import (
     replica_groups_from_hello,
     respawn_restarts,
     restart_fits,
+    teardown_crash,
 )
 
 
@@ -272,3 +279,75 @@ def test_ranks_that_exited_before_init_are_named_so() -> None:
     assert decision.reason == "whole-job restart (rank(s) 0-1 exited before ftrun.init)"
     decision = decide_on_failure([0], world_size=2, arf=True, library_ranks=[], restarts_used=0, max_restarts=3)
     assert "rank(s) 0-1 have not said hello through the ftrun worker library" in decision.reason
+
+
+# --------------------------------------------------------------------------- policy: decide_failure (the facts first)
+
+
+def facts(*failed: FailedRank, world: int = 4, used: int = 0, max_restarts: int = 3, **kw) -> FailureFacts:
+    return FailureFacts(failed=failed or (FailedRank(1),), world_size=world, arf=True, library_ranks=tuple(range(world)),
+                        restarts_used=used, max_restarts=max_restarts, **kw)
+
+
+@pytest.mark.parametrize("given, why", [({"join": True}, "--join"), ({"active": False}, "restarting or ending")])
+def test_a_failure_under_join_or_while_the_job_ends_is_only_recorded(given, why) -> None:
+    d = decide_failure(facts(moving_home=True, unusable_checkpoint=True, **given))
+    assert d.action == Action.RECORD and d.ranks == (1,) and why in d.reason
+
+
+def test_ranks_moving_back_to_their_node_are_respawned_there_before_any_other_rule() -> None:
+    d = decide_failure(facts(FailedRank(3), FailedRank(2), moving_home=True, unusable_checkpoint=True))
+    assert d.action == Action.MOVE_HOME and d.ranks == (3, 2) and d.reason == "rank(s) [2, 3] move back to their node"
+
+
+def test_an_unusable_checkpoint_restarts_the_job_whatever_the_budget() -> None:
+    d = decide_failure(facts(FailedRank(2, started_up=False), used=3, max_restarts=3, unusable_checkpoint=True))
+    assert d.action == Action.RESTART_JOB and d.reason == "rank(s) [2] failed"
+
+
+def test_a_failure_before_ftrun_init_is_held_with_what_the_hold_needs() -> None:
+    f = facts(FailedRank(0, exit_code=2, started_up=False), FailedRank(1, exit_code=None, started_up=False))
+    d = decide_failure(f)
+    assert d.action == Action.HOLD and d.ranks == (0, 1)
+    assert f.early_exits() == {0: 2, 1: 0} and not f.hello()
+    assert facts(FailedRank(0, started_up=False), others_started_up=True).hello()
+    assert facts(FailedRank(0, started_up=False), FailedRank(1)).hello()  # a failed rank had started up
+    assert decide_failure(facts(FailedRank(1), startup_held=True)).action == Action.HOLD  # a hold in progress takes it
+
+
+def test_a_failure_after_start_up_goes_to_the_budget() -> None:
+    assert decide_failure(facts(FailedRank(1))).action == Action.RESPAWN_RANKS
+    assert decide_failure(facts(FailedRank(1), used=3)).action == Action.FAIL_JOB
+    assert decide_failure(facts(FailedRank(1), one_event=True, used=2)).action == Action.RESPAWN_RANKS
+
+
+@pytest.mark.parametrize("code", sorted(TEARDOWN_CRASH_CODES))
+def test_a_teardown_crash_after_every_other_rank_finished_fails_the_job_without_a_restart(code: int) -> None:
+    plain = FailedRank(1, exit_code=code, exit_desc="killed by SIGABRT", library=False)
+    said_done = FailedRank(2, exit_code=code, exit_desc="killed by SIGSEGV", library=True, finished=True)
+    d = decide_failed_ranks(facts(plain, said_done, others_succeeded=True))
+    assert d.action == Action.FAIL_JOB and d.ranks == (1, 2)
+    assert d.reason == teardown_crash([1, 2], "killed by SIGABRT") and "not restarted" in d.reason
+
+
+@pytest.mark.parametrize("failed, others_succeeded", [
+    (FailedRank(1, exit_code=134, library=True, finished=False), True),  # a library rank still training: recovered
+    (FailedRank(1, exit_code=1, library=False), True),  # not a teardown crash's code
+    (FailedRank(1, exit_code=134, library=False), False),  # the other ranks are still running
+])
+def test_other_crashes_are_no_teardown_crash(failed: FailedRank, others_succeeded: bool) -> None:
+    d = decide_failed_ranks(facts(failed, others_succeeded=others_succeeded))
+    assert d.action == Action.RESPAWN_RANKS
+
+
+def test_a_whole_job_restart_spends_one_restart_or_fails_past_the_budget() -> None:
+    d = decide_restart("hang", restarts_used=1, max_restarts=2)
+    assert d.action == Action.RESTART_JOB and d.counts_restart and d.reason == "hang"
+    d = decide_restart("hang", restarts_used=2, max_restarts=2)
+    assert d.action == Action.FAIL_JOB and d.reason == "hang; restart budget exhausted (max_restarts=2)"
+
+
+def test_a_restart_for_an_unusable_checkpoint_spends_nothing_even_past_the_budget() -> None:
+    d = decide_restart("rank(s) [0] failed", restarts_used=2, max_restarts=2, unusable="checkpoint /c is unusable: f bad")
+    assert d.action == Action.RESTART_JOB and not d.counts_restart
+    assert d.reason == "rank(s) [0] failed; checkpoint /c is unusable: f bad"

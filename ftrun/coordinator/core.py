@@ -34,33 +34,29 @@ from typing import Any, Callable
 import zmq
 
 from ftrun.common import procs
-from ftrun.coordinator.agents import AgentHandle, RemoteAgent, SpareNote, Spawned, StandbyOffer, Stacks
 from ftrun.common.clocks import RunningClock
-from ftrun.config import JobSpec
 from ftrun.common.events import Event, EventKind
-from ftrun.coordinator.policy import Action, RankState, StartupFailures, decide_on_failure, restart_fits
 from ftrun.common.protocol import Message, MsgType, Sender
-from ftrun.node.spawner import ExitReport, StopReport
+from ftrun.config import JobSpec
+from ftrun.coordinator.agents import AgentHandle
 from ftrun.coordinator.control import ControlPlane
+from ftrun.coordinator.elastic import Elastic, Shrink
+from ftrun.coordinator.ending import JobEnd
 from ftrun.coordinator.environment import Spawning
 from ftrun.coordinator.failover import Replication, restore
-from ftrun.coordinator.messages import RankMessages
-from ftrun.coordinator.elastic import Elastic, Shrink
+from ftrun.coordinator.failures import Failures
 from ftrun.coordinator.membership import Membership, NodeLoss, NoReplacement, QuorumLost
-from ftrun.coordinator.phases import JobPhase, JobPhases
+from ftrun.coordinator.messages import RankMessages
+from ftrun.coordinator.phases import JobPhases
+from ftrun.coordinator.policy import TEARDOWN_CRASH_CODES, RankState  # noqa: F401 (TEARDOWN_CRASH_CODES: exported by the package)
 from ftrun.coordinator.publish import Publisher, status_header
-from ftrun.coordinator.ranks import Failure, Rank, Recovery, first_failure_tail, teardown_crash
+from ftrun.coordinator.ranks import Rank, RecoveryRound
 from ftrun.coordinator.rounds import RecoveryRounds
+from ftrun.coordinator.state import JobState, JobStateField
 from ftrun.coordinator.ttp import Checkpoints
-from ftrun.coordinator.watchdog import CommHang, Hung, Unrepaired, Watchdog, WatchdogBounds
+from ftrun.coordinator.watchdog import Hung, Watchdog, WatchdogBounds
 
 log = logging.getLogger("ftrun.coordinator")
-
-# A rank that ends with one of these after every other rank exited 0 crashed in its teardown (an
-# abort or a segfault in a destructor): the job is not restarted for it (Coordinator.on_failure).
-TEARDOWN_CRASH_CODES = frozenset({128 + signal.SIGABRT, 128 + signal.SIGSEGV})
-STOP_REPORT_WAIT_S = 10.0  # past the grace period: how long stopped ranks' exits are waited for
-ACTIVE = (JobPhase.RUNNING, JobPhase.RECOVERING)  # phases in which a failure is acted on
 
 
 class Coordinator:
@@ -106,13 +102,7 @@ class Coordinator:
         local = spec.local_worker_num
         self.ranks = {rank: Rank(rank=rank, local_rank=rank % local, node=rank // local) for rank in range(spec.worker_num)}
         self.phase = JobPhases(on_change=lambda old, new: log.info("job phase %s -> %s", old.value, new.value))
-        self.epoch = 0  # the coordinator epoch: moved on by every takeover (ftrun.coordinator.failover)
-        self.takeover_at = 0.0  # when this coordinator took the job over (its clock), if it did
-        self.attempt = 0
-        self.generation = 0
-        self.restarts_used = 0
-        self.failures: list[Failure] = []
-        self.round_failures: list[Failure] = []
+        self.state = JobState()  # epoch, attempt, generation, restarts spent, failures
         self.elastic = Elastic(self)  # --nnodes MIN:MAX: where an absent node's ranks run
         self.members = Membership(self, local_agent)
         self.spawning = Spawning(self, store_port)
@@ -123,20 +113,29 @@ class Coordinator:
         self.watchdog = Watchdog(WatchdogBounds(spec.heartbeat_timeout, spec.heartbeat_interval, spec.setup_timeout,
                                                 spec.step_timeout, spec.step_timeout_min, spec.step_timeout_factor,
                                                 spec.warmup_steps))
-        self.startup = StartupFailures(spec.worker_num)  # failures before ftrun.init, held to see if all fail alike
+        self.failures = Failures(self)
+        self.end = JobEnd(self)
         self.stop_signal: int | None = None
-        self.exit_code: int | None = None  # set once the job's end is decided
-        self._final_message: str | None = None
-        self._hung: dict[tuple[int, int], tuple[Any, ...]] = {}  # (rank, incarnation) -> what the watchdog saw
         self._wakeup = procs.WakeupPipe()
 
     # ----------------------------------------------------------------- the roles' public faces
+    epoch = JobStateField()  # the coordinator epoch: moved on by every takeover (ftrun.coordinator.failover)
+    takeover_at = JobStateField()  # when this coordinator took the job over (its clock), if it did
+    attempt = JobStateField()
+    generation = JobStateField()
+    restarts_used = JobStateField()
+
+    @property
+    def exit_code(self) -> int | None:
+        """The job's exit code, once its end is decided."""
+        return self.end.exit_code
+
     @property
     def control_addr(self) -> str:
         return self.control.address
 
     @property
-    def recovery(self) -> Recovery | None:
+    def recovery(self) -> RecoveryRound | None:
         """The recovery in progress, or None."""
         return self.rounds.current
 
@@ -176,8 +175,31 @@ class Coordinator:
 
     def finish_with(self, code: int | None) -> None:
         """Record the job's exit code, once decided (``None``: not decided)."""
-        if code is not None and self.exit_code is None:
-            self.exit_code = code
+        self.end.finish_with(code)
+
+    def restart_job(self, reason: str) -> int | None:
+        """Restart every rank (:meth:`JobEnd.restart_job`)."""
+        return self.end.restart_job(reason)
+
+    def stop(self, code: int, reason: str) -> int:
+        """Stop the job with exit code ``code`` (:meth:`JobEnd.stop`)."""
+        return self.end.stop(code, reason)
+
+    def collect_reports(self, stopping: bool = False) -> list[Rank]:
+        """Apply the agents' reports (:meth:`Failures.collect_reports`); the ranks that failed."""
+        return self.failures.collect_reports(stopping)
+
+    def on_failure(self, failed: list[int], kind: str = "death") -> int | None:
+        """Act on ranks that failed (:meth:`Failures.on_failure`)."""
+        return self.failures.on_failure(failed, kind)
+
+    def check_hangs(self) -> None:
+        """Act on what the watchdog finds (:meth:`Failures.check_hangs`)."""
+        self.failures.check_hangs()
+
+    def declare_hung(self, r: Rank, hung: Hung) -> None:
+        """Kill a hung rank after its stacks are dumped (:meth:`Failures.declare_hung`)."""
+        self.failures.declare_hung(r, hung)
 
     # ----------------------------------------------------------------- events and status
     def emit(self, kind: EventKind, message: str, rank: int | None = None, **detail: Any) -> Event:
@@ -246,7 +268,7 @@ class Coordinator:
             poller.poll(timeout=int(spec.monitor_interval * 1000))
             self._wakeup.drain()
             if self.stop_signal is not None:
-                self.finish_with(self.stop(128 + self.stop_signal, f"stopped by {signal.Signals(self.stop_signal).name}"))
+                self.finish_with(self.end.stop(128 + self.stop_signal, f"stopped by {signal.Signals(self.stop_signal).name}"))
                 break
             self.finish_with(self.check_processes())
             if self.exit_code is None:
@@ -260,10 +282,8 @@ class Coordinator:
             if self.exit_code is None:
                 self.failover.replicate(self.clock())
             self.publish_status()
-        code = self.exit_code
-        assert code is not None
-        self.publish_status(final={"exit_code": code, "message": self._final_message or ""})
-        message = self._final_message or f"job finished with exit code {code}"
+        code, message = self.end.final()
+        self.publish_status(final={"exit_code": code, "message": self.end.final_message or ""})
         for agent in [*self.agents.values(), *self.members.standby_nodes.values()]:
             agent.shutdown(code, message)
         self.close()
@@ -303,41 +323,8 @@ class Coordinator:
         found = self.members.check(self.control.closed_agent_connections(), self.clock())
         if isinstance(found, Shrink):  # an elastic job's absent node: its ranks run on the others
             return self.elastic.shrink(found)
-        return (self.finish_failed(found.reason) if isinstance(found, NoReplacement) else self.step_down(found)
-                if isinstance(found, QuorumLost) else self.node_lost(found) if isinstance(found, NodeLoss) else None)
-
-    def node_lost(self, loss: NodeLoss) -> int | None:
-        """A node is gone with its ranks (pod-level rescheduling, MindCluster's term).
-
-        Its agent's connection is fenced, its ranks are recorded as failed, and the failure goes
-        through the same policy as a rank's death. With ARF on, the survivors are aborted to a safe
-        point and the node's ranks are respawned as soon as a replacement launcher with that
-        node's index joins (from any host, within ``--node_wait_timeout``), then recover from
-        replicas on the surviving nodes; a whole-job restart likewise waits for the node. Without
-        ARF, or past the budget, the job fails after a dying-gasp checkpoint. While the job is
-        already restarting or ending, the loss is only recorded. Returns the exit code once the
-        job ends.
-        """
-        node, reason = loss.node, loss.reason
-        self.members.lose(node, reason)
-        now, wall = self.clock(), self.wall()
-        lost = [r for r in self.ranks.values() if r.node == node and r.proc.state != RankState.SUCCEEDED]
-        for r in lost:
-            r.proc.running = False
-            r.proc.exit_code, r.proc.exit_desc, r.proc.state = 1, reason, RankState.FAILED
-            self._record_failure(Failure(r.rank, r.proc.pid, 1, reason, wall, detection_seconds=loss.evidence_age))
-        if self.phase.current not in ACTIVE:
-            return None
-        waits = loss.replaceable and self.spec.tft.arf and bool(lost) and not self.spec.join
-        self.emit(EventKind.NODE_LOST, reason + ("; a standby node takes it" if waits and self.members.standby_nodes else
-                                                 f"; waiting up to {self.spec.node_wait_timeout:g} s for a replacement "
-                                                 f"launcher with --node_rank {node}" if waits else ""),
-                  node_lost=node, ranks=[r.rank for r in lost], waiting=waits, cause=loss.cause,
-                  detection_seconds=round(loss.evidence_age, 4))
-        if not waits:
-            return self.finish_failed(reason)
-        self.members.await_replacement(node, reason, now)
-        return self.on_failure([r.rank for r in lost], kind="node_loss")
+        return (self.end.finish_failed(found.reason) if isinstance(found, NoReplacement) else self.end.step_down(found)
+                if isinstance(found, QuorumLost) else self.failures.node_lost(found) if isinstance(found, NodeLoss) else None)
 
     def take_over(self, state: dict[str, Any], lost: list[int] | tuple[int, ...], cause: str = "") -> None:
         """Go on with the job after its coordinator died or was cut off on the first node of
@@ -359,297 +346,32 @@ class Coordinator:
         for node in lost:
             if self.exit_code is None and node not in self.members.lost_nodes:
                 what = "with the job coordinator" if node == lost[0] else "with a standby job coordinator"
-                self.finish_with(self.node_lost(NodeLoss(node, f"node {node} lost {what}: {cause}", "coordinator_lost")))
-
-    def step_down(self, lost: QuorumLost) -> int:
-        """This coordinator lost its quorum (:meth:`Membership.quorum`): stop this side of the
-        job without a dying gasp (the standby may go on with it: a checkpoint written here would
-        race the job's), and end with exit code 1. Agents and ranks that moved to the standby
-        never come back here: their old connections are closed, and the new coordinator's epoch
-        is higher."""
-        reason = f"node {self.spec.node_rank} stepped down as the job coordinator (epoch {self.epoch}): {lost.reason}"
-        self.emit(EventKind.COORDINATOR_STEPPED_DOWN, reason, node=self.spec.node_rank, epoch=self.epoch)
-        self.phase.move(JobPhase.STOPPING)
-        for node, agent in list(self.agents.items()):
-            if isinstance(agent, RemoteAgent):  # out of reach: those ranks are the other side's now
-                del self.agents[node]
-        self.stop_all_ranks()
-        for r in self.ranks.values():
-            if r.proc.state not in (RankState.SUCCEEDED, RankState.FAILED):
-                r.proc.state = RankState.STOPPED
-        self.phase.move(JobPhase.FINISHED)
-        self._final_message = f"{reason}; this node's ranks were stopped and it leaves the job"
-        self.emit(EventKind.JOB_FINISHED, self._final_message, exit_code=1, reason=lost.reason, fenced=True)
-        return 1
+                self.finish_with(self.failures.node_lost(NodeLoss(node, f"node {node} lost {what}: {cause}", "coordinator_lost")))
 
     def on_agent_message(self, identity: bytes, msg: Message, fd: int | None = None) -> None:
         """An agent's message (:meth:`Membership.on_agent_message`); a replacement's hello while
         the old agent is silent first makes the old one's node lost."""
         loss = self.members.on_agent_message(identity, msg, fd)
         if loss is not None:
-            self.finish_with(self.node_lost(loss))
+            self.finish_with(self.failures.node_lost(loss))
             if self.exit_code is None:
                 self.members.on_agent_message(identity, msg, fd)  # now awaited: accepted
 
-    # ----------------------------------------------------------------- process health
-    def _record_failure(self, failure: Failure) -> None:
-        self.failures.append(failure)
-        self.round_failures.append(failure)
-
-    def collect_reports(self, stopping: bool = False) -> list[Rank]:
-        """Take every agent's reports (spawned, exited, stopped, stacks) and apply them; return the
-        ranks that failed (exited non-zero) in them. With ``stopping`` (every rank is being
-        stopped), or from a node that is leaving the job, an exit is recorded, not a failure."""
-        newly_failed: list[Rank] = []
-        for agent in list(self.agents.values()):
-            for report in agent.take_reports():
-                if isinstance(report, SpareNote):
-                    self.emit(EventKind.WARNING, f"node {agent.node}: {report.message}", fault="hot_spare_contract")
-                    continue
-                if isinstance(report, StandbyOffer):
-                    self.failover.on_standby(agent.node, report.control, report.store)
-                    continue
-                r = self.ranks.get(report.rank)
-                if r is None or report.incarnation != r.incarnation:
-                    continue  # an older process of the rank: nothing to act on
-                if isinstance(report, Spawned):
-                    self.spawning.on_spawned(r, report.pid, report.spare)
-                elif isinstance(report, Stacks):
-                    self.on_stacks(r, report)
-                elif isinstance(report, StopReport) and r.alive() and r.proc.kill_reason is None and not stopping:
-                    # Frozen by a signal: its parent saw it at once; no need to wait for the heartbeats.
-                    try:
-                        name = signal.Signals(report.signal).name
-                    except ValueError:
-                        name = f"signal {report.signal}"
-                    self.declare_hung(r, Hung(r.rank, "stopped", f"stopped by {name} (seen by its parent at once)",
-                                              self.clock() - max(0.0, self.wall() - report.at)))
-                elif isinstance(report, ExitReport) and r.alive() and (stopping or agent.leaving):
-                    r.proc.running = False  # a stop, or its node is leaving the job (a node loss, handled as one)
-                    r.proc.exit_code, r.proc.exit_desc = procs.describe_exit(report.returncode)
-                elif isinstance(report, ExitReport) and r.alive() and self.on_exit(r, report):
-                    newly_failed.append(r)
-        return newly_failed
-
-    def on_exit(self, r: Rank, report: ExitReport) -> bool:
-        """Record a rank's exit; True when it failed."""
-        p = r.proc
-        p.running = False
-        if p.pid is None:
-            p.pid = report.pid
-        code, desc = procs.describe_exit(report.returncode)
-        if p.kill_reason is not None:
-            desc = f"{p.kill_reason}; killed by ftrun"
-        elif report.error:
-            desc = f"{desc}: {report.error}"  # the exception torchrun's @record wrote
-        p.exit_code, p.exit_desc = code, desc
-        if code == 0:
-            p.state = RankState.SUCCEEDED
-            self.emit(EventKind.RANK_EXITED, f"rank {r.rank} finished ({desc})", rank=r.rank, exit_code=0)
-            return False
-        p.state = RankState.FAILED
-        wall = self.wall()
-        # detection: from the evidence (the SIGCHLD's arrival, or the hang's start) to now
-        detection = self.clock() - p.hung_since if p.kill_reason is not None else wall - report.at
-        failure = Failure(r.rank, p.pid, code, desc, wall, detection_seconds=max(0.0, detection), log_tail=tuple(report.log_tail))
-        self._record_failure(failure)
-        self.emit(EventKind.RANK_FAILED,
-                  f"rank {r.rank} failed: {desc} (pid {p.pid}, step {p.step}{f', node {r.node}' if self.spec.nnodes > 1 else ''})",
-                  rank=r.rank, exit_code=code, cause=desc, step=p.step, committed=p.committed, node=r.node, detected_at=wall,
-                  detection_seconds=round(failure.detection_seconds, 4),
-                  **({"log_tail": list(report.log_tail)} if report.log_tail else {}))
-        return True
-
     def check_processes(self) -> int | None:
         """Apply the agents' reports and act on failures. Returns the job's exit code once it ends."""
-        newly_failed = self.collect_reports()
-        result = (self.on_failure([r.rank for r in newly_failed]) if newly_failed
-                  else self.settle_startup() if self.startup.held else None)
+        newly_failed = self.failures.collect_reports()
+        result = (self.failures.on_failure([r.rank for r in newly_failed]) if newly_failed
+                  else self.failures.settle_startup() if self.failures.startup.held else None)
         if result is not None:
             return result
         self.release_finish_barrier()  # a rank may have exited 0 without ft.finish(), or a recovery ended
         if all(r.proc.state == RankState.SUCCEEDED for r in self.ranks.values()):
-            self._final_message = "job succeeded"
-            self.phase.move(JobPhase.FINISHED)
-            self.emit(EventKind.JOB_FINISHED, "job succeeded", exit_code=0, restarts=self.restarts_used)
-            return 0
+            return self.end.succeeded()
         if self.spec.join and any(r.proc.state == RankState.FAILED for r in self.ranks.values()):
             if all(not r.alive() for r in self.ranks.values()):
-                return self.finish_failed("a rank failed and --join let the others finish")
+                return self.end.finish_failed("a rank failed and --join let the others finish")
         return None
 
-    # ----------------------------------------------------------------- the policy's outcomes
-    def on_failure(self, failed: list[int], kind: str = "death") -> int | None:
-        """Ranks failed (``kind``: death, or node_loss): respawn them (ARF), restart the job, or fail
-        it (:func:`ftrun.coordinator.policy.decide_on_failure`). While the job is already restarting or ending,
-        the failure is only recorded. Failures before ``ftrun.init`` may be held a few seconds
-        (:class:`ftrun.coordinator.policy.StartupFailures`: does every rank fail alike?)."""
-        if self.spec.join or self.phase.current not in ACTIVE:
-            return None
-        if self.elastic.home(failed):  # stopped to move back to their node, which joined: no restart spent
-            return self.rounds.start(set(failed), f"rank(s) {sorted(failed)} move back to their node", kind="grow")
-        if self.ttp.unusable() is not None:
-            return self.restart_job(f"rank(s) {sorted(failed)} failed")
-        now = self.clock()
-        early = {f: self.ranks[f].proc.exit_code or 0 for f in failed if not self.ranks[f].started_up(now)}
-        if early or self.startup.held:
-            hello = len(early) < len(failed) or any(r.started_up(now) for r in self.ranks.values() if r.rank not in early)
-            held = self.startup.hold(early, now, hello)
-            return None if held is None else self.decide(sorted({*failed, *held}), kind)
-        return self.decide(failed, kind)
-
-    def settle_startup(self) -> int | None:
-        """Decide on failures before ``ftrun.init`` once held long enough (:meth:`on_failure`)."""
-        found = self.startup.settle(now := self.clock(), any(r.started_up(now) for r in self.ranks.values() if r.rank not in self.startup.exits),
-                                    sum(r.alive() for r in self.ranks.values()))
-        if found is None or self.phase.current not in ACTIVE:
-            return None
-        return self.finish_failed(found[1]) if found[1] else self.decide(found[0], "death")
-
-    def decide(self, failed: list[int], kind: str) -> int | None:
-        """Apply the policy to ranks that failed (:meth:`on_failure`)."""
-        spec = self.spec
-        others = [r for r in self.ranks.values() if r.rank not in failed]
-        if others and all(r.proc.state == RankState.SUCCEEDED for r in others) and all(
-                (not self.ranks[f].library or self.ranks[f].proc.finished)
-                and self.ranks[f].proc.exit_code in TEARDOWN_CRASH_CODES for f in failed):
-            return self.finish_failed(teardown_crash(failed, self.ranks[failed[0]].proc.exit_desc))
-        decision = decide_on_failure(failed, world_size=spec.worker_num, arf=spec.tft.arf,
-                                     library_ranks=[r.rank for r in self.ranks.values() if r.library],
-                                     restarts_used=self.restarts_used, max_restarts=spec.max_restarts,
-                                     one_event=kind == "node_loss")
-        if decision.action == Action.FAIL_JOB:
-            return self.finish_failed(decision.reason)
-        if decision.action == Action.RESPAWN_RANKS:
-            self.rounds.start(set(decision.ranks), decision.reason, kind=kind)
-            return None
-        return self.restart_job(decision.reason)
-
-    def restart_job(self, reason: str) -> int | None:
-        """Stop every rank and start them all again (torchrun semantics), from the newest checkpoint
-        (a dying-gasp one if the live ranks could write it)."""
-        if self.phase.current not in ACTIVE:
-            return None
-        unusable = self.ttp.unusable()
-        if unusable is not None:
-            # The attempt's checkpoint does not load (its ranks marked it): not the job's fault, so
-            # no restart is counted; the next attempt skips it for the next older one.
-            assert self.ttp.resume_from is not None
-            reason = f"{reason}; checkpoint {self.ttp.resume_from.directory} is unusable: {unusable[0]} {unusable[1]}"
-        elif not restart_fits(self.restarts_used, 1, self.spec.max_restarts):
-            return self.finish_failed(f"{reason}; restart budget exhausted (max_restarts={self.spec.max_restarts})")
-        else:
-            self.ttp.dying_gasp(reason)
-            self.restarts_used += 1
-        self.phase.move(JobPhase.RESTARTING)
-        self.emit(EventKind.JOB_RESTARTING, f"restarting all ranks: {reason} (restart {self.restarts_used}/{self.spec.max_restarts})",
-                  reason=reason, restarts_used=self.restarts_used)
-        self.stop_all_ranks()
-        for r in self.ranks.values():
-            if r.proc.exit_code is None:
-                r.proc.state = RankState.STOPPED
-            r.restarts += 1
-            r.library = False
-        self.rounds.current = None
-        self.round_failures = []
-        self.startup.new_attempt()
-        self.attempt += 1
-        self.generation = 0
-        self.start_attempt()
-        self.phase.move(JobPhase.RUNNING)
-        return None
-
-    def stop_all_ranks(self) -> None:
-        """Stop every rank on every node (SIGTERM, SIGKILL after ``--grace_period``) and wait until
-        each exit is reported, at most :data:`STOP_REPORT_WAIT_S` seconds past the grace period
-        (a rank whose node is lost is taken as stopped). Exits seen here are stops, not failures."""
-        self.members.pending_spawns.clear()
-        for agent in self.agents.values():
-            agent.stop_ranks(self.spec.grace_period)
-        deadline = time.monotonic() + self.spec.grace_period + STOP_REPORT_WAIT_S
-        while True:
-            self.collect_reports(stopping=True)
-            for r in self.ranks.values():
-                agent = self.agents.get(r.node)
-                if r.alive() and (agent is None or not agent.connected()):
-                    r.proc.running = False  # nobody left to stop it or to tell
-            if not any(r.alive() for r in self.ranks.values()) or time.monotonic() > deadline:
-                return
-            if self.control.router.poll(timeout=50):
-                self.read_messages(agents_only=True)
-
-    def _end(self, reason: str) -> str:
-        """The common end of a failed or stopped job: a dying gasp, every rank stopped; returns the
-        resume hint for the final message."""
-        self.ttp.dying_gasp(reason)
-        self.phase.move(JobPhase.STOPPING)
-        hint = self.ttp.resume_hint()
-        self.stop_all_ranks()
-        for r in self.ranks.values():
-            if r.proc.state not in (RankState.SUCCEEDED, RankState.FAILED):
-                r.proc.state = RankState.STOPPED
-        self.phase.move(JobPhase.FINISHED)
-        return hint
-
-    def finish_failed(self, reason: str) -> int:
-        """End the job as failed; the exit code is the root cause's (the first failure of the last round)."""
-        hint = self._end(reason)
-        root = (self.round_failures or self.failures)[0]
-        tail, same = first_failure_tail(self.failures, root.rank, self.log_dir)
-        self._final_message = f"job failed: {reason}; root cause: rank {root.rank} ({root.description}){same}{hint}"
-        self.emit(EventKind.JOB_FINISHED, self._final_message, rank=root.rank, pid=root.pid, exit_code=root.exit_code,
-                  reason=reason, root_cause={"rank": root.rank, "pid": root.pid, "exit_code": root.exit_code,
-                                             "cause": root.description},
-                  log_tail=tail, restarts=self.restarts_used)
-        return root.exit_code
-
-    def stop(self, code: int, reason: str) -> int:
-        """Stop the job (a signal, a divergence under ``--on_divergence fail``) with exit code ``code``."""
-        self.emit(EventKind.STOP_REQUESTED, f"{reason}: stopping all ranks (grace {self.spec.grace_period:g} s)")
-        self._final_message = f"job {reason}{self._end(reason)}"
-        self.emit(EventKind.JOB_FINISHED, self._final_message, exit_code=code, reason=reason)
-        return code
-
-    # ----------------------------------------------------------------- watchdog
-    def check_hangs(self) -> None:
-        """Act on what the watchdog finds (:meth:`Watchdog.inspect`)."""
-        spec = self.spec
-        found = self.watchdog.inspect(self.ranks.values(), self.rounds.current, bool(self.round_failures),
-                                      set(self.agents), self.clock(), self.members.quiet_nodes(self.clock()))
-        if isinstance(found, Unrepaired):
-            self.finish_with(self.restart_job(found.reason))
-        elif isinstance(found, CommHang):
-            self.emit(EventKind.WARNING, f"communication hang: {found.reason}", fault="comm_hang")
-            if spec.tft.hcce and spec.tft.arf:
-                self.rounds.start(set(), found.reason, kind="comm_error")
-            else:
-                self.finish_with(self.restart_job(f"communication hang ({found.reason}) and HCCE is off"))
-        elif found:
-            for hung in found:
-                self.declare_hung(self.ranks[hung.rank], hung)
-
-    def declare_hung(self, r: Rank, hung: Hung) -> None:
-        """Have the rank's agent dump its stacks into its log and SIGKILL it (then it is recovered
-        as a death); the ``rank_hung`` event follows, with the stacks, when the agent reports."""
-        p = r.proc
-        p.kill_reason, p.hung_since = f"hung: {hung.evidence}", hung.since
-        self._hung[(r.rank, r.incarnation)] = (hung.kind, hung.evidence, p.step, p.phase.value,
-                                               round(self.clock() - p.last_heartbeat, 3) if p.identity is not None else None)
-        agent = self.agents.get(r.node)
-        if agent is not None:
-            # Only the worker library installs the SIGUSR1 stack dump; SIGUSR1 would kill any other script.
-            agent.kill_hung(r.rank, r.incarnation,
-                            f"===== ftrun: rank {r.rank} (pid {p.pid}) hung: {hung.evidence}; {{note}}; killing it =====",
-                            dump=r.library)
-
-    def on_stacks(self, r: Rank, report: Stacks) -> None:
-        kind, evidence, step, phase, heartbeat_age = self._hung.pop(
-            (r.rank, report.incarnation), ("unknown", "", r.proc.step, r.proc.phase.value, None))
-        where = self.log_dir / f"worker_{r.rank}.log"
-        self.emit(EventKind.RANK_HUNG, f"rank {r.rank} hung: {evidence}; {report.note}", rank=r.rank, fault=kind,
-                  evidence=evidence, step=step, phase=phase, heartbeat_age=heartbeat_age,
-                  stack_dump=(str(where) + (f" on node {r.node}" if r.node else "")) if report.lines else None,
-                  stacks=report.lines[-80:])
 
     # ----------------------------------------------------------------- ranks' messages
     def handle(self, identity: bytes, msg: Message) -> None:

@@ -2,7 +2,7 @@
 NVIDIA resiliency-ext's rank monitor and torchelastic's ``WorkerState``).
 
 The coordinator is in exactly one phase; :meth:`JobPhases.move` changes it and raises
-:class:`IllegalTransition` on a transition the table does not hold, so a path through the code
+:class:`IllegalPhaseTransition` on a transition the table does not hold, so a path through the code
 that would, say, start a recovery while the job is being stopped fails loudly instead of leaving
 two rounds interleaved.
 """
@@ -35,8 +35,11 @@ TRANSITIONS: dict[JobPhase, frozenset[JobPhase]] = {
 }
 
 
-class IllegalTransition(RuntimeError):
+class IllegalPhaseTransition(RuntimeError):
     """A move the transition table does not allow (a defect in the coordinator, never user input)."""
+
+
+IllegalTransition = IllegalPhaseTransition  # the former name, still exported by ftrun.coordinator
 
 
 class JobPhases:
@@ -55,11 +58,11 @@ class JobPhases:
         """Enter phase ``to``.
 
         Raises:
-            IllegalTransition: ``to`` is not allowed from the current phase.
+            IllegalPhaseTransition: ``to`` is not allowed from the current phase.
         """
         if to not in TRANSITIONS[self.current]:
-            raise IllegalTransition(f"job phase {self.current.value} -> {to.value} is not allowed "
-                                    f"(allowed: {', '.join(sorted(p.value for p in TRANSITIONS[self.current])) or 'none'})")
+            raise IllegalPhaseTransition(f"job phase {self.current.value} -> {to.value} is not allowed "
+                                         f"(allowed: {', '.join(sorted(p.value for p in TRANSITIONS[self.current])) or 'none'})")
         old, self.current = self.current, to
         self.history.append(to)
         if self._on_change is not None:

@@ -15,6 +15,7 @@ process, a rank whose initial broadcast broke off, or a transfer into it that br
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterable, Mapping, Sequence
@@ -34,20 +35,158 @@ class RankState(str, Enum):
 
 
 class Action(str, Enum):
-    """What the supervisor does about a failure."""
+    """What the coordinator does about a failure."""
 
     RESPAWN_RANKS = "respawn_ranks"  # ARF: replace only the failed ranks
     RESTART_JOB = "restart_job"  # torchrun semantics: stop all, start all
     FAIL_JOB = "fail_job"  # budget exhausted: stop all, exit with the root cause's code
+    RECORD = "record"  # only record the failure: --join lets the others finish, or the job is restarting or ending
+    MOVE_HOME = "move_home"  # ranks stopped to move back to their node, which joined: respawned there, no restart spent
+    HOLD = "hold"  # failures before ftrun.init: held while the other ranks end alike or say hello (StartupFailures)
 
 
 @dataclass(frozen=True)
 class Decision:
-    """The policy's answer to a failure: an action, the ranks it concerns and why (one line)."""
+    """The policy's answer to a failure: an action, the ranks it concerns and why (one line).
+    ``counts_restart``: a whole-job restart spends one restart (not when it is the checkpoint's
+    fault: :func:`decide_restart`)."""
 
     action: Action
     ranks: tuple[int, ...]
     reason: str
+    counts_restart: bool = True
+
+
+# A rank that ends with one of these after every other rank exited 0 crashed in its teardown (an
+# abort or a segfault in a destructor): the job is not restarted for it (:func:`decide_failed_ranks`).
+TEARDOWN_CRASH_CODES = frozenset({128 + signal.SIGABRT, 128 + signal.SIGSEGV})
+
+
+@dataclass(frozen=True)
+class FailedRank:
+    """What the coordinator knows of one failed rank when it decides.
+
+    Attributes:
+        rank: the global rank.
+        exit_code: its exit code (128+N for signal N), or None when unknown.
+        exit_desc: its exit in words (``exit code 1``, ``killed by SIGSEGV``...).
+        library: its process said hello through the worker library.
+        finished: it had called ``ftrun.finish()`` (said done).
+        started_up: past its start-up (said hello, or ran past
+            :data:`STARTUP_WINDOW_S`): a failure then is no start-up failure.
+    """
+
+    rank: int
+    exit_code: int | None = 1
+    exit_desc: str | None = None
+    library: bool = True
+    finished: bool = False
+    started_up: bool = True
+
+
+@dataclass(frozen=True)
+class FailureFacts:
+    """Everything a failure decision depends on, gathered by the coordinator (no process needed).
+
+    Attributes:
+        failed: the ranks that failed, in the order they were found.
+        world_size, arf, max_restarts: the job's (``--worker_num``, the ARF switch, the budget).
+        library_ranks: ranks whose current process said hello through the worker library.
+        restarts_used: restarts already spent.
+        one_event: the ranks were lost together (a node's loss): respawning them costs one restart.
+        join: ``--join``: the other ranks finish, nothing is restarted.
+        active: the job is running or recovering (otherwise it is restarting or ending already).
+        moving_home: every failed rank was stopped to move back to its node, which joined again.
+        unusable_checkpoint: the checkpoint this attempt started from does not load.
+        others_succeeded: there are other ranks and every one of them exited 0.
+        others_started_up: some rank that did not fail is past its start-up.
+        startup_held: failures before ``ftrun.init`` are being held (:class:`StartupFailures`).
+    """
+
+    failed: tuple[FailedRank, ...]
+    world_size: int
+    arf: bool
+    library_ranks: tuple[int, ...]
+    restarts_used: int
+    max_restarts: int
+    one_event: bool = False
+    join: bool = False
+    active: bool = True
+    moving_home: bool = False
+    unusable_checkpoint: bool = False
+    others_succeeded: bool = False
+    others_started_up: bool = False
+    startup_held: bool = False
+
+    @property
+    def ranks(self) -> list[int]:
+        return [f.rank for f in self.failed]
+
+    def early_exits(self) -> dict[int, int]:
+        """rank -> exit code of the failed ranks that had not started up (start-up failures)."""
+        return {f.rank: f.exit_code or 0 for f in self.failed if not f.started_up}
+
+    def hello(self) -> bool:
+        """Some rank of the attempt is past its start-up (a failed one, or another)."""
+        return len(self.early_exits()) < len(self.failed) or self.others_started_up
+
+
+def decide_failure(facts: FailureFacts) -> Decision:
+    """The first answer to ranks that failed, rule by rule:
+
+    1. with ``--join``, or while the job is restarting or ending, the failure is only recorded;
+    2. ranks stopped to move back to their node (an elastic job whose node joined again) are
+       respawned there, no restart spent;
+    3. when the attempt's checkpoint does not load, the job restarts from an older one;
+    4. failures before ``ftrun.init`` are held (:class:`StartupFailures`: does every rank fail
+       alike?), with the ranks to hold (``ranks``) and :meth:`FailureFacts.hello`;
+    5. else :func:`decide_failed_ranks`.
+    """
+    ranks = tuple(facts.ranks)
+    if facts.join or not facts.active:
+        why = "--join: the other ranks finish" if facts.join else "the job is restarting or ending"
+        return Decision(Action.RECORD, ranks, why)
+    if facts.moving_home:
+        return Decision(Action.MOVE_HOME, ranks, f"rank(s) {sorted(ranks)} move back to their node")
+    if facts.unusable_checkpoint:
+        return Decision(Action.RESTART_JOB, ranks, f"rank(s) {sorted(ranks)} failed")
+    early = facts.early_exits()
+    if early or facts.startup_held:
+        return Decision(Action.HOLD, tuple(early), "failed before ftrun.init: held to see whether every rank fails alike")
+    return decide_failed_ranks(facts)
+
+
+def decide_failed_ranks(facts: FailureFacts) -> Decision:
+    """Ranks that failed after every other rank exited 0, each a plain script's rank or one that
+    had said done, with a teardown crash's code (:data:`TEARDOWN_CRASH_CODES`): the job fails
+    without a restart (:func:`teardown_crash`); else :func:`decide_on_failure`."""
+    if facts.failed and facts.others_succeeded and all(
+            (not f.library or f.finished) and f.exit_code in TEARDOWN_CRASH_CODES for f in facts.failed):
+        return Decision(Action.FAIL_JOB, tuple(sorted(facts.ranks)), teardown_crash(facts.ranks, facts.failed[0].exit_desc))
+    return decide_on_failure(facts.ranks, world_size=facts.world_size, arf=facts.arf, library_ranks=facts.library_ranks,
+                             restarts_used=facts.restarts_used, max_restarts=facts.max_restarts, one_event=facts.one_event)
+
+
+def teardown_crash(failed: Sequence[int], desc: str | None) -> str:
+    """Why ranks that crashed after every other rank finished (exit 0) are not restarted: a plain
+    script's rank crashing in its teardown (seen with Hugging Face Trainer: SIGABRT at exit), or a
+    library rank that had said done (no peer is left to recover it from). The job's work is done;
+    a restart would train it again."""
+    return (f"rank(s) {sorted(failed)} crashed ({desc}) after every other rank had finished successfully (exit "
+            "code 0): not restarted (a restart would run the whole script again); the training likely completed: "
+            "check the rank's log for what failed at its end")
+
+
+def decide_restart(reason: str, *, restarts_used: int, max_restarts: int, unusable: str | None = None) -> Decision:
+    """A whole-job restart (torchrun semantics) asked for ``reason``: when the attempt's checkpoint
+    does not load (``unusable``: which and why, in words), it is not the job's fault, so the
+    restart spends nothing (the next attempt skips that checkpoint for the next older one); else
+    it spends one restart, or the job fails past ``max_restarts``."""
+    if unusable is not None:
+        return Decision(Action.RESTART_JOB, (), f"{reason}; {unusable}", counts_restart=False)
+    if not restart_fits(restarts_used, 1, max_restarts):
+        return Decision(Action.FAIL_JOB, (), f"{reason}; restart budget exhausted (max_restarts={max_restarts})")
+    return Decision(Action.RESTART_JOB, (), reason)
 
 
 def restart_fits(restarts_used: int, cost: int, max_restarts: int) -> bool:
@@ -105,24 +244,25 @@ def decide_on_failure(
         return Decision(Action.RESPAWN_RANKS, failed_ranks, "ARF: respawn only the failed rank(s)")
     if not restart_fits(restarts_used, 1, max_restarts):
         cost = respawn_cost if arf_possible else 1
-        return Decision(
-            Action.FAIL_JOB,
-            failed_ranks,
-            f"restart budget exhausted: {restarts_used} of max_restarts={max_restarts} used, "
-            f"{cost} more needed",
-        )
-    if arf_possible:
-        why = (f"respawning {len(failed_ranks)} rank(s) would need more than the {max_restarts - restarts_used} "
-               "restart(s) left; one whole-job restart fits")
-    elif arf:
-        missing = sorted(set(range(world_size)) - set(library_ranks))
-        early = [r for r in missing if r in failed_ranks]
-        why = (f"rank(s) {_ranges(early)} exited before ftrun.init" if early == missing
-               else f"rank(s) {_ranges(missing)} have not said hello through the ftrun worker library (still "
-                    "starting, or the script does not use it)")
-    else:
-        why = "ARF is off"
+        return Decision(Action.FAIL_JOB, failed_ranks, f"restart budget exhausted: {restarts_used} of "
+                        f"max_restarts={max_restarts} used, {cost} more needed")
+    why = _why_whole_job(failed_ranks, world_size, arf, arf_possible, library_ranks, max_restarts - restarts_used)
     return Decision(Action.RESTART_JOB, failed_ranks, f"whole-job restart ({why})")
+
+
+def _why_whole_job(failed: tuple[int, ...], world_size: int, arf: bool, arf_possible: bool,
+                   library_ranks: Iterable[int], restarts_left: int) -> str:
+    """Why :func:`decide_on_failure` restarts the whole job instead of respawning ``failed``."""
+    if arf_possible:
+        return (f"respawning {len(failed)} rank(s) would need more than the {restarts_left} restart(s) left; "
+                "one whole-job restart fits")
+    if not arf:
+        return "ARF is off"
+    missing = sorted(set(range(world_size)) - set(library_ranks))
+    early = [r for r in missing if r in failed]
+    return (f"rank(s) {_ranges(early)} exited before ftrun.init" if early == missing
+            else f"rank(s) {_ranges(missing)} have not said hello through the ftrun worker library (still "
+                 "starting, or the script does not use it)")
 
 
 USAGE_EXIT_CODE = 2  # the Unix convention for a command-line usage error (argparse, click, getopt)

@@ -246,18 +246,8 @@ def first_failure_tail(failures: list[Failure], rank: int, log_dir: Path) -> tup
     return list(tails[0]), same
 
 
-def teardown_crash(failed: list[int], desc: str | None) -> str:
-    """Why ranks that crashed after every other rank finished (exit 0) are not restarted: a plain
-    script's rank crashing in its teardown (seen with Hugging Face Trainer: SIGABRT at exit), or a
-    library rank that had said done (no peer is left to recover it from). The job's work is done;
-    a restart would train it again."""
-    return (f"rank(s) {sorted(failed)} crashed ({desc}) after every other rank had finished successfully (exit "
-            "code 0): not restarted (a restart would run the whole script again); the training likely completed: "
-            "check the rank's log for what failed at its end")
-
-
 @dataclass
-class Recovery:
+class RecoveryRound:
     """An ARF reconfiguration in progress (one generation; a new fault starts the next)."""
 
     generation: int
@@ -272,3 +262,6 @@ class Recovery:
     joined_at: dict[int, float] = field(default_factory=dict)
     rounds: int = 1
     round_started: float = 0.0  # when the current round began (its deadlines count from here)
+
+
+Recovery = RecoveryRound  # the former name (ftrun.coordinator.watchdog still imports it)

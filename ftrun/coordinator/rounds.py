@@ -17,7 +17,7 @@ from ftrun.coordinator.policy import (NO_STATE, NoLiveReplica, RankState, defaul
                       replica_groups_from_hello, respawn_restarts)
 from ftrun.common.protocol import Message, MsgType
 from ftrun.coordinator.phases import JobPhase
-from ftrun.coordinator.ranks import Rank, RankPhase, Recovery
+from ftrun.coordinator.ranks import Rank, RankPhase, RecoveryRound
 
 if TYPE_CHECKING:
     from ftrun.coordinator.core import Coordinator
@@ -34,7 +34,7 @@ class RecoveryRounds:
 
     def __init__(self, job: "Coordinator") -> None:
         self.job = job
-        self.current: Recovery | None = None
+        self.current: RecoveryRound | None = None
 
     def start(self, failed: set[int], reason: str, kind: str = "death") -> None:
         """Begin (or restart) a recovery round: respawn ``failed`` and ask survivors to report.
@@ -45,12 +45,12 @@ class RecoveryRounds:
         job = self.job
         now = job.clock()
         job.phase.move(JobPhase.RECOVERING)
-        job.generation += 1
+        job.state.next_generation()
         job.failover.replicate(now, force=True)  # the standby knows the generation before any rank does
         rec = self.current
         if rec is None:
-            detection = max((f.detection_seconds for f in job.round_failures if f.rank in failed), default=0.0)
-            rec = self.current = Recovery(generation=job.generation, started_at=now - detection, failed=set(failed),
+            detection = max((f.detection_seconds for f in job.state.round_failures if f.rank in failed), default=0.0)
+            rec = self.current = RecoveryRound(generation=job.generation, started_at=now - detection, failed=set(failed),
                                           detection_seconds=detection, round_started=now)
             job.emit(EventKind.RECOVERY_STARTED,
                      f"recovery of rank(s) {sorted(failed)} started: generation {job.generation}" if failed
@@ -68,7 +68,7 @@ class RecoveryRounds:
             job.emit(EventKind.RECOVERY_STARTED, f"recovery restarted (round {rec.rounds}): {why}; generation {job.generation}",
                      failed=sorted(failed), reason=reason, round=rec.rounds, fault=kind)
         if kind != "grow":  # ranks moving back to a node that joined again spend nothing (ftrun.coordinator.elastic)
-            job.restarts_used += respawn_restarts(failed, one_event=kind == "node_loss")  # a node's loss: one event
+            job.state.spend_restarts(respawn_restarts(failed, one_event=kind == "node_loss"))  # a node's loss: one event
         for rank in sorted(failed):
             r = job.ranks[rank]
             r.restarts += 1
@@ -102,7 +102,7 @@ class RecoveryRounds:
         assert rec is not None
         rec.joined_at.setdefault(r.rank, self.job.clock())
         if seen is not None and seen >= rec.generation:
-            self.job.generation = max(self.job.generation, seen)
+            self.job.state.heard_of(seen)
             self.start(set(), f"rank {r.rank} had heard of generation {seen} from the coordinator before", kind="takeover")
             return
         if generation != rec.generation:
@@ -186,7 +186,7 @@ class RecoveryRounds:
         if set(rec.recovered) >= {x.rank for x in job.ranks.values() if x.alive()}:
             self.finish(rec)
 
-    def finish(self, rec: Recovery) -> None:
+    def finish(self, rec: RecoveryRound) -> None:
         """Every live rank carried out the plan: the ``recovery_finished`` event with its costs."""
         job = self.job
         assert rec.plan is not None
@@ -227,7 +227,7 @@ class RecoveryRounds:
             transfer_seconds=round(transfer_s, 3), bytes=total_bytes, rounds=rec.rounds, redone_steps=redone,
         )
         self.current = None
-        job.round_failures = []
+        job.state.round_ended()
         job.phase.move(JobPhase.RUNNING)
         for x in job.ranks.values():
             x.proc.last_progress, x.proc.phase = now, RankPhase.COMPUTE

@@ -276,7 +276,7 @@ class Checkpoints:
             return
         started = job.clock()
         job.rounds.current = None
-        job.generation += 1
+        job.state.next_generation()
         job.phase.move(JobPhase.GASPING)
         gasp = self.gasp = DyingGasp(job.generation)
         try:
