@@ -21,13 +21,13 @@ a lost node's agent when told ``take_node``; its spares then take that node's ra
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
 import signal
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -36,16 +36,26 @@ import zmq
 
 from ftrun.common import procs
 from ftrun.common.clocks import RunningClock
-from ftrun.common.contract import STANDBY_LINE, STANDBY_NODE_INDEX
+from ftrun.common.contract import STANDBY_NODE_INDEX
 from ftrun.common.events import Event, EventKind
-from ftrun.common.protocol import (CONTROL, MAX_FRAME_BYTES, Message, MsgType, Receiver, Sender, encode, endpoint_refuses, events_for,
-                       receive, standby_line, to_peer)
-from ftrun.node.spawner import ExitReport, RankProcesses, StopReport, rank_argv, shared_dir_marker
+from ftrun.common.protocol import Message, MsgType, Sender, encode, events_for, standby_line
+from ftrun.node.commands import RankCommands
+from ftrun.node.link import CoordinatorLink
+from ftrun.node.spawner import ExitReport, RankProcesses, rank_argv, shared_dir_marker
+from ftrun.node.succession import MoveTo, Succession, TakeOver, standby_seat
 
 log = logging.getLogger("ftrun.node.agent")
 
 
 # --------------------------------------------------------------------------- the agent process
+class Turn(enum.Enum):
+    """What a step of the agent's loop (:meth:`NodeAgent.run`) leaves for the rest of its turn."""
+
+    GO_ON = "go on"  # to the next step of this turn
+    NEXT = "next turn"  # this turn is over: beat, then wait for a frame, a closed connection or a signal
+    HANDED_OVER = "handed over"  # this node's standby seat ran the job to its end (NodeAgent.take_over)
+
+
 class NodeAgent:
     """The agent process of a node other than node 0 (``python -m ftrun.node.agent``).
 
@@ -57,6 +67,7 @@ class NodeAgent:
         heartbeat_interval: seconds between beats to the coordinator.
         coordinator_timeout: seconds without a beat from the coordinator before it is taken as lost.
         events_addr: the launcher's PULL endpoint for console events, or None.
+        standby: this node's :class:`ftrun.coordinator.seat.StandbySeat`, if it stands by.
         link_grace: seconds this agent keeps trying after ``coordinator_timeout`` of silence (a link
             flap is weather, not loss; the job's ``--node_wait_timeout``, as long as the coordinator
             awaits the node) before it ends its part of the job. Its ranks keep running meanwhile;
@@ -71,29 +82,23 @@ class NodeAgent:
         self._events_audience = events_for(node)
         self._token = token
         self.spec: Any = None  # the job (ftrun.config.JobSpec), to stand by when asked
-        self._sender = Sender(token)  # frames to the coordinator
-        self._event_sender = Sender(self._sender.auth)  # frames to this node's launcher
         self.processes = processes
         self.heartbeat_interval = heartbeat_interval
         self.coordinator_timeout = coordinator_timeout
         self.link_grace = link_grace
-        self._waiting_since: float | None = None  # silence past the timeout, said on the console once
-        self._rejoin = False  # told by the coordinator: fenced, but the node is still awaited
         # Silence is judged on the time this agent ran: stopped for longer than the timeout, it
         # gives the coordinator a fresh window rather than leaving the job (ftrun.common.clocks).
         self.clock = RunningClock.for_loop(min(heartbeat_interval, 0.5))
+        self._last_heard = 0.0  # when a frame last came from the coordinator (set as the loop starts)
+        self._next_beat = 0.0
+        self._waiting_since: float | None = None  # silence past the timeout, said on the console once
+        self._fled = False  # moved to the standby on silence (a vote for its takeover)
+        self._rejoin = False  # told by the coordinator: fenced, but the node is still awaited
         self.events_addr = events_addr
-        self.standby = standby  # this node's ftrun.coordinator.seat.StandbySeat, if it stands by
-        # The standby coordinators in line, first first: (control endpoint, node), as the last
-        # coordinator that spoke announced them; one is taken off as this agent moves there.
-        self.line: list[tuple[str, int]] = []
-        self._coordinator_node = 0  # the node of the coordinator (or standby) this agent is connected to
-        self._at_seat = False  # connected to a standby that has not taken over (said nothing) yet
-        self._proven = False  # ... after the coordinator's connection closed (not only silence)
-        self._dead: list[int] = []  # nodes whose coordinator or standby died since the last one that spoke
-        self._seat: list[Any] | None = None  # a standby seat being set up on a thread (stand_by), once asked
+        self.succession = Succession(standby)  # the standby coordinators in line, and this node's seat
         self.ctx = zmq.Context()
-        self._connect(control_addr)
+        self.link = CoordinatorLink(self.ctx, Sender(token), control_addr)  # to the coordinator
+        self._event_sender = Sender(self.link.sender.auth)  # frames to this node's launcher
         self._home = (control_addr, 0)  # the coordinator's endpoint and node this agent started with
         self.push: zmq.Socket | None = None
         if events_addr:
@@ -104,33 +109,25 @@ class NodeAgent:
         self.stop_signal: int | None = None
         self.checkpoint_marker: Path | None = None  # node 0's marker in the checkpoint dir, if TTP is on
         self._wakeup = procs.WakeupPipe()
-
-    def _connect(self, control_addr: str) -> None:
-        """A DEALER to the coordinator's endpoint, with a monitor that sees it close."""
-        self.sock = self.ctx.socket(zmq.DEALER)
-        identity = b"a" + os.urandom(15)
-        self.sock.setsockopt(zmq.IDENTITY, identity)
-        self._receiver = Receiver(self._sender.auth, to_peer(identity))
-        self.sock.setsockopt(zmq.LINGER, 2000)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        self.closed = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
-        self.sock.connect(control_addr)
-        self._endpoint = control_addr
+        self.ranks = RankCommands(processes, self._report, self.event, self.succession)
+        self._handlers: dict[MsgType, Callable[[Message], None]] = {
+            MsgType.SPAWN: self.ranks.spawn, MsgType.SIGNAL: self.ranks.signal, MsgType.KILL_HUNG: self.ranks.kill_hung,
+            MsgType.STOP_RANKS: self.ranks.stop_ranks, MsgType.SPARES: self.ranks.keep_spares,
+            MsgType.SHUTDOWN: self._on_shutdown, MsgType.TAKE_NODE: self._on_take_node, MsgType.STANDBY: self._on_standby,
+            MsgType.STATE: self._on_state, MsgType.STAND_BY: self._on_stand_by,
+        }
 
     def close_connection(self) -> None:
         """Close the connection to the coordinator (and its monitor)."""
-        self.sock.disable_monitor()
-        self.closed.close(0)
-        self.sock.close(0)
+        self.link.close()
 
     def _hello(self) -> None:
-        standby = {} if self.standby is None else {"standby_control": self.standby.control.address,
-                                                    "standby_store": self.standby.store_addr}
-        self.send(MsgType.AGENT_HELLO, node=self.node, pid=os.getpid(), host=socket.gethostname(), **standby,
+        self.send(MsgType.AGENT_HELLO, node=self.node, pid=os.getpid(), host=socket.gethostname(),
+                  **self.succession.seat_fields(),
                   **({} if self.checkpoint_marker is None else {"sees_checkpoint_dir": self.checkpoint_marker.exists()}))
 
     def send(self, msg_type: MsgType, **fields: Any) -> None:
-        self.sock.send(encode(msg_type, self._sender, CONTROL, **fields))
+        self.link.send(msg_type, **fields)
 
     def event(self, kind: EventKind, message: str, **detail: Any) -> None:
         """An event for this node's console (the job's events.jsonl is the coordinator's)."""
@@ -139,8 +136,33 @@ class NodeAgent:
             event = Event(kind=kind, message=message, rank=detail.pop("rank", None), node=self.node, detail=detail)
             self.push.send(encode(MsgType.EVENT, self._event_sender, self._events_audience, event=event.to_json()))
 
+    # ------------------------------------------------------------------ the loop: a turn of named steps
     def run(self) -> int:
-        """Serve the coordinator until it shuts the job down or is lost; returns the exit code."""
+        """Serve the coordinator until it shuts the job down or is lost; returns the exit code.
+
+        Each turn beats when due and waits for a frame, a closed connection or a signal
+        (:meth:`_wait_for_news`), then takes the steps below in order until one ends the turn."""
+        poller = self._start()
+        steps = (self._carry_out_commands, self._rejoin_when_fenced, self._follow_closed_connection,
+                 self._leave_on_stop_signal, self._wait_out_silence)
+        while self.exit_code is None:
+            events = self._wait_for_news(poller)
+            for step in steps:
+                turn = step(poller, events)
+                if turn is Turn.HANDED_OVER:
+                    return self.exit_code
+                if turn is Turn.NEXT:
+                    break
+        self.processes.stop_spares()
+        self.link.close(linger_ms=2000)
+        if self.push is not None:
+            self.push.close(2000)
+        self.ctx.term()
+        return self.exit_code
+
+    def _start(self) -> zmq.Poller:
+        """Catch this process's signals, say hello to the coordinator and on the console; returns
+        the poller of the loop (the coordinator's connection, its monitor, the signals' wake-up)."""
         self._wakeup.install()
         signal.signal(signal.SIGCHLD, lambda *_: setattr(self.processes, "sigchld_at", self.processes.sigchld_at or time.time()))
         signal.signal(signal.SIGTERM, lambda s, _f: setattr(self, "stop_signal", s))
@@ -152,129 +174,151 @@ class NodeAgent:
             self.event(EventKind.STANDBY_NODE_JOINED, "every node of the job has its index: this launcher waits as a standby "
                                                  "node and takes the next lost node's place")
         poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.closed, zmq.POLLIN)
+        self.link.watch(poller)
         poller.register(self._wakeup.fd, zmq.POLLIN)
-        last_heard = self.clock()
-        fled = False  # moved to the standby on silence (a vote for its takeover)
-        next_beat = 0.0
-        while self.exit_code is None:
-            now = self.clock()
-            if now >= next_beat:
-                self.send(MsgType.AGENT_BEAT, node=self.node)
-                next_beat = now + self.heartbeat_interval
-            if self._seat:
-                self.offer_standby()
-            events = dict(poller.poll(timeout=int(min(self.heartbeat_interval, 0.5) * 1000)))
-            if self._wakeup.fd in events:
-                self._wakeup.drain()
-            self.report_exits()
-            if self.sock in events:
-                for msg in receive(self.sock, self._receiver, 1000, lambda err: log.warning("dropped a frame: %s", err)):
-                    last_heard = self.heard_again(last_heard)
-                    if self._at_seat:  # the standby took the job over: it is the coordinator now
-                        self._at_seat, self._dead = False, []
-                    self.handle(msg)
-                    if self._rejoin:
-                        break
-            if self._rejoin:
-                self.rejoin(poller, self._endpoint, self._coordinator_node, "the coordinator fenced this node's old "
-                            "connection and awaits the node: rejoining as its replacement")
-                fled, last_heard = False, self.clock()
-                continue
-            if self.closed in events and self.exit_code is None and self.stop_signal is None and self._gone():
-                # What the coordinator sent before it closed comes first (a shutdown at the job's end).
-                for msg in receive(self.sock, self._receiver, 1000, lambda err: log.warning("dropped a frame: %s", err)):
-                    self.handle(msg)
-                if self.exit_code is not None:
-                    continue
-                self._dead.append(self._coordinator_node)
-                if self._at_seat and not self._proven:
-                    message = (f"lost the job coordinator (nothing heard from it) and its standby on node "
-                               f"{self._coordinator_node} died; stopping this node's ranks")
-                    self.stop_all(message)
-                    self.event(EventKind.JOB_FINISHED, f"job failed: {message}", exit_code=1)
-                    self.exit_code = 1
-                    continue
-                # Its processes are gone (a killed process's or host's kernel closes its
-                # connections): the next standby in line takes the job over; say hello there (its
-                # endpoint queues it until then), or take over here if this node is next.
-                hop = self._hop(poller, proven=True)
-                if hop is not None:
-                    return hop
-                last_heard = self.clock()
-            if self.stop_signal is not None and self.exit_code is None:
-                # This node's launcher was stopped (or died: its death signal is SIGTERM). Tell the
-                # coordinator first, so that it takes the node as gone rather than respawning its
-                # ranks here, then stop them.
-                reason = f"its launcher was stopped by {signal.Signals(self.stop_signal).name} or died"
-                self.send(MsgType.AGENT_BEAT, node=self.node, leaving=reason)
-                self.stop_all(reason)
-                self.event(EventKind.JOB_FINISHED, f"node {self.node} left the job: {reason}", exit_code=128 + self.stop_signal)
-                self.exit_code = 128 + self.stop_signal
-            elif self.exit_code is None and self.clock() - last_heard > self.coordinator_timeout:
-                silence = self.clock() - last_heard
-                if self._first_in_line() and not self._at_seat:
-                    # Silence, not a closed connection: a partition or a hung host. Take over only
-                    # with a majority (the others' agents come here when they hear nothing either);
-                    # the coordinator steps down when it hears half or less.
-                    agree, electorate = self.standby.votes()
-                    if self.standby.elected():
-                        return self.take_over(f"nothing heard from it for {silence:.1f} s, and {agree} of the job's "
-                                              f"{electorate} nodes agree (a majority; the other side steps down)")
-                    if electorate >= 3 and silence <= 2 * self.coordinator_timeout:
-                        continue  # the other agents' votes may still come
-                elif self.line and not fled and not self._at_seat:
-                    # Silence: the coordinator may be cut off from this node. Go to the first
-                    # standby (this hello is a vote for its takeover); if it never takes over, end below.
-                    log.warning("nothing heard from the coordinator for %.1f s; moving to the standby at %s",
-                                silence, self.line[0][0])
-                    fled, last_heard = True, self.clock()
-                    if self._hop(poller, proven=False) is None and self.exit_code is None:
-                        continue
-                    if self.exit_code is not None:
-                        continue
-                if silence <= self.coordinator_timeout + self.link_grace:
-                    if fled and self._at_seat:
-                        # The standby never took over: the link to the coordinator may come back.
-                        self.rejoin(poller, *self._home, "nothing heard from the coordinator nor from its standby: "
-                                    "going back to the coordinator")
-                        fled = False
-                    self.say_waiting(silence)
-                    continue
-                message = (f"lost the job coordinator on node {self._coordinator_node} (nothing heard for {silence:.1f} s"
-                           f"{'; nor from its standby' if fled else ''}"
-                           f"{f', tried for --node_wait_timeout {self.link_grace:g} s' if self.link_grace else ''}); "
-                           "stopping this node's ranks")
-                self.stop_all(message)
-                self.event(EventKind.JOB_FINISHED, f"job failed: {message}", exit_code=1)
-                self.exit_code = 1
-        self.processes.stop_spares()
-        self.sock.disable_monitor()
-        self.closed.close(0)
-        self.sock.close(2000)
-        if self.push is not None:
-            self.push.close(2000)
-        self.ctx.term()
-        return self.exit_code
+        self._last_heard = self.clock()
+        return poller
 
-    def heard_again(self, last_heard: float) -> float:
-        """A frame came from the coordinator: the silence (if one was said) is over. Returns the new
-        time last heard."""
+    def _wait_for_news(self, poller: zmq.Poller) -> dict[Any, int]:
+        """Beat when due, offer this node's seat once set up, wait up to a beat (0.5 s at most) for
+        a frame, a closed connection or a signal, and report the ranks' exits; returns what is ready."""
+        now = self.clock()
+        if now >= self._next_beat:
+            self.send(MsgType.AGENT_BEAT, node=self.node)
+            self._next_beat = now + self.heartbeat_interval
+        if self.succession.seat_set_up():
+            self.offer_standby()
+        events = dict(poller.poll(timeout=int(min(self.heartbeat_interval, 0.5) * 1000)))
+        if self._wakeup.fd in events:
+            self._wakeup.drain()
+        self.ranks.report_exits()
+        return events
+
+    def _carry_out_commands(self, _poller: zmq.Poller, events: dict[Any, int]) -> Turn:
+        """Carry out the coordinator's commands waiting (up to a rejoin order, which comes next)."""
+        if self.link.sock in events:
+            for msg in self.link.frames():
+                self.heard_again()
+                if self.link.at_seat:  # the standby took the job over: it is the coordinator now
+                    self.link.at_seat, self.succession.dead = False, []
+                self.handle(msg)
+                if self._rejoin:
+                    break
+        return Turn.GO_ON
+
+    def _rejoin_when_fenced(self, poller: zmq.Poller, _events: dict[Any, int]) -> Turn:
+        """Fenced while the coordinator still awaits this node: come back as its replacement."""
+        if not self._rejoin:
+            return Turn.GO_ON
+        self.rejoin(poller, self.link.endpoint, self.link.node, "the coordinator fenced this node's old "
+                    "connection and awaits the node: rejoining as its replacement")
+        self._fled, self._last_heard = False, self.clock()
+        return Turn.NEXT
+
+    def _follow_closed_connection(self, poller: zmq.Poller, events: dict[Any, int]) -> Turn:
+        """The connection to the coordinator (or standby) closed: its processes are gone (a killed
+        process's or host's kernel closes its connections). The next standby in line takes the job
+        over; say hello there (its endpoint queues it until then), or take over here if this node
+        is next."""
+        if (self.link.closed not in events or self.exit_code is not None or self.stop_signal is not None
+                or not self.link.gone()):
+            return Turn.GO_ON
+        # What the coordinator sent before it closed comes first (a shutdown at the job's end).
+        for msg in self.link.frames():
+            self.handle(msg)
+        if self.exit_code is not None:
+            return Turn.NEXT
+        self.succession.dead.append(self.link.node)
+        if self.link.at_seat and not self.link.proven:
+            self._fail(f"lost the job coordinator (nothing heard from it) and its standby on node "
+                       f"{self.link.node} died; stopping this node's ranks")
+            return Turn.NEXT
+        turn = self._move_along_line(poller, proven=True)
+        self._last_heard = self.clock()
+        return turn
+
+    def _leave_on_stop_signal(self, _poller: zmq.Poller, _events: dict[Any, int]) -> Turn:
+        """This node's launcher was stopped (or died: its death signal is SIGTERM). Tell the
+        coordinator first, so that it takes the node as gone rather than respawning its ranks
+        here, then stop them."""
+        if self.stop_signal is None or self.exit_code is not None:
+            return Turn.GO_ON
+        reason = f"its launcher was stopped by {signal.Signals(self.stop_signal).name} or died"
+        self.send(MsgType.AGENT_BEAT, node=self.node, leaving=reason)
+        self.stop_all(reason)
+        self.event(EventKind.JOB_FINISHED, f"node {self.node} left the job: {reason}", exit_code=128 + self.stop_signal)
+        self.exit_code = 128 + self.stop_signal
+        return Turn.NEXT
+
+    def _wait_out_silence(self, poller: zmq.Poller, _events: dict[Any, int]) -> Turn:
+        """Nothing heard from the coordinator for longer than its timeout: stand for election
+        (the first standby in line), move to the first standby (a vote for its takeover), or keep
+        trying for ``link_grace`` seconds; past that, end this node's part of the job."""
+        if self.exit_code is not None or self.clock() - self._last_heard <= self.coordinator_timeout:
+            return Turn.GO_ON
+        silence = self.clock() - self._last_heard
+        if self.succession.first_in_line() and not self.link.at_seat:
+            turn = self._stand_for_election(silence)
+            if turn is not Turn.GO_ON:
+                return turn
+        elif self.succession.line and not self._fled and not self.link.at_seat:
+            # Silence: the coordinator may be cut off from this node. Go to the first standby (this
+            # hello is a vote for its takeover); if it never takes over, end below.
+            log.warning("nothing heard from the coordinator for %.1f s; moving to the standby at %s",
+                        silence, self.succession.line[0][0])
+            self._fled, self._last_heard = True, self.clock()
+            self._move_along_line(poller, proven=False)  # only silence: never a takeover
+            return Turn.NEXT
+        if silence <= self.coordinator_timeout + self.link_grace:
+            if self._fled and self.link.at_seat:
+                # The standby never took over: the link to the coordinator may come back.
+                self.rejoin(poller, *self._home, "nothing heard from the coordinator nor from its standby: "
+                            "going back to the coordinator")
+                self._fled = False
+            self.say_waiting(silence)
+            return Turn.NEXT
+        self._fail(f"lost the job coordinator on node {self.link.node} (nothing heard for {silence:.1f} s"
+                   f"{'; nor from its standby' if self._fled else ''}"
+                   f"{f', tried for --node_wait_timeout {self.link_grace:g} s' if self.link_grace else ''}); "
+                   "stopping this node's ranks")
+        return Turn.NEXT
+
+    def _stand_for_election(self, silence: float) -> Turn:
+        """Silence, not a closed connection: a partition or a hung host. This node, first in line,
+        takes over only with a majority (the others' agents come here when they hear nothing
+        either); the coordinator steps down when it hears half or less."""
+        agree, electorate = self.succession.seat.votes()
+        if self.succession.seat.elected():
+            self.exit_code = self.take_over(f"nothing heard from it for {silence:.1f} s, and {agree} of the job's "
+                                            f"{electorate} nodes agree (a majority; the other side steps down)")
+            return Turn.HANDED_OVER
+        if electorate >= 3 and silence <= 2 * self.coordinator_timeout:
+            return Turn.NEXT  # the other agents' votes may still come
+        return Turn.GO_ON
+
+    def _fail(self, message: str) -> None:
+        """End this node's part of the job (exit code 1): stop its ranks and say why."""
+        self.stop_all(message)
+        self.event(EventKind.JOB_FINISHED, f"job failed: {message}", exit_code=1)
+        self.exit_code = 1
+
+    # ------------------------------------------------------------------ the coordinator's silence and succession
+    def heard_again(self) -> None:
+        """A frame came from the coordinator: the silence (if one was said) is over."""
         now = self.clock()
         if self._waiting_since is not None:
             self.event(EventKind.WARNING, f"node {self.node} hears the job coordinator again after "
-                                          f"{now - last_heard:.1f} s of silence")
+                                          f"{now - self._last_heard:.1f} s of silence")
             self._waiting_since = None
-        return now
+        self._last_heard = now
 
     def say_waiting(self, silence: float) -> None:
         """Say once per silence that this node keeps trying (a link flap is weather, not loss)."""
         if self._waiting_since is None:
             self._waiting_since = self.clock()
             self.event(EventKind.WARNING, f"node {self.node} hears nothing from the job coordinator on node "
-                                          f"{self._coordinator_node} for {silence:.1f} s (this node's link, or node "
-                                          f"{self._coordinator_node}'s, may be down): keeping this node's ranks and "
+                                          f"{self.link.node} for {silence:.1f} s (this node's link, or node "
+                                          f"{self.link.node}'s, may be down): keeping this node's ranks and "
                                           f"trying for up to {self.link_grace:g} s (--node_wait_timeout)")
 
     def rejoin(self, poller: zmq.Poller, endpoint: str, node: int, why: str) -> None:
@@ -287,63 +331,28 @@ class NodeAgent:
         for report in self.processes.stop(2.0):
             if isinstance(report, ExitReport):
                 log.info("rank %d (incarnation %d) of the old generation stopped", report.rank, report.incarnation)
-        self._reconnect(poller, endpoint, node, at_seat=False, proven=False)
-
-    def _reconnect(self, poller: zmq.Poller, endpoint: str, node: int, at_seat: bool, proven: bool) -> None:
-        """Drop the connection in ``poller``, connect to ``endpoint`` (the coordinator or a standby
-        on ``node``; ``at_seat``: a standby that has not taken over; ``proven``: its predecessor's
-        processes died) and say hello there."""
-        for sock in (self.closed, self.sock):
-            poller.unregister(sock)
-        self.close_connection()
-        self._connect(endpoint)
-        self._coordinator_node, self._at_seat, self._proven = node, at_seat, proven
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.closed, zmq.POLLIN)
+        self.link.move(poller, endpoint, node, at_seat=False, proven=False)
         self._hello()
 
-    def _gone(self) -> bool:
-        """Read the connection's monitor: True when the coordinator (or standby) this agent is
-        connected to is gone: its connection closed, or, for a standby that has not taken over,
-        connecting to it was refused (nothing listens there any more: its process died before this
-        agent reached it)."""
-        from zmq.utils.monitor import parse_monitor_message
-
-        event = parse_monitor_message(self.closed.recv_multipart())["event"]
-        if event == zmq.EVENT_DISCONNECTED:
-            return True
-        return self._at_seat and endpoint_refuses(self._endpoint)
-
-    def _first_in_line(self) -> bool:
-        """This agent stands by, holds the job's state, and is the first standby in line."""
-        if self.standby is None or self.standby.state is None:
-            return False
-        return not self.line or self.line[0][0] == self.standby.control.address
-
-    def _hop(self, poller: zmq.Poller, proven: bool) -> int | None:
+    def _move_along_line(self, poller: zmq.Poller, proven: bool) -> Turn:
         """The coordinator this agent is connected to is gone (``proven``: its processes died, not
         only silent): go to the next standby in line that is alive and say hello there, or, when
-        this agent's own seat is next and every one before it died, take the job over and return
-        its exit code. With nobody left, end this node's part of the job (exit code 1)."""
-        while self.line:
-            control, node = self.line.pop(0)
-            if self.standby is not None and control == self.standby.control.address:
-                if proven and self.standby.state is not None:
-                    return self.take_over(_takeover_cause(self._dead), lost=self._dead)
-                break  # only silence: nothing proves the coordinator dead, so no takeover here
-            if endpoint_refuses(control):
-                self._dead.append(node)  # its process died before this agent reached it
-                continue
+        this agent's own seat is next and every one before it died, take the job over. With nobody
+        left, end this node's part of the job (exit code 1)."""
+        step = self.succession.next_coordinator(proven)
+        if isinstance(step, TakeOver):
+            self.exit_code = self.take_over(step.cause, lost=step.lost)
+            return Turn.HANDED_OVER
+        if isinstance(step, MoveTo):
             log.warning("the coordinator on node %d is gone; moving to the standby on node %d at %s",
-                        self._coordinator_node, node, control)
-            self._reconnect(poller, control, node, at_seat=True, proven=proven)
-            return None
-        message = (f"lost the job coordinator on node {self._coordinator_node} and every standby coordinator "
-                   f"(nodes {sorted(set(self._dead))} died or nothing proves the coordinator dead); stopping this node's ranks")
-        self.stop_all(message)
-        self.event(EventKind.JOB_FINISHED, f"job failed: {message}", exit_code=1)
-        self.exit_code = 1
-        return None
+                        self.link.node, step.node, step.control)
+            self.link.move(poller, step.control, step.node, at_seat=True, proven=proven)
+            self._hello()
+            return Turn.GO_ON
+        self._fail(f"lost the job coordinator on node {self.link.node} and every standby coordinator "
+                   f"(nodes {sorted(set(self.succession.dead))} died or nothing proves the coordinator dead); "
+                   "stopping this node's ranks")
+        return Turn.GO_ON
 
     def take_over(self, cause: str, lost: list[int] | None = None) -> int:
         """This node stands by and the coordinator is gone (``cause``: its connection closed, or
@@ -355,68 +364,29 @@ class NodeAgent:
             self.push.close(0)
             self.push = None
         self.ctx.term()
-        return self.standby.take_over(self.processes, self.events_addr, self.node, self._events_node,
-                                      lost=list(dict.fromkeys(lost if lost is not None else [self._coordinator_node])),
-                                      cause=cause)
+        return self.succession.seat.take_over(self.processes, self.events_addr, self.node, self._events_node,
+                                              lost=list(dict.fromkeys(lost if lost is not None else [self.link.node])),
+                                              cause=cause)
+
+    def offer_standby(self) -> None:
+        """Tell the coordinator this agent stands by (its endpoint and store), once its seat is ready."""
+        if self.succession.seat is not None:
+            self.send(MsgType.AGENT_BEAT, node=self.node, **self.succession.seat_fields())
 
     def stop_all(self, reason: str) -> None:
         log.warning("%s", reason)
-        for report in self.processes.stop(0.0 if self.exit_code is not None else 2.0):
-            if isinstance(report, ExitReport):
-                self._send_exit(report)
+        self.ranks.stop(0.0 if self.exit_code is not None else 2.0)
 
-    def report_exits(self) -> None:
-        for report in self.processes.reap():
-            if isinstance(report, StopReport):
-                self.send(MsgType.STOPPED, node=self.node, rank=report.rank, incarnation=report.incarnation,
-                          pid=report.pid, signal=report.signal, at=report.at)
-            else:
-                self._send_exit(report)
-
-    def _send_exit(self, r: ExitReport) -> None:
-        self.send(MsgType.EXITED, node=self.node, rank=r.rank, incarnation=r.incarnation, pid=r.pid,
-                  returncode=r.returncode, at=r.at, error=r.error, log_tail=list(r.log_tail))
-
+    # ------------------------------------------------------------------ the coordinator's commands
     def handle(self, msg: Message) -> None:
         """Carry out one command of the coordinator (a dispatch table, one handler a type)."""
         handler = self._handlers.get(msg.type)
         if handler is not None:
-            handler(self, msg)
+            handler(msg)
 
-    def _on_spawn(self, msg: Message) -> None:
-        rank_vars = {str(k): str(v) for k, v in msg["vars"].items()}
-        rank_vars[STANDBY_LINE] = ",".join(control for control, _ in self.line)  # see ftrun.rank.client.open_channel
-        try:
-            pid, spare = self.processes.spawn(msg["rank"], msg["incarnation"], rank_vars, msg["header"], msg["use_spare"])
-        except OSError as err:
-            log.error("cannot start rank %d: %s", msg["rank"], err)
-            self.send(MsgType.EXITED, node=self.node, rank=msg["rank"], incarnation=msg["incarnation"], pid=0,
-                      returncode=127, at=time.time())
-            return
-        self.send(MsgType.SPAWNED, node=self.node, rank=msg["rank"], incarnation=msg["incarnation"], pid=pid,
-                  spare=bool(spare), spare_kind=spare)
-        self.event(EventKind.RANK_STARTED, f"rank {msg['rank']} started (pid {pid}, incarnation {msg['incarnation']}"
-                                           f"{f', in a {spare} spare' if spare else ''})", rank=msg["rank"])
-
-    def _on_signal(self, msg: Message) -> None:
-        self.processes.signal(msg["rank"], msg["incarnation"], msg["signal"])
-
-    def _on_kill_hung(self, msg: Message) -> None:
-        lines, note, gone = self.processes.kill_hung(msg["rank"], msg["incarnation"], msg["line"], bool(msg.get("dump", True)))
-        self.send(MsgType.STACKS, node=self.node, rank=msg["rank"], incarnation=msg["incarnation"], lines=lines[-200:],
-                  note=note)
-        if gone is not None:  # this node never ran it (RankProcesses.kill_hung)
-            self._send_exit(gone)
-
-    def _on_stop_ranks(self, msg: Message) -> None:
-        for report in self.processes.stop(float(msg["grace"])):
-            if isinstance(report, ExitReport):
-                self._send_exit(report)
-
-    def _on_spares(self, msg: Message) -> None:
-        note = self.processes.keep_spares(msg["warm"], msg["hot"], {str(k): str(v) for k, v in msg["vars"].items()})
-        if note is not None:
-            self.send(MsgType.SPARE_NOTE, node=self.node, message=note)
+    def _report(self, msg_type: MsgType, **fields: Any) -> None:
+        """A report to the coordinator about this node (its index first)."""
+        self.send(msg_type, node=self.node, **fields)
 
     def _on_take_node(self, msg: Message) -> None:
         """A standby node becomes the agent of lost node ``node`` (its launcher learns it from the event)."""
@@ -430,84 +400,33 @@ class NodeAgent:
     def _on_standby(self, msg: Message) -> None:
         """The line of standby coordinators (``seats``: [control, node], first first; an older
         coordinator's message names only the first, ``control``; "": none, the standby was lost)."""
-        self.line = standby_line(msg)
+        self.succession.line = standby_line(msg)
 
     def _on_stand_by(self, _msg: Message) -> None:
         """Stand by as the job coordinator (the coordinator lost the one it had). The seat is set
-        up on a thread (hosting a store can take seconds: a reverse name lookup of its first
-        client), so that this loop keeps beating; :meth:`offer_standby` answers once it is ready."""
-        if self.standby is not None:
+        up on a thread (:meth:`Succession.ask_for_seat`), so that this loop keeps beating;
+        :meth:`offer_standby` answers once it is ready."""
+        if self.succession.seat is not None:
             self.offer_standby()
-        elif self.spec is not None and self._seat is None:
-            self._seat = []
-            spec, token, made = self.spec, self._token, self._seat
-            threading.Thread(target=lambda: made.append(_standby_seat(spec, token, asked=True)),
-                             name="ftrun-standby-seat", daemon=True).start()
-
-    def offer_standby(self) -> None:
-        """Tell the coordinator this agent stands by (its endpoint and store), once its seat is ready."""
-        if self.standby is None and self._seat:
-            self.standby, self._seat = self._seat[0], None
-        if self.standby is not None:
-            self.send(MsgType.AGENT_BEAT, node=self.node, standby_control=self.standby.control.address,
-                      standby_store=self.standby.store_addr)
+        else:
+            self.succession.ask_for_seat(self.spec, self._token)
 
     def _on_state(self, msg: Message) -> None:
-        if self.standby is not None:
-            self.standby.state = msg["state"]
+        self.succession.hold_state(msg["state"])
 
     def _on_shutdown(self, msg: Message) -> None:
         if msg.get("rejoin") is True and self.stop_signal is None:
             self._rejoin = True  # fenced, but still awaited: come back as the node's replacement (run)
             return
-        for report in self.processes.stop(2.0):
-            if isinstance(report, ExitReport):
-                self._send_exit(report)
+        self.ranks.stop(2.0)
         self.event(EventKind.JOB_FINISHED, msg["message"], exit_code=msg["code"])
         self.exit_code = msg["code"]
 
-    _handlers: dict[MsgType, Callable[["NodeAgent", Message], None]] = {
-        MsgType.SPAWN: _on_spawn,
-        MsgType.SIGNAL: _on_signal,
-        MsgType.KILL_HUNG: _on_kill_hung,
-        MsgType.STOP_RANKS: _on_stop_ranks,
-        MsgType.SPARES: _on_spares,
-        MsgType.SHUTDOWN: _on_shutdown,
-        MsgType.TAKE_NODE: _on_take_node,
-        MsgType.STANDBY: _on_standby,
-        MsgType.STATE: _on_state,
-        MsgType.STAND_BY: _on_stand_by,
-    }
-
-
-def _takeover_cause(dead: list[int]) -> str:
-    """Why a standby takes the job over after closed connections, in words."""
-    if len(set(dead)) <= 1:
-        return "its connection to this standby closed (its processes or its host died)"
-    return (f"the coordinator's and the standby coordinators' processes on nodes {sorted(set(dead))} died (their "
-            "connections closed or were refused)")
 
 
 def agent_log_name(node: int) -> str:
     """The log file of node ``node``'s agent in ``--log_dir`` (a standby node's until it takes a node, too)."""
     return "agent_standby.log" if node == STANDBY_NODE_INDEX else f"agent_{node}.log"
-
-
-def _standby_seat(spec: Any, token: str, asked: bool = False) -> Any:
-    """Node 1's agent stands by as the job coordinator (:mod:`ftrun.coordinator.failover`) when
-    ARF can use it, and any agent the coordinator ``asked`` (its standby was lost); None
-    elsewhere, or when its endpoint or store cannot be set up (logged: the job runs, without a
-    standby)."""
-    from ftrun.coordinator.failover import STANDBY_NODE
-    from ftrun.coordinator.seat import StandbySeat
-
-    if (spec.node_rank != STANDBY_NODE and not asked) or not spec.tft.arf or spec.join or spec.nnodes < 2:
-        return None
-    try:
-        return StandbySeat(spec, token)
-    except Exception as err:  # noqa: BLE001  no standby is today's behaviour, not a failure
-        log.warning("cannot stand by as the job coordinator: %s", err)
-        return None
 
 
 def main() -> None:
@@ -527,7 +446,7 @@ def main() -> None:
     agent = NodeAgent(spec.node_rank, os.environ["FTRUN_CONTROL_FOR_AGENT"], os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"],
                       processes, spec.heartbeat_interval, max(spec.heartbeat_timeout, 3 * spec.heartbeat_interval),
                       os.environ.get("FTRUN_EVENTS_ADDR"),
-                      standby=_standby_seat(spec, os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"]),
+                      standby=standby_seat(spec, os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"]),
                       link_grace=spec.node_wait_timeout if spec.tft.arf else 0.0)
     agent.spec = spec
     if spec.tft.ttp:

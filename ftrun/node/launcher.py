@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -155,77 +156,116 @@ def claim_node_rank(
     Raises:
         ConfigError: no index was free or vacant within ``--cluster_time_out`` seconds.
     """
-    import threading
-
-    def vacant(on: Any) -> list[int]:
-        if not on.check([contract.VACANT_KEY]):
-            return []
-        text = on.get(contract.VACANT_KEY).decode(errors="replace")
-        return [int(p) for p in text.split(",") if p.strip().isdigit() and 0 <= int(p) < spec.nnodes]
-
-    def keep_claim(node: int, epoch: int, key: str) -> None:
-        try:
-            watch = store.clone()  # a connection of its own: the launcher goes on using `store`
-        except Exception:
-            watch = store
-        until = clock() + spec.cluster_time_out
-
-        def beat() -> None:
-            try:
-                while node in vacant(watch):
-                    if clock() <= until:
-                        watch.add(key + "/beats", 1)
-                        time.sleep(poll_interval)
-                    else:  # not joined in time: the beats stop, so another launcher may take the claim over,
-                        time.sleep(max(poll_interval, 1.0))  # but whoever joins, the epoch must still move on
-                watch.compare_set(contract.claim_epoch_key(node), str(epoch), str(epoch + 1))
-            except Exception:  # node 0's store is gone: the job is over
-                pass
-
-        threading.Thread(target=beat, name=f"ftrun-claim-node-{node}", daemon=True).start()
-
-    def claim() -> int:
-        me = claimant or f"{socket.gethostname()}/{os.getpid()}/{os.urandom(4).hex()}"
-        taken = int(store.add(contract.NEXT_NODE_KEY, 1))
-        while taken < spec.nnodes:
-            if store.compare_set(contract.node_key(taken), "", me).decode(errors="replace") == me:
-                return taken
-            taken = int(store.add(contract.NEXT_NODE_KEY, 1))  # a launcher given this index holds it: the next
-        deadline = clock() + spec.cluster_time_out
-        beats_seen: dict[str, tuple[int, float]] = {}  # claim key -> (its beats, when they last changed)
-        while True:
-            for node in vacant(store):
-                epoch = int(store.add(contract.claim_epoch_key(node), 0))
-                key = contract.claim_key(node, epoch)
-                holder = store.compare_set(key, "", me).decode(errors="replace")
-                if holder != me:
-                    beats, now = int(store.add(key + "/beats", 0)), clock()
-                    if beats_seen.get(key, (None,))[0] != beats:
-                        beats_seen[key] = (beats, now)
-                        continue
-                    if now - beats_seen[key][1] < stale_after:
-                        continue
-                    if store.compare_set(key, holder, me).decode(errors="replace") != me:
-                        continue  # another launcher took it over first
-                keep_claim(node, epoch, key)
-                return node
-            if standby_node:
-                return contract.STANDBY_NODE_INDEX
-            if clock() >= deadline:
-                raise ConfigError(
-                    f"no node index is free for this launcher: all {spec.nnodes} nodes of the job have launchers and "
-                    f"none was lost and awaiting a replacement within --cluster_time_out {spec.cluster_time_out:g} s "
-                    f"(store {spec.master_addr}:{spec.master_port}); give --node_rank, or start it when a node is lost"
-                )
-            time.sleep(poll_interval)
-
     try:
-        return claim()
+        claim = NodeIndexClaim(spec, store, claimant or f"{socket.gethostname()}/{os.getpid()}/{os.urandom(4).hex()}",
+                               poll_interval=poll_interval, stale_after=stale_after, clock=clock)
+        taken = claim.next_free_index()
+        return taken if taken is not None else claim.wait_for_vacancy(standby_node)
     except (RuntimeError, OSError) as err:  # torch's DistNetworkError/DistStoreError are RuntimeErrors
         raise ConfigError(
             f"lost node 0's store at {spec.master_addr}:{spec.master_port} while taking a node index "
             f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); the job has ended or node 0 is gone"
         ) from None
+
+
+class NodeIndexClaim:
+    """One launcher's claim of a node index in node 0's store (:func:`claim_node_rank`).
+
+    Args:
+        spec: the job (``nnodes``, ``cluster_time_out``, ``master_addr``/``master_port`` for messages).
+        store: a client of node 0's store.
+        me: this launcher's name in a claim.
+        poll_interval: seconds between looks at ``ftrun/vacant``, and between beats.
+        stale_after: seconds without beats after which another launcher's claim is taken over.
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, spec: JobSpec, store: Any, me: str, *, poll_interval: float, stale_after: float,
+                 clock: Any) -> None:
+        self.spec, self.store, self.me = spec, store, me
+        self.poll_interval, self.stale_after, self.clock = poll_interval, stale_after, clock
+        self.beats_seen: dict[str, tuple[int, float]] = {}  # claim key -> (its beats, when they last changed)
+
+    def vacant(self, on: Any) -> list[int]:
+        """The node indices the coordinator awaits a replacement for, as store ``on`` lists them."""
+        if not on.check([contract.VACANT_KEY]):
+            return []
+        text = on.get(contract.VACANT_KEY).decode(errors="replace")
+        return [int(p) for p in text.split(",") if p.strip().isdigit() and 0 <= int(p) < self.spec.nnodes]
+
+    def next_free_index(self) -> int | None:
+        """The next index from the counter that no launcher given ``--node_rank`` holds; None when
+        every node has one."""
+        taken = int(self.store.add(contract.NEXT_NODE_KEY, 1))
+        while taken < self.spec.nnodes:
+            if self.store.compare_set(contract.node_key(taken), "", self.me).decode(errors="replace") == self.me:
+                return taken
+            taken = int(self.store.add(contract.NEXT_NODE_KEY, 1))  # a launcher given this index holds it: the next
+        return None
+
+    def wait_for_vacancy(self, standby_node: bool) -> int:
+        """Claim a vacant node (polling until ``--cluster_time_out``), or, with ``standby_node``
+        and none vacant now, return ``STANDBY_NODE_INDEX``.
+
+        Raises:
+            ConfigError: nothing was vacant in time.
+        """
+        deadline = self.clock() + self.spec.cluster_time_out
+        while True:
+            for node in self.vacant(self.store):
+                if self.claim_vacancy(node):
+                    return node
+            if standby_node:
+                return contract.STANDBY_NODE_INDEX
+            if self.clock() >= deadline:
+                spec = self.spec
+                raise ConfigError(
+                    f"no node index is free for this launcher: all {spec.nnodes} nodes of the job have launchers and "
+                    f"none was lost and awaiting a replacement within --cluster_time_out {spec.cluster_time_out:g} s "
+                    f"(store {spec.master_addr}:{spec.master_port}); give --node_rank, or start it when a node is lost"
+                )
+            time.sleep(self.poll_interval)
+
+    def claim_vacancy(self, node: int) -> bool:
+        """Claim vacant ``node`` under its current epoch, or take over a claim whose beats stopped
+        for ``stale_after`` seconds; once claimed, beat for it (:meth:`keep_claim`)."""
+        epoch = int(self.store.add(contract.claim_epoch_key(node), 0))
+        key = contract.claim_key(node, epoch)
+        holder = self.store.compare_set(key, "", self.me).decode(errors="replace")
+        if holder != self.me:
+            beats, now = int(self.store.add(key + "/beats", 0)), self.clock()
+            if self.beats_seen.get(key, (None,))[0] != beats:
+                self.beats_seen[key] = (beats, now)
+                return False
+            if now - self.beats_seen[key][1] < self.stale_after:
+                return False
+            if self.store.compare_set(key, holder, self.me).decode(errors="replace") != self.me:
+                return False  # another launcher took it over first
+        self.keep_claim(node, epoch, key)
+        return True
+
+    def keep_claim(self, node: int, epoch: int, key: str) -> None:
+        """Beat on the claim ``key`` of ``node`` on a thread while the node is vacant (for up to
+        ``--cluster_time_out``), then move the node's claim epoch on past ``epoch``."""
+        try:
+            watch = self.store.clone()  # a connection of its own: the launcher goes on using its store
+        except Exception:
+            watch = self.store
+        until = self.clock() + self.spec.cluster_time_out
+
+        def beat() -> None:
+            try:
+                while node in self.vacant(watch):
+                    if self.clock() <= until:
+                        watch.add(key + "/beats", 1)
+                        time.sleep(self.poll_interval)
+                    else:  # not joined in time: the beats stop, so another launcher may take the claim over,
+                        time.sleep(max(self.poll_interval, 1.0))  # but whoever joins, the epoch must still move on
+                watch.compare_set(contract.claim_epoch_key(node), str(epoch), str(epoch + 1))
+            except Exception:  # node 0's store is gone: the job is over
+                pass
+
+        threading.Thread(target=beat, name=f"ftrun-claim-node-{node}", daemon=True).start()
 
 
 def host_store(spec: JobSpec) -> tuple[Any, int, JobSpec, bool]:
@@ -243,45 +283,13 @@ def host_store(spec: JobSpec) -> tuple[Any, int, JobSpec, bool]:
         ConfigError: the port is taken, node 0's store cannot be reached within cluster_time_out,
             or no node index is free.
     """
-    import dataclasses
-    from datetime import timedelta
-
-    if spec.node_rank_auto:
-        hosting = can_host_store(spec)  # checks the port, before the slow torch import
-    else:
-        hosting = spec.node_rank == 0
-        if hosting:
-            try:
-                check_port_free(spec.master_addr, spec.master_port)  # before the slow torch import
-            except ConfigError:
-                if not spec.master_port_auto:
-                    raise
-                # The default port of a single-node job is taken (another job on this machine):
-                # take a free one, as torchrun does, rather than refuse to start.
-                spec = dataclasses.replace(spec, master_port=0)
-    from torch.distributed import TCPStore
-
-    timeout = timedelta(seconds=spec.cluster_time_out)
+    hosting, spec = _whether_to_host(spec)  # checks the port, before the slow torch import
     if hosting:
-        from ftrun.common.stores import StoreBindError, bind_host, serve_store
-
-        try:
-            store, port = serve_store(bind_host(spec.master_addr, spec.nnodes), spec.master_port, spec.cluster_time_out)
+        served = _serve_store(spec)
+        if served is not None:
+            store, port = served
             return store, port, dataclasses.replace(spec, node_rank=0, node_rank_auto=False), True
-        except StoreBindError as err:
-            if not (spec.node_rank_auto and err.errno == errno.EADDRINUSE):
-                raise ConfigError(
-                    f"cannot host the rendezvous store on port {spec.master_port} ({err.strerror}); "
-                    "pick another --master_port"
-                ) from None
-            # another launcher on this host took the port first: it is node 0, this one joins it
-    try:
-        store = TCPStore(spec.master_addr, spec.master_port, is_master=False, timeout=timeout)
-    except (RuntimeError, OSError) as err:
-        raise ConfigError(
-            f"cannot reach node 0's store at {spec.master_addr}:{spec.master_port} within "
-            f"{spec.cluster_time_out:g} s ({str(err).splitlines()[0]}); start node 0 first or check the address"
-        ) from None
+    store = _join_store(spec)
     if spec.node_rank_auto:
         spec = dataclasses.replace(spec, node_rank=claim_node_rank(spec, store, standby_node=True),
                                    node_rank_auto=False)
@@ -291,6 +299,117 @@ def host_store(spec: JobSpec) -> tuple[Any, int, JobSpec, bool]:
         except (RuntimeError, OSError):
             pass  # the store is gone: waiting for the coordinator's address says so
     return store, spec.master_port, spec, False
+
+
+def _whether_to_host(spec: JobSpec) -> tuple[bool, JobSpec]:
+    """Whether this launcher hosts the store, and the spec to host it with: a single-node job whose
+    default port is taken (another job on this machine) takes a free one, as torchrun does, rather
+    than refuse to start.
+
+    Raises:
+        ConfigError: node 0's given port is taken.
+    """
+    if spec.node_rank_auto:
+        return can_host_store(spec), spec
+    if spec.node_rank != 0:
+        return False, spec
+    try:
+        check_port_free(spec.master_addr, spec.master_port)
+    except ConfigError:
+        if not spec.master_port_auto:
+            raise
+        return True, dataclasses.replace(spec, master_port=0)
+    return True, spec
+
+
+def _serve_store(spec: JobSpec) -> tuple[Any, int] | None:
+    """Serve the job's store here: (store, port); None when another launcher on this host took the
+    port first with an automatic node index (it is node 0, this one joins it).
+
+    Raises:
+        ConfigError: the store cannot be bound.
+    """
+    from ftrun.common.stores import StoreBindError, bind_host, serve_store
+
+    try:
+        return serve_store(bind_host(spec.master_addr, spec.nnodes), spec.master_port, spec.cluster_time_out)
+    except StoreBindError as err:
+        if not (spec.node_rank_auto and err.errno == errno.EADDRINUSE):
+            raise ConfigError(
+                f"cannot host the rendezvous store on port {spec.master_port} ({err.strerror}); "
+                "pick another --master_port"
+            ) from None
+        return None
+
+
+def _join_store(spec: JobSpec) -> Any:
+    """A client of node 0's store.
+
+    Raises:
+        ConfigError: it cannot be reached within ``--cluster_time_out`` seconds.
+    """
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore(spec.master_addr, spec.master_port, is_master=False, timeout=timedelta(seconds=spec.cluster_time_out))
+    except (RuntimeError, OSError) as err:
+        raise ConfigError(
+            f"cannot reach node 0's store at {spec.master_addr}:{spec.master_port} within "
+            f"{spec.cluster_time_out:g} s ({str(err).splitlines()[0]}); start node 0 first or check the address"
+        ) from None
+
+
+def _writable_log_dir(spec: JobSpec) -> Path:
+    """``--log_dir``, made and checked writable.
+
+    Raises:
+        ConfigError: it cannot be made or written.
+    """
+    log_dir = Path(spec.log_dir)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        (log_dir / ".ftrun-write-test").touch()
+        (log_dir / ".ftrun-write-test").unlink()
+    except OSError as err:
+        raise ConfigError(f"cannot write to --log_dir {spec.log_dir}: {err.strerror}; choose a writable directory") from None
+    return log_dir
+
+
+def _child_env(spec: JobSpec, token: str, events_port: int, store_port: int, control_addr: str | None) -> dict[str, str]:
+    """The environment of this launcher's child: the job, its secret, the console's event endpoint,
+    the store's port, and (for a node agent) the coordinator's endpoint."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "FTRUN_SUPERVISOR_SPEC": json.dumps(spec.to_json()),
+            "FTRUN_AGENT_SPEC": json.dumps(spec.to_json()),
+            "FTRUN_TOKEN_FOR_SUPERVISOR": token,
+            "FTRUN_EVENTS_ADDR": f"tcp://127.0.0.1:{events_port}",
+            "FTRUN_STORE_PORT": str(store_port),
+            "TORCHELASTIC_RUN_ID": getattr(spec, "run_id", None) or env.get("TORCHELASTIC_RUN_ID")
+            or f"ftrun-{os.getpid()}-{int(time.time())}",
+        }
+    )
+    if control_addr is not None:
+        env["FTRUN_CONTROL_FOR_AGENT"] = control_addr
+    return env
+
+
+def _start_child(hosting: bool, env: dict[str, str], own_log: Path) -> Any:
+    """Start this launcher's child, its output in ``own_log``: node 0 runs the job coordinator with
+    its own agent (``ftrun.node.supervisor``); every other node runs an agent (``ftrun.node.agent``).
+    Returns its :class:`subprocess.Popen`; it gets SIGTERM when this launcher dies."""
+    with open(own_log, "ab") as sup_err:
+        role = "ftrun.node.supervisor" if hosting else "ftrun.node.agent"
+        return procs.spawn(
+            procs.ftrun_module_argv(role),  # the installed ftrun, whatever the working directory holds
+            env=env,
+            stdout=sup_err.fileno(),
+            stderr=sup_err.fileno(),
+            death_signal=signal.SIGTERM,
+        )
 
 
 class LogTailer:
@@ -335,14 +454,16 @@ class Launcher:
         self.tailers: list[LogTailer] = []
 
     def run(self) -> int:
+        """Run this node's share of the job: host or join the store, start node 0's supervisor or
+        another node's agent as a child, draw the console from its events and the ranks' logs until
+        it exits, and return the job's exit code.
+
+        Raises:
+            ConfigError: an unwritable ``--log_dir``, a taken port, an unreachable store or no node
+                index free (:func:`host_store`), no coordinator (:func:`wait_for_control_addr`).
+        """
         spec = self.spec
-        log_dir = Path(spec.log_dir)
-        try:
-            log_dir.mkdir(parents=True, exist_ok=True)
-            (log_dir / ".ftrun-write-test").touch()
-            (log_dir / ".ftrun-write-test").unlink()
-        except OSError as err:
-            raise ConfigError(f"cannot write to --log_dir {spec.log_dir}: {err.strerror}; choose a writable directory") from None
+        log_dir = _writable_log_dir(spec)
         store, port, spec, hosting = host_store(spec)  # checks the port first, before importing torch
         self.spec = spec  # with its node index decided, when it was automatic
         # A multi-node job shares its secret through every launcher's environment (FTRUN_TOKEN or
@@ -356,37 +477,36 @@ class Launcher:
         pull.setsockopt(zmq.LINGER, 0)
         events_port = pull.bind_to_random_port("tcp://127.0.0.1")
         receiver = Receiver(token, events_for(spec.node_rank))
-        env = dict(os.environ)
-        env.update(
-            {
-                "FTRUN_SUPERVISOR_SPEC": json.dumps(spec.to_json()),
-                "FTRUN_AGENT_SPEC": json.dumps(spec.to_json()),
-                "FTRUN_TOKEN_FOR_SUPERVISOR": token,
-                "FTRUN_EVENTS_ADDR": f"tcp://127.0.0.1:{events_port}",
-                "FTRUN_STORE_PORT": str(port),
-                "TORCHELASTIC_RUN_ID": getattr(spec, "run_id", None) or env.get("TORCHELASTIC_RUN_ID")
-                or f"ftrun-{os.getpid()}-{int(time.time())}",
-            }
-        )
-        if control_addr is not None:
-            env["FTRUN_CONTROL_FOR_AGENT"] = control_addr
+        env = _child_env(spec, token, events_port, port, control_addr)
         # Whatever the supervisor's ranks started is re-parented to this launcher if the supervisor
         # dies (SIGKILL): it is found and ended below, never left running.
         procs.become_subreaper()
         console = self.console or make_console(f"ftrun: {spec.script} on {spec.worker_num} rank(s)")
         self._install_signals()
         own_log = log_dir / ("supervisor.log" if hosting else agent_log_name(spec.node_rank))
-        with open(own_log, "ab") as sup_err:
-            # Node 0 runs the job coordinator with its own agent; every other node runs an agent.
-            role = "ftrun.node.supervisor" if hosting else "ftrun.node.agent"
-            supervisor = procs.spawn(
-                procs.ftrun_module_argv(role),  # the installed ftrun, whatever the working directory holds
-                env=env,
-                stdout=sup_err.fileno(),
-                stderr=sup_err.fileno(),
-                death_signal=signal.SIGTERM,
-            )
+        supervisor = _start_child(hosting, env, own_log)
         self.tailers = self._tailers(spec)
+        handled, last_finish = self._follow(supervisor, console, pull, receiver)
+        # Ranks of the worker library outlive a killed supervisor long enough for a dying gasp (a
+        # plain script's ranks die with it: their death signal is SIGKILL).
+        orphans = procs.wait_for_children(self._library_pids, ORPHAN_GASP_WAIT_S)
+        procs.kill_descendants()  # ranks' children left by a supervisor that was killed
+        last_finish = self._drain(console, pull, receiver) or last_finish
+        self._tail_logs(console, final=True)
+        pull.close(0)
+        ctx.term()
+        del store
+        role = "supervisor" if hosting else "agent"
+        code, last_finish = self._outcome(supervisor.returncode, last_finish, role, own_log,
+                                          self._orphans_gasp(spec) if orphans and supervisor.returncode < 0 else "")
+        if self.stop_signals and (code == 0 or handled > 1):
+            code = FIRST_STOP_EXIT.get(self.stop_signals[0], 128 + self.stop_signals[0])
+        console.finish(code, last_finish)
+        return code
+
+    def _follow(self, supervisor: Any, console: JobConsole, pull: zmq.Socket, receiver: Receiver) -> tuple[int, dict[str, Any] | None]:
+        """Until the child exits: act on stop signals, show its events and the tailed ranks' logs.
+        Returns the stop signals handled and the last ``job_finished`` event (None: none came)."""
         last_finish: dict[str, Any] | None = None
         handled = 0  # stop signals acted on: the first is forwarded, a second one kills without grace
         while True:
@@ -394,7 +514,7 @@ class Launcher:
             # The child's exit is noticed first, and each turn reads a bounded number of frames: a
             # flood on the (loopback) event endpoint can delay the console, never the launcher's end.
             if supervisor.poll() is not None:
-                break
+                return handled, last_finish
             if pull.poll(100):
                 for _ in range(EVENT_READ_BUDGET):
                     try:
@@ -402,34 +522,35 @@ class Launcher:
                     except zmq.Again:
                         break
                     last_finish = self._dispatch(console, frame, receiver) or last_finish
-            for tailer in self.tailers:
-                for line in tailer.poll():
-                    console.output(tailer.rank, line)
-        # Ranks of the worker library outlive a killed supervisor long enough for a dying gasp (a
-        # plain script's ranks die with it: their death signal is SIGKILL).
-        orphans = procs.wait_for_children(self._library_pids, ORPHAN_GASP_WAIT_S)
-        procs.kill_descendants()  # ranks' children left by a supervisor that was killed
-        # Drain what the supervisor sent before it exited (for a bounded time: a flood never ends).
+            self._tail_logs(console)
+
+    def _drain(self, console: JobConsole, pull: zmq.Socket, receiver: Receiver) -> dict[str, Any] | None:
+        """Show what the child sent before it exited, for :data:`EVENT_DRAIN_S` at most (a flood
+        never ends); returns the last ``job_finished`` event among it."""
+        last_finish = None
         drain_until = time.monotonic() + EVENT_DRAIN_S
         while time.monotonic() < drain_until and pull.poll(200):
             last_finish = self._dispatch(console, pull.recv(), receiver) or last_finish
+        return last_finish
+
+    def _tail_logs(self, console: JobConsole, final: bool = False) -> None:
+        """Show the tailed ranks' new log lines (``final``: their last partial lines too)."""
         for tailer in self.tailers:
-            for line in tailer.poll(final=True):
+            for line in tailer.poll(final=final):
                 console.output(tailer.rank, line)
-        pull.close(0)
-        ctx.term()
-        del store
-        code = supervisor.returncode
+
+    @staticmethod
+    def _outcome(code: int, last_finish: dict[str, Any] | None, role: str, own_log: Path,
+                 orphans_gasp: str) -> tuple[int, dict[str, Any]]:
+        """The exit code and the closing words for the child's ``code`` (``role``: supervisor or
+        agent): a child killed by a signal says so, with what its orphaned ranks left
+        (``orphans_gasp``); one that exited without a ``job_finished`` event says its code."""
         if code < 0:
             code, desc = procs.describe_exit(code)
-            last_finish = {"message": f"the ftrun {'supervisor' if hosting else 'agent'} was {desc}; see {own_log}"
-                           + (self._orphans_gasp(spec) if orphans else ""), "detail": {}}
-        elif last_finish is None:
-            last_finish = {"message": f"the ftrun {'supervisor' if hosting else 'agent'} exited with code {code}; see {own_log}", "detail": {}}
-        if self.stop_signals and (code == 0 or handled > 1):
-            code = FIRST_STOP_EXIT.get(self.stop_signals[0], 128 + self.stop_signals[0])
-        console.finish(code, last_finish)
-        return code
+            return code, {"message": f"the ftrun {role} was {desc}; see {own_log}" + orphans_gasp, "detail": {}}
+        if last_finish is None:
+            return code, {"message": f"the ftrun {role} exited with code {code}; see {own_log}", "detail": {}}
+        return code, last_finish
 
     def _tailers(self, spec: JobSpec) -> list[LogTailer]:
         """The console's rank logs of this node (none while it is a standby)."""
