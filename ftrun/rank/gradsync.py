@@ -118,7 +118,7 @@ class GradientSync:
         self.reducers.append(reducer)
         if not ddp:
             reducer.attach()
-            model.register_forward_pre_hook(lambda _module, _args: reducer.on_forward() if torch.is_grad_enabled() else None)
+            model.register_forward_pre_hook(lambda _module, _args: reducer.schedule.on_forward() if torch.is_grad_enabled() else None)
             return model
         return self._wrap_in_ddp(model, reducer, device, ddp_kwargs)
 
@@ -141,7 +141,7 @@ class GradientSync:
             # DDP's no_sync() (not only ft.no_sync()) keeps the next backward local, as under DDP.
             reducer.forward_sync = bool(module.require_backward_grad_sync)
             if torch.is_grad_enabled():
-                reducer.on_forward()  # where DDP rebuilds its buckets
+                reducer.schedule.on_forward()  # where DDP rebuilds its buckets
             # DDP syncs its buffers over its own (one-rank) group here: do it over ftrun's, when
             # DDP would (its predicate reads the previous forward's state, as DDP's own check does).
             if self.world_size > 1 and module.will_sync_module_buffers():
@@ -151,9 +151,9 @@ class GradientSync:
         return wrapped
 
     def begin_step(self) -> None:
-        """A step (or a retry of one) starts (:meth:`ftrun.rank.reducer.GradientReducer.begin_step`)."""
+        """A step (or a retry of one) starts (:meth:`ftrun.rank.reducer.LayoutSchedule.begin_step`)."""
         for reducer in self.reducers:
-            reducer.begin_step()
+            reducer.schedule.begin_step()
 
     def settle(self) -> None:
         """Before a step's forward: make sure no all-reduce given up on in an earlier pass (an

@@ -140,6 +140,113 @@ class BucketLayout:
 # (ftrun.rank.group.TrainingGroup.drop) and a late failure cannot touch a later pass (no callback is
 # attached to it: see launch). It must stay well inside the coordinator's deadline for answering
 # the abort (REPORT_DEADLINE_S, 10 s).
+class LayoutSchedule:
+    """Which of DDP's bucket layouts each synced backward of one model uses, as DDP decides it: the
+    initial layout (:meth:`BucketLayout.initial`) in the job's first step until the forward after
+    that model's first synced backward, the layout rebuilt from the order its gradients became
+    ready (:meth:`BucketLayout.rebuilt`) after; a rank that starts later (respawned, resumed) learns
+    the ready order in its first pass.
+
+    Args:
+        layout: the model's bucket layout.
+        params: its parameters that take gradients, in registration order.
+        is_first_step: whether the current step is the job's first (DDP's one-bucket iteration).
+
+    Attributes:
+        fixed: the first backward's buckets (every one's if never rebuilt).
+        rebuilt: the buckets by ready order, once known; ready_order: recorded until then.
+    """
+
+    def __init__(self, layout: BucketLayout, params: Sequence[torch.Tensor], is_first_step: Callable[[], bool]) -> None:
+        self.layout = layout
+        self.params = params
+        self.is_first_step = is_first_step
+        self.fixed = layout.initial(params)
+        self.rebuilt: list[list[int]] | None = None
+        self.ready_order: list[int] = []
+        # In the job's first step: a synced pass used the initial layout (the rebuild is due at the
+        # next forward), and that forward came (the rest of the step uses the rebuilt layout).
+        self.rebuild_due = False
+        self.left_initial = False
+        self._index_of: dict[int, int] = {}  # parameter index -> its bucket in _indexed
+        self._indexed: list[list[int]] | None = None
+
+    def begin_step(self) -> None:
+        """A step (or a retry of one) starts: in the job's first step the initial layout holds
+        again until this model's first synced backward and the forward after it."""
+        self.rebuild_due = self.left_initial = False
+
+    def on_forward(self) -> None:
+        """A forward of the model with gradients enabled: DDP rebuilds its buckets here once its
+        first synced backward recorded the order its gradients became ready."""
+        if self.rebuild_due:
+            self.rebuild_due, self.left_initial = False, True
+
+    def initial(self) -> bool:
+        """Whether this pass uses the initial layout: the job's first step, before the rebuild."""
+        return not self.layout.rebuilds or (self.is_first_step() and not self.left_initial)
+
+    def during_pass(self) -> tuple[list[list[int]], bool]:
+        """The buckets that leave during this pass, and whether every bucket is deferred to its end
+        (a rank that has not seen a backward yet: it learns the ready order from this pass)."""
+        if self.initial():
+            return self.fixed, False
+        if self.rebuilt is not None:
+            return self.rebuilt, False
+        return [], True
+
+    def bucket_of(self, buckets: list[list[int]]) -> dict[int, int]:
+        """Parameter index -> its bucket in ``buckets`` (kept while the layout stays the same)."""
+        if self._indexed is not buckets:
+            self._indexed = buckets
+            self._index_of = {j: b for b, bucket in enumerate(buckets) for j in bucket}
+        return self._index_of
+
+    def at_pass_end(self) -> list[list[int]]:
+        """End of a synced backward: learn the rebuilt layout from its ready order, mark the rebuild
+        due after an initial pass, and return the layout a deferred pass's buckets take."""
+        if self.layout.rebuilds and self.rebuilt is None and self.ready_order:
+            self.rebuilt = self.layout.rebuilt(self.params, self.ready_order)
+        initial = self.initial()
+        if initial and self.layout.rebuilds:
+            self.rebuild_due = True
+        return self.fixed if initial else (self.rebuilt or self.fixed)
+
+
+class LocalGradientCheck:
+    """The exactly-once check of a backward pass's local gradient: its fingerprint, taken from each
+    bucket's flat copy as it is launched, before it is divided (buckets launch in their layout's
+    order, which every computation of a step shares: the all-reduces of all ranks must match, so a
+    recomputed step gets the same fingerprint), handed once per pass to ``on_local_gradient``.
+
+    Args:
+        on_local_gradient: takes the fingerprint; False fails a held pass (None: no check).
+        hold_for_check: whether a pass must not communicate before the check.
+    """
+
+    def __init__(self, on_local_gradient: Callable[[str], bool] | None, hold_for_check: Callable[[], bool]) -> None:
+        self.on_local_gradient = on_local_gradient
+        self.hold_for_check = hold_for_check
+        self.fingerprint: Fingerprint | None = None
+        self.checked = False  # on_local_gradient has seen this pass's fingerprint
+
+    def new_pass(self) -> None:
+        """A backward pass begins: a new fingerprint, not checked yet."""
+        self.checked = False
+        self.fingerprint = Fingerprint(describe=False) if self.on_local_gradient is not None else None
+
+    def holds(self) -> bool:
+        """Whether this pass launches nothing before its local gradient is checked."""
+        return self.on_local_gradient is not None and self.hold_for_check()
+
+    def hand_on(self) -> bool:
+        """Hand the pass's fingerprint to ``on_local_gradient``, once; False when it refused it."""
+        if self.checked or self.fingerprint is None or self.on_local_gradient is None:
+            return True
+        self.checked = True
+        return bool(self.on_local_gradient(self.fingerprint.hexdigest()))
+
+
 ABANDON_GRACE_S = 1.0
 ABANDON_POLL_S = 0.02  # how often a wait for an all-reduce looks at the abandon flag
 
@@ -161,9 +268,9 @@ class GradientReducer:
             a rank that starts later (respawned, resumed) must use the rebuilt layout its peers use.
             Within the first step, as in DDP, a model's first synced backward uses the initial
             layout and its buckets are rebuilt at its next forward with gradients enabled
-            (:meth:`on_forward`), so a step holding several backward passes (a GAN's) uses the
+            (:meth:`LayoutSchedule.on_forward`), so a step holding several backward passes (a GAN's) uses the
             rebuilt layout from its second on; a retried first step starts over
-            (:meth:`begin_step`).
+            (:meth:`LayoutSchedule.begin_step`).
         waiting: a flag the worker's heartbeat probe reads (set while this thread waits for an
             all-reduce, so the watchdog knows the rank waits in torch.distributed).
         on_local_gradient: called once per synced backward, before its last bucket leaves, with
@@ -210,7 +317,8 @@ class GradientReducer:
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.layout = layout
-        self._fixed = layout.initial(self.params)  # the first backward's buckets (every one's if never rebuilt)
+        # Which layout each pass uses; told of each step's start and each forward (begin_step, on_forward).
+        self.schedule = LayoutSchedule(layout, self.params, is_first_step)
         self._used: set[int] = set()  # parameters with a gradient since the last synced backward
         self.world_size = world_size
         self._before_first_bucket = before_first_bucket
@@ -228,21 +336,12 @@ class GradientReducer:
         # module keeps this in step (see Worker.wrap_model).
         self.forward_sync = True
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        self._is_first_step = is_first_step
-        self._on_local_gradient = on_local_gradient
-        self._hold_for_check = hold_for_check
-        self._rebuilt: list[list[int]] | None = None  # buckets by ready order, once known
-        self._ready_order: list[int] = []  # recorded until the rebuilt layout is known
-        # In the job's first step: a synced pass used the initial layout (the rebuild is due at the
-        # next forward), and that forward came (the rest of the step uses the rebuilt layout).
-        self._rebuild_due = False
-        self._left_initial = False
+        self._check = LocalGradientCheck(on_local_gradient, hold_for_check)  # the pass's fingerprint and its check
         self._hooks: list[Any] = []
         # Works of in-place buckets that a pass gave up on while they ran (an abort): until each has
         # completed or failed, gloo may still write into the .grad tensors (see settle).
         self._unsettled: list[Any] = []
-        self._bucket_of: dict[int, int] = {}  # parameter index -> its bucket in _bucket_of_layout
-        self._bucket_of_layout: list[list[int]] | None = None
+        self._bucket_of: dict[int, int] = {}  # parameter index -> its bucket in this pass's layout
         self._views = False  # whether .grad may be DDP's bucket views (attach(after_ddp=True))
         self._reset_pass()
 
@@ -282,44 +381,19 @@ class GradientReducer:
         self._buckets: list[list[int]] | None = None  # chosen at the pass's first ready gradient
         self._deferred = False
         self._held = False  # this pass launches nothing before the local gradient is checked
-        self._checked = False  # on_local_gradient has seen this pass's fingerprint
-        # The local gradient's fingerprint: each bucket's flat copy as it is launched, before it is
-        # divided (buckets launch in their layout's order, which every computation of a step shares:
-        # the all-reduces of all ranks must match, so a recomputed step gets the same fingerprint).
-        self._fingerprint = Fingerprint(describe=False) if self._on_local_gradient is not None else None
-
-    def begin_step(self) -> None:
-        """A step (or a retry of one) starts: in the job's first step the initial layout holds
-        again until this model's first synced backward and the forward after it."""
-        self._rebuild_due = self._left_initial = False
-
-    def on_forward(self) -> None:
-        """A forward of the model with gradients enabled: DDP rebuilds its buckets here once its
-        first synced backward recorded the order its gradients became ready."""
-        if self._rebuild_due:
-            self._rebuild_due, self._left_initial = False, True
-
-    def _initial_layout(self) -> bool:
-        """Whether this pass uses the initial layout: the job's first step, before the rebuild."""
-        return not self.layout.rebuilds or (self._is_first_step() and not self._left_initial)
+        self._check.new_pass()
 
     def _choose_layout(self) -> None:
         """DDP's layout for this pass: one bucket on the job's first step; the rebuilt buckets after;
         a rank that starts later and has not seen a backward yet defers every bucket to the end of
         this pass, when it knows the ready order (same layout as its peers, no overlap once)."""
-        if self._on_local_gradient is not None and self._hold_for_check():
+        if self._check.holds():
             self._buckets, self._deferred, self._held = [], True, True
-        elif self._initial_layout():
-            self._buckets = self._fixed
-        elif self._rebuilt is not None:
-            self._buckets = self._rebuilt
         else:
-            self._buckets, self._deferred = [], True
+            self._buckets, self._deferred = self.schedule.during_pass()
         # Per bucket, how many of its gradients are not ready yet (a count, not a scan of the
         # bucket at every hook: that was quadratic in a bucket's parameters).
-        if self._bucket_of_layout is not self._buckets:
-            self._bucket_of_layout = self._buckets
-            self._bucket_of = {j: b for b, bucket in enumerate(self._buckets) for j in bucket}
+        self._bucket_of = self.schedule.bucket_of(self._buckets)
         self._missing = [len(bucket) for bucket in self._buckets]
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -338,8 +412,8 @@ class GradientReducer:
             self._choose_layout()
         if i in self._ready:  # accumulated twice in one backward (reentrant checkpointing)
             return
-        if self._rebuilt is None and self.layout.rebuilds:
-            self._ready_order.append(i)
+        if self.schedule.rebuilt is None and self.layout.rebuilds:
+            self.schedule.ready_order.append(i)
         self._ready.add(i)
         assert self._buckets is not None
         if not self._buckets:
@@ -392,8 +466,8 @@ class GradientReducer:
         self._start_collectives()
         if flat is None:
             flat, in_place = self._flatten(bucket)
-            if self._fingerprint is not None:
-                self._fingerprint.update(flat)  # before launch() divides it in place
+            if self._check.fingerprint is not None:
+                self._check.fingerprint.update(flat)  # before launch() divides it in place
         else:
             flat, in_place = flat
         last = bool(self._buckets) and bucket is self._buckets[-1]
@@ -405,10 +479,7 @@ class GradientReducer:
 
     def _check_local_gradient(self) -> None:
         """Hand the pass's local-gradient fingerprint to ``on_local_gradient``, once."""
-        if self._checked or self._fingerprint is None or self._on_local_gradient is None:
-            return
-        self._checked = True
-        if not self._on_local_gradient(self._fingerprint.hexdigest()) and self._held and self.error is None:
+        if not self._check.hand_on() and self._held and self.error is None:
             self.error = "held back: this rank's recomputed step diverged (--on_divergence fail)"
 
     def _start_collectives(self) -> None:
@@ -426,19 +497,16 @@ class GradientReducer:
 
     def _finish_pass(self) -> None:
         """End of backward: launch what is left, wait for every bucket, copy averages into .grad."""
-        if self.layout.rebuilds and self._rebuilt is None and self._ready_order:
-            self._rebuilt = self.layout.rebuilt(self.params, self._ready_order)
-        initial = self._initial_layout()
+        deferred_layout = self.schedule.at_pass_end()
         if self._deferred or self._buckets is None:
-            self._buckets = self._fixed if initial else (self._rebuilt or self._fixed)
-        if initial and self.layout.rebuilds:
-            self._rebuild_due = True
+            self._buckets = deferred_layout
         remaining = self._buckets[self._next_bucket:]  # parameters that got no gradient this pass, or held
         self._next_bucket = len(self._buckets)
-        if self._held and self._fingerprint is not None and self._on_local_gradient is not None:
+        fingerprint = self._check.fingerprint
+        if self._held and fingerprint is not None:
             flats = [self._flatten(bucket) for bucket in remaining]
             for flat, _ in flats:
-                self._fingerprint.update(flat)
+                fingerprint.update(flat)
             self._check_local_gradient()  # before anything leaves
             for bucket, flat in zip(remaining, flats):
                 self._launch_bucket(bucket, flat)
