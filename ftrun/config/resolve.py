@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from ftrun.config.checks import (
     check_address,
@@ -26,6 +27,7 @@ from ftrun.config.checks import (
 from ftrun.config.options import MAX_WORLD_SIZE, OPTIONS, OPTIONS_BY_NAME, STANDBY_SPARES, ConfigError, JobSpec, TftSwitches
 from ftrun.config.sources import ClusterEnv, read_cluster_env, read_env, read_toml
 from ftrun.config.torchrun import TorchrunFlags, apply_torchrun
+
 
 def resolve(
     cli: Mapping[str, Any],
@@ -48,8 +50,7 @@ def resolve(
 
     Args:
         cli: option name -> value from the command line, None where the flag was not given.
-        script: the script, module or program to run.
-        script_args: its arguments.
+        script, script_args: the script, module or program to run, and its arguments.
         module, no_python: how to run it.
         config_file: ``--config`` path; when None, ``[tool.ftrun]`` of ``cwd/pyproject.toml`` is used.
         environ: the environment (default ``os.environ``).
@@ -64,79 +65,209 @@ def resolve(
     cwd = Path.cwd() if cwd is None else cwd
     torchrun = TorchrunFlags() if torchrun is None else torchrun
     torchrun.check_start(module, no_python)
-    if config_file is not None:
-        toml_where = config_file
-        from_toml = read_toml(Path(config_file))
-    elif (cwd / "pyproject.toml").is_file():
-        toml_where = f"{cwd / 'pyproject.toml'} [tool.ftrun]"
-        from_toml = read_toml(cwd / "pyproject.toml", section=("tool", "ftrun"))
-    else:
-        toml_where, from_toml = "", {}
-    from_env = read_env(environ)
-    tft_source = from_env.pop("_tft_source", "FTRUN_TFT")
+    toml = _read_toml_layer(config_file, cwd)
+    env = _read_env_layer(environ)
     cluster = read_cluster_env(environ)  # Slurm's or a PyTorchJob's: just above the defaults
+    command_line = _read_command_line(cli)
+    warnings: list[str] = []
+    is_host = apply_torchrun(torchrun, command_line.values, command_line.labels, warnings)
+    # Highest first: the command line (torchrun's flags too), FTRUN_<OPTION>, TOML, the cluster, the default.
+    chosen = _first_given(command_line, env, toml, _Layer(cluster.values, cluster.labels))
+    _check_how_to_run(script, module, no_python)
+    shape = _place_node(chosen, cluster, torchrun, is_host, warnings)
+    checked = {**_store_address(chosen, shape.nnodes), **_recovery_settings(chosen), **_names_and_paths(chosen, cwd)}
+    checked["tft"] = TftSwitches() if chosen.values["tft"] is None else parse_tft(chosen.values["tft"], chosen.label("tft"))
+    checked["tail_worker_log"] = _console_ranks(chosen, torchrun, "tail_worker_log" in command_line.values, shape)
+    checked["metrics_addr"] = _metrics_address(chosen)
+    fault_text = environ.get("FTRUN_FAULT", "")
+    if fault_text.strip():
+        check_faults(fault_text, shape.worker_num)
+    check_script(script, module, no_python)
+    if checked["tft"].ttp:
+        check_writable_dir(chosen.values["checkpoint_dir"], chosen.label("checkpoint_dir"), cwd, "checkpoints")
+    spec = _job_spec(chosen, shape, checked, script=script, script_args=script_args, module=module,
+                     no_python=no_python, config_file=config_file, warnings=warnings)
+    read_job_token(spec, environ)  # a multi-node job needs a secret; a given one must be usable
+    return spec
 
-    from_cli: dict[str, Any] = {}
-    labels: dict[str, str] = {}
+
+# --------------------------------------------------------------------------- the layers and their precedence
+
+
+@dataclass
+class _Layer:
+    """One source's options: option name -> value, and option name -> what gave it (a flag, a
+    variable, a TOML key and file)."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Chosen:
+    """Every option's value from the highest layer that gives it, else its default; ``labels``
+    holds what gave each option that some layer gives."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def given(self, name: str) -> bool:
+        """Whether a layer gave the option (it is not at its default)."""
+        return name in self.labels
+
+    def label(self, name: str) -> str:
+        """What gave the option, for errors (its flag when it is at its default)."""
+        return self.labels.get(name, f"--{name}")
+
+    def drop(self, name: str) -> None:
+        """Put the option back at its default, as if no layer gave it."""
+        self.values[name] = OPTIONS_BY_NAME[name].default
+        self.labels.pop(name, None)
+
+
+def _read_command_line(cli: Mapping[str, Any]) -> _Layer:
+    """The options given on the command line (not None), converted and checked, labelled by flag."""
+    layer = _Layer()
     for opt in OPTIONS:
         if cli.get(opt.name) is not None:
-            from_cli[opt.name] = convert_text(opt, cli[opt.name], f"--{opt.name}")
-            labels[opt.name] = f"--{opt.name}"
-    warnings: list[str] = []
-    is_host = apply_torchrun(torchrun, from_cli, labels, warnings)
+            layer.values[opt.name] = convert_text(opt, cli[opt.name], f"--{opt.name}")
+            layer.labels[opt.name] = f"--{opt.name}"
+    return layer
 
-    values: dict[str, Any] = {}
+
+def _read_env_layer(environ: Mapping[str, str]) -> _Layer:
+    """The ``FTRUN_<OPTION>`` variables (and ``MS_ENABLE_TFT`` for tft), labelled by variable."""
+    values = read_env(environ)
+    tft_source = values.pop("_tft_source", "FTRUN_TFT")
+    labels = {name: tft_source if name == "tft" else OPTIONS_BY_NAME[name].env_var for name in values}
+    return _Layer(values, labels)
+
+
+def _read_toml_layer(config_file: str | None, cwd: Path) -> _Layer:
+    """The ``--config`` file's options, else those of ``[tool.ftrun]`` in ``cwd/pyproject.toml``
+    when that file exists, labelled by key and file."""
+    if config_file is not None:
+        where, values = config_file, read_toml(Path(config_file))
+    elif (cwd / "pyproject.toml").is_file():
+        where = f"{cwd / 'pyproject.toml'} [tool.ftrun]"
+        values = read_toml(cwd / "pyproject.toml", section=("tool", "ftrun"))
+    else:
+        return _Layer()
+    return _Layer(values, {name: f"{name} in {where}" for name in values})
+
+
+def _first_given(*layers: _Layer) -> _Chosen:
+    """Each option from the first of ``layers`` (highest first) that gives it, else its default."""
+    chosen = _Chosen()
     for opt in OPTIONS:
-        if opt.name in from_cli:
-            values[opt.name] = from_cli[opt.name]
-        elif opt.name in from_env:
-            values[opt.name] = from_env[opt.name]
-            labels[opt.name] = tft_source if opt.name == "tft" else opt.env_var
-        elif opt.name in from_toml:
-            values[opt.name] = from_toml[opt.name]
-            labels[opt.name] = f"{opt.name} in {toml_where}"
-        elif opt.name in cluster.values:
-            values[opt.name] = cluster.values[opt.name]
-            labels[opt.name] = cluster.labels[opt.name]
+        layer = next((layer for layer in layers if opt.name in layer.values), None)
+        if layer is None:
+            chosen.values[opt.name] = opt.default
         else:
-            values[opt.name] = opt.default
-    given = set(labels)
+            chosen.values[opt.name] = layer.values[opt.name]
+            chosen.labels[opt.name] = layer.labels[opt.name]
+    return chosen
 
-    def label(name: str) -> str:
-        return labels.get(name, f"--{name}")
 
+# --------------------------------------------------------------------------- the combination, checked and derived
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The job's size and this node's place in it."""
+
+    worker_num: int
+    local_worker_num: int
+    nnodes: int
+    min_nodes: int
+    node_rank: int
+    node_rank_auto: bool
+
+
+def _check_how_to_run(script: str | None, module: bool, no_python: bool) -> None:
+    """Refuse a missing script, and ``-m`` with ``--no_python``.
+
+    Raises:
+        ConfigError: either.
+    """
     if not script:
         raise ConfigError("no script given; usage: ftrun [OPTIONS] SCRIPT [SCRIPT_ARGS...]")
     if module and no_python:
         raise ConfigError("-m/--module and --no_python cannot be used together; pick one")
 
-    worker_num, local = _sizes(values, given, label, warnings)
+
+def _place_node(
+    chosen: _Chosen, cluster: ClusterEnv, torchrun: TorchrunFlags, is_host: bool | None, warnings: list[str]
+) -> _Shape:
+    """The job's sizes and this node's index; the cluster's values that do not fit the job are
+    dropped (:func:`_fit_cluster_env`).
+
+    Raises:
+        ConfigError: sizes that do not fit together, a node index outside the job or against
+            ``--rdzv-conf is_host``, or ``--standalone`` with more than one node.
+    """
+    worker_num, local = _sizes(chosen, warnings)
     nnodes = worker_num // local
-    min_nodes = parse_nnodes(values["nnodes"], label("nnodes"))[0] if values["nnodes"] is not None else nnodes
-    _fit_cluster_env(cluster, nnodes, values, labels, given, warnings)
-    node_rank = values["node_rank"]
+    nnodes_text = chosen.values["nnodes"]
+    min_nodes = parse_nnodes(nnodes_text, chosen.label("nnodes"))[0] if nnodes_text is not None else nnodes
+    _fit_cluster_env(cluster, nnodes, chosen, warnings)
+    node_rank = _node_rank(chosen, is_host, nnodes)
+    # No node index anywhere: decided at start, as torchrun's dynamic rendezvous does (node 0 where
+    # the store can be hosted, else the next free index, else a vacant one of a lost node).
+    node_rank_auto = nnodes > 1 and not chosen.given("node_rank") and is_host is None
+    if torchrun.standalone and nnodes > 1:
+        raise ConfigError(
+            f"--standalone runs a single-node job, but {chosen.label('worker_num')} {worker_num} and "
+            f"{chosen.label('local_worker_num')} {local} make {nnodes} nodes; drop --standalone or run one node"
+        )
+    return _Shape(worker_num, local, nnodes, min_nodes, node_rank, node_rank_auto)
+
+
+def _node_rank(chosen: _Chosen, is_host: bool | None, nnodes: int) -> int:
+    """This node's index: the chosen one, or 0 when ``--rdzv-conf is_host=1`` makes it the host.
+
+    Raises:
+        ConfigError: an index against ``is_host``, or outside 0..nnodes-1.
+    """
+    node_rank = chosen.values["node_rank"]
     if is_host is not None:
-        if is_host and "node_rank" in given and node_rank != 0:
-            raise ConfigError(f"--rdzv-conf is_host=1 makes this node 0, but {label('node_rank')} is {node_rank}; give one")
-        if not is_host and ("node_rank" not in given or node_rank == 0):
+        if is_host and chosen.given("node_rank") and node_rank != 0:
+            raise ConfigError(
+                f"--rdzv-conf is_host=1 makes this node 0, but {chosen.label('node_rank')} is {node_rank}; give one"
+            )
+        if not is_host and (not chosen.given("node_rank") or node_rank == 0):
             raise ConfigError("--rdzv-conf is_host=0: this node does not host the store, so give its --node_rank (1 or more)")
         node_rank = 0 if is_host else node_rank
     if not 0 <= node_rank < nnodes:
-        raise ConfigError(f"{label('node_rank')} {node_rank} is outside 0..{nnodes - 1} for {nnodes} node(s)")
-    # No node index anywhere: decided at start, as torchrun's dynamic rendezvous does (node 0 where
-    # the store can be hosted, else the next free index, else a vacant one of a lost node).
-    node_rank_auto = nnodes > 1 and "node_rank" not in given and is_host is None
-    if torchrun.standalone and nnodes > 1:
-        raise ConfigError(
-            f"--standalone runs a single-node job, but {label('worker_num')} {worker_num} and "
-            f"{label('local_worker_num')} {local} make {nnodes} nodes; drop --standalone or run one node"
-        )
-    port = values["master_port"]
-    if port == 0 and nnodes > 1:
-        raise ConfigError(f"{label('master_port')} 0 (pick a free port) works on one node only; give a fixed port")
-    master_addr = check_address(values["master_addr"], label("master_addr"))
-    local_addr = None if values["local_addr"] is None else check_address(values["local_addr"], label("local_addr"))
+        raise ConfigError(f"{chosen.label('node_rank')} {node_rank} is outside 0..{nnodes - 1} for {nnodes} node(s)")
+    return node_rank
 
+
+def _store_address(chosen: _Chosen, nnodes: int) -> dict[str, Any]:
+    """master_addr and local_addr checked and resolved, and master_port (0, a free port, on one node only).
+
+    Raises:
+        ConfigError: port 0 in a multi-node job, or an address that does not resolve.
+    """
+    port = chosen.values["master_port"]
+    if port == 0 and nnodes > 1:
+        raise ConfigError(f"{chosen.label('master_port')} 0 (pick a free port) works on one node only; give a fixed port")
+    master_addr = check_address(chosen.values["master_addr"], chosen.label("master_addr"))
+    local_addr = chosen.values["local_addr"]
+    if local_addr is not None:
+        local_addr = check_address(local_addr, chosen.label("local_addr"))
+    return {"master_addr": master_addr, "master_port": port, "local_addr": local_addr}
+
+
+def _recovery_settings(chosen: _Chosen) -> dict[str, Any]:
+    """How faults are seen and met: the heartbeat's timeout against its interval, and
+    recoverable_errors, on_divergence, standby_spares and resume parsed.
+
+    Raises:
+        ConfigError: a timeout not longer than the interval, a name that is not an exception
+            type's, or a word that is not one of the option's.
+    """
+    values, label = chosen.values, chosen.label
     if values["heartbeat_timeout"] <= values["heartbeat_interval"]:
         raise ConfigError(
             f"{label('heartbeat_timeout')} {values['heartbeat_timeout']:g} must be longer than "
@@ -157,56 +288,83 @@ def resolve(
     resume = values["resume"].strip()
     if not resume:
         raise ConfigError(f"{label('resume')} is empty; use 'auto', 'none' or the path of a checkpoint")
+    return {"recoverable_errors": recoverable, "on_divergence": on_divergence, "standby_spares": standby_spares,
+            "resume": resume}
+
+
+def _names_and_paths(chosen: _Chosen, cwd: Path) -> dict[str, Any]:
+    """run_id and role checked, and token_file made absolute (from ``cwd``); log_dir and
+    checkpoint_dir must not be empty.
+
+    Raises:
+        ConfigError: an empty directory or token file, or an id that is not printable ASCII.
+    """
     for name in ("log_dir", "checkpoint_dir"):
-        if not values[name].strip():
-            raise ConfigError(f"{label(name)} is empty; give a directory")
-    run_id = _printable(values["run_id"], label("run_id"), "job-42")
-    role = _printable(values["role"], label("role"), "trainer")
-    token_file = values["token_file"]
+        if not chosen.values[name].strip():
+            raise ConfigError(f"{chosen.label(name)} is empty; give a directory")
+    run_id = _printable(chosen.values["run_id"], chosen.label("run_id"), "job-42")
+    role = _printable(chosen.values["role"], chosen.label("role"), "trainer")
+    token_file = chosen.values["token_file"]
     if token_file is not None:
         if not token_file.strip():
-            raise ConfigError(f"{label('token_file')} is empty; give the path of the file holding the job's secret")
+            raise ConfigError(
+                f"{chosen.label('token_file')} is empty; give the path of the file holding the job's secret"
+            )
         token_file = str(Path(token_file) if Path(token_file).is_absolute() else cwd / token_file)
-    tft = TftSwitches() if values["tft"] is None else parse_tft(values["tft"], label("tft"))
+    return {"run_id": run_id, "role": role, "token_file": token_file}
+
+
+def _console_ranks(
+    chosen: _Chosen, torchrun: TorchrunFlags, tail_on_command_line: bool, shape: _Shape
+) -> tuple[int, ...] | None:
+    """The local ranks whose output reaches the console (None: all), from tail_worker_log or
+    torchrun's ``--tee``/``--redirects``/``--local-ranks-filter``.
+
+    Raises:
+        ConfigError: both ways given on the command line, or a malformed value.
+    """
     if torchrun.sets_console:
-        if "tail_worker_log" in from_cli:
+        if tail_on_command_line:
             raise ConfigError("--tail_worker_log and torchrun's --tee/--redirects/--local-ranks-filter both choose the "
                               "console's ranks; give one of them")
-        tail = torchrun.console_ranks(local)
-    else:
-        tail = parse_tail(values["tail_worker_log"], local, label("tail_worker_log"))
-    metrics_addr = values["metrics_addr"]
-    if metrics_addr is not None:
-        metrics_addr = check_address(metrics_addr, label("metrics_addr")) if metrics_addr.strip() else None
-    fault_text = environ.get("FTRUN_FAULT", "")
-    if fault_text.strip():
-        check_faults(fault_text, worker_num)
-    check_script(script, module, no_python)
-    if tft.ttp:
-        check_writable_dir(values["checkpoint_dir"], label("checkpoint_dir"), cwd, "checkpoints")
-    # Every stored option as resolved, then the ones computed, checked or parsed above.
-    chosen = {opt.name: values[opt.name] for opt in OPTIONS if opt.stored}
-    chosen.update(
-        worker_num=worker_num, local_worker_num=local, master_addr=master_addr, master_port=port, node_rank=node_rank,
-        run_id=run_id, role=role, local_addr=local_addr, token_file=token_file, tail_worker_log=tail, tft=tft,
-        recoverable_errors=recoverable, on_divergence=on_divergence, standby_spares=standby_spares, resume=resume, metrics_addr=metrics_addr,
-    )
-    spec = JobSpec(
+        return torchrun.console_ranks(shape.local_worker_num)
+    return parse_tail(chosen.values["tail_worker_log"], shape.local_worker_num, chosen.label("tail_worker_log"))
+
+
+def _metrics_address(chosen: _Chosen) -> str | None:
+    """The metrics endpoint's address checked (None: none, also for a blank value).
+
+    Raises:
+        ConfigError: an address that does not resolve.
+    """
+    metrics_addr = chosen.values["metrics_addr"]
+    if metrics_addr is None or not metrics_addr.strip():
+        return None
+    return check_address(metrics_addr, chosen.label("metrics_addr"))
+
+
+def _job_spec(
+    chosen: _Chosen, shape: _Shape, checked: Mapping[str, Any], *, script: str | None, script_args: tuple[str, ...],
+    module: bool, no_python: bool, config_file: str | None, warnings: list[str],
+) -> JobSpec:
+    """The :class:`JobSpec`: every stored option as chosen, then the ones computed, checked or
+    parsed from them (``shape`` and ``checked``)."""
+    options = {opt.name: chosen.values[opt.name] for opt in OPTIONS if opt.stored}
+    options.update(checked, worker_num=shape.worker_num, local_worker_num=shape.local_worker_num,
+                   node_rank=shape.node_rank)
+    return JobSpec(
         script=script,
         script_args=tuple(script_args),
         module=module,
         no_python=no_python,
-        master_port_auto=nnodes == 1 and "master_port" not in given and port != 0,
-        node_rank_auto=node_rank_auto,
-        min_nodes=min_nodes,
-        tft_explicit=values["tft"] is not None,
+        master_port_auto=shape.nnodes == 1 and not chosen.given("master_port") and checked["master_port"] != 0,
+        node_rank_auto=shape.node_rank_auto,
+        min_nodes=shape.min_nodes,
+        tft_explicit=chosen.values["tft"] is not None,
         config_file=config_file,
         warnings=tuple(warnings),
-        **chosen,
+        **options,
     )
-    read_job_token(spec, environ)  # a multi-node job needs a secret; a given one must be usable
-    return spec
-
 
 
 def _printable(text: str | None, where: str, example: str) -> str | None:
@@ -222,10 +380,7 @@ def _printable(text: str | None, where: str, example: str) -> str | None:
     return text.strip()
 
 
-def _fit_cluster_env(
-    cluster: ClusterEnv, nnodes: int, values: dict[str, Any], labels: dict[str, str], given: set[str],
-    warnings: list[str],
-) -> None:
+def _fit_cluster_env(cluster: ClusterEnv, nnodes: int, chosen: _Chosen, warnings: list[str]) -> None:
     """Keep only the cluster environment's values that describe this job.
 
     Its node index is this node's only when the job has the cluster's node count (a one-node Slurm
@@ -241,23 +396,18 @@ def _fit_cluster_env(
         return
 
     def from_cluster(name: str) -> bool:
-        return name in cluster.labels and labels.get(name) == cluster.labels[name]
-
-    def drop(name: str) -> None:
-        values[name] = OPTIONS_BY_NAME[name].default
-        labels.pop(name, None)
-        given.discard(name)
+        return name in cluster.labels and chosen.labels.get(name) == cluster.labels[name]
 
     if from_cluster("node_rank") and cluster.nodes is not None and cluster.nodes != nnodes:
         warnings.append(
             f"{cluster.labels['node_rank']} is not used: the job has {nnodes} node(s), the {cluster.name} environment "
             f"{cluster.nodes}" + ("; this node's index is decided at start (a free or vacant one)" if nnodes > 1 else "")
         )
-        drop("node_rank")
+        chosen.drop("node_rank")
     if nnodes == 1:
         for name in ("master_addr", "master_port"):
             if from_cluster(name):
-                drop(name)
+                chosen.drop(name)
     elif from_cluster("node_rank") and cluster.tasks_per_node is not None:
         tasks, step_nodes, names = cluster.tasks_per_node
         if tasks != step_nodes:
@@ -267,9 +417,7 @@ def _fit_cluster_env(
             )
 
 
-def _sizes(
-    values: Mapping[str, Any], given: set[str], label: Callable[[str], str], warnings: list[str]
-) -> tuple[int, int]:
+def _sizes(chosen: _Chosen, warnings: list[str]) -> tuple[int, int]:
     """The job's (worker_num, local_worker_num) from worker_num, local_worker_num and nnodes.
 
     With ``nnodes`` (torchrun): worker_num = nnodes x local_worker_num (local_worker_num defaults
@@ -279,6 +427,7 @@ def _sizes(
     Raises:
         ConfigError: sizes that do not fit together.
     """
+    values, label = chosen.values, chosen.label
     worker_num = values["worker_num"]
     local = values["local_worker_num"]
     if values["nnodes"] is not None:
@@ -290,7 +439,7 @@ def _sizes(
                 "joins (ARF)"
             )
         if local is None:
-            if "worker_num" in given:
+            if chosen.given("worker_num"):
                 if worker_num % nodes:
                     raise ConfigError(
                         f"{label('worker_num')} {worker_num} cannot be split over {label('nnodes')} {nodes} nodes; "
@@ -299,7 +448,7 @@ def _sizes(
                 local = worker_num // nodes
             else:
                 local = 1
-        if "worker_num" in given and worker_num != nodes * local:
+        if chosen.given("worker_num") and worker_num != nodes * local:
             raise ConfigError(
                 f"{label('worker_num')} {worker_num} disagrees with {label('nnodes')} {nodes} x "
                 f"{label('local_worker_num')} {local} = {nodes * local}; give --nnodes and --nproc_per_node "
@@ -311,7 +460,7 @@ def _sizes(
                 f"{label('nnodes')} {nodes} x {label('local_worker_num')} {local} = {worker_num} ranks; "
                 f"a job has at most {MAX_WORLD_SIZE}"
             )
-    elif "worker_num" not in given and local is not None:
+    elif not chosen.given("worker_num") and local is not None:
         worker_num = local  # torchrun style: --nproc_per_node alone sets the world
     local = worker_num if local is None else local
     if local > worker_num:

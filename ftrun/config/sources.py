@@ -72,55 +72,84 @@ def convert_toml(opt: Option, value: Any, where: str) -> Any:
             expected type with an example.
     """
 
-    def wrong(expected: str) -> ConfigError:
-        return ConfigError(
-            f"{where} is {_toml_type(value)} ({_short(value)}); {opt.name} takes {expected}, "
-            f"e.g. {_toml_example(opt)}"
-        )
-
     if opt.type is bool:
         if isinstance(value, bool):
             return value
-        raise wrong("true or false")
+        raise _wrong_toml_type(opt, value, where, "true or false")
     if opt.type is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            opt.check_range(value, where)
-            return value
-        if isinstance(value, float) and value.is_integer():
-            opt.check_range(value, where)
-            return int(value)
-        raise wrong("an integer")
+        return _toml_integer(opt, value, where)
     if opt.type is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            try:
-                number = float(value)
-            except OverflowError:
-                number = math.inf
-            opt.check_range(number, where, _short(value))
-            return number
-        raise wrong("a number")
+        return _toml_number(opt, value, where)
+    return _toml_text(opt, value, where)
+
+
+def _wrong_toml_type(opt: Option, value: Any, where: str, expected: str) -> ConfigError:
+    """The error for a TOML value of another type than the option takes, with an example."""
+    return ConfigError(
+        f"{where} is {_toml_type(value)} ({_short(value)}); {opt.name} takes {expected}, "
+        f"e.g. {_toml_example(opt)}"
+    )
+
+
+def _toml_integer(opt: Option, value: Any, where: str) -> int:
+    """An int option's value: an integer, or a float with no fraction, in range."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        opt.check_range(value, where)
+        return value
+    if isinstance(value, float) and value.is_integer():
+        opt.check_range(value, where)
+        return int(value)
+    raise _wrong_toml_type(opt, value, where, "an integer")
+
+
+def _toml_number(opt: Option, value: Any, where: str) -> float:
+    """A float option's value: an integer or a float, in range (an integer too large for a
+    float counts as infinite)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        opt.check_range(number, where, _short(value))
+        return number
+    raise _wrong_toml_type(opt, value, where, "a number")
+
+
+def _toml_text(opt: Option, value: Any, where: str) -> str:
+    """A string option's value, as the text its flag would take: a string, or the other TOML
+    forms some options accept (a table of switches for tft, an integer for nnodes and
+    tail_worker_log, an array for tail_worker_log and recoverable_errors)."""
     if isinstance(value, str):
         return check_text(opt, value, where)
     if opt.name == "tft" and isinstance(value, dict):
-        items = []
-        for key, flag in value.items():
-            if isinstance(flag, bool) or (isinstance(flag, int) and flag in (0, 1)):
-                items.append(f"{key}:{int(flag)}")
-            else:
-                raise ConfigError(f"{where}: switch {key} = {_short(flag)} must be true/false or 1/0, "
-                                  "e.g. tft = {ARF = 1, TTP = 1}")
-        return "{" + ",".join(items) + "}"
+        return _tft_table(value, where)
     if opt.name in ("nnodes", "tail_worker_log") and isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     if opt.name == "tail_worker_log" and isinstance(value, list):
         if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             return ",".join(str(v) for v in value)
-        raise wrong("a string or an array of local ranks")
+        raise _wrong_toml_type(opt, value, where, "a string or an array of local ranks")
     if opt.name == "recoverable_errors" and isinstance(value, list):
         if all(isinstance(v, str) for v in value):
             return ",".join(value)
-        raise wrong("a string or an array of strings")
-    raise wrong("a string")
+        raise _wrong_toml_type(opt, value, where, "a string or an array of strings")
+    raise _wrong_toml_type(opt, value, where, "a string")
+
+
+def _tft_table(table: dict[str, Any], where: str) -> str:
+    """``tft = {ARF = 1, TTP = true}`` as the flag's text, ``{ARF:1,TTP:1}``.
+
+    Raises:
+        ConfigError: a switch that is not true/false or 1/0.
+    """
+    items = []
+    for key, flag in table.items():
+        if isinstance(flag, bool) or (isinstance(flag, int) and flag in (0, 1)):
+            items.append(f"{key}:{int(flag)}")
+        else:
+            raise ConfigError(f"{where}: switch {key} = {_short(flag)} must be true/false or 1/0, "
+                              "e.g. tft = {ARF = 1, TTP = 1}")
+    return "{" + ",".join(items) + "}"
 
 
 def read_toml(path: Path, *, section: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -332,6 +361,20 @@ class ClusterEnv:
     nodes: int | None = None
     tasks_per_node: tuple[int, int, str] | None = None
 
+    def take(self, option: str, var: str, raw: str, label: str | None = None) -> None:
+        """Set ``option`` from the cluster variable ``var``'s value ``raw``, converted and checked.
+
+        Args:
+            label: what gave it (default ``"VAR (<name> environment)"``), kept in :attr:`labels`
+                and used in errors.
+
+        Raises:
+            ConfigError: a value of the wrong type or out of range.
+        """
+        label = label or f"{var} ({self.name} environment)"
+        self.values[option] = convert_text(OPTIONS_BY_NAME[option], raw, label)
+        self.labels[option] = label
+
 
 def _env_value(environ: Mapping[str, str], *names: str) -> tuple[str, str] | None:
     """The first of ``names`` set to a non-empty value: (name, value)."""
@@ -340,6 +383,12 @@ def _env_value(environ: Mapping[str, str], *names: str) -> tuple[str, str] | Non
         if value:
             return name, value
     return None
+
+
+# The variables a Kubeflow PyTorchJob sets for torchrun, and the options they give.
+_PET_VARS = ("PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT", "PET_NPROC_PER_NODE")
+_PET_OPTIONS = (("nnodes", "PET_NNODES"), ("node_rank", "PET_NODE_RANK"), ("master_addr", "PET_MASTER_ADDR"),
+                ("master_port", "PET_MASTER_PORT"))
 
 
 def read_cluster_env(environ: Mapping[str, str]) -> ClusterEnv:
@@ -358,52 +407,62 @@ def read_cluster_env(environ: Mapping[str, str]) -> ClusterEnv:
     Raises:
         ConfigError: a malformed value, naming the variable.
     """
-    out = ClusterEnv()
-
-    def take(option: str, var: str, raw: str, label: str | None = None) -> None:
-        label = label or f"{var} ({out.name} environment)"
-        out.values[option] = convert_text(OPTIONS_BY_NAME[option], raw, label)
-        out.labels[option] = label
-
-    pet = {name: environ.get(name, "").strip() for name in
-           ("PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT", "PET_NPROC_PER_NODE")}
+    pet = {name: environ.get(name, "").strip() for name in _PET_VARS}
     if any(pet.values()):
-        out.name = "PyTorchJob"
-        for option, var in (("nnodes", "PET_NNODES"), ("node_rank", "PET_NODE_RANK"),
-                            ("master_addr", "PET_MASTER_ADDR"), ("master_port", "PET_MASTER_PORT")):
-            if pet[var]:
-                take(option, var, pet[var])
-        nproc = pet["PET_NPROC_PER_NODE"]
-        if nproc:
-            label = f"PET_NPROC_PER_NODE ({out.name} environment)"
-            if not re.fullmatch(r"[+-]?[0-9]+", nproc):
-                try:
-                    nproc = str(count_local_devices(nproc))
-                except ConfigError as err:
-                    raise ConfigError(f"PET_NPROC_PER_NODE={pet['PET_NPROC_PER_NODE']} ({out.name} environment): "
-                                      f"{err}") from None
-            take("local_worker_num", "PET_NPROC_PER_NODE", nproc, label)
-        if pet["PET_NNODES"]:
-            match = re.fullmatch(r"\s*[0-9]+\s*(?::\s*([0-9]+)\s*)?", pet["PET_NNODES"])
-            if match:
-                out.nodes = int(match.group(1) or pet["PET_NNODES"].strip())
-        return out
+        return _read_pytorchjob(pet)
+    return _read_slurm(environ)
+
+
+def _read_pytorchjob(pet: Mapping[str, str]) -> ClusterEnv:
+    """The options of a PyTorchJob's ``PET_`` variables (stripped; empty: not set).
+
+    Raises:
+        ConfigError: a malformed value, naming the variable.
+    """
+    out = ClusterEnv(name="PyTorchJob")
+    for option, var in _PET_OPTIONS:
+        if pet[var]:
+            out.take(option, var, pet[var])
+    nproc = pet["PET_NPROC_PER_NODE"]
+    if nproc:
+        label = f"PET_NPROC_PER_NODE ({out.name} environment)"
+        if not re.fullmatch(r"[+-]?[0-9]+", nproc):
+            try:
+                nproc = str(count_local_devices(nproc))  # torchrun's auto, cpu, gpu, xpu
+            except ConfigError as err:
+                raise ConfigError(f"PET_NPROC_PER_NODE={pet['PET_NPROC_PER_NODE']} ({out.name} environment): "
+                                  f"{err}") from None
+        out.take("local_worker_num", "PET_NPROC_PER_NODE", nproc, label)
+    if pet["PET_NNODES"]:
+        match = re.fullmatch(r"\s*[0-9]+\s*(?::\s*([0-9]+)\s*)?", pet["PET_NNODES"])
+        if match:
+            out.nodes = int(match.group(1) or pet["PET_NNODES"].strip())
+    return out
+
+
+def _read_slurm(environ: Mapping[str, str]) -> ClusterEnv:
+    """The options of Slurm's variables (an empty :class:`ClusterEnv` when none is set), and the
+    step's tasks and nodes.
+
+    Raises:
+        ConfigError: a malformed value, naming the variable.
+    """
     nnodes = _env_value(environ, "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
     node_id = _env_value(environ, "SLURM_NODEID")
     nodelist = _env_value(environ, "SLURM_JOB_NODELIST", "SLURM_NODELIST")
     if not (nnodes or node_id or nodelist):
-        return out
-    out.name = "Slurm"
+        return ClusterEnv()
+    out = ClusterEnv(name="Slurm")
     if nnodes:
-        take("nnodes", *nnodes)
+        out.take("nnodes", *nnodes)
         if re.fullmatch(r"[0-9]+", nnodes[1]):
             out.nodes = int(nnodes[1])
     if node_id:
-        take("node_rank", *node_id)
+        out.take("node_rank", *node_id)
     if nodelist:
         var, raw = nodelist
-        take("master_addr", var, first_host(raw, f"{var}={raw} (Slurm environment)"),
-             f"the first host of {var}={raw} (Slurm environment)")
+        out.take("master_addr", var, first_host(raw, f"{var}={raw} (Slurm environment)"),
+                 f"the first host of {var}={raw} (Slurm environment)")
     tasks = _env_value(environ, "SLURM_STEP_NUM_TASKS")
     step_nodes = _env_value(environ, "SLURM_STEP_NUM_NODES")
     if tasks and step_nodes and tasks[1].isdigit() and step_nodes[1].isdigit():

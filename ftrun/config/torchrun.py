@@ -302,55 +302,96 @@ def apply_torchrun(
             contradicts another one given on the command line.
     """
     if torchrun.rdzv_backend is not None:
-        backend = torchrun.rdzv_backend.strip().lower()
-        if backend not in ("c10d", "static"):
-            raise ConfigError(
-                f"--rdzv-backend {torchrun.rdzv_backend!r} is not supported: ftrun hosts its own store on node 0; "
-                "use c10d or static (or leave it out)"
-            )
-
-    def take(name: str, value: Any, flag: str) -> None:
-        if name in from_cli and from_cli[name] != value:
-            raise ConfigError(
-                f"{flag} gives {name} {format_number(value)}, but {labels[name]} gives {format_number(from_cli[name])}; give only one"
-            )
-        from_cli[name] = value
-        labels[name] = flag
-
+        _check_backend(torchrun.rdzv_backend)
     if torchrun.standalone:
-        if torchrun.rdzv_endpoint is not None:
-            raise ConfigError("--standalone hosts the store on this machine; drop --rdzv-endpoint, or --standalone")
-        addr = from_cli.get("master_addr")
-        if addr is not None and addr.strip().lower() not in _LOOPBACK_NAMES:
-            raise ConfigError(
-                f"--standalone runs a single-node job with its store on 127.0.0.1; drop --master_addr {addr}"
-            )
-        from_cli.setdefault("master_addr", "127.0.0.1")
-        labels.setdefault("master_addr", "--standalone")
-        from_cli.setdefault("master_port", 0)  # an explicit --master_port is kept
-        labels.setdefault("master_port", "--standalone")
+        _apply_standalone(torchrun, from_cli, labels)
     elif torchrun.rdzv_endpoint is not None:
-        host, port = parse_rdzv_endpoint(torchrun.rdzv_endpoint)
-        if "master_addr" in from_cli:
-            given = from_cli["master_addr"].strip()
-            if given.strip("[]") != host:
-                raise ConfigError(
-                    f"--rdzv-endpoint {torchrun.rdzv_endpoint} and --master_addr {given} name different hosts; give only one"
-                )
-        from_cli["master_addr"] = host
-        labels["master_addr"] = "--rdzv-endpoint"
-        take("master_port", port, "--rdzv-endpoint")
-    is_host: bool | None = None
-    if torchrun.rdzv_conf is not None:
-        conf = parse_rdzv_conf(torchrun.rdzv_conf)
-        join = conf.get("join_timeout", conf.get("timeout"))
-        if join is not None:
-            take("cluster_time_out", float(join), "--rdzv-conf")
-        for key in conf:
-            if RDZV_CONF_KEYS[key].startswith("ignored"):
-                warnings.append(f"--rdzv-conf {key} is {RDZV_CONF_KEYS[key]}")
-        if "is_host" in conf:
-            is_host = bool(conf["is_host"])
-    return is_host
+        _apply_endpoint(torchrun.rdzv_endpoint, from_cli, labels)
+    if torchrun.rdzv_conf is None:
+        return None
+    return _apply_rdzv_conf(torchrun.rdzv_conf, from_cli, labels, warnings)
+
+
+def _check_backend(rdzv_backend: str) -> None:
+    """Refuse a rendezvous backend other than c10d and static (both: ftrun's store on node 0)."""
+    backend = rdzv_backend.strip().lower()
+    if backend not in ("c10d", "static"):
+        raise ConfigError(
+            f"--rdzv-backend {rdzv_backend!r} is not supported: ftrun hosts its own store on node 0; "
+            "use c10d or static (or leave it out)"
+        )
+
+
+def _take_flag(from_cli: dict[str, Any], labels: dict[str, str], name: str, value: Any, flag: str) -> None:
+    """Set option ``name`` from torchrun's ``flag``, unless the command line gives it another value.
+
+    Raises:
+        ConfigError: the command line gives the option a different value.
+    """
+    if name in from_cli and from_cli[name] != value:
+        raise ConfigError(
+            f"{flag} gives {name} {format_number(value)}, but {labels[name]} gives {format_number(from_cli[name])}; give only one"
+        )
+    from_cli[name] = value
+    labels[name] = flag
+
+
+def _apply_standalone(torchrun: TorchrunFlags, from_cli: dict[str, Any], labels: dict[str, str]) -> None:
+    """``--standalone``: the store on 127.0.0.1 on a free port (a given ``--master_port`` is kept).
+
+    Raises:
+        ConfigError: with ``--rdzv-endpoint``, or a ``--master_addr`` that is not loopback.
+    """
+    if torchrun.rdzv_endpoint is not None:
+        raise ConfigError("--standalone hosts the store on this machine; drop --rdzv-endpoint, or --standalone")
+    addr = from_cli.get("master_addr")
+    if addr is not None and addr.strip().lower() not in _LOOPBACK_NAMES:
+        raise ConfigError(
+            f"--standalone runs a single-node job with its store on 127.0.0.1; drop --master_addr {addr}"
+        )
+    from_cli.setdefault("master_addr", "127.0.0.1")
+    labels.setdefault("master_addr", "--standalone")
+    from_cli.setdefault("master_port", 0)  # an explicit --master_port is kept
+    labels.setdefault("master_port", "--standalone")
+
+
+def _apply_endpoint(rdzv_endpoint: str, from_cli: dict[str, Any], labels: dict[str, str]) -> None:
+    """``--rdzv-endpoint HOST[:PORT]``: node 0's store, as master_addr and master_port.
+
+    Raises:
+        ConfigError: a malformed endpoint, or a host or port other than the command line's.
+    """
+    host, port = parse_rdzv_endpoint(rdzv_endpoint)
+    if "master_addr" in from_cli:
+        given = from_cli["master_addr"].strip()
+        if given.strip("[]") != host:
+            raise ConfigError(
+                f"--rdzv-endpoint {rdzv_endpoint} and --master_addr {given} name different hosts; give only one"
+            )
+    from_cli["master_addr"] = host
+    labels["master_addr"] = "--rdzv-endpoint"
+    _take_flag(from_cli, labels, "master_port", port, "--rdzv-endpoint")
+
+
+def _apply_rdzv_conf(
+    rdzv_conf: str, from_cli: dict[str, Any], labels: dict[str, str], warnings: list[str]
+) -> bool | None:
+    """``--rdzv-conf KEY=VALUE,...``: its join timeout as cluster_time_out, a warning for each
+    key ignored.
+
+    Returns:
+        ``is_host`` (None: not given).
+
+    Raises:
+        ConfigError: a malformed conf, or a timeout other than the command line's.
+    """
+    conf = parse_rdzv_conf(rdzv_conf)
+    join = conf.get("join_timeout", conf.get("timeout"))
+    if join is not None:
+        _take_flag(from_cli, labels, "cluster_time_out", float(join), "--rdzv-conf")
+    for key in conf:
+        if RDZV_CONF_KEYS[key].startswith("ignored"):
+            warnings.append(f"--rdzv-conf {key} is {RDZV_CONF_KEYS[key]}")
+    return bool(conf["is_host"]) if "is_host" in conf else None
 
 
