@@ -966,3 +966,27 @@ def test_a_hung_rank_its_node_never_ran_is_reported_gone(tmp_path: Path) -> None
     assert "the process is gone" in stacks.note
     assert isinstance(gone, ExitReport) and (gone.rank, gone.incarnation, gone.returncode) == (0, 1, -signal.SIGKILL)
     assert "runs no incarnation 1 of rank 0" in gone.log_tail[0]
+
+
+def test_a_plain_rank_crashing_in_its_teardown_after_the_others_finished_is_not_restarted(tmp_path: Path) -> None:
+    """Every other rank exited 0; a plain script's rank ends with SIGABRT (a destructor's abort): the
+    job fails with that code and no restart is spent (policy.decide_failed_ranks)."""
+    coord, agent, clock = make(tmp_path, max_restarts=3)
+    for rank in range(3):
+        agent.exit(rank, 0, clock.now)
+        assert coord.check_processes() is None
+    agent.exit(3, -6, clock.now)
+    assert coord.check_processes() == 134 and coord.restarts_used == 0
+    assert not events(tmp_path, "job_restarting")
+    assert "after every other rank had finished successfully" in events(tmp_path, "job_finished")[-1]["message"]
+
+
+def test_with_join_a_failure_restarts_nothing_and_the_job_fails_once_every_rank_ended(tmp_path: Path) -> None:
+    coord, agent, clock = make(tmp_path, max_restarts=3, join=True)
+    hello_all(coord)
+    agent.exit(1, 1, clock.now)
+    assert coord.check_processes() is None and coord.restarts_used == 0 and not events(tmp_path, "recovery_started")
+    for rank in (0, 2, 3):
+        agent.exit(rank, 0, clock.now)
+    assert coord.check_processes() == 1
+    assert "a rank failed and --join let the others finish" in events(tmp_path, "job_finished")[-1]["message"]

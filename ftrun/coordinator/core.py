@@ -3,9 +3,13 @@
 It runs in node 0's supervisor process (``python -m ftrun.node.supervisor``, a child of the launcher),
 beside node 0's agent (:class:`~ftrun.coordinator.agents.LocalAgent`); every other node's agent connects to it
 over the authenticated control plane, and so does every rank of every node. :class:`Coordinator`
-keeps the main loop, the job's phase and the restart policy's outcomes (respawn, restart, fail,
-stop); its other roles are modules of this package, each used through public members:
+wires the roles, keeps the main loop, the job's phase and its hard state (:class:`~.state.JobState`),
+and reads the nodes' health; its other roles are modules of this package, each used through public
+members:
 
+- :mod:`.failures`: a rank's failure, from the evidence (agents' reports, hangs, a lost node) to
+  the policy's decision (:mod:`ftrun.coordinator.policy`) carried out;
+- :mod:`.ending`: whole-job restarts, the job's failure, a stop, stepping down; the exit code;
 - :mod:`.control`: the ROUTER socket, frame authentication, rejects, closed connections;
 - :mod:`.membership`: node agents, node loss, fencing, replacements;
 - :mod:`.environment`: the ranks' environment (torchrun's and msrun's contract), spawning, spares,
@@ -242,30 +246,47 @@ class Coordinator:
         coordinators that died before this one could take over; ``cause``, in words), instead of
         starting one."""
         self._install_signals()
-        spec = self.spec
         if takeover is None:
-            self.spawning.run_id = os.environ.get("TORCHELASTIC_RUN_ID") or f"ftrun-{os.getppid()}-{int(self.wall())}"
-            self.emit(EventKind.JOB_STARTED,
-                      f"job started: {spec.worker_num} rank(s), {spec.local_worker_num} on node {spec.node_rank}, "
-                      f"max_restarts={spec.max_restarts}, TFT={spec.tft}",
-                      script=spec.script, args=list(spec.script_args), control=self.control_addr)
-            for warning in spec.warnings:
-                self.emit(EventKind.WARNING, warning)
-            for name in spec.tft.not_implemented() if spec.tft_explicit else ():
-                self.emit(EventKind.WARNING, f"TFT switch {name} is on but not implemented in this version of ftrun; it has no effect")
-            note = self.agents[0].start_note() if 0 in self.agents else None
-            if note:
-                self.emit(EventKind.WARNING, note)
-            self.spawning.publish_control_addr()
-            self.start_attempt()
+            self.start_job()
         else:
             self.take_over(takeover, lost, cause)
+        self._loop()
+        code, message = self.end.final()
+        self.publish_status(final={"exit_code": code, "message": self.end.final_message or ""})
+        for agent in [*self.agents.values(), *self.members.standby_nodes.values()]:
+            agent.shutdown(code, message)
+        self.close()
+        return code
+
+    def start_job(self) -> None:
+        """Announce the job (``job_started``, the configuration's warnings), publish the control
+        endpoint and start its first attempt."""
+        spec = self.spec
+        self.spawning.run_id = os.environ.get("TORCHELASTIC_RUN_ID") or f"ftrun-{os.getppid()}-{int(self.wall())}"
+        self.emit(EventKind.JOB_STARTED,
+                  f"job started: {spec.worker_num} rank(s), {spec.local_worker_num} on node {spec.node_rank}, "
+                  f"max_restarts={spec.max_restarts}, TFT={spec.tft}",
+                  script=spec.script, args=list(spec.script_args), control=self.control_addr)
+        for warning in spec.warnings:
+            self.emit(EventKind.WARNING, warning)
+        for name in spec.tft.not_implemented() if spec.tft_explicit else ():
+            self.emit(EventKind.WARNING, f"TFT switch {name} is on but not implemented in this version of ftrun; it has no effect")
+        note = self.agents[0].start_note() if 0 in self.agents else None
+        if note:
+            self.emit(EventKind.WARNING, note)
+        self.spawning.publish_control_addr()
+        self.start_attempt()
+
+    def _loop(self) -> None:
+        """Turn until the job's end is decided: wake on a control message, a closed connection, a
+        signal, or every ``--monitor_interval`` seconds; each check of a turn runs while the end is
+        not decided, and the status is published after each turn."""
         poller = zmq.Poller()
         poller.register(self.control.router, zmq.POLLIN)
         poller.register(self.control.disconnects, zmq.POLLIN)
         poller.register(self._wakeup.fd, zmq.POLLIN)
         while self.exit_code is None:
-            poller.poll(timeout=int(spec.monitor_interval * 1000))
+            poller.poll(timeout=int(self.spec.monitor_interval * 1000))
             self._wakeup.drain()
             if self.stop_signal is not None:
                 self.finish_with(self.end.stop(128 + self.stop_signal, f"stopped by {signal.Signals(self.stop_signal).name}"))
@@ -282,12 +303,6 @@ class Coordinator:
             if self.exit_code is None:
                 self.failover.replicate(self.clock())
             self.publish_status()
-        code, message = self.end.final()
-        self.publish_status(final={"exit_code": code, "message": self.end.final_message or ""})
-        for agent in [*self.agents.values(), *self.members.standby_nodes.values()]:
-            agent.shutdown(code, message)
-        self.close()
-        return code
 
     def _install_signals(self) -> None:
         self._wakeup.install()
