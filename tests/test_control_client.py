@@ -318,9 +318,9 @@ def test_channel_moves_to_the_standby_and_says_hello_again(loss, capfd):
     port = coordinator.bind_to_random_port("tcp://127.0.0.1")
     standby_port = standby.bind_to_random_port("tcp://127.0.0.1")
     channel = Channel(f"tcp://127.0.0.1:{port}", TOKEN, rank=1, incarnation=2, heartbeat_interval=0.05)
-    channel.rejoin_fields = lambda: {"generation": 7}
+    channel.rejoin_fields = lambda: {"seen": 7}
     try:
-        channel.send(MsgType.HELLO, pid=1, generation=0, replica_group=[1], library=True, hot=True)
+        channel.send(MsgType.HELLO, pid=1, generation=0, replica_group=[1], library=True, hot="loop")
         assert coordinator.poll(10_000), "no hello from the channel"
         identity, frame = coordinator.recv_multipart()
         assert decode(frame, Receiver(TOKEN, CONTROL)).type == MsgType.HELLO
@@ -338,7 +338,7 @@ def test_channel_moves_to_the_standby_and_says_hello_again(loss, capfd):
         assert standby.poll(10_000), "the channel did not move to the standby"
         _, frame = standby.recv_multipart()
         hello = decode(frame, Receiver(TOKEN, CONTROL))
-        assert hello.type == MsgType.HELLO and hello["rejoin"] is True and hello["generation"] == 7
+        assert hello.type == MsgType.HELLO and hello["rejoin"] is True and hello["seen"] == 7
         assert (hello["rank"], hello["incarnation"]) == (1, 2) and "hot" not in hello.fields
         assert standby.poll(10_000)
         assert decode(standby.recv_multipart()[1], Receiver(TOKEN, CONTROL)).type == MsgType.HEARTBEAT
