@@ -15,7 +15,7 @@ from coordinator_fixtures import MADE, TOKEN, Clock, FakeAgent, close_coordinato
 
 from ftrun.config import JobSpec
 from ftrun.coordinator import Coordinator
-from ftrun.coordinator.failover import hard_state, restore, silence_timeout
+from ftrun.coordinator.failover import RankRow, hard_state, restore, silence_timeout
 from ftrun.coordinator.policy import RankState
 from ftrun.common.protocol import MsgType
 
@@ -69,6 +69,35 @@ def test_the_hard_state_restores_a_coordinator_with_the_epoch_moved_on(tmp_path:
     assert {**hard_state(again), "epoch": old.epoch} == state
     assert again.generation == old.generation == 1 and again.restarts_used == 1
     assert again.ranks[2].incarnation == 1 and again.ranks[2].proc.state == old.ranks[2].proc.state
+
+
+def test_a_rank_row_is_named_and_travels_as_a_list_of_nine_values(tmp_path: Path) -> None:
+    coord, _agent, _clock = make(tmp_path, world=4)
+    hello_all(coord)
+    step(coord, 3)
+    rows = hard_state(coord)["ranks"]
+    assert all(type(row) is list and len(row) == len(RankRow._fields) == 9 for row in rows)
+    row = RankRow.from_wire(rows[2])
+    assert (row.rank, row.incarnation, row.library, row.state, row.committed, row.running) == (2, 0, True, "healthy", 3, True)
+    assert row.replica_group == [0, 1, 2, 3] and row.to_wire() == rows[2]
+    assert RankRow.decision(rows[2]) == [v for name, v in zip(RankRow._fields, rows[2]) if name != "committed"]
+    with pytest.raises(TypeError):
+        RankRow.from_wire(rows[2][:8])
+
+
+def test_the_hard_state_of_16384_ranks_fits_one_frame() -> None:
+    """Rows travel as lists, not maps: a job of 16,384 ranks (replica pairs, high pids and steps)
+    replicates its whole hard state in one ``state`` frame."""
+    from ftrun.common.protocol import CONTROL, MAX_FRAME_BYTES, Receiver, Sender, decode, encode
+
+    world = 16384
+    rows = [RankRow(r, 3, 4_000_000 + r, True, [r - r % 2, r - r % 2 + 1], 3, "healthy", 1_000_000, True).to_wire()
+            for r in range(world)]
+    state = {"epoch": 0, "attempt": 0, "generation": 9, "restarts_used": 3, "run_id": "job", "lost_nodes": {},
+             "members": list(range(world // 8)), "awaited": {}, "electorate": world // 8, "seats": [], "ranks": rows}
+    frame = encode(MsgType.STATE, Sender(TOKEN), CONTROL, state=state)
+    assert len(frame) < MAX_FRAME_BYTES
+    assert RankRow.from_wire(decode(frame, Receiver(TOKEN, CONTROL)).body.state["ranks"][-1]).pid == 4_000_000 + world - 1
 
 
 def test_a_takeover_recovers_the_dead_coordinators_node_from_replicas(tmp_path: Path, store: int) -> None:

@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from ftrun.coordinator.policy import RankState
 from ftrun.common.protocol import MsgType
@@ -63,6 +63,7 @@ from ftrun.coordinator.agents import RemoteAgent
 if TYPE_CHECKING:
     from ftrun.coordinator.agents import AgentHandle
     from ftrun.coordinator.core import Coordinator
+    from ftrun.coordinator.ranks import Rank
 
 log = logging.getLogger("ftrun.coordinator")
 
@@ -88,6 +89,49 @@ def address_towards(peer: str) -> str:
         return sock.getsockname()[0]
 
 
+class RankRow(NamedTuple):
+    """One rank in the hard state (:func:`hard_state`). It travels as a list of these nine values
+    in this order, not as a map: the rows of 16,384 ranks fit one frame
+    (:data:`ftrun.common.protocol.MAX_FRAME_BYTES`)."""
+
+    rank: int
+    incarnation: int
+    pid: int  # 0: not known yet
+    library: bool  # the rank runs the worker library
+    replica_group: list[int]
+    restarts: int
+    state: str  # a RankState value
+    committed: int  # its committed step: moves every step, not a decision (:meth:`decision`)
+    running: bool
+
+    @classmethod
+    def of(cls, r: "Rank") -> "RankRow":
+        """The row of rank ``r`` now."""
+        return cls(r.rank, r.incarnation, r.proc.pid or 0, r.library, list(r.replica_group), r.restarts,
+                   r.proc.state.value, r.proc.committed, r.proc.running)
+
+    @classmethod
+    def from_wire(cls, row: Sequence[Any]) -> "RankRow":
+        """A row as it travels (a list of nine values).
+
+        Raises:
+            TypeError: not nine values.
+        """
+        return cls._make(row)
+
+    def to_wire(self) -> list[Any]:
+        """The row as it travels: a list of its nine values, in order."""
+        return list(self)
+
+    @staticmethod
+    def decision(row: Sequence[Any]) -> list[Any]:
+        """A row (as it travels) without its committed step: what changes only when the coordinator decides."""
+        return [*row[:_COMMITTED], *row[_COMMITTED + 1:]]
+
+
+_COMMITTED = RankRow._fields.index("committed")
+
+
 def hard_state(job: "Coordinator") -> dict[str, Any]:
     """What a standby needs to go on with the job: the coordinator's hard state (see the module
     docstring), a msgpack-able dict."""
@@ -105,9 +149,7 @@ def hard_state(job: "Coordinator") -> dict[str, Any]:
         "electorate": job.members.electorate,
         # the standby coordinators in line, first first: [node, control endpoint, store]
         "seats": [[seat.node, seat.control, seat.store] for seat in job.failover.seats],
-        # rank, incarnation, pid, library, replica group, restarts, state, committed, running
-        "ranks": [[r.rank, r.incarnation, r.proc.pid or 0, r.library, list(r.replica_group), r.restarts,
-                   r.proc.state.value, r.proc.committed, r.proc.running] for r in job.ranks.values()],
+        "ranks": [RankRow.of(r).to_wire() for r in job.ranks.values()],  # one RankRow each
     }
 
 
@@ -142,12 +184,13 @@ def restore(job: "Coordinator", state: dict[str, Any]) -> None:
         job.members.node_deadline[node] = now + 2 * silence_timeout(job.spec)
         job.members.rejoining.add(node)
     job.members.electorate = int(state.get("electorate", 0))
-    for rank, incarnation, pid, library, group, restarts, rank_state, committed, running in state["ranks"]:
-        r = job.ranks[int(rank)]
-        r.proc = Incarnation(number=int(incarnation), started_at=now, pid=int(pid) or None, running=bool(running),
-                             state=RankState(rank_state), committed=int(committed), last_heartbeat=now,
-                             last_progress=now, rejoin_by=now + 2 * silence_timeout(job.spec))
-        r.library, r.replica_group, r.restarts = bool(library), tuple(int(x) for x in group), int(restarts)
+    for row in map(RankRow.from_wire, state["ranks"]):
+        r = job.ranks[int(row.rank)]
+        r.proc = Incarnation(number=int(row.incarnation), started_at=now, pid=int(row.pid) or None,
+                             running=bool(row.running), state=RankState(row.state), committed=int(row.committed),
+                             last_heartbeat=now, last_progress=now, rejoin_by=now + 2 * silence_timeout(job.spec))
+        r.library, r.restarts = bool(row.library), int(row.restarts)
+        r.replica_group = tuple(int(x) for x in row.replica_group)
 
 
 @dataclass
@@ -297,4 +340,4 @@ def _decisions(state: dict[str, Any] | None) -> Any:
     """A hard state without the committed steps (which move every step)."""
     if state is None:
         return None
-    return {**state, "ranks": [row[:7] + row[8:] for row in state["ranks"]]}
+    return {**state, "ranks": [RankRow.decision(row) for row in state["ranks"]]}
