@@ -167,19 +167,44 @@ def test_no_class_reaches_into_anothers_private_members() -> None:
     assert not reaches, "\n".join(reaches)
 
 
-def test_no_class_in_ftrun_is_over_600_lines() -> None:
-    """A class a newcomer can read; roles of their own are classes of their own."""
+#: Functions and classes still over the limits below, each to be split by role; the list only
+#: shrinks (an entry that fits is an error too, so it is taken off).
+OVER_LIMIT: set[str] = set()
+FUNCTION_LINES = 60
+CLASS_LINES = 400
+
+
+def _sizes() -> dict[str, tuple[str, int]]:
+    """``path:qualified name`` -> (kind, lines, def line to last line) of every function and class in ftrun/."""
     import ast
-    from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent / "ftrun"
-    sizes = {f"{path.relative_to(root)}:{node.name}": node.end_lineno - node.lineno + 1
-             for path in sorted(root.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
-             if isinstance(node, ast.ClassDef)}
-    assert sizes, "no class found: the scan is broken"
-    big = {name: lines for name, lines in sizes.items() if lines > 600}
-    assert not big, big
+    sizes: dict[str, tuple[str, int]] = {}
 
+    def walk(node: ast.AST, prefix: str, path: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                kind = "class" if isinstance(child, ast.ClassDef) else "function"
+                sizes[f"{path}:{name}"] = (kind, child.end_lineno - child.lineno + 1)
+                walk(child, name + ".", path)
+            else:
+                walk(child, prefix, path)
+
+    for path in sorted(root.rglob("*.py")):
+        walk(ast.parse(path.read_text()), "", path.relative_to(root.parent).as_posix())
+    return sizes
+
+
+def test_no_function_over_60_lines_and_no_class_over_400() -> None:
+    """A function a newcomer reads at once, a class that keeps one role: roles of their own are
+    classes of their own, stages of a procedure are functions of their own."""
+    sizes = _sizes()
+    assert any(kind == "class" for kind, _ in sizes.values()), "no class found: the scan is broken"
+    over = {name for name, (kind, lines) in sizes.items()
+            if lines > (CLASS_LINES if kind == "class" else FUNCTION_LINES)}
+    assert over <= OVER_LIMIT, sorted(f"{name}: {sizes[name][1]} lines" for name in over - OVER_LIMIT)
+    assert OVER_LIMIT <= over, f"now within the limits, take off OVER_LIMIT: {sorted(OVER_LIMIT - over)}"
 
 
 # The modules of ftrun/config and the siblings each may import (imports flow one way).
@@ -204,12 +229,15 @@ def test_config_modules_import_one_way_and_no_private_names() -> None:
     wrong = []
     for path in sorted(root.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.ImportFrom) or node.level == 0:
+            if not isinstance(node, ast.ImportFrom):
                 continue
-            if node.level == 1 and node.module:
-                sibling = node.module.split(".")[0]
+            module = f"ftrun.config.{node.module}" if node.level == 1 and node.module else node.module or ""
+            if module.startswith("ftrun.config."):
+                sibling = module.removeprefix("ftrun.config.").split(".")[0]
                 if sibling not in CONFIG_IMPORTS[path.stem]:
-                    wrong.append(f"{path.name}:{node.lineno} imports .{node.module}")
+                    wrong.append(f"{path.name}:{node.lineno} imports {module}")
+            elif module != "ftrun.config" and node.level == 0:
+                continue
             wrong += [f"{path.name}:{node.lineno} imports the private {a.name}" for a in node.names
                       if a.name.startswith("_")]
     assert not wrong, "\n".join(wrong)
