@@ -2,7 +2,7 @@
 
 Every message is one ZeroMQ frame: a 32-byte HMAC-SHA256 tag, a session header, a msgpack map::
 
-    tag(32) || session(16) || counter(8, big-endian) || msgpack({"v": 3, "type": <MsgType value>, ...fields})
+    tag(32) || session(16) || counter(8, big-endian) || msgpack({"v": 4, "type": <MsgType value>, ...fields})
 
 The tag covers the session header and the payload, plus the frame's *audience* (the endpoint it is
 meant for: the coordinator's control socket, one connection of it, one node's launcher), which is
@@ -54,7 +54,7 @@ import msgpack
 
 from ftrun.common.messages import BODIES, MsgType, field_types, required_fields
 
-PROTOCOL_VERSION = 3  # 2: per-frame HMAC tag instead of the secret in clear; 3: sessions, counters, audiences
+PROTOCOL_VERSION = 4  # 2: per-frame HMAC tag instead of the secret in clear; 3: sessions, counters, audiences; 4: exact fields (one dataclass a type)
 TAG_BYTES = 32  # HMAC-SHA256
 SESSION_BYTES = 16  # a sender's random session id
 COUNTER_BYTES = 8  # the frame's number in its session (big-endian)

@@ -15,7 +15,7 @@ from typing import Any
 _EXPORTS = {
     "Coordinator": "core", "DIVERGENCE_EXIT_CODE": "messages", "TEARDOWN_CRASH_CODES": "core",
     "OFFENDER_REJECTS": "control",
-    "IllegalTransition": "phases", "JobPhase": "phases", "JobPhases": "phases",
+    "IllegalPhaseTransition": "phases", "JobPhase": "phases", "JobPhases": "phases",
     "write_status_file": "publish",
     "Incarnation": "ranks", "Rank": "ranks", "RankPhase": "ranks",
     "PLAN_DEADLINE_S": "watchdog", "REPORT_DEADLINE_S": "watchdog", "STALL_BASE_S": "watchdog",

@@ -39,7 +39,6 @@ class IllegalPhaseTransition(RuntimeError):
     """A move the transition table does not allow (a defect in the coordinator, never user input)."""
 
 
-IllegalTransition = IllegalPhaseTransition  # the former name, still exported by ftrun.coordinator
 
 
 class JobPhases:

@@ -264,4 +264,3 @@ class RecoveryRound:
     round_started: float = 0.0  # when the current round began (its deadlines count from here)
 
 
-Recovery = RecoveryRound  # the former name (ftrun.coordinator.watchdog still imports it)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection, Iterable, Sequence
 
-from ftrun.coordinator.ranks import Rank, RankPhase, Recovery
+from ftrun.coordinator.ranks import Rank, RankPhase, RecoveryRound
 
 REPORT_DEADLINE_S = 10.0  # a survivor answers an abort in milliseconds; after this it is hung
 PLAN_DEADLINE_S = 60.0  # to build the new group and move the state, unless waiting in torch.distributed
@@ -105,7 +105,7 @@ class Watchdog:
         copy the bytes that stage moves at a rate far below memory speed."""
         return max(STALL_BASE_S, 3 * self.bounds.heartbeat_interval) + r.proc.stage_bytes / STALL_MIN_BYTES_PER_S
 
-    def inspect(self, ranks: Iterable[Rank], recovery: Recovery | None, failures_in_round: bool,
+    def inspect(self, ranks: Iterable[Rank], recovery: RecoveryRound | None, failures_in_round: bool,
                 nodes_joined: Collection[int], now: float, quiet_nodes: Collection[int] = ()) -> Finding:
         """What the watchdog finds now, in order: an unrepaired fault past its grace; a rank without
         heartbeats; a section past its bound; a stall inside a recovery or the initial broadcast;
@@ -199,7 +199,7 @@ class Watchdog:
                                                    "wait for it in torch.distributed", p.outside_since))
         return out
 
-    def setup(self, ranks: Sequence[Rank], recovery: Recovery | None, nodes_joined: Collection[int], now: float) -> list[Hung]:
+    def setup(self, ranks: Sequence[Rank], recovery: RecoveryRound | None, nodes_joined: Collection[int], now: float) -> list[Hung]:
         """Ranks that have not begun a step ``--setup_timeout`` seconds after their start. Only
         those not waiting in a torch.distributed call (the initial broadcast, a rendezvous) are
         hung: the others wait for them."""
@@ -223,7 +223,7 @@ class Watchdog:
                      r.proc.started_at) for r in culprits]
 
     @staticmethod
-    def round_deadline(ranks: Sequence[Rank], rec: Recovery | None, now: float) -> list[Hung]:
+    def round_deadline(ranks: Sequence[Rank], rec: RecoveryRound | None, now: float) -> list[Hung]:
         """Every recovery round has a deadline: a connected rank that has not answered the abort
         within :data:`REPORT_DEADLINE_S`, or has not carried out the plan within
         :data:`PLAN_DEADLINE_S` while not waiting in torch.distributed, is hung and replaced,
