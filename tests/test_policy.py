@@ -351,3 +351,20 @@ def test_a_restart_for_an_unusable_checkpoint_spends_nothing_even_past_the_budge
     d = decide_restart("rank(s) [0] failed", restarts_used=2, max_restarts=2, unusable="checkpoint /c is unusable: f bad")
     assert d.action == Action.RESTART_JOB and not d.counts_restart
     assert d.reason == "rank(s) [0] failed; checkpoint /c is unusable: f bad"
+
+
+def test_a_rank_state_moves_by_its_table_and_an_exit_is_final(caplog: pytest.LogCaptureFixture) -> None:
+    from ftrun.coordinator.policy import RANK_TRANSITIONS, RankState
+    from ftrun.coordinator.ranks import Incarnation
+
+    assert set(RANK_TRANSITIONS) == set(RankState)
+    assert all(RankState.STARTING not in moves for moves in RANK_TRANSITIONS.values())  # a respawn is a new incarnation
+    p = Incarnation(number=1, pid=41)
+    assert p.move(RankState.HEALTHY) and p.move(RankState.RECOVERING) and p.move(RankState.HEALTHY)
+    assert p.move(RankState.STOPPED) and not p.move(RankState.HEALTHY)  # its hello, read while it is stopped
+    assert p.state == RankState.STOPPED and p.move(RankState.FAILED)  # it may still exit on its own
+    with caplog.at_level("WARNING", logger="ftrun.coordinator"):
+        assert not p.move(RankState.HEALTHY)  # a late "recovered" of a process that died
+    assert p.state == RankState.FAILED and "no move from failed to healthy" in caplog.text
+    done = Incarnation(number=2)
+    assert done.move(RankState.SUCCEEDED) and not done.move(RankState.RECOVERING) and done.state == RankState.SUCCEEDED

@@ -74,7 +74,7 @@ class JobEnd:
         self.stop_all_ranks()
         for r in job.ranks.values():
             if r.proc.exit_code is None:
-                r.proc.state = RankState.STOPPED
+                r.proc.move(RankState.STOPPED)
             r.restarts += 1
             r.library = False
         job.rounds.current = None
@@ -110,7 +110,7 @@ class JobEnd:
         self.stop_all_ranks()
         for r in job.ranks.values():
             if r.proc.state not in (RankState.SUCCEEDED, RankState.FAILED):
-                r.proc.state = RankState.STOPPED
+                r.proc.move(RankState.STOPPED)
         job.phase.move(JobPhase.FINISHED)
 
     def _wind_down(self, reason: str) -> str:

@@ -99,10 +99,10 @@ class Failures:
             desc = f"{desc}: {report.error}"  # the exception torchrun's @record wrote
         p.exit_code, p.exit_desc = code, desc
         if code == 0:
-            p.state = RankState.SUCCEEDED
+            p.move(RankState.SUCCEEDED)
             job.emit(EventKind.RANK_EXITED, f"rank {r.rank} finished ({desc})", rank=r.rank, exit_code=0)
             return False
-        p.state = RankState.FAILED
+        p.move(RankState.FAILED)
         wall = job.wall()
         # detection: from the evidence (the SIGCHLD's arrival, or the hang's start) to now
         detection = job.clock() - p.hung_since if p.kill_reason is not None else wall - report.at
@@ -175,7 +175,8 @@ class Failures:
         lost = [r for r in job.ranks.values() if r.node == node and r.proc.state != RankState.SUCCEEDED]
         for r in lost:
             r.proc.running = False
-            r.proc.exit_code, r.proc.exit_desc, r.proc.state = 1, reason, RankState.FAILED
+            r.proc.exit_code, r.proc.exit_desc = 1, reason
+            r.proc.move(RankState.FAILED)
             job.state.record_failure(Failure(r.rank, r.proc.pid, 1, reason, wall, detection_seconds=loss.evidence_age))
         if job.phase.current not in ACTIVE:
             return None

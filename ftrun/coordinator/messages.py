@@ -94,7 +94,7 @@ class RankMessages:
         group = tuple(int(x) for x in msg["replica_group"])
         r.replica_group = self._replica_groups.setdefault(group, group)  # one object per group: cheap plans
         p.last_heartbeat = self.job.clock()
-        p.state = RankState.HEALTHY if self.job.rounds.current is None else RankState.RECOVERING
+        p.move(RankState.HEALTHY if self.job.rounds.current is None else RankState.RECOVERING)
         self.job.emit(EventKind.RANK_JOINED, f"rank {r.rank} connected (pid {p.pid})", rank=r.rank, library=r.library,
                       **({"rejoined": True} if msg.get("rejoin") else {}))
         self.job.failover.announce(r)

@@ -34,6 +34,18 @@ class RankState(str, Enum):
     STOPPED = "stopped"  # stopped by ftrun
 
 
+#: The moves of one incarnation's :class:`RankState` (its process's life; a respawn starts a fresh
+#: incarnation at STARTING). An exit is final; a rank being stopped may still exit on its own.
+RANK_TRANSITIONS: dict[RankState, frozenset[RankState]] = {
+    RankState.STARTING: frozenset(RankState) - {RankState.STARTING},
+    RankState.HEALTHY: frozenset(RankState) - {RankState.STARTING},
+    RankState.RECOVERING: frozenset(RankState) - {RankState.STARTING},
+    RankState.STOPPED: frozenset({RankState.STOPPED, RankState.SUCCEEDED, RankState.FAILED}),
+    RankState.SUCCEEDED: frozenset({RankState.SUCCEEDED}),
+    RankState.FAILED: frozenset({RankState.FAILED}),
+}
+
+
 class Action(str, Enum):
     """What the coordinator does about a failure."""
 

@@ -11,13 +11,16 @@ rounds' (:mod:`ftrun.coordinator.rounds`).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from ftrun.coordinator.policy import NO_STATE, STARTUP_WINDOW_S, RankState, RecoveryPlan
+from ftrun.coordinator.policy import NO_STATE, RANK_TRANSITIONS, STARTUP_WINDOW_S, RankState, RecoveryPlan
 from ftrun.node.spawner import tail_lines
+
+log = logging.getLogger("ftrun.coordinator")
 
 
 class RankPhase(str, Enum):
@@ -69,6 +72,17 @@ class Incarnation:
     section_timeout: float | None = None  # that section's own bound, seconds (None: unbounded)
     section_started: float = 0.0
     section_closed_at: float = 0.0  # when its last section closed (step times across it are not samples)
+
+    def move(self, state: RankState) -> bool:
+        """Move to ``state`` if :data:`~ftrun.coordinator.policy.RANK_TRANSITIONS` allows it from
+        the current one; a move it does not allow (news of a process that has already exited or is
+        being stopped, read late) leaves the state as it is, is logged, and returns False."""
+        if state not in RANK_TRANSITIONS[self.state]:
+            log.warning("incarnation %d (pid %s): no move from %s to %s; it stays %s",
+                        self.number, self.pid, self.state.value, state.value, self.state.value)
+            return False
+        self.state = state
+        return True
 
 
 @dataclass

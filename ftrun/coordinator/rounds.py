@@ -79,7 +79,7 @@ class RecoveryRounds:
                      rank=rank, restarts_used=job.restarts_used)
         for r in job.ranks.values():
             if r.alive() and r.rank not in failed:
-                r.proc.state = RankState.RECOVERING
+                r.proc.move(RankState.RECOVERING)
                 job.send(r, MsgType.ABORT, generation=job.generation, reason=reason)
 
     def on_report(self, r: Rank, generation: int, committed: int) -> None:
@@ -88,7 +88,7 @@ class RecoveryRounds:
         if rec is None or generation != rec.generation:
             return
         rec.reports[r.rank] = committed
-        r.proc.state = RankState.RECOVERING
+        r.proc.move(RankState.RECOVERING)
         live = [x.rank for x in self.job.ranks.values() if x.alive()]
         if rec.plan is None and set(live) <= set(rec.reports):
             self.make_plan(live)
@@ -177,7 +177,7 @@ class RecoveryRounds:
         if rec is None or msg["generation"] != rec.generation or rec.plan is None:
             return
         rec.recovered[r.rank] = dict(msg.fields, at=job.clock())
-        r.proc.state = RankState.HEALTHY
+        r.proc.move(RankState.HEALTHY)
         role = msg["role"]
         if role != "none":
             how = "rolled back to the checkpoint" if role == "rollback" else f"rejoined as {role}"
