@@ -310,9 +310,12 @@ class WakeupPipe:
     def install(self) -> None:
         signal.set_wakeup_fd(self._write_fd)
 
-    def drain(self) -> None:
+    def drain(self) -> bool:
+        """Empty the pipe; whether a signal had arrived since the last call."""
+        arrived = False
         try:
             while os.read(self.fd, 4096):
-                pass
+                arrived = True
         except BlockingIOError:
             pass
+        return arrived

@@ -110,24 +110,27 @@ class ControlPlane:
         return identities
 
     def read(self, budget: int = READ_BUDGET, agents_only: bool = False,
-             stop: Callable[[], bool] = lambda: False) -> None:
+             stop: Callable[[], bool] = lambda: False) -> int:
         """Handle up to ``budget`` frames waiting on the ROUTER (with ``agents_only``, ranks'
         messages are dropped: while every rank is being stopped), until ``stop()`` is true.
+        Returns how many agents' messages were handled (their reports wait to be applied).
 
         The budget bounds the time one call takes whatever arrives (a flood of forged frames), so
         the loop gets back to reaping deaths (SIGCHLD) and to the watchdog between batches.
         """
+        agents = 0
         while self._held:  # what a standby read before its takeover comes first, in order
             identity, msg, fd = self._held.pop(0)
-            self._dispatch(identity, msg, fd, agents_only)
+            agents += self._dispatch(identity, msg, fd, agents_only)
         for _ in range(budget):
             got = self._next()
             if got is None:
-                return
+                break
             if got is not False:
-                self._dispatch(*got, agents_only)
+                agents += self._dispatch(*got, agents_only)
             if stop():
-                return
+                break
+        return agents
 
     def _next(self) -> tuple[bytes, Message, int | None] | None | bool:
         """The next authentic message waiting (identity, message, an agent hello's connection
@@ -150,11 +153,14 @@ class ControlPlane:
             return False
         return identity, msg, parts[1].get(zmq.SRCFD) if msg.type == MsgType.AGENT_HELLO else None
 
-    def _dispatch(self, identity: bytes, msg: Message, fd: int | None, agents_only: bool) -> None:
+    def _dispatch(self, identity: bytes, msg: Message, fd: int | None, agents_only: bool) -> bool:
+        """Hand one message to its handler; whether it was an agent's."""
         if msg.type in AGENT_MESSAGES:
             self.on_agent(identity, msg, fd)
-        elif not agents_only:
+            return True
+        if not agents_only:
             self.on_rank(identity, msg)
+        return False
 
     def hold(self, budget: int = READ_BUDGET) -> set[bytes]:
         """A standby before its takeover: read what waits on its endpoint and keep it, decoded

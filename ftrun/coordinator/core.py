@@ -121,6 +121,7 @@ class Coordinator:
         self.end = JobEnd(self)
         self.stop_signal: int | None = None
         self._wakeup = procs.WakeupPipe()
+        self._scanned_at = float("-inf")  # the last passes over every rank (_scan_due)
 
     # ----------------------------------------------------------------- the roles' public faces
     epoch = JobStateField()  # the coordinator epoch: moved on by every takeover (ftrun.coordinator.failover)
@@ -174,8 +175,9 @@ class Coordinator:
         if r.proc.identity is not None:
             self.control.send(r.proc.identity, msg_type, fields)
 
-    def read_messages(self, agents_only: bool = False) -> None:
-        self.control.read(agents_only=agents_only, stop=lambda: self.exit_code is not None)
+    def read_messages(self, agents_only: bool = False) -> int:
+        """Handle the control messages waiting; how many were agents' (:meth:`ControlPlane.read`)."""
+        return self.control.read(agents_only=agents_only, stop=lambda: self.exit_code is not None)
 
     def finish_with(self, code: int | None) -> None:
         """Record the job's exit code, once decided (``None``: not decided)."""
@@ -280,29 +282,50 @@ class Coordinator:
     def _loop(self) -> None:
         """Turn until the job's end is decided: wake on a control message, a closed connection, a
         signal, or every ``--monitor_interval`` seconds; each check of a turn runs while the end is
-        not decided, and the status is published after each turn."""
+        not decided, and the status is published after each turn.
+
+        Every turn reads the frames waiting. The checks that look at every node or rank run when
+        there is news for them: the agents' reports and node checks after a signal (``SIGCHLD``),
+        a closed connection or an agent's message, and everything (the watchdog, the spares, the
+        standbys' replica of the hard state included) once per ``--monitor_interval``
+        (:meth:`_scan_due`). They used to run on every wake-up: at thousands of ranks frames arrive
+        thousands of times a second, and each cost the coordinator a pass over every rank
+        (docs/scale.md)."""
         poller = zmq.Poller()
         poller.register(self.control.router, zmq.POLLIN)
         poller.register(self.control.disconnects, zmq.POLLIN)
         poller.register(self._wakeup.fd, zmq.POLLIN)
+        agent_news = False  # agents' messages read in the last turn: their reports wait
         while self.exit_code is None:
-            poller.poll(timeout=int(self.spec.monitor_interval * 1000))
-            self._wakeup.drain()
+            ready = dict(poller.poll(timeout=int(self.spec.monitor_interval * 1000)))
+            signalled = self._wakeup.drain()
             if self.stop_signal is not None:
                 self.finish_with(self.end.stop(128 + self.stop_signal, f"stopped by {signal.Signals(self.stop_signal).name}"))
                 break
-            self.finish_with(self.check_processes())
+            due = self._scan_due()
+            news = due or signalled or agent_news or self.control.disconnects in ready
+            if news:
+                self.finish_with(self.check_processes())
             if self.exit_code is None:
-                self.read_messages()
-            if self.exit_code is None:
+                agent_news = self.read_messages() > 0
+            if self.exit_code is None and (news or agent_news):
                 self.finish_with(self.check_agents())
-            if self.exit_code is None:
+            if self.exit_code is None and due:
                 self.check_hangs()
-            if self.exit_code is None:
-                self.spawning.keep_spares()
-            if self.exit_code is None:
-                self.failover.replicate(self.clock())
+                if self.exit_code is None:
+                    self.spawning.keep_spares()
+                if self.exit_code is None:
+                    self.failover.replicate(self.clock())
             self.publish_status()
+
+    def _scan_due(self) -> bool:
+        """Whether the passes over every rank are due: ``--monitor_interval`` seconds (the job's
+        clock) after the last ones."""
+        now = self.clock()
+        if now - self._scanned_at < self.spec.monitor_interval:
+            return False
+        self._scanned_at = now
+        return True
 
     def _install_signals(self) -> None:
         self._wakeup.install()

@@ -91,7 +91,7 @@ class RankMessages:
             return
         p.identity = identity
         r.library = bool(msg["library"])
-        group = tuple(int(x) for x in msg["replica_group"])
+        group = tuple(map(int, msg["replica_group"]))
         r.replica_group = self._replica_groups.setdefault(group, group)  # one object per group: cheap plans
         p.last_heartbeat = self.job.clock()
         p.move(RankState.HEALTHY if self.job.rounds.current is None else RankState.RECOVERING)
