@@ -4,6 +4,7 @@ rank messages, an injected clock)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -990,3 +991,24 @@ def test_with_join_a_failure_restarts_nothing_and_the_job_fails_once_every_rank_
         agent.exit(rank, 0, clock.now)
     assert coord.check_processes() == 1
     assert "a rank failed and --join let the others finish" in events(tmp_path, "job_finished")[-1]["message"]
+
+
+def test_passes_over_every_rank_are_paced_by_the_monitor_interval(tmp_path: Path) -> None:
+    """The main loop's passes over every rank (watchdog, spares, replication) are due once per
+    --monitor_interval on the job's clock, however many times frames wake it in between."""
+    coord, _agent, clock = make(tmp_path, monitor_interval=0.5)
+    assert coord._scan_due()
+    assert not coord._scan_due() and not coord._scan_due()  # woken again at once: not due
+    clock.now += 0.49
+    assert not coord._scan_due()
+    clock.now += 0.01
+    assert coord._scan_due() and not coord._scan_due()
+
+
+def test_the_wakeup_pipe_tells_whether_a_signal_arrived() -> None:
+    from ftrun.common.procs import WakeupPipe
+
+    pipe = WakeupPipe()
+    assert pipe.drain() is False
+    os.write(pipe._write_fd, b"\x11")  # what the C signal handler writes (signal.set_wakeup_fd)
+    assert pipe.drain() is True and pipe.drain() is False
