@@ -23,7 +23,7 @@ import errno
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any, Callable
@@ -79,11 +79,11 @@ class Event:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object written to events.jsonl."""
-        # ``detail`` copied one level deep (``dataclasses.asdict`` copies every level, which was
-        # most of an event's cost to a coordinator emitting one per rank in a round of thousands).
-        return {"time": self.time, "kind": self.kind.value, "message": self.message, "rank": self.rank, "pid": self.pid,
-                "incarnation": self.incarnation, "generation": self.generation, "attempt": self.attempt,
-                "node": self.node, "detail": dict(self.detail)}
+        # ``detail`` copied one level deep, not every level (``dataclasses.asdict``): a coordinator
+        # emits an event per rank in a round of thousands.
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["kind"], data["detail"] = self.kind.value, dict(self.detail)
+        return {"time": data.pop("time"), "kind": data.pop("kind"), **data}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Event":

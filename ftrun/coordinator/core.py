@@ -288,9 +288,8 @@ class Coordinator:
         there is news for them: the agents' reports and node checks after a signal (``SIGCHLD``),
         a closed connection or an agent's message, and everything (the watchdog, the spares, the
         standbys' replica of the hard state included) once per ``--monitor_interval``
-        (:meth:`_scan_due`). They used to run on every wake-up: at thousands of ranks frames arrive
-        thousands of times a second, and each cost the coordinator a pass over every rank
-        (docs/scale.md)."""
+        (:meth:`_scan_due`), not on every wake-up: at thousands of ranks frames arrive thousands of
+        times a second, and a pass over every rank per frame would cost O(ranks) each (docs/scale.md)."""
         poller = zmq.Poller()
         poller.register(self.control.router, zmq.POLLIN)
         poller.register(self.control.disconnects, zmq.POLLIN)
