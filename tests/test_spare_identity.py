@@ -94,7 +94,7 @@ def imports():
     threading.Thread(target=lambda: (pool.append(threading.get_native_id()), stop.wait()), daemon=True).start()
     time.sleep(float(sys.argv[1]))
     seen.append(os.sched_getscheduler(0))
-spare._import_libraries = imports
+spare.import_libraries = imports
 before = os.sched_getscheduler(0)
 ran_idle = spare.import_at_idle_priority(poll_s=0.01)
 print(ran_idle, seen[0], before, os.sched_getscheduler(0), os.sched_getscheduler(pool[0]))
@@ -137,7 +137,7 @@ def test_a_spare_that_could_not_leave_idle_priority_imports_at_the_normal_one(mo
 
     seen = []
     monkeypatch.setattr(spare, "_can_leave_idle", lambda _policy: False)
-    monkeypatch.setattr(spare, "_import_libraries", lambda: seen.append(os.sched_getscheduler(0)))
+    monkeypatch.setattr(spare, "import_libraries", lambda: seen.append(os.sched_getscheduler(0)))
     assert spare.import_at_idle_priority() is False
     assert seen == [os.sched_getscheduler(0)]  # on this thread, at its own priority
 
@@ -145,7 +145,7 @@ def test_a_spare_that_could_not_leave_idle_priority_imports_at_the_normal_one(mo
 def test_a_warm_spare_imports_what_the_first_optimizer_would() -> None:
     """The first ``torch.optim`` optimizer imports ``torch._dynamo`` (1.3 s of CPU here, as much as
     torch): a warm spare imports it too, so a rank respawned in it does not pay it in the recovery."""
-    probe = ("import sys, ftrun.rank.spare as spare; spare._import_libraries(); "
+    probe = ("import sys, ftrun.rank.spare as spare; spare.import_libraries(); "
              "print(sorted(m for m in ('numpy', 'torch', 'torch.distributed', 'torch._dynamo', 'ftrun.rank.worker') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=dj.env())
     assert done.returncode == 0, done.stderr[-2000:]

@@ -326,6 +326,11 @@ class JobSpec:
     warm_spares: int = option(1, "Processes kept with torch already imported, to replace a failed rank faster "
                               "(ARF; 0: none).", low=0, high=64,
                               why="each spare is an idle process holding torch in memory")
+    fork_server: str = option(
+        "on", "Start the ranks as forks of one process per node that has imported torch once, instead of one new "
+        "interpreter each (milliseconds instead of seconds per rank, at the start and at each respawn; it also "
+        "takes the place of --warm_spares): 'on' or 'off' (each rank a new 'python script' process, as torchrun "
+        "starts them; see docs/architecture.md).")
     hot_spares: int = option(
         0, "Spares per node that run the script's own set-up (imports, data, model, optimizer) before any fault and "
         "wait at its training loop for a rank to replace (ARF; 0: warm spares only). The script must not read its "

@@ -261,7 +261,7 @@ def _store_address(chosen: _Chosen, nnodes: int) -> dict[str, Any]:
 
 def _recovery_settings(chosen: _Chosen) -> dict[str, Any]:
     """How faults are seen and met: the heartbeat's timeout against its interval, and
-    recoverable_errors, on_divergence, standby_spares and resume parsed.
+    recoverable_errors, on_divergence, standby_spares, fork_server and resume parsed.
 
     Raises:
         ConfigError: a timeout not longer than the interval, a name that is not an exception
@@ -285,11 +285,14 @@ def _recovery_settings(chosen: _Chosen) -> dict[str, Any]:
     standby_spares = values["standby_spares"].strip().lower()
     if standby_spares not in STANDBY_SPARES:
         raise ConfigError(f"{label('standby_spares')} {values['standby_spares']!r} must be 'hot', 'warm' or 'none'")
+    fork_server = values["fork_server"].strip().lower()
+    if fork_server not in ("on", "off"):
+        raise ConfigError(f"{label('fork_server')} {values['fork_server']!r} must be 'on' or 'off'")
     resume = values["resume"].strip()
     if not resume:
         raise ConfigError(f"{label('resume')} is empty; use 'auto', 'none' or the path of a checkpoint")
     return {"recoverable_errors": recoverable, "on_divergence": on_divergence, "standby_spares": standby_spares,
-            "resume": resume}
+            "fork_server": fork_server, "resume": resume}
 
 
 def _names_and_paths(chosen: _Chosen, cwd: Path) -> dict[str, Any]:

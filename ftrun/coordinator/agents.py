@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ftrun.common.protocol import Message, MsgType
+from ftrun.node.forks import StartReport
 from ftrun.node.spawner import EXIT_TAIL_LINES, ExitReport, RankProcesses, StopReport
 
 log = logging.getLogger("ftrun.coordinator")
@@ -65,6 +66,11 @@ class StandbyOffer:
 
 
 Report = Spawned | ExitReport | Stacks | StopReport | SpareNote | StandbyOffer
+
+
+def _as_report(seen: ExitReport | StopReport | StartReport) -> Report:
+    """What node 0's own processes did, as an agent reports it (a fork server's start: spawned)."""
+    return Spawned(seen.rank, seen.incarnation, seen.pid, seen.spare) if isinstance(seen, StartReport) else seen
 
 
 class AgentHandle:
@@ -139,7 +145,8 @@ class LocalAgent(AgentHandle):
             log.error("cannot start rank %d: %s", rank, err)
             self._reports.append(ExitReport(rank, incarnation, 0, 127, time.time()))
             return
-        self._reports.append(Spawned(rank, incarnation, pid, spare))
+        if pid is not None:  # else the fork server answers later (take_reports)
+            self._reports.append(Spawned(rank, incarnation, pid, spare))
 
     def signal(self, rank: int, incarnation: int, sig: int) -> None:
         self.processes.signal(rank, incarnation, sig)
@@ -151,7 +158,7 @@ class LocalAgent(AgentHandle):
             self._reports.append(gone)
 
     def stop_ranks(self, grace_period: float) -> None:
-        self._reports.extend(self.processes.stop(grace_period))
+        self._reports.extend(map(_as_report, self.processes.stop(grace_period)))
 
     def keep_spares(self, warm: int, hot: int, model_vars: Mapping[str, str]) -> None:
         note = self.processes.keep_spares(warm, hot, model_vars)
@@ -162,7 +169,7 @@ class LocalAgent(AgentHandle):
         self.processes.stop_spares()
 
     def take_reports(self) -> list[Report]:
-        reports, self._reports = self._reports + self.processes.reap(), []
+        reports, self._reports = self._reports + list(map(_as_report, self.processes.reap())), []
         return reports
 
     def note_child_signal(self, at: float) -> None:

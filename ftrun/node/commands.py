@@ -16,6 +16,7 @@ from typing import Callable
 from ftrun.common.contract import STANDBY_LINE
 from ftrun.common.events import EventKind
 from ftrun.common.protocol import Message, MsgType
+from ftrun.node.forks import StartReport
 from ftrun.node.spawner import ExitReport, RankProcesses, StopReport
 from ftrun.node.succession import Succession
 
@@ -54,10 +55,14 @@ class RankCommands:
             self.report(MsgType.EXITED, rank=msg["rank"], incarnation=msg["incarnation"], pid=0, returncode=127,
                         at=time.time())
             return
-        self.report(MsgType.SPAWNED, rank=msg["rank"], incarnation=msg["incarnation"], pid=pid, spare=bool(spare),
-                    spare_kind=spare)
-        self.event(EventKind.RANK_STARTED, f"rank {msg['rank']} started (pid {pid}, incarnation {msg['incarnation']}"
-                                           f"{f', in a {spare} spare' if spare else ''})", rank=msg["rank"])
+        if pid is not None:  # else the fork server answers later (report_exits)
+            self.report_start(StartReport(msg["rank"], msg["incarnation"], pid, spare))
+
+    def report_start(self, r: StartReport) -> None:
+        self.report(MsgType.SPAWNED, rank=r.rank, incarnation=r.incarnation, pid=r.pid, spare=bool(r.spare),
+                    spare_kind=r.spare)
+        self.event(EventKind.RANK_STARTED, f"rank {r.rank} started (pid {r.pid}, incarnation {r.incarnation}"
+                                           f"{f', in a {r.spare} spare' if r.spare else ''})", rank=r.rank)
 
     def signal(self, msg: Message) -> None:
         self.processes.signal(msg["rank"], msg["incarnation"], msg["signal"])
@@ -80,14 +85,17 @@ class RankCommands:
 
     def stop(self, grace: float) -> None:
         """Stop this node's ranks (``grace`` seconds between SIGTERM and SIGKILL) and report their exits."""
-        for report in self.processes.stop(grace):
-            if isinstance(report, ExitReport):
-                self.report_exit(report)
+        self.report_all(self.processes.stop(grace))
 
     def report_exits(self) -> None:
-        """Report the exits and stops (SIGSTOP) reaped since the last look."""
-        for report in self.processes.reap():
-            if isinstance(report, StopReport):
+        """Report the starts (the fork server's), exits and stops (SIGSTOP) seen since the last look."""
+        self.report_all(self.processes.reap())
+
+    def report_all(self, reports: list[ExitReport | StopReport | StartReport]) -> None:
+        for report in reports:
+            if isinstance(report, StartReport):
+                self.report_start(report)
+            elif isinstance(report, StopReport):
                 self.report(MsgType.STOPPED, rank=report.rank, incarnation=report.incarnation, pid=report.pid,
                             signal=report.signal, at=report.at)
             else:

@@ -29,6 +29,7 @@ from typing import Any, Mapping
 
 from ftrun.common import contract, procs
 from ftrun.node import errorfile
+from ftrun.node.forks import ForkedProcess, ForkedStarts, ForkServer, StartReport
 from ftrun.common.contract import nccl_environment
 
 log = logging.getLogger("ftrun.node.spawner")
@@ -93,7 +94,7 @@ class StopReport:
 class _Proc:
     rank: int
     incarnation: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     log_path: Path
     error_file: Path | None = None
     stop_reported: bool = False
@@ -147,7 +148,7 @@ class RankProcesses:
     """
 
     def __init__(self, argv: list[str], script_argv: list[str], module: bool, log_dir: Path, local_worker_num: int,
-                 master_addr: str, multi_node: bool, token: str) -> None:
+                 master_addr: str, multi_node: bool, token: str, fork_server: bool = False) -> None:
         self.argv = argv
         self.token = token
         self.script_argv = script_argv
@@ -171,6 +172,11 @@ class RankProcesses:
                     f"this host's name resolves to a loopback address; ranks get GLOO_SOCKET_IFNAME={iface} "
                     f"(the interface that routes to {master_addr}); set GLOO_SOCKET_IFNAME to choose another"
                 )
+        # The node's fork server (ftrun.rank.zygote), started now: it imports while the job sets up.
+        # Its ranks are re-parented here, so this process must be able to adopt them (a subreaper).
+        self.forks: ForkedStarts | None = None
+        if fork_server and argv[:1] == [sys.executable] and procs.become_subreaper():
+            self.forks = ForkedStarts(ForkServer(self._spare_env(), log_dir / "spares.log"), self._spawn_anew)
 
     # ----------------------------------------------------------------- environment
     def environment(self, rank_vars: Mapping[str, str]) -> dict[str, str]:
@@ -210,8 +216,8 @@ class RankProcesses:
         """
         path = self.log_dir / f"worker_{rank}.log"
         env = self.environment(rank_vars)
-        if rank in self.procs:  # its predecessor: a respawned rank waits for its GPU memory (ftrun.rank.cuda)
-            env[contract.PREVIOUS_PID] = str(self.procs[rank].proc.pid)
+        if rank in self.procs and self.procs[rank].proc.pid is not None:  # its predecessor: a respawned rank waits
+            env[contract.PREVIOUS_PID] = str(self.procs[rank].proc.pid)  # for its GPU memory (ftrun.rank.cuda)
         # torchrun's contract: @record writes the rank's uncaught exception here (read at its exit)
         error_file = errorfile.error_file_path(self.log_dir, rank, incarnation, int(rank_vars.get("FTRUN_ATTEMPT", "0")))
         errorfile.prepare_error_file(error_file)
@@ -220,10 +226,19 @@ class RankProcesses:
             fh.write(header.encode())
             fh.flush()
             proc, spare, setup_ready = self._take_spare(env, path) if use_spare else (None, "", None)
+            if proc is None and self.forks is not None and self.forks.usable():
+                p = self.procs[rank] = _Proc(rank, incarnation, ForkedProcess(), path, error_file)
+                job = {"env": env, "argv": self.script_argv, "module": self.module, "log": str(path), "cwd": os.getcwd()}
+                return self.forks.ask(p, job, env, "warm" if use_spare else ""), "warm" if use_spare else ""
             if proc is None:
                 proc = procs.spawn(self.argv, env=env, stdout=fh.fileno(), stderr=subprocess.STDOUT)
         self.procs[rank] = _Proc(rank, incarnation, proc, path, error_file, setup_ready=setup_ready)
         return proc.pid, spare
+
+    def _spawn_anew(self, p: _Proc, env: dict[str, str]) -> None:
+        """Start ``p``'s process as a new interpreter (the fork server could not)."""
+        with open(p.log_path, "ab") as fh:
+            p.proc = procs.spawn(self.argv, env=env, stdout=fh.fileno(), stderr=subprocess.STDOUT)
 
     def keep_spares(self, warm: int, hot: int, model_vars: Mapping[str, str]) -> str | None:
         """Keep ``warm`` warm spares (torch imported, waiting on their stdin) and ``hot`` hot ones
@@ -254,6 +269,8 @@ class RankProcesses:
             _unlink(self._hot.pop(gone))
         if self.hot_broken is not None:
             warm, hot = warm + hot, 0
+        if self.forks is not None and self.forks.usable():
+            warm = 0  # the fork server is this node's warm spare: a fork of it takes a failed rank's place
         # hot ones first: they take a rank first (_take_spare), and a warm one imports meanwhile
         while len(self._hot) < hot:
             self._start_spare(True, model_vars)
@@ -261,11 +278,18 @@ class RankProcesses:
             self._start_spare(False, model_vars)
         return note
 
+    def _spare_env(self, model_vars: Mapping[str, str] | None = None) -> dict[str, str]:
+        """A spare's (or the fork server's) environment: no rank's identity (the coordinator's
+        variables are some rank's), so a process listing never shows a spare as a rank, and a hot
+        spare's script that reads them before its loop fails, never guesses. The promotion hands
+        the identity over (ftrun.rank.promotion), written in the room kept last."""
+        env = contract.strip_identity(self.environment(model_vars or {}))
+        env.pop(contract.IDENTITY_PAD, None)
+        env[contract.IDENTITY_PAD] = "-" * contract.IDENTITY_PAD_BYTES  # last: see ftrun.rank.promotion.show_identity
+        return env
+
     def _start_spare(self, hot: bool, model_vars: Mapping[str, str]) -> None:
-        # No rank's identity (the coordinator's variables are some rank's): a process listing
-        # never shows a spare as a rank, and a hot spare's script that reads them before its
-        # loop fails, never guesses. The promotion hands the identity over (ftrun.rank.spare).
-        env = contract.strip_identity(self.environment(model_vars))
+        env = self._spare_env(model_vars)
         argv = spare_argv(hot)
         ready = None
         if hot:
@@ -274,8 +298,7 @@ class RankProcesses:
             self._spare_count += 1
             ready = self.log_dir / f".hot_spare_{os.getpid()}_{self._spare_count}.ready"
             env[SPARE_READY_VAR] = str(ready)
-        env.pop(contract.IDENTITY_PAD, None)
-        env[contract.IDENTITY_PAD] = "-" * contract.IDENTITY_PAD_BYTES  # last: see ftrun.rank.promotion.show_identity
+            env[contract.IDENTITY_PAD] = env.pop(contract.IDENTITY_PAD)  # last again
         with open(self.log_dir / "spares.log", "ab") as fh:
             spare = procs.spawn(argv, env=env, stdout=fh.fileno(), stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
         self.spares.append(spare)
@@ -316,14 +339,17 @@ class RankProcesses:
         return None, "", None
 
     # ----------------------------------------------------------------- reaping and signals
-    def reap(self) -> list[ExitReport | StopReport]:
-        """Reap every rank process that has ended (and SIGKILL what it left in its session); after a
-        SIGCHLD, also report once each rank that a signal stopped (the kernel tells a parent when a
-        child stops: a frozen rank is found at once, not after the heartbeat timeout)."""
+    def reap(self) -> list[ExitReport | StopReport | StartReport]:
+        """Report the ranks the fork server started since the last look, and reap every rank process
+        that has ended (and SIGKILL what it left in its session); after a SIGCHLD, also report once
+        each rank that a signal stopped (the kernel tells a parent when a child stops: a frozen rank
+        is found at once, not after the heartbeat timeout)."""
         died_at, self.sigchld_at = self.sigchld_at, None
-        reports: list[ExitReport | StopReport] = []
+        reports: list[ExitReport | StopReport | StartReport] = [*self.forks.take()] if self.forks is not None else []
         if died_at is not None:
             reports.extend(self._stopped(died_at))
+            if self.forks is not None and not self.forks.pending():
+                self._reap_orphans()
         for rank, p in list(self.procs.items()):
             rc = p.proc.poll()
             if rc is None:
@@ -345,10 +371,29 @@ class RankProcesses:
                                       error.summary()[:500] if error is not None else None, tail))
         return reports
 
+    def _reap_orphans(self) -> None:
+        """Reap the processes re-parented here that are not this node's ranks, spares or fork server
+        (what a dead rank left in its session, killed by :meth:`reap`): a subreaper adopts them."""
+        import psutil
+
+        known = {p.proc.pid for p in self.procs.values()} | {s.pid for s in self.spares}
+        if self.forks is not None:
+            known.add(self.forks.server_pid())
+        try:
+            children = psutil.Process().children()
+        except psutil.Error:
+            return
+        for child in children:
+            try:
+                if child.pid not in known and child.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(child.pid, os.WNOHANG)
+            except (psutil.Error, ChildProcessError):
+                pass
+
     def _stopped(self, at: float) -> list[StopReport]:
         found = []
         for p in self.procs.values():
-            if p.stop_reported:
+            if p.stop_reported or p.proc.pid is None:
                 continue
             try:
                 info = os.waitid(os.P_PID, p.proc.pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
@@ -366,14 +411,25 @@ class RankProcesses:
     def signal(self, rank: int, incarnation: int, sig: int) -> None:
         """Send ``sig`` to the process group of that rank's process, if it is still that process."""
         if self.holds(rank, incarnation):
+            self._resolve(self.procs[rank])
             procs.signal_group(self.procs[rank].proc, sig)
 
-    def stop(self, grace_period: float) -> list[ExitReport]:
+    def stop(self, grace_period: float) -> list[ExitReport | StopReport | StartReport]:
         """Stop every rank (SIGTERM, then SIGKILL after ``grace_period`` s) and reap them."""
+        for p in self.procs.values():
+            self._resolve(p)
         procs.stop_all([p.proc for p in self.procs.values()], grace_period)
         return self.reap()
 
+    def _resolve(self, p: _Proc) -> None:
+        """Wait for the fork server's answer about ``p`` (before it is signalled or stopped)."""
+        if p.proc.pid is None and self.forks is not None:
+            self.forks.resolve(p)
+
     def stop_spares(self) -> None:
+        """Stop the spares and the fork server (the job ends)."""
+        if self.forks is not None:
+            self.forks.close()
         procs.stop_all(self.spares, 0.0)
         self.spares = []
         for path in self._hot.values():
@@ -396,6 +452,8 @@ class RankProcesses:
         its exit is reported as killed, and the coordinator that asked for the kill recovers the
         rank as a death instead of waiting."""
         held = self.holds(rank, incarnation)
+        if held:
+            self._resolve(self.procs[rank])
         if dump:
             lines, note = self.dump_stacks(rank, incarnation)
         else:

@@ -44,6 +44,7 @@ def main() -> None:
         rank_argv(spec.no_python, spec.module, spec.script, list(spec.script_args)),
         [spec.script, *spec.script_args], spec.module, log_dir, spec.local_worker_num, spec.master_addr,
         multi_node=spec.nnodes > 1, token=os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"],
+        fork_server=getattr(spec, "fork_server", "off") == "on",
     )
     metrics, spec = start_job_metrics(spec)
     logging.raiseExceptions = False  # a full or removed log directory: the log loses lines, the job goes on

@@ -28,6 +28,19 @@ def take_assignment(hot: bool) -> dict:
     if not raw:
         sys.exit(0)
     job = json.loads(raw)
+    apply_assignment(job, hot)
+    return job
+
+
+def apply_assignment(job: Mapping, hot: bool) -> None:
+    """Make this process the rank of ``job`` (an assignment: ``env``, ``log``): its standard input
+    from ``/dev/null``, its output to the rank's log, its environment (a hot spare keeps what its
+    script set and adds the rank's variables; any other process takes the rank's alone), and its
+    identity shown in its initial environment block (:func:`show_identity`).
+
+    Raises:
+        OSError: the log cannot be opened.
+    """
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
@@ -45,7 +58,6 @@ def take_assignment(hot: bool) -> dict:
         os.environ.clear()
     os.environ.update(job["env"])
     show_identity(job["env"])
-    return job
 
 
 def show_identity(env: Mapping[str, str]) -> bool:

@@ -73,7 +73,7 @@ def run_script(argv: list[str], module: bool) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
-def _import_libraries() -> None:
+def import_libraries() -> None:
     # What a respawned rank would otherwise import after its start (the slow part).
     import numpy  # noqa: F401
     import torch  # noqa: F401
@@ -152,7 +152,7 @@ def import_at_idle_priority(poll_s: float = 0.05) -> bool:
 
     idle_policy = getattr(os, "SCHED_IDLE", None)
     if idle_policy is None or not os.path.isdir("/proc/self/task") or not _can_leave_idle(idle_policy):
-        _import_libraries()
+        import_libraries()
         return False
     main_tid = threading.get_native_id()
     failure: list[BaseException] = []
@@ -160,7 +160,7 @@ def import_at_idle_priority(poll_s: float = 0.05) -> bool:
     def run() -> None:
         _set_policy(0, idle_policy)
         try:
-            _import_libraries()
+            import_libraries()
         except BaseException as err:  # re-raised on the main thread
             failure.append(err)
 
@@ -188,7 +188,7 @@ def main() -> None:
         # until that fault. So it imports at the normal priority, then runs the script now,
         # without a rank; ftrun.init() gives it none until take_assignment() returns (called by
         # the worker library at the training loop, or when the script first asks for its rank).
-        _import_libraries()
+        import_libraries()
         job = json.loads(os.environ[SPARE_JOB])
     else:
         started = time.monotonic()
