@@ -40,12 +40,18 @@ def _job_processes(root: int) -> list[psutil.Process]:
         return []
 
 
-@pytest.mark.parametrize("spares", ["--warm_spares", "--hot_spares"])
-def test_each_rank_shows_on_exactly_one_process(tmp_path: Path, spares: str) -> None:
+# Where a rank's process comes from: forked by the node's fork server (which is the node's warm
+# spare), or a hot spare promoted; and which waiting process must show no rank.
+WAITING = {"--fork_server": "ftrun.rank.zygote", "--hot_spares": "ftrun.rank.spare"}
+
+
+@pytest.mark.parametrize("spares, value", [("--fork_server", "on"), ("--hot_spares", "1")])
+def test_each_rank_shows_on_exactly_one_process(tmp_path: Path, spares: str, value: str) -> None:
     log_dir = tmp_path / "logs"
     cmd = dj.cmd(log_dir, dj.LONG_STEPS)
     at = cmd.index(str(dj.SCRIPT))
-    cmd = [*cmd[:at], spares, "1", *cmd[at:], "--step_pause", "0.2"]
+    cmd = [*cmd[:at], spares, value, *cmd[at:], "--step_pause", "0.2"]
+    waiting = WAITING[spares]
     proc = subprocess.Popen(cmd, env=dj.env({"FTRUN_FAULT": "rank=2,step=6,kind=kill"}), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=tmp_path, start_new_session=True)
     try:
@@ -55,16 +61,19 @@ def test_each_rank_shows_on_exactly_one_process(tmp_path: Path, spares: str) -> 
         started = [e for e in dj.events(log_dir) if e["kind"] == "rank_started"]
         promoted = started[-1]
         assert promoted["rank"] == 2 and (promoted["detail"].get("warm_spare") or promoted["detail"].get("hot_spare")), started
-        # The node starts a new spare in place of the promoted one: wait until it is up, then look.
-        dj.wait_for(lambda: sum("ftrun.rank.spare" in " ".join(p.cmdline()) for p in _job_processes(proc.pid)) >= 2
+        # The node starts a new hot spare in place of the promoted one (the fork server stays): wait
+        # until it is up, then look. The forked ranks' command line is the fork server's.
+        dj.wait_for(lambda: sum(waiting in " ".join(p.cmdline()) for p in _job_processes(proc.pid)) >= 2
                     or proc.poll() is not None, timeout=120)
+        assert proc.poll() is None, "the job ended before its waiting processes were seen"
+        serving = {e["rank"]: e["pid"] for e in started}.values()  # each rank's newest process
         shown: dict[str, list[int]] = {}
         spare_pids = []
         for p in _job_processes(proc.pid):
             env = _environ(p.pid)
             if "RANK" in env:
                 shown.setdefault(env["RANK"], []).append(p.pid)
-            if "ftrun.rank.spare" in " ".join(p.cmdline()) and p.pid != promoted["pid"]:
+            if waiting in " ".join(p.cmdline()) and p.pid not in serving:
                 spare_pids.append(p.pid)
                 assert "RANK" not in env and "LOCAL_RANK" not in env, (p.pid, env.get("RANK"))
         assert sorted(shown) == ["0", "1", "2", "3"], shown

@@ -52,9 +52,10 @@ def _answer(obj: dict[str, Any]) -> None:
         data = data[os.write(1, data):]
 
 
-def fork_rank() -> dict[str, Any] | None:
+def fork_rank(agent: int) -> dict[str, Any] | None:
     """Fork a rank that becomes the agent's child: ``{"pid": ...}`` or ``{"error": ...}`` in this
-    process, None in the rank (which goes on to run the script)."""
+    process, once the rank is the agent's child and leads its own session (so the agent may signal
+    its group at once); None in the rank (which goes on to take its assignment)."""
     read_end, write_end = os.pipe()
     try:
         child = os.fork()
@@ -69,16 +70,21 @@ def fork_rank() -> dict[str, Any] | None:
         except OSError:
             os._exit(1)
         if rank == 0:
+            be_adopted(agent)
+            os.write(write_end, b"\n")  # adopted, in its own session
             os.close(write_end)
             return None
         os.write(write_end, str(rank).encode())
         os._exit(0)  # the rank is re-parented as this process ends
     os.close(write_end)
+    said = b""
     try:
-        pid = os.read(read_end, 32)
+        while not said.endswith(b"\n") and (chunk := os.read(read_end, 32)):  # EOF: the rank died first
+            said += chunk
     finally:
         os.close(read_end)
-    os.waitpid(child, 0)  # reaped: the rank's new parent is the agent now
+    os.waitpid(child, 0)
+    pid = said.strip()
     return {"pid": int(pid)} if pid else {"error": "the intermediate process could not fork"}
 
 
@@ -99,16 +105,17 @@ def serve(agent: int) -> dict[str, Any]:
             except (ValueError, KeyError, TypeError) as err:
                 _answer({"id": None, "error": f"a request that is not an assignment: {err}"})
                 continue
-            result = fork_rank()
+            result = fork_rank(agent)
             if result is None:
-                become_rank(job, agent)
+                apply_assignment(job, hot=False)
+                if "numpy" in sys.modules:  # each rank its own unseeded numpy stream, as in a new interpreter
+                    sys.modules["numpy"].random.seed()
                 return job
             _answer({"id": ident, **result})
 
 
-def become_rank(job: dict[str, Any], agent: int) -> None:
-    """In a forked rank: wait to be the agent's child, die with it, lead a session of its own, and
-    take the assignment (output to the rank's log, the rank's environment)."""
+def be_adopted(agent: int) -> None:
+    """In a forked rank: wait to be the agent's child, die with it, lead a session of its own."""
     deadline = time.monotonic() + ADOPTION_WAIT_S
     while os.getppid() != agent:
         if time.monotonic() > deadline:
@@ -118,15 +125,17 @@ def become_rank(job: dict[str, Any], agent: int) -> None:
     if os.getppid() != agent:  # the agent died meanwhile
         os._exit(128 + signal.SIGKILL)
     os.setsid()
-    apply_assignment(job, hot=False)
-    if "numpy" in sys.modules:  # each rank its own unseeded numpy stream, as in a new interpreter
-        sys.modules["numpy"].random.seed()
 
 
 def main() -> None:
     agent = os.getppid()
     started = time.monotonic()
     import_libraries()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a CUDA context cannot cross a fork: new processes then
+        print("ftrun: the fork server's imports initialized CUDA; the ranks start as new processes", file=sys.stderr,
+              flush=True)
+        sys.exit(1)
     gc.collect()
     gc.freeze()
     # Into spares.log (its stderr): when the node's ranks can start without imports.
