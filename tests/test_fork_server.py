@@ -121,6 +121,7 @@ script = log_dir / "rank.py"
 script.write_text("import os, sys, time, torch\n"
                   "print('parent', os.getppid(), 'pgid', os.getpgid(0), 'rank', os.environ['RANK'],"
                   " 'torch', 'torch' in sys.modules, flush=True)\n"
+                  "print('cmdline', open('/proc/self/cmdline', 'rb').read().split(b'\\0')[0].decode(), flush=True)\n"
                   "time.sleep(float(sys.argv[1]))\n"
                   "sys.exit(int(sys.argv[2]))\n")
 out = {}
@@ -181,6 +182,7 @@ def test_a_forked_rank_is_the_agents_child_in_its_own_session(tmp_path: Path) ->
     parent, pgid = words[1], words[3]
     assert int(parent) == out["me"] and int(pgid) == out["first_pid"]  # the agent's child, leading its own session
     assert "rank 0 torch True" in out["log0"]  # torch came imported
+    assert f"cmdline {sys.executable} -u {tmp_path / 'rank.py'} 0 3\n" in out["log0"]  # ps shows the rank's command
     assert out["respawn"] == [True, "warm"]
     assert out["second"][-1] == ["ExitReport", 1, 0, 3]
     # asked of a server still importing, resolved before the signal: reported as started first

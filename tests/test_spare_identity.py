@@ -42,7 +42,7 @@ def _job_processes(root: int) -> list[psutil.Process]:
 
 # Where a rank's process comes from: forked by the node's fork server (which is the node's warm
 # spare), or a hot spare promoted; and which waiting process must show no rank.
-WAITING = {"--fork_server": "ftrun.rank.zygote", "--hot_spares": "ftrun.rank.spare"}
+WAITING = {"--fork_server": ("ftrun.rank.zygote", 1), "--hot_spares": ("ftrun.rank.spare", 2)}
 
 
 @pytest.mark.parametrize("spares, value", [("--fork_server", "on"), ("--hot_spares", "1")])
@@ -51,7 +51,7 @@ def test_each_rank_shows_on_exactly_one_process(tmp_path: Path, spares: str, val
     cmd = dj.cmd(log_dir, dj.LONG_STEPS)
     at = cmd.index(str(dj.SCRIPT))
     cmd = [*cmd[:at], spares, value, *cmd[at:], "--step_pause", "0.2"]
-    waiting = WAITING[spares]
+    waiting, count = WAITING[spares]
     proc = subprocess.Popen(cmd, env=dj.env({"FTRUN_FAULT": "rank=2,step=6,kind=kill"}), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=tmp_path, start_new_session=True)
     try:
@@ -62,8 +62,8 @@ def test_each_rank_shows_on_exactly_one_process(tmp_path: Path, spares: str, val
         promoted = started[-1]
         assert promoted["rank"] == 2 and (promoted["detail"].get("warm_spare") or promoted["detail"].get("hot_spare")), started
         # The node starts a new hot spare in place of the promoted one (the fork server stays): wait
-        # until it is up, then look. The forked ranks' command line is the fork server's.
-        dj.wait_for(lambda: sum(waiting in " ".join(p.cmdline()) for p in _job_processes(proc.pid)) >= 2
+        # until it is up, then look.
+        dj.wait_for(lambda: sum(waiting in " ".join(p.cmdline()) for p in _job_processes(proc.pid)) >= count
                     or proc.poll() is not None, timeout=120)
         assert proc.poll() is None, "the job ended before its waiting processes were seen"
         serving = {e["rank"]: e["pid"] for e in started}.values()  # each rank's newest process
@@ -80,6 +80,8 @@ def test_each_rank_shows_on_exactly_one_process(tmp_path: Path, spares: str, val
         assert all(len(pids) == 1 for pids in shown.values()), shown  # never two processes with one RANK
         assert shown["2"] == [promoted["pid"]], (shown, promoted)
         assert _environ(promoted["pid"]).get("LOCAL_RANK") == "2"
+        if spares == "--fork_server":  # a forked rank shows its own command, not the fork server's
+            assert psutil.Process(promoted["pid"]).cmdline()[:3] == [sys.executable, "-u", str(dj.SCRIPT)]
         assert spare_pids, "no waiting spare was found"
     finally:
         # What the promoted spare computes is checked bitwise elsewhere (test_hot_spares, test_arf:

@@ -60,6 +60,46 @@ def apply_assignment(job: Mapping, hot: bool) -> None:
     show_identity(job["env"])
 
 
+def _memory_bounds(first: int) -> tuple[int, int, bytes] | None:
+    """(start, end, bytes) of this process's initial argument block (``first`` 48) or environment
+    block (50), from fields ``first`` and ``first + 1`` of ``/proc/self/stat`` (proc(5)); None where
+    the kernel does not say, or the block's bytes do not match its bounds."""
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            stat = fh.read()
+        fields = stat[stat.rindex(b")") + 2:].split()
+        start, end = int(fields[first - 3]), int(fields[first - 2])
+        with open("/proc/self/cmdline" if first == 48 else "/proc/self/environ", "rb") as fh:
+            block = fh.read()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (start, end, block) if len(block) == end - start else None
+
+
+def show_command(argv: list[str]) -> bool:
+    """Write ``argv`` over this process's initial argument block, so that ``ps`` and
+    ``/proc/<pid>/cmdline`` show the rank's command (``python -u script args``) rather than the
+    fork server's it was forked from. Nothing moves: the arguments that do not fit in the block are
+    left out, and an argument holding a blank shows as two (the words are joined by blanks, as
+    ``setproctitle`` writes a title). Returns False where the kernel does not say where the block
+    is."""
+    found = _memory_bounds(48)
+    if found is None:
+        return False
+    start, end, _block = found
+    room = end - start
+    text = b""
+    for arg in argv:
+        item = (b" " if text else b"") + arg.encode(errors="replace")
+        if len(text) + len(item) + 2 > room:
+            break
+        text += item
+    # One string, then blanks: a block whose last byte is not zero is read up to its first zero
+    # (the kernel's and psutil's rule for a rewritten command line, as setproctitle writes it).
+    ctypes.memmove(start, text + b"\0" + b" " * (room - len(text) - 1), room)
+    return True
+
+
 def show_identity(env: Mapping[str, str]) -> bool:
     """Write the rank's identity variables (those of :data:`ftrun.common.contract.IDENTITY_VARS` in ``env``)
     over the :data:`ftrun.common.contract.IDENTITY_PAD` room at the end of this process's initial
@@ -70,18 +110,13 @@ def show_identity(env: Mapping[str, str]) -> bool:
     longer points there (the variable was unset before). What does not fit in the room is left
     out (the short names come first). Returns False when there is no room (a process not started as
     a spare) or the kernel does not say where the block is."""
-    try:
-        with open("/proc/self/stat", "rb") as fh:
-            stat = fh.read()
-        fields = stat[stat.rindex(b")") + 2:].split()
-        env_start, env_end = int(fields[50 - 3]), int(fields[51 - 3])
-        with open("/proc/self/environ", "rb") as fh:
-            block = fh.read()
-    except (OSError, ValueError, IndexError):
+    found = _memory_bounds(50)
+    if found is None:
         return False
+    env_start, _env_end, block = found
     marker = f"{IDENTITY_PAD}=".encode()
     at = 0 if block.startswith(marker) else block.find(b"\0" + marker) + 1
-    if (at == 0 and not block.startswith(marker)) or len(block) != env_end - env_start:
+    if at == 0 and not block.startswith(marker):
         return False
     room = len(block) - at
     text = b""

@@ -24,8 +24,9 @@ then re-parented to the agent, a subreaper (``PR_SET_CHILD_SUBREAPER``), before 
 answered. So the agent is the rank's parent: it reaps it and sees its exit status and its stops
 exactly as for a process it spawned (the process tree's rules, docs/architecture.md). The rank
 waits for that re-parenting, arms its death signal against the agent, starts its own session,
-takes its assignment and runs the script as ``__main__`` (:func:`ftrun.rank.spare.run_script`), as
-a promoted warm spare does.
+takes its assignment, shows the rank's command line in place of the server's
+(:func:`ftrun.rank.promotion.show_command`: ``ps`` shows ``python -u script args``) and runs the
+script as ``__main__`` (:func:`ftrun.rank.spare.run_script`), as a promoted warm spare does.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import time
 from typing import Any
 
 from ftrun.common import procs
-from ftrun.rank.promotion import apply_assignment
+from ftrun.rank.promotion import apply_assignment, show_command
 from ftrun.rank.spare import import_libraries, run_script
 
 ADOPTION_WAIT_S = 10.0  # how long a forked rank waits to become its agent's child before it gives up
@@ -108,6 +109,7 @@ def serve(agent: int) -> dict[str, Any]:
             result = fork_rank(agent)
             if result is None:
                 apply_assignment(job, hot=False)
+                show_command([sys.executable, "-u", *(["-m"] if job["module"] else []), *map(str, job["argv"])])
                 if "numpy" in sys.modules:  # each rank its own unseeded numpy stream, as in a new interpreter
                     sys.modules["numpy"].random.seed()
                 return job
