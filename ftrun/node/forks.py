@@ -25,7 +25,7 @@ from ftrun.common import procs
 log = logging.getLogger("ftrun.node.forks")
 
 ANSWER_WAIT_S = 5.0  # how long a spawn waits for the server's answer once it is past its imports (a fork: ms)
-START_WAIT_S = 120.0  # how long a rank about to be signalled waits for the answer (the server's imports, at worst)
+START_WAIT_S = 60.0  # how long a rank about to be signalled waits for the answer (the server's imports, at worst)
 
 
 class ForkedProcess:
