@@ -5,9 +5,9 @@ Starting a rank as ``python script`` costs a new interpreter and its imports: ``
 project's machines, paid by every rank at the job's start (on a node of 8 ranks, 8 times at once)
 and again by every respawned rank inside its recovery. So each node's agent starts this process
 first (:class:`ftrun.node.forks.ForkServer`). It imports what a rank imports
-(:func:`ftrun.rank.spare.import_libraries`), moves those objects out of the garbage collector's
-reach (:func:`gc.freeze`: the children's collections then leave the pages they share with it
-alone), and forks one child per request. The idea is Android's zygote and the ``forkserver``
+(:func:`ftrun.rank.spare.import_libraries`) and forks one child per request. Its objects are
+not frozen (:func:`gc.freeze`): with them frozen, a plain DDP script's rank hung at its exit,
+its gloo group's destructor joining a thread that waited for the GIL the destructor held. The idea is Android's zygote and the ``forkserver``
 start method of :mod:`multiprocessing`, applied to a launcher's ranks.
 
 Its protocol runs on its standard input and output, pipes to the agent. It is JSON, one object a
@@ -31,7 +31,6 @@ script as ``__main__`` (:func:`ftrun.rank.spare.run_script`), as a promoted warm
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import signal
@@ -138,13 +137,11 @@ def main() -> None:
         print("ftrun: the fork server's imports initialized CUDA; the ranks start as new processes", file=sys.stderr,
               flush=True)
         sys.exit(1)
-    gc.collect()
-    gc.freeze()
     # Into spares.log (its stderr): when the node's ranks can start without imports.
     print(f"ftrun: fork server (pid {os.getpid()}) ready at {time.time():.3f}: its imports took "
           f"{time.monotonic() - started:.2f} s", file=sys.stderr, flush=True)
     _answer({"ready": True})
-    job = serve(agent)  # in a rank from here on (what the imports made stays frozen: never garbage)
+    job = serve(agent)  # in a rank from here on
     os.chdir(job["cwd"])
     run_script([str(a) for a in job["argv"]], bool(job["module"]))
 
