@@ -171,20 +171,21 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | 
 @pytest.mark.integration
 @pytest.mark.timeout(420)
 def test_a_faulted_job_counts_its_recovery_and_reports_it(ftrun_proc, tmp_path):
-    """One 2-rank digits job, rank 1 killed in the all-reduce of step 5: /metrics counts the recovery
-    while the job runs; afterwards ``ftrun report`` prints it and draws the PNG."""
+    """One 2-rank digits job (4 s of steps), rank 1 killed in the all-reduce of step 5: /metrics counts
+    the recovery while the job runs; afterwards ``ftrun report`` prints it and draws the PNG."""
     port = free_port()
     log_dir = tmp_path / "logs"
     job = ftrun_proc(["--worker_num", "2", "--master_port", "0", "--plain", "--log_dir", log_dir,
                       "--metrics_port", port, "--tail_worker_log", "", ROOT / "examples" / "train_digits.py",
-                      "--steps", "40", "--log_every", "0"],
+                      "--steps", "40", "--log_every", "0", "--step_pause", "0.1"],
                      env={"FTRUN_FAULT": "rank=1,step=5,point=allreduce,kind=kill"})
     deadline = time.monotonic() + 300
     got = None
     while True:
         got = scrape(port) or got
+        # the steps' total comes with the ranks' heartbeats (one a second): a recovery may be over first
         if got and got.get(("ftrun_recoveries_total", (("fault", "death"),)), 0) >= 1 \
-                and got.get(("ftrun_recovery_seconds_count", ()), 0) >= 1:
+                and got.get(("ftrun_recovery_seconds_count", ()), 0) >= 1 and ("ftrun_job_total_steps", ()) in got:
             break
         if job.popen.poll() is not None:
             pytest.fail(f"the job ended before /metrics counted the recovery\nlast scrape: {got}\n{job.stdout()}\n{job.stderr()}")
