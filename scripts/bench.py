@@ -32,8 +32,9 @@ step, this script SIGKILLs the victim rank from outside (no help from any librar
   setup (the new rank's own start-up: data, model, until it enters recovery), rebuild (the new
   process group), transfer (state, point to point), retried (the failed step run again) and other;
   for torchrun into restart (kill to the first step after the restart) and recompute;
-- peak resident memory (VmHWM) of the launcher, of ftrun's supervisor, of the largest rank and of
-  ftrun's warm spare (which, once promoted to replace the killed rank, keeps its command line).
+- peak resident memory (VmHWM) of the launcher, of ftrun's supervisor, of the largest rank, of
+  ftrun's fork server and of a warm spare where one runs (``--fork_server off``; once promoted to
+  replace the killed rank, it keeps its command line).
 
 The ``multinode`` part runs the digits job on 2 hosts x 2 ranks: two Linux network namespaces on
 a bridge (``tests/nethosts.py``; needs root, else the part is skipped with one line), one launcher
@@ -294,7 +295,8 @@ class MemorySampler:
     """Polls the peak resident set (``VmHWM``) of a launcher's process tree, by role.
 
     Roles: ``launcher`` (the process started), ``supervisor`` (ftrun's), ``rank`` (the largest
-    process running the training script). VmHWM is the kernel's own high-water mark, so a peak
+    process running the training script; a rank forked by ftrun's fork server counts the pages it
+    shares with it), ``fork_server`` and ``spare`` (ftrun's). VmHWM is the kernel's own high-water mark, so a peak
     between two polls is not missed; only processes that end between two polls are.
     """
 
@@ -327,6 +329,8 @@ class MemorySampler:
             return "supervisor"
         if "ftrun.rank.spare" in cmdline:
             return "spare"  # a warm spare, idle or (same command line) promoted to a rank
+        if "ftrun.rank.zygote" in cmdline:
+            return "fork_server"  # its forked ranks show the script's command line (ftrun.rank.promotion.show_command)
         return "rank" if self.script in cmdline else None
 
     def _loop(self) -> None:
