@@ -73,7 +73,9 @@ TORCHRUN_LINES = {
     "local-ranks-filter": ("--standalone --nproc-per-node=4 --tee 3 --local-ranks-filter 0,2 SCRIPT",
                            dict(tail_worker_log=(0, 2))),
     "role-start-method": ("--standalone --nproc-per-node=2 --role trainer --start-method spawn SCRIPT",
-                          dict(role="trainer")),
+                          dict(role="trainer", fork_server="off")),
+    "start-method-forkserver": ("--standalone --nproc-per-node=2 --start-method=forkserver SCRIPT",
+                                dict(fork_server="on")),
     "shutdown-local-addr": ("--nproc-per-node=2 --local-addr=127.0.0.1 --shutdown-timeout=30 SCRIPT",
                             dict(local_addr="127.0.0.1", grace_period=30.0, role="default")),
     "rdzv-conf-ignored-keys": ("--standalone --nproc-per-node=2 --rdzv-conf=read_timeout=60,timeout=120 SCRIPT",
@@ -115,8 +117,8 @@ def test_torchrun_warnings_name_what_ftrun_does_otherwise(torchrun_dir):
 
 
 @pytest.mark.parametrize("line, hint", [
-    ("--start-method fork SCRIPT", "--start-method fork is refused: ftrun starts every rank as a fresh interpreter"),
-    ("--start-method=forkserver SCRIPT", "--start-method forkserver is refused"),
+    ("--start-method fork SCRIPT", "--start-method fork is refused: fork would copy the launcher's state"),
+    ("--start-method spawn --fork_server on SCRIPT", "--start-method spawn means --fork_server off, but --fork_server on"),
     ("--nnodes=2 --nproc-per-node=2 --rdzv-endpoint=localhost:29400 SCRIPT", "needs a shared secret"),
     ("--rdzv-backend=etcd --rdzv-endpoint=localhost:2379 SCRIPT", "--rdzv-backend 'etcd' is not supported"),
     ("--run-path -m pkg.train", "--run-path runs SCRIPT as a Python file"),

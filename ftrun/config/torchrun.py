@@ -36,13 +36,12 @@ UNSUPPORTED_TORCHRUN_FLAGS: dict[str, str] = {
 #: The option alias that also takes torchrun's device words (auto, cpu, gpu, xpu).
 DEVICE_COUNT_ALIAS = "nproc_per_node"
 
-# torchrun's --start-method values: ftrun always starts ranks the 'spawn' way.
-START_METHODS: dict[str, str] = {
-    "spawn": "",
-    "fork": "ftrun starts every rank as a fresh interpreter (torchrun's spawn); fork would copy the launcher's "
-    "state into every rank",
-    "forkserver": "ftrun starts every rank as a fresh interpreter (torchrun's spawn); a fork server would copy its "
-    "state into every rank",
+# torchrun's --start-method values: the --fork_server each stands for, or why it is refused.
+START_METHODS: dict[str, tuple[str, str]] = {
+    "spawn": ("off", ""),
+    "forkserver": ("on", ""),
+    "fork": ("", "fork would copy the launcher's state into every rank; ftrun's fork server (forkserver, its "
+             "default) forks them from a process that has only imported the libraries"),
 }
 
 
@@ -92,7 +91,8 @@ class TorchrunFlags:
         rdzv_endpoint: ``--rdzv-endpoint HOST[:PORT]``: node 0's store (master_addr/master_port).
         rdzv_conf: ``--rdzv-conf KEY=VALUE,...`` (see :data:`RDZV_CONF_KEYS`).
         run_path: ``--run-path``: SCRIPT is a Python file, as ftrun always takes it.
-        start_method: ``--start-method``: ``spawn`` (ftrun's way); ``fork``/``forkserver`` are refused.
+        start_method: ``--start-method``: ``spawn`` (``--fork_server off``: each rank a fresh
+            interpreter) or ``forkserver`` (``--fork_server on``, ftrun's default); ``fork`` is refused.
         redirects, tee: ``-r/--redirects`` and ``-t/--tee`` (torchrun's 0-3 or ``0:1,1:2``);
             ftrun always writes every rank's output to its log file; together they choose the
             local ranks whose output reaches the console.
@@ -108,8 +108,8 @@ class TorchrunFlags:
                                           "accepted and ignored.")
     run_path: bool = torchrun_flag("Run SCRIPT as a Python file (torchrun runs it with runpy.run_path; so does "
                                    "ftrun's default).", switch=True)
-    start_method: str | None = torchrun_flag("spawn: ranks are fresh interpreters, ftrun's only way (fork and "
-                                             "forkserver are refused).")
+    start_method: str | None = torchrun_flag("spawn (--fork_server off: each rank a fresh interpreter) or "
+                                             "forkserver (--fork_server on, the default); fork is refused.")
     redirects: str | None = torchrun_flag("0-3 or e.g. 0:3,1:1; ftrun always writes every rank's output to "
                                           "LOG_DIR/worker_<rank>.log, so this only decides with --tee which local "
                                           "ranks reach the console (3 without --tee: none).", "-r")
@@ -150,9 +150,8 @@ class TorchrunFlags:
             module, no_python: how SCRIPT is run (``-m``, ``--no-python``).
 
         Raises:
-            ConfigError: ``--run-path`` with ``-m`` or ``--no-python``; a ``--start-method`` other
-                than ``spawn`` (``fork``/``forkserver`` would copy the launcher's state into the
-                ranks, which ftrun starts as fresh interpreters).
+            ConfigError: ``--run-path`` with ``-m`` or ``--no-python``; a ``--start-method`` that
+                is not torchrun's, or ``fork`` (it would copy the launcher's state into the ranks).
         """
         if self.run_path and (module or no_python):
             raise ConfigError("--run-path runs SCRIPT as a Python file; it cannot be combined with -m/--module or "
@@ -162,10 +161,10 @@ class TorchrunFlags:
         method = self.start_method.strip().lower()
         if method not in START_METHODS:
             raise ConfigError(f"--start-method {self.start_method!r} is not one of torchrun's spawn, fork, forkserver; "
-                              "give spawn (ftrun's way) or leave it out")
-        if START_METHODS[method]:
-            raise ConfigError(f"--start-method {method} is refused: {START_METHODS[method]}; give spawn or leave it "
-                              "out")
+                              "give spawn or forkserver, or leave it out")
+        if START_METHODS[method][1]:
+            raise ConfigError(f"--start-method {method} is refused: {START_METHODS[method][1]}; give spawn or "
+                              "forkserver, or leave it out")
 
     @property
     def sets_console(self) -> bool:
@@ -307,6 +306,14 @@ def apply_torchrun(
         _apply_standalone(torchrun, from_cli, labels)
     elif torchrun.rdzv_endpoint is not None:
         _apply_endpoint(torchrun.rdzv_endpoint, from_cli, labels)
+    if torchrun.start_method is not None:
+        fork_server = START_METHODS[torchrun.start_method.strip().lower()][0]
+        given = from_cli.get("fork_server")
+        if given is not None and given.strip().lower() != fork_server:
+            raise ConfigError(f"--start-method {torchrun.start_method.strip()} means --fork_server {fork_server}, but "
+                              f"--fork_server {given} is given; drop one of them")
+        from_cli["fork_server"] = fork_server
+        labels.setdefault("fork_server", "--start-method")
     if torchrun.rdzv_conf is None:
         return None
     return _apply_rdzv_conf(torchrun.rdzv_conf, from_cli, labels, warnings)
