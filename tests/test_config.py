@@ -1127,8 +1127,8 @@ def test_cli_nproc_per_node_cpu(cli_spec, script):
 @pytest.mark.parametrize(
     "argv, hint",
     [
-        (["--start_method=fork"], "--start-method fork is refused: ftrun starts every rank as a fresh interpreter"),
-        (["--start-method", "forkserver"], "--start-method forkserver is refused"),
+        (["--start_method=fork"], "--start-method fork is refused: fork would copy the launcher's state"),
+        (["--start-method", "forkserver", "--fork_server", "off"], "--start-method forkserver means --fork_server on"),
         (["--start-method", "threads"], "--start-method 'threads' is not one of torchrun's spawn, fork, forkserver"),
         (["--role", "a b"], "--role 'a b' must be 1 to 256 printable characters without spaces"),
         (["--event-log-handler", "x"], "--event-log-handler"),

@@ -118,7 +118,7 @@ from ftrun.node.forks import StartReport
 
 log_dir = Path(sys.argv[1])
 script = log_dir / "rank.py"
-script.write_text("import os, sys, time, torch\n"
+script.write_text("import os, sys, time, torch\nimport ftrun\n"
                   "print('parent', os.getppid(), 'pgid', os.getpgid(0), 'rank', os.environ['RANK'],"
                   " 'torch', 'torch' in sys.modules, flush=True)\n"
                   "print('cmdline', open('/proc/self/cmdline', 'rb').read().split(b'\\0')[0].decode(), flush=True)\n"
@@ -190,3 +190,20 @@ def test_a_forked_rank_is_the_agents_child_in_its_own_session(tmp_path: Path) ->
     assert out["killed"] == [["ExitReport", 2, 0, -9]]
     assert out["server_ended"]
     assert "fork server" in (tmp_path / "spares.log").read_text()
+
+
+@pytest.mark.parametrize("text, forked", [
+    ("import torch\nimport ftrun\n", True),
+    ("from ftrun.integrations.hf import FTTrainer\n", True),
+    ("def main():\n    import ftrun as ft\n", True),
+    ("import torch.distributed as dist  # no ftrun here\n", False),
+    ("# import ftrun\nprint('ftrun')\n", False),
+    ("import ftrunner\n", False),
+])
+def test_only_scripts_that_import_ftrun_are_forked(tmp_path: Path, text: str, forked: bool) -> None:
+    from ftrun.node.spawner import imports_ftrun
+
+    script = tmp_path / "train.py"
+    script.write_text(text)
+    assert imports_ftrun(str(script)) is forked
+    assert not imports_ftrun(str(tmp_path / "missing.py"))

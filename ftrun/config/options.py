@@ -327,10 +327,10 @@ class JobSpec:
                               "(ARF; 0: none).", low=0, high=64,
                               why="each spare is an idle process holding torch in memory")
     fork_server: str = option(
-        "on", "Start the ranks as forks of one process per node that has imported torch once, instead of one new "
-        "interpreter each (milliseconds instead of seconds per rank, at the start and at each respawn; it also "
-        "takes the place of --warm_spares): 'on' or 'off' (each rank a new 'python script' process, as torchrun "
-        "starts them; see docs/architecture.md).")
+        "on", "Start the ranks of a script that imports ftrun as forks of one process per node that has imported "
+        "torch once, instead of one new interpreter each (milliseconds instead of seconds per rank, at the start "
+        "and at each respawn; it also takes the place of --warm_spares): 'on' or 'off' (each rank a new 'python "
+        "script' process, as torchrun starts them; see docs/recovery.md).")
     hot_spares: int = option(
         0, "Spares per node that run the script's own set-up (imports, data, model, optimizer) before any fault and "
         "wait at its training loop for a rank to replace (ARF; 0: warm spares only). The script must not read its "

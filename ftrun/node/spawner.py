@@ -18,6 +18,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -175,7 +176,8 @@ class RankProcesses:
         # The node's fork server (ftrun.rank.zygote), started now: it imports while the job sets up.
         # Its ranks are re-parented here, so this process must be able to adopt them (a subreaper).
         self.forks: ForkedStarts | None = None
-        if fork_server and argv[:1] == [sys.executable] and procs.become_subreaper():
+        if (fork_server and argv[:1] == [sys.executable] and not module and imports_ftrun(script_argv[0])
+                and procs.become_subreaper()):
             self.forks = ForkedStarts(ForkServer(self._spare_env(), log_dir / "spares.log"), self._spawn_anew)
 
     # ----------------------------------------------------------------- environment
@@ -555,6 +557,26 @@ def spare_argv(hot: bool) -> list[str]:
     (:func:`ftrun.common.procs.ftrun_module_argv`); the script it runs later gets its own directory first
     on ``sys.path`` (:func:`ftrun.rank.spare.run_script`)."""
     return procs.ftrun_module_argv("ftrun.rank.spare", ["--hot"] if hot else [], unbuffered=True)
+
+
+_FTRUN_IMPORT = re.compile(rb"^[ \t]*(import|from)[ \t]+ftrun\b", re.MULTILINE)
+
+
+def imports_ftrun(script: str) -> bool:
+    """Whether the script's own file imports ftrun (a line ``import ftrun...`` or ``from ftrun...``).
+
+    Only such scripts' ranks are forked by the fork server; a script written for torchrun gets a new
+    interpreter per rank, as under torchrun. A plain DDP script's forked rank hung at its exit on
+    2 hosts in most runs (its gloo group's destructor, under the GIL, joined a thread that waited
+    for the GIL), which no script using the worker library has shown; until that is understood, a
+    script that does not import ftrun is started as torchrun starts it. A script that imports ftrun
+    only through another module of its own is not seen: it gets new interpreters, never a wrong
+    start."""
+    try:
+        with open(script, "rb") as fh:
+            return _FTRUN_IMPORT.search(fh.read(1 << 20)) is not None
+    except OSError:
+        return False
 
 
 def rank_argv(no_python: bool, module: bool, script: str, script_args: list[str]) -> list[str]:
