@@ -5,10 +5,11 @@ Starting a rank as ``python script`` costs a new interpreter and its imports: ``
 project's machines, paid by every rank at the job's start (on a node of 8 ranks, 8 times at once)
 and again by every respawned rank inside its recovery. So each node's agent starts this process
 first (:class:`ftrun.node.forks.ForkServer`). It imports what a rank imports
-(:func:`ftrun.rank.spare.import_libraries`) and forks one child per request. Its objects are
-not frozen (:func:`gc.freeze`): with them frozen, a plain DDP script's rank hung at its exit,
-its gloo group's destructor joining a thread that waited for the GIL the destructor held. The idea is Android's zygote and the ``forkserver``
-start method of :mod:`multiprocessing`, applied to a launcher's ranks.
+(:func:`ftrun.rank.spare.import_libraries`) and forks one child per request. The idea is
+Android's zygote and the ``forkserver`` start method of :mod:`multiprocessing`, applied to a
+launcher's ranks. Only the ranks of a script that imports ftrun are forked
+(:func:`ftrun.node.spawner.imports_ftrun` says why: a plain DDP script's forked rank could hang at
+its exit, with or without the server's objects frozen by :func:`gc.freeze`, which it does not do).
 
 Its protocol runs on its standard input and output, pipes to the agent. It is JSON, one object a
 line, and nothing is unpickled:
