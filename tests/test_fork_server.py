@@ -200,7 +200,7 @@ def test_a_forked_rank_is_the_agents_child_in_its_own_session(tmp_path: Path) ->
     ("# import ftrun\nprint('ftrun')\n", False),
     ("import ftrunner\n", False),
 ])
-def test_only_scripts_that_import_ftrun_are_forked(tmp_path: Path, text: str, forked: bool) -> None:
+def test_only_scripts_that_import_ftrun_get_dynamo_in_advance(tmp_path: Path, text: str, forked: bool) -> None:
     from ftrun.node.spawner import imports_ftrun
 
     script = tmp_path / "train.py"

@@ -101,7 +101,7 @@ _PRIORITY_PROBE = """
 import os, sys, threading, time
 import ftrun.rank.spare as spare
 seen, pool, stop = [], [], threading.Event()
-def imports():
+def imports(dynamo=True):
     threading.Thread(target=lambda: (pool.append(threading.get_native_id()), stop.wait()), daemon=True).start()
     time.sleep(float(sys.argv[1]))
     seen.append(os.sched_getscheduler(0))
@@ -148,7 +148,7 @@ def test_a_spare_that_could_not_leave_idle_priority_imports_at_the_normal_one(mo
 
     seen = []
     monkeypatch.setattr(spare, "_can_leave_idle", lambda _policy: False)
-    monkeypatch.setattr(spare, "import_libraries", lambda: seen.append(os.sched_getscheduler(0)))
+    monkeypatch.setattr(spare, "import_libraries", lambda dynamo=True: seen.append(os.sched_getscheduler(0)))
     assert spare.import_at_idle_priority() is False
     assert seen == [os.sched_getscheduler(0)]  # on this thread, at its own priority
 

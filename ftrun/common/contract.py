@@ -48,6 +48,7 @@ ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # torchrun's contract: where @record wri
 HOT_SPARE = "FTRUN_HOT_SPARE"  # "1" in a hot spare's environment until it is promoted
 SPARE_READY = "FTRUN_SPARE_READY"  # the file a hot spare creates once it waits for its rank
 SPARE_JOB = "FTRUN_SPARE_JOB"  # a hot spare's script (JSON: argv, module, cwd)
+DYNAMO_FLAG = "--with_dynamo"  # a spare's or fork server's argument: import torch._dynamo in advance too
 PREVIOUS_PID = "FTRUN_PREVIOUS_PID"  # a respawned rank's predecessor (agent -> rank: its GPU memory is waited for)
 
 #: What names a rank: absent from a spare's environment (hot or warm) until its promotion gives them.

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ftrun.common import procs
+from ftrun.common import contract, procs
 
 log = logging.getLogger("ftrun.node.forks")
 
@@ -88,11 +88,13 @@ class ForkServer:
     Args:
         env: its environment (the node's, with no rank identity: a warm spare's).
         log_path: where its own output goes (``spares.log``).
+        dynamo: import ``torch._dynamo`` before forking too (:func:`ftrun.rank.spare.import_libraries`).
     """
 
-    def __init__(self, env: Mapping[str, str], log_path: Path) -> None:
+    def __init__(self, env: Mapping[str, str], log_path: Path, dynamo: bool = True) -> None:
+        argv = procs.ftrun_module_argv("ftrun.rank.zygote", [contract.DYNAMO_FLAG] if dynamo else [], unbuffered=True)
         with open(log_path, "ab") as fh:
-            self.proc = procs.spawn(procs.ftrun_module_argv("ftrun.rank.zygote", unbuffered=True), env=dict(env),
+            self.proc = procs.spawn(argv, env=dict(env),
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=fh.fileno())
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._in = self.proc.stdin.fileno()

@@ -176,9 +176,10 @@ class RankProcesses:
         # The node's fork server (ftrun.rank.zygote), started now: it imports while the job sets up.
         # Its ranks are re-parented here, so this process must be able to adopt them (a subreaper).
         self.forks: ForkedStarts | None = None
-        if (fork_server and argv[:1] == [sys.executable] and not module and imports_ftrun(script_argv[0])
-                and procs.become_subreaper()):
-            self.forks = ForkedStarts(ForkServer(self._spare_env(), log_dir / "spares.log"), self._spawn_anew)
+        self.dynamo = not module and imports_ftrun(script_argv[0])  # import torch._dynamo in advance
+        if fork_server and argv[:1] == [sys.executable] and not module and procs.become_subreaper():
+            self.forks = ForkedStarts(ForkServer(self._spare_env(), log_dir / "spares.log", self.dynamo),
+                                      self._spawn_anew)
 
     # ----------------------------------------------------------------- environment
     def environment(self, rank_vars: Mapping[str, str]) -> dict[str, str]:
@@ -292,7 +293,7 @@ class RankProcesses:
 
     def _start_spare(self, hot: bool, model_vars: Mapping[str, str]) -> None:
         env = self._spare_env(model_vars)
-        argv = spare_argv(hot)
+        argv = spare_argv(hot, self.dynamo)
         ready = None
         if hot:
             env[HOT_SPARE_VAR] = "1"
@@ -551,12 +552,13 @@ def crash_first(dump: list[str]) -> list[str]:
     return dump[:1] + dump[current:end] + [line for line in dump[1:current] + dump[end:] if line.strip()]
 
 
-def spare_argv(hot: bool) -> list[str]:
-    """A spare's command line: ``python -u -m ftrun.rank.spare`` (``--hot`` for a hot one), importing the
-    installed ftrun and torch whatever the job's working directory holds
-    (:func:`ftrun.common.procs.ftrun_module_argv`); the script it runs later gets its own directory first
-    on ``sys.path`` (:func:`ftrun.rank.spare.run_script`)."""
-    return procs.ftrun_module_argv("ftrun.rank.spare", ["--hot"] if hot else [], unbuffered=True)
+def spare_argv(hot: bool, dynamo: bool = True) -> list[str]:
+    """A spare's command line: ``python -u -m ftrun.rank.spare`` (``--hot`` for a hot one,
+    ``--with_dynamo`` to import ``torch._dynamo`` in advance), importing the installed ftrun and torch
+    whatever the job's working directory holds (:func:`ftrun.common.procs.ftrun_module_argv`); the
+    script it runs later gets its own directory first on ``sys.path`` (:func:`ftrun.rank.spare.run_script`)."""
+    return procs.ftrun_module_argv("ftrun.rank.spare", [*(["--hot"] if hot else []), *([contract.DYNAMO_FLAG] if dynamo else [])],
+                                   unbuffered=True)
 
 
 _FTRUN_IMPORT = re.compile(rb"^[ \t]*(import|from)[ \t]+ftrun\b", re.MULTILINE)
@@ -565,13 +567,11 @@ _FTRUN_IMPORT = re.compile(rb"^[ \t]*(import|from)[ \t]+ftrun\b", re.MULTILINE)
 def imports_ftrun(script: str) -> bool:
     """Whether the script's own file imports ftrun (a line ``import ftrun...`` or ``from ftrun...``).
 
-    Only such scripts' ranks are forked by the fork server; a script written for torchrun gets a new
-    interpreter per rank, as under torchrun. A plain DDP script's forked rank hung at its exit on
-    2 hosts in most runs (its gloo group's destructor, under the GIL, joined a thread that waited
-    for the GIL), which no script using the worker library has shown; until that is understood, a
-    script that does not import ftrun is started as torchrun starts it. A script that imports ftrun
-    only through another module of its own is not seen: it gets new interpreters, never a wrong
-    start."""
+    Only for such a script do the fork server and the spares import ``torch._dynamo`` in advance; a
+    script written for torchrun imports it itself, as under torchrun
+    (:func:`ftrun.rank.spare.import_libraries` says why: a DDP script that starts with it imported
+    could hang at its exit). A script that imports ftrun only through another module of its own is
+    not seen: its ranks import torch._dynamo themselves, a little slower, never wrong."""
     try:
         with open(script, "rb") as fh:
             return _FTRUN_IMPORT.search(fh.read(1 << 20)) is not None

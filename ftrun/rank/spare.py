@@ -4,8 +4,8 @@ Respawning a rank costs a new interpreter and its imports (about 1.2 s for torch
 machine, several seconds on a busy one; docs/benchmarks.md), and that is most of an ARF recovery. The
 supervisor therefore keeps ``--warm_spares`` processes started as ``python -m ftrun.rank.spare`` (but
 with the installed ftrun whatever the working directory holds: :func:`ftrun.node.spawner.spare_argv`): each
-imports torch, torch.distributed, numpy, the worker library and ``torch._dynamo``, which the
-first ``torch.optim`` optimizer imports (at idle priority: it is started while the ranks train,
+imports torch, torch.distributed, numpy, the worker library and, for a script that imports ftrun
+(``--with_dynamo``), ``torch._dynamo``, which the first ``torch.optim`` optimizer imports (at idle priority: it is started while the ranks train,
 :func:`import_at_idle_priority`), then blocks reading its standard input. To replace a failed
 rank, the supervisor writes one JSON object there and closes it::
 
@@ -40,7 +40,7 @@ import runpy
 import sys
 import time
 
-from ftrun.common.contract import SPARE_JOB
+from ftrun.common.contract import DYNAMO_FLAG, SPARE_JOB
 from ftrun.rank.promotion import take_assignment
 
 
@@ -73,8 +73,18 @@ def run_script(argv: list[str], module: bool) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
-def import_libraries() -> None:
-    # What a respawned rank would otherwise import after its start (the slow part).
+def import_libraries(dynamo: bool = True) -> None:
+    """Import what a respawned rank would otherwise import after its start (the slow part): numpy,
+    torch, torch.distributed, the worker library and, when ``dynamo``, ``torch._dynamo``.
+
+    ``dynamo`` is False for a script written for torchrun (:func:`ftrun.node.spawner.imports_ftrun`).
+    Under torch 2.13, a DDP script that starts with ``torch._dynamo`` already imported could hang at
+    its exit, forked or not (measured: 1 of 5 runs in a new interpreter, 8 of 18 forked; 0 of 21
+    without it): the DDP Reducer frees its gloo group holding the GIL, while a gloo thread that drops
+    the last reference to a tensor's Python object waits for the GIL and holds the lock the group's
+    destructor takes. Such a script imports torch._dynamo itself, at its first optimizer, as it
+    would under torchrun. The worker library's scripts showed no such hang in the suite's runs.
+    """
     import numpy  # noqa: F401
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
@@ -84,6 +94,8 @@ def import_libraries() -> None:
     # torch.optim's first optimizer imports torch._dynamo (torch._compile._disable_dynamo, torch
     # 2.x): 1.3 s of CPU on this project's machines, as much again as torch itself, which a rank
     # respawned from this spare would pay inside the recovery.
+    if not dynamo:
+        return
     try:
         import torch._dynamo  # noqa: F401
     except Exception:  # a build without it: the script imports what it needs itself
@@ -123,7 +135,7 @@ def _leave_idle(idle_policy: int, keep: int) -> None:
             pass
 
 
-def import_at_idle_priority(poll_s: float = 0.05) -> bool:
+def import_at_idle_priority(poll_s: float = 0.05, dynamo: bool = True) -> bool:
     """Import what a rank needs (numpy, torch, torch.distributed, the worker library) on a helper
     thread scheduled ``SCHED_IDLE``, so a warm spare started while the ranks train takes only CPU
     time they leave unused (on 2 cores, a warm spare's 1.5 s of imports overlapped the
@@ -139,6 +151,7 @@ def import_at_idle_priority(poll_s: float = 0.05) -> bool:
 
     Args:
         poll_s: seconds between looks at standard input while the imports run.
+        dynamo: import ``torch._dynamo`` too (:func:`import_libraries`).
 
     Returns:
         True if the imports started at idle priority (False: at the normal one, where
@@ -152,7 +165,7 @@ def import_at_idle_priority(poll_s: float = 0.05) -> bool:
 
     idle_policy = getattr(os, "SCHED_IDLE", None)
     if idle_policy is None or not os.path.isdir("/proc/self/task") or not _can_leave_idle(idle_policy):
-        import_libraries()
+        import_libraries(dynamo)
         return False
     main_tid = threading.get_native_id()
     failure: list[BaseException] = []
@@ -160,7 +173,7 @@ def import_at_idle_priority(poll_s: float = 0.05) -> bool:
     def run() -> None:
         _set_policy(0, idle_policy)
         try:
-            import_libraries()
+            import_libraries(dynamo)
         except BaseException as err:  # re-raised on the main thread
             failure.append(err)
 
@@ -188,11 +201,11 @@ def main() -> None:
         # until that fault. So it imports at the normal priority, then runs the script now,
         # without a rank; ftrun.init() gives it none until take_assignment() returns (called by
         # the worker library at the training loop, or when the script first asks for its rank).
-        import_libraries()
+        import_libraries(DYNAMO_FLAG in sys.argv[1:])
         job = json.loads(os.environ[SPARE_JOB])
     else:
         started = time.monotonic()
-        idle = import_at_idle_priority()  # a warm spare's imports are promoted with its assignment
+        idle = import_at_idle_priority(dynamo=DYNAMO_FLAG in sys.argv[1:])  # a warm spare's imports are promoted with its assignment
         # Into spares.log: when the spare can take a rank (its imports are the job's one-time
         # cost on a busy node: scripts/bench.py measures a steady state from this moment on).
         print(f"ftrun: warm spare (pid {os.getpid()}) ready at {time.time():.3f}: its imports took "

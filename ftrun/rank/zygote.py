@@ -5,11 +5,9 @@ Starting a rank as ``python script`` costs a new interpreter and its imports: ``
 project's machines, paid by every rank at the job's start (on a node of 8 ranks, 8 times at once)
 and again by every respawned rank inside its recovery. So each node's agent starts this process
 first (:class:`ftrun.node.forks.ForkServer`). It imports what a rank imports
-(:func:`ftrun.rank.spare.import_libraries`) and forks one child per request. The idea is
-Android's zygote and the ``forkserver`` start method of :mod:`multiprocessing`, applied to a
-launcher's ranks. Only the ranks of a script that imports ftrun are forked
-(:func:`ftrun.node.spawner.imports_ftrun` says why: a plain DDP script's forked rank could hang at
-its exit, with or without the server's objects frozen by :func:`gc.freeze`, which it does not do).
+(:func:`ftrun.rank.spare.import_libraries`: ``torch._dynamo`` too, with ``--with_dynamo``, given
+for a script that imports ftrun) and forks one child per request. The idea is Android's zygote and
+the ``forkserver`` start method of :mod:`multiprocessing`, applied to a launcher's ranks.
 
 Its protocol runs on its standard input and output, pipes to the agent. It is JSON, one object a
 line, and nothing is unpickled:
@@ -41,6 +39,7 @@ from typing import Any
 
 from ftrun.common import procs
 from ftrun.rank.promotion import apply_assignment, show_command
+from ftrun.common.contract import DYNAMO_FLAG
 from ftrun.rank.spare import import_libraries, run_script
 
 ADOPTION_WAIT_S = 10.0  # how long a forked rank waits to become its agent's child before it gives up
@@ -132,7 +131,7 @@ def be_adopted(agent: int) -> None:
 def main() -> None:
     agent = os.getppid()
     started = time.monotonic()
-    import_libraries()
+    import_libraries(DYNAMO_FLAG in sys.argv[1:])
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # a CUDA context cannot cross a fork: new processes then
         print("ftrun: the fork server's imports initialized CUDA; the ranks start as new processes", file=sys.stderr,
