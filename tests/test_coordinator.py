@@ -1012,3 +1012,26 @@ def test_the_wakeup_pipe_tells_whether_a_signal_arrived() -> None:
     assert pipe.drain() is False
     os.write(pipe._write_fd, b"\x11")  # what the C signal handler writes (signal.set_wakeup_fd)
     assert pipe.drain() is True and pipe.drain() is False
+
+
+def test_a_restart_whose_store_cannot_listen_ends_the_job_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole-job restart hosts a fresh store for the new attempt; with no port left to bind
+    (EADDRINUSE: every ephemeral port in use, as at 16,384 simulated ranks) the job ends failed,
+    saying so, rather than the coordinator dying of the exception."""
+    import errno
+
+    from ftrun.common import stores
+
+    def no_port(*_args: Any, **_kw: Any) -> Any:
+        raise stores.StoreBindError(errno.EADDRINUSE, "Address already in use")
+
+    monkeypatch.setattr(stores, "serve_store", no_port)
+    coord, agent, clock = make(tmp_path, max_restarts=3)
+    agent.exit(0, 0, at=clock.now)
+    assert coord.check_processes() is None
+    agent.exit(2, 1, at=clock.now)  # a plain rank's failure: a whole-job restart
+    code = coord.check_processes()
+    assert code == 1
+    assert len(events(tmp_path, "job_restarting")) == 1
+    finished = events(tmp_path, "job_finished")[-1]["message"]
+    assert "rendezvous store cannot listen" in finished and "Address already in use" in finished, finished

@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ftrun.common.events import EventKind
+from ftrun.common.stores import StoreBindError
 from ftrun.coordinator.agents import RemoteAgent
 from ftrun.coordinator.membership import QuorumLost
 from ftrun.coordinator.phases import JobPhase
@@ -80,7 +81,12 @@ class JobEnd:
         job.rounds.current = None
         job.failures.startup.new_attempt()
         job.state.new_attempt()
-        job.start_attempt()
+        try:
+            job.start_attempt()
+        except StoreBindError as err:  # no port left for the new attempt's store (every ephemeral port in use)
+            return self.finish_failed(f"cannot restart the job: the new attempt's rendezvous store cannot listen on "
+                                      f"{job.spec.master_addr} ({err.strerror}); free ports on node 0, then run the "
+                                      f"same command again")
         job.phase.move(JobPhase.RUNNING)
         return None
 

@@ -29,7 +29,8 @@ TRANSITIONS: dict[JobPhase, frozenset[JobPhase]] = {
     JobPhase.RECOVERING: frozenset({JobPhase.RECOVERING, JobPhase.RUNNING, JobPhase.GASPING, JobPhase.RESTARTING,
                                     JobPhase.STOPPING, JobPhase.FINISHED}),
     JobPhase.GASPING: frozenset({JobPhase.RESTARTING, JobPhase.STOPPING}),
-    JobPhase.RESTARTING: frozenset({JobPhase.RUNNING}),
+    # the new attempt's ranks started, or it could not start (no port for its store): the job ends
+    JobPhase.RESTARTING: frozenset({JobPhase.RUNNING, JobPhase.STOPPING}),
     JobPhase.STOPPING: frozenset({JobPhase.FINISHED}),
     JobPhase.FINISHED: frozenset(),
 }
