@@ -161,9 +161,11 @@ def test_kills_at_injection_points_on_the_last_node(net_hosts, reference: str, t
     assert [e["rank"] for e in events if e["kind"] == "rank_failed"] == [3, 2, 3, 2]
     # A survivor's failed collective can reach the coordinator before node 1's agent reports the
     # death: that round is then restarted before its plan, so there may be fewer plans than faults.
+    # The killed ranks receive; so may a survivor on node 0 that had not yet committed the step a
+    # faster replica committed (the plan's laggard rule: seen once, rank 0 behind rank 1 at step 9).
     plans = [e for e in events if e["kind"] == "recovery_planned"]
-    recipients = [t[1] for p in plans for t in p["detail"]["transfers"]]
-    assert plans and set(recipients) == {2, 3}, dj.story(events)
+    recipients = {t[1] for p in plans for t in p["detail"]["transfers"]}
+    assert plans and {2, 3} <= recipients, dj.story(events)
 
 
 def _signal_rank_on_node1(hosts: list[NetHost], tmp_path: Path, sig: int) -> tuple[str, list[dict]]:
