@@ -351,7 +351,12 @@ def test_a_full_then_removed_log_directory_costs_output_not_the_job(long_referen
         os.kill(first[2][0], signal.SIGKILL)
         dj.wait_for(lambda: "recovered rank(s) [2]" in console.read_text(), timeout=180)
         filler.unlink()
-        shutil.rmtree(log_dir)
+        # Moved aside first, then removed: the job makes files in it by name meanwhile, and a plain
+        # rmtree of the live directory met one made between its listing and its rmdir (ENOTEMPTY).
+        # The ranks make their logs again where they were, not under the moved name.
+        gone = small_disk / "logs.removed"
+        log_dir.rename(gone)
+        shutil.rmtree(gone)
         dj.wait_for(lambda: (log_dir / "worker_0.log").exists(), timeout=60)  # rank 0's next line makes it again
         pause.unlink()
         assert proc.wait(timeout=240) == 0, console.read_text()[-4000:]

@@ -166,3 +166,21 @@ def test_status_snapshots_of_a_large_job_are_spaced_by_its_size(tmp_path: Path) 
     pub.dirty = True
     pub.status(snapshot(8192), final={"exit_code": 0, "message": "done"})  # the end is written at once
     assert json.loads((tmp_path / "status.json").read_text())["state"] == "succeeded"
+
+
+def test_a_ranks_log_directory_moved_away_then_removed_is_made_again_where_it_was(tmp_path: Path) -> None:
+    """The path comes from where the log was opened, not from the descriptor's name now (which
+    follows a rename of the directory: the log would be made again under the moved name)."""
+    path = tmp_path / "logs" / "worker_0.log"
+    path.parent.mkdir()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        raw = LogFile(fd)
+        assert raw.write(b"one\n") == 4
+        moved = tmp_path / "logs.moved"
+        (tmp_path / "logs").rename(moved)
+        shutil.rmtree(moved)
+        assert raw.write(b"two\n") == 4
+        assert path.read_bytes() == b"two\n" and not moved.exists()
+    finally:
+        os.close(fd)

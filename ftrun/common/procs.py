@@ -174,12 +174,18 @@ class LogFile(io.RawIOBase):
     the log's trouble never ends the rank: a full disk drops the bytes (counted in
     :attr:`dropped`) instead of raising from the script's ``print``, and a log file removed under
     the rank (``rm -rf`` of the log directory) is made again at its path and put in place of the
-    descriptor (``dup2``), so the rank's later output, C's included, is kept."""
+    descriptor (``dup2``), so the rank's later output, C's included, is kept. The path is the one
+    the descriptor named when this object was made: a log directory moved away and then removed is
+    made again where it was, not under the name it was moved to."""
 
     def __init__(self, fd: int) -> None:
         super().__init__()
         self.fd = fd
         self.dropped = 0  # bytes lost to a full disk
+        try:
+            self.path: str | None = os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)")
+        except OSError:  # no /proc: the name at the time of the reopen
+            self.path = None
 
     def writable(self) -> bool:
         return True
@@ -200,7 +206,7 @@ class LogFile(io.RawIOBase):
             return size
 
     def _reopen(self) -> None:
-        path = os.readlink(f"/proc/self/fd/{self.fd}").removesuffix(" (deleted)")
+        path = self.path or os.readlink(f"/proc/self/fd/{self.fd}").removesuffix(" (deleted)")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(fd, self.fd)
