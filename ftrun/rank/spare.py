@@ -5,9 +5,10 @@ machine, several seconds on a busy one; docs/benchmarks.md), and that is most of
 supervisor therefore keeps ``--warm_spares`` processes started as ``python -m ftrun.rank.spare`` (but
 with the installed ftrun whatever the working directory holds: :func:`ftrun.node.spawner.spare_argv`): each
 imports torch, torch.distributed, numpy, the worker library and, for a script that imports ftrun
-(``--with_dynamo``), ``torch._dynamo``, which the first ``torch.optim`` optimizer imports (at idle priority: it is started while the ranks train,
-:func:`import_at_idle_priority`), then blocks reading its standard input. To replace a failed
-rank, the supervisor writes one JSON object there and closes it::
+(``--with_dynamo``), ``torch._dynamo``, which the first ``torch.optim`` optimizer imports (at idle
+priority: it is started while the ranks train, :func:`import_at_idle_priority`), then blocks
+reading its standard input. To replace a failed rank, the supervisor writes one JSON object there
+and closes it::
 
     {"env": {...the rank's environment...}, "argv": [script, args...], "module": false,
      "log": "/path/worker_<rank>.log", "cwd": "/path"}
@@ -195,17 +196,18 @@ def import_at_idle_priority(poll_s: float = 0.05, dynamo: bool = True) -> bool:
 
 
 def main() -> None:
+    dynamo = DYNAMO_FLAG in sys.argv[1:]
     if "--hot" in sys.argv[1:]:
         # A hot spare is there to be past its set-up before the next fault (the user asked for
         # one): on a node whose ranks keep every core busy, an idle-priority import could wait
         # until that fault. So it imports at the normal priority, then runs the script now,
         # without a rank; ftrun.init() gives it none until take_assignment() returns (called by
         # the worker library at the training loop, or when the script first asks for its rank).
-        import_libraries(DYNAMO_FLAG in sys.argv[1:])
+        import_libraries(dynamo)
         job = json.loads(os.environ[SPARE_JOB])
     else:
         started = time.monotonic()
-        idle = import_at_idle_priority(dynamo=DYNAMO_FLAG in sys.argv[1:])  # a warm spare's imports are promoted with its assignment
+        idle = import_at_idle_priority(dynamo=dynamo)  # a warm spare's imports are promoted with its assignment
         # Into spares.log: when the spare can take a rank (its imports are the job's one-time
         # cost on a busy node: scripts/bench.py measures a steady state from this moment on).
         print(f"ftrun: warm spare (pid {os.getpid()}) ready at {time.time():.3f}: its imports took "
