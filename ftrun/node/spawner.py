@@ -234,14 +234,18 @@ class RankProcesses:
                 job = {"env": env, "argv": self.script_argv, "module": self.module, "log": str(path), "cwd": os.getcwd()}
                 return self.forks.ask(p, job, env, "warm" if use_spare else ""), "warm" if use_spare else ""
             if proc is None:
-                proc = procs.spawn(self.argv, env=env, stdout=fh.fileno(), stderr=subprocess.STDOUT)
+                proc = self._new_interpreter(env, fh.fileno())
         self.procs[rank] = _Proc(rank, incarnation, proc, path, error_file, setup_ready=setup_ready)
         return proc.pid, spare
 
     def _spawn_anew(self, p: _Proc, env: dict[str, str]) -> None:
         """Start ``p``'s process as a new interpreter (the fork server could not)."""
         with open(p.log_path, "ab") as fh:
-            p.proc = procs.spawn(self.argv, env=env, stdout=fh.fileno(), stderr=subprocess.STDOUT)
+            p.proc = self._new_interpreter(env, fh.fileno())
+
+    def _new_interpreter(self, env: dict[str, str], log_fd: int) -> subprocess.Popen:
+        """A rank's process started as a new interpreter, its output (both streams) on ``log_fd``."""
+        return procs.spawn(self.argv, env=env, stdout=log_fd, stderr=subprocess.STDOUT)
 
     def keep_spares(self, warm: int, hot: int, model_vars: Mapping[str, str]) -> str | None:
         """Keep ``warm`` warm spares (torch imported, waiting on their stdin) and ``hot`` hot ones
