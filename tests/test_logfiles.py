@@ -87,17 +87,24 @@ def test_the_progress_recorder_outlives_its_directory(tmp_path: Path) -> None:
     recorder.close()  # no exception at the end of the job either
 
 
+@pytest.mark.parametrize("moved_first", [False, True], ids=["removed", "moved_then_removed"])
 def test_a_ranks_log_file_drops_output_on_a_full_disk_and_is_made_again_when_removed(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moved_first: bool) -> None:
+    """A removed log is made again at the path it was opened at. The path does not come from the
+    descriptor's name at that moment: after a rename of the directory, that name follows the moved
+    directory, and the log would be made again under the moved name."""
     path = tmp_path / "logs" / "worker_0.log"
     path.parent.mkdir()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         raw = LogFile(fd)
         assert raw.write(b"one\n") == 4
-        shutil.rmtree(tmp_path / "logs")
+        gone = tmp_path / "logs.moved" if moved_first else tmp_path / "logs"
+        if moved_first:
+            (tmp_path / "logs").rename(gone)
+        shutil.rmtree(gone)
         assert raw.write(b"two\n") == 4  # made again at its path, under the same descriptor
-        assert path.read_bytes() == b"two\n"
+        assert path.read_bytes() == b"two\n" and not (tmp_path / "logs.moved").exists()
         real_write = os.write
 
         def full(fd_: int, data: bytes) -> int:
@@ -167,20 +174,3 @@ def test_status_snapshots_of_a_large_job_are_spaced_by_its_size(tmp_path: Path) 
     pub.status(snapshot(8192), final={"exit_code": 0, "message": "done"})  # the end is written at once
     assert json.loads((tmp_path / "status.json").read_text())["state"] == "succeeded"
 
-
-def test_a_ranks_log_directory_moved_away_then_removed_is_made_again_where_it_was(tmp_path: Path) -> None:
-    """The path comes from where the log was opened, not from the descriptor's name now (which
-    follows a rename of the directory: the log would be made again under the moved name)."""
-    path = tmp_path / "logs" / "worker_0.log"
-    path.parent.mkdir()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    try:
-        raw = LogFile(fd)
-        assert raw.write(b"one\n") == 4
-        moved = tmp_path / "logs.moved"
-        (tmp_path / "logs").rename(moved)
-        shutil.rmtree(moved)
-        assert raw.write(b"two\n") == 4
-        assert path.read_bytes() == b"two\n" and not moved.exists()
-    finally:
-        os.close(fd)
