@@ -376,15 +376,15 @@ def _ranks_started(tmp_path: Path) -> list[int]:
 @pytest.mark.parametrize(
     "setup, cli, env, expected",
     [
-        (None, [], {"FTRUN_WORKER_NUM": "2"}, 2),
-        (None, ["--worker_num", "3"], {"FTRUN_WORKER_NUM": "2"}, 3),
-        ("config", ["--config", "cfg.toml"], {}, 2),
         ("config", ["--config", "cfg.toml"], {"FTRUN_WORKER_NUM": "3"}, 3),
         ("pyproject", [], {}, 2),
     ],
-    ids=["env", "cli-over-env", "config", "env-over-config", "pyproject"],
+    ids=["env-over-config", "pyproject"],
 )
 def test_worker_num_precedence(ftrun_proc, tmp_path, out, setup, cli, env, expected):
+    """The launcher's process reads its environment, a --config file and the working directory's
+    pyproject.toml. The precedence of every pair (command line, environment, config file,
+    pyproject) is tested without processes in test_config.py."""
     if setup == "config":
         (tmp_path / "cfg.toml").write_text("[ftrun]\nworker_num = 2\nmax-restarts = 0\n")
     elif setup == "pyproject":
