@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from ftrun.node.forks import Answer, ForkedProcess, ForkedStarts, StartReport
@@ -39,6 +41,9 @@ class FakeServer:
     def answers(self, wait_for: int | None = None, timeout: float = 0.0) -> list[Answer]:
         out, self.answering = self.answering, []
         return out
+
+    def hosts_store(self) -> bool | None:
+        return None
 
     def close(self) -> None:
         self.closed = True
@@ -207,3 +212,56 @@ def test_only_scripts_that_import_ftrun_get_dynamo_in_advance(tmp_path: Path, te
     script.write_text(text)
     assert imports_ftrun(str(script)) is forked
     assert not imports_ftrun(str(tmp_path / "missing.py"))
+
+
+# Node 0 of a single-node job in miniature: the store's listening socket bound (as the launcher
+# does), given to RankProcesses; a rank uses the store. With the fork server, the store's process
+# is forked from it and adopted here, and this process never imports torch; without it (or when
+# it cannot), this process hosts the store on the same socket.
+_STORE_AGENT = r"""
+import json, os, sys, time
+from pathlib import Path
+from ftrun.common.stores import listen_socket
+from ftrun.node.spawner import RankProcesses
+
+log_dir, fork_server = Path(sys.argv[1]), sys.argv[2] == "on"
+script = log_dir / "rank.py"
+script.write_text("import sys\nfrom datetime import timedelta\nfrom torch.distributed import TCPStore\n"
+                  "store = TCPStore('127.0.0.1', int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=60))\n"
+                  "store.set('seen', 'by rank ' + sys.argv[2])\nprint('store says', store.get('seen').decode(), flush=True)\n")
+sock = listen_socket("127.0.0.1", 0)
+port = str(sock.getsockname()[1])
+processes = RankProcesses([sys.executable, "-u", str(script), port, "0"], [str(script), port, "0"], False,
+                          log_dir, 1, "127.0.0.1", False, "t" * 64, fork_server=fork_server, store=(sock.detach(), 60.0))
+processes.spawn(0, 0, {"RANK": "0"}, "", use_spare=False)
+deadline, done = time.monotonic() + 120, False
+while not done and time.monotonic() < deadline:
+    processes.sigchld_at = time.time()
+    done = any(type(r).__name__ == "ExitReport" for r in processes.reap())
+    time.sleep(0.02)
+import psutil
+out = {"log": (log_dir / "worker_0.log").read_text(), "torch_here": "torch" in sys.modules,
+       "children": {c.pid: " ".join(c.cmdline()) for c in psutil.Process().children()}}
+processes.stop_spares()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("fork_server", ["on", "off"])
+def test_node_zeros_store_is_hosted_by_the_fork_server_or_else_by_the_agent(tmp_path: Path, fork_server: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", _STORE_AGENT, str(tmp_path), fork_server], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    stores = [int(pid) for pid, cmd in out["children"].items() if cmd.startswith("ftrun: rendezvous store 127.0.0.1:")]
+    try:
+        assert "store says by rank 0" in out["log"], out
+        assert (len(stores), out["torch_here"]) == ((1, False) if fork_server == "on" else (0, True)), out
+        # The store outlives the agent, as a launcher's store would: it serves until its launcher
+        # (here, this test's process) ends, so ranks orphaned by a dead agent can finish their gasp.
+        assert all(psutil.Process(pid).is_running() for pid in stores), out
+    finally:
+        for pid in stores:
+            os.kill(pid, signal.SIGKILL)

@@ -49,6 +49,8 @@ HOT_SPARE = "FTRUN_HOT_SPARE"  # "1" in a hot spare's environment until it is pr
 SPARE_READY = "FTRUN_SPARE_READY"  # the file a hot spare creates once it waits for its rank
 SPARE_JOB = "FTRUN_SPARE_JOB"  # a hot spare's script (JSON: argv, module, cwd)
 DYNAMO_FLAG = "--with_dynamo"  # a spare's or fork server's argument: import torch._dynamo in advance too
+STORE_FD_FLAG = "--store_fd"  # the fork server's: host the rendezvous store on this inherited listening socket
+STORE_TIMEOUT_FLAG = "--store_timeout"  # the fork server's: that store's operation timeout, seconds
 PREVIOUS_PID = "FTRUN_PREVIOUS_PID"  # a respawned rank's predecessor (agent -> rank: its GPU memory is waited for)
 
 #: What names a rank: absent from a spare's environment (hot or warm) until its promotion gives them.

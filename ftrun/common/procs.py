@@ -91,6 +91,7 @@ def spawn(
     death_signal: int = signal.SIGKILL,
     cwd: str | None = None,
     stdin: int | None = subprocess.DEVNULL,
+    pass_fds: Sequence[int] = (),
 ) -> subprocess.Popen:
     """Start ``argv`` in its own session, tied to this process's life by ``death_signal``.
 
@@ -101,6 +102,7 @@ def spawn(
         stdin: a file descriptor, ``subprocess.PIPE``, or (default) ``/dev/null``.
         death_signal: signal the child receives when this process dies.
         cwd: working directory.
+        pass_fds: descriptors the child inherits, at the same numbers (every other one is closed).
 
     Raises:
         OSError: the program cannot be executed.
@@ -114,6 +116,7 @@ def spawn(
         cwd=cwd,
         preexec_fn=die_with_parent(death_signal),
         close_fds=True,
+        pass_fds=tuple(pass_fds),
     )
 
 

@@ -61,8 +61,17 @@ def serve_store(host: str, port: int, timeout_s: float) -> tuple[Any, int]:
     Raises:
         StoreBindError: the address or port cannot be bound (``errno`` tells which).
     """
-    from torch.distributed import TCPStore
+    sock = listen_socket(host, port)
+    return store_on_socket(sock, timeout_s), sock.getsockname()[1]
 
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: a free one) and listening: the store's, before
+    the store exists. Clients that connect meanwhile wait in its backlog. torch is not imported.
+
+    Raises:
+        StoreBindError: the address or port cannot be bound (``errno`` tells which).
+    """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -71,10 +80,22 @@ def serve_store(host: str, port: int, timeout_s: float) -> tuple[Any, int]:
     except OSError as err:
         sock.close()
         raise StoreBindError(err.errno or errno.EINVAL, err.strerror or str(err)) from None
-    actual = sock.getsockname()[1]
+    return sock
+
+
+def store_on_socket(sock: socket.socket, timeout_s: float) -> Any:
+    """The ``TCPStore`` server on ``sock``, a socket from :func:`listen_socket` (this process may
+    have inherited it). ``sock`` is kept open as long as the store lives.
+
+    Raises:
+        StoreBindError: torch refused the socket.
+    """
+    from torch.distributed import TCPStore
+
+    host, port = sock.getsockname()[:2]
     client_host = "127.0.0.1" if host == "0.0.0.0" else host
     try:
-        store = TCPStore(client_host, actual, is_master=True, wait_for_workers=False,
+        store = TCPStore(client_host, port, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
     except (RuntimeError, OSError) as err:
         sock.close()
@@ -85,7 +106,7 @@ def serve_store(host: str, port: int, timeout_s: float) -> tuple[Any, int]:
         store._ftrun_listen_socket = sock  # type: ignore[attr-defined]
     except AttributeError:
         _KEEP.append(sock)
-    return store, actual
+    return store
 
 
 _KEEP: list[socket.socket] = []

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import select
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -89,22 +90,31 @@ class ForkServer:
         env: its environment (the node's, with no rank identity: a warm spare's).
         log_path: where its own output goes (``spares.log``).
         dynamo: import ``torch._dynamo`` before forking too (:func:`ftrun.rank.spare.import_libraries`).
+        store: (the listening socket's descriptor, the operation timeout in seconds) of the job's
+            rendezvous store, for the server to host (:func:`ftrun.rank.zygote.start_store`), or None.
     """
 
-    def __init__(self, env: Mapping[str, str], log_path: Path, dynamo: bool = True) -> None:
-        argv = procs.ftrun_module_argv("ftrun.rank.zygote", [contract.DYNAMO_FLAG] if dynamo else [], unbuffered=True)
+    def __init__(self, env: Mapping[str, str], log_path: Path, dynamo: bool = True,
+                 store: tuple[int, float] | None = None) -> None:
+        args = [contract.DYNAMO_FLAG] if dynamo else []
+        if store is not None:
+            args += [contract.STORE_FD_FLAG, str(store[0]), contract.STORE_TIMEOUT_FLAG, str(store[1])]
+        argv = procs.ftrun_module_argv("ftrun.rank.zygote", args, unbuffered=True)
         with open(log_path, "ab") as fh:
-            self.proc = procs.spawn(argv, env=dict(env),
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=fh.fileno())
+            self.proc = procs.spawn(argv, env=dict(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=fh.fileno(), pass_fds=(store[0],) if store is not None else ())
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._in = self.proc.stdin.fileno()
         self._out = self.proc.stdout.fileno()
         os.set_blocking(self._in, False)
         os.set_blocking(self._out, False)
         self.ready = False
+        self.store_pid: int | None = None  # the process serving the rendezvous store, once it serves
+        self.store_error: str | None = None  # why it could not host the store it was given
         self.broken: str | None = None  # why it serves no more requests
         self._outbox = b""
         self._inbox = b""
+        self._answers: list[Answer] = []  # read, not yet handed out by answers()
         self._next = 0
 
     def usable(self) -> bool:
@@ -127,7 +137,9 @@ class ForkServer:
         deadline = time.monotonic() + timeout
         while True:
             self._flush()
-            found.extend(self._read())
+            self._read()
+            found.extend(self._answers)
+            self._answers.clear()
             if wait_for is None or any(a.ident == wait_for for a in found) or not self.usable():
                 return found
             left = deadline - time.monotonic()
@@ -147,7 +159,15 @@ class ForkServer:
             return
         self._outbox = self._outbox[sent:]
 
-    def _read(self) -> list[Answer]:
+    def hosts_store(self) -> bool | None:
+        """Whether it serves the rendezvous store it was given: True once it said so, False when it
+        could not (or died first), None while that is not known yet."""
+        self._read()
+        if self.store_pid is not None:
+            return True
+        return False if self.store_error is not None or not self.usable() else None
+
+    def _read(self) -> None:
         try:
             while chunk := os.read(self._out, 1 << 16):
                 self._inbox += chunk
@@ -155,7 +175,6 @@ class ForkServer:
             pass
         except OSError as err:
             self.broken = f"the fork server's output failed ({err})"
-        answers = []
         while b"\n" in self._inbox:
             line, self._inbox = self._inbox.split(b"\n", 1)
             try:
@@ -165,9 +184,9 @@ class ForkServer:
                 continue
             if obj.get("ready"):
                 self.ready = True
+                self.store_pid, self.store_error = obj.get("store"), obj.get("store_error")
             elif isinstance(obj.get("id"), int):
-                answers.append(Answer(obj["id"], obj.get("pid"), obj.get("error")))
-        return answers
+                self._answers.append(Answer(obj["id"], obj.get("pid"), obj.get("error")))
 
     def close(self) -> None:
         """End the server (its children, the ranks, are not its own: they live on)."""
@@ -211,6 +230,7 @@ class ForkedStarts:
         self._start_anew = start_anew
         self._asked: dict[int, tuple[Any, dict[str, str], str]] = {}  # request id -> (rank, its env, spare kind)
         self._early: list[StartReport] = []  # answered while another rank was being asked for
+        self._store_hosted: bool | None = None  # what hosts_store() said last
 
     def usable(self) -> bool:
         return self.server is not None and self.server.usable()
@@ -248,8 +268,16 @@ class ForkedStarts:
                 return
             self._early.extend(self._take(ident, START_WAIT_S))
 
+    def hosts_store(self) -> bool | None:
+        """Whether the fork server serves the rendezvous store (:meth:`ForkServer.hosts_store`),
+        also once the server is given up."""
+        if self.server is not None:
+            self._store_hosted = self.server.hosts_store()
+        return self._store_hosted
+
     def close(self) -> None:
         if self.server is not None:
+            self._store_hosted = self.server.hosts_store() is True
             self.server.close()
             self.server = None
 
@@ -275,3 +303,35 @@ class ForkedStarts:
             self._asked.clear()
             self.close()
         return started
+
+
+class NodeStore:
+    """The job's rendezvous store that node 0 was given to host, as its listening socket
+    ((descriptor, operation timeout in seconds), bound by the launcher; None: none to host).
+
+    The fork server hosts it (:func:`ftrun.rank.zygote.start_store`): node 0 then imports torch once.
+    Once the server cannot (it is off, could not host it, or died before it did), this process
+    hosts it on the same socket (:meth:`ensure`), importing torch.
+    """
+
+    def __init__(self, socket_and_timeout: tuple[int, float] | None) -> None:
+        self._socket = socket_and_timeout
+        self.store: Any = None  # the store, when this process hosts it
+
+    def ensure(self, forks: ForkedStarts | None) -> None:
+        """Host the store here if the fork server (``forks``, None: none) cannot; called before
+        each spawn and each reap, it does nothing once settled."""
+        if self._socket is None:
+            return
+        hosted = forks.hosts_store() if forks is not None else False
+        if hosted is None:
+            return  # the fork server has not said yet
+        fd, timeout_s = self._socket
+        self._socket = None
+        if hosted:
+            os.close(fd)  # the store's process has its own copy
+            return
+        from ftrun.common.stores import store_on_socket
+
+        log.warning("the fork server does not host the job's rendezvous store: the agent does")
+        self.store = store_on_socket(socket.socket(fileno=fd), timeout_s)

@@ -329,10 +329,14 @@ def _serve_store(spec: JobSpec) -> tuple[Any, int] | None:
     Raises:
         ConfigError: the store cannot be bound.
     """
-    from ftrun.common.stores import StoreBindError, bind_host, serve_store
+    from ftrun.common.stores import StoreBindError, bind_host, listen_socket, serve_store
 
     try:
-        return serve_store(bind_host(spec.master_addr, spec.nnodes), spec.master_port, spec.cluster_time_out)
+        host = bind_host(spec.master_addr, spec.nnodes)
+        if store_in_fork_server(spec):
+            sock = listen_socket(host, spec.master_port)
+            return sock, sock.getsockname()[1]
+        return serve_store(host, spec.master_port, spec.cluster_time_out)
     except StoreBindError as err:
         if not (spec.node_rank_auto and err.errno == errno.EADDRINUSE):
             raise ConfigError(
@@ -340,6 +344,16 @@ def _serve_store(spec: JobSpec) -> tuple[Any, int] | None:
                 "pick another --master_port"
             ) from None
         return None
+
+
+def store_in_fork_server(spec: JobSpec) -> bool:
+    """Whether node 0's fork server hosts the job's store (:func:`ftrun.rank.zygote.start_store`),
+    this launcher only binding its socket: a single-node job whose ranks are forked (a Python
+    script, ``--fork_server on``). Node 0 then imports torch once, in the fork server, not once
+    more here (about 1.2 s of CPU, and of the job's start). A multi-node job's launcher uses the
+    store itself (node indices, the coordinator's address), so it hosts it."""
+    return (spec.nnodes == 1 and getattr(spec, "fork_server", "off") == "on" and not spec.module
+            and not spec.no_python)
 
 
 def _join_store(spec: JobSpec) -> Any:
@@ -397,10 +411,15 @@ def _child_env(spec: JobSpec, token: str, events_port: int, store_port: int, con
     return env
 
 
-def _start_child(hosting: bool, env: dict[str, str], own_log: Path) -> Any:
+def _start_child(hosting: bool, env: dict[str, str], own_log: Path, store_socket: socket.socket | None = None) -> Any:
     """Start this launcher's child, its output in ``own_log``: node 0 runs the job coordinator with
     its own agent (``ftrun.node.supervisor``); every other node runs an agent (``ftrun.node.agent``).
-    Returns its :class:`subprocess.Popen`; it gets SIGTERM when this launcher dies."""
+    ``store_socket``: the store's listening socket, for node 0's supervisor to host the store on
+    (``FTRUN_STORE_FD``; :func:`store_in_fork_server`). Returns its :class:`subprocess.Popen`; it
+    gets SIGTERM when this launcher dies."""
+    fds = (store_socket.fileno(),) if store_socket is not None else ()
+    if store_socket is not None:
+        env = {**env, "FTRUN_STORE_FD": str(store_socket.fileno())}
     with open(own_log, "ab") as sup_err:
         role = "ftrun.node.supervisor" if hosting else "ftrun.node.agent"
         return procs.spawn(
@@ -409,6 +428,7 @@ def _start_child(hosting: bool, env: dict[str, str], own_log: Path) -> Any:
             stdout=sup_err.fileno(),
             stderr=sup_err.fileno(),
             death_signal=signal.SIGTERM,
+            pass_fds=fds,
         )
 
 
@@ -484,7 +504,7 @@ class Launcher:
         console = self.console or make_console(f"ftrun: {spec.script} on {spec.worker_num} rank(s)")
         self._install_signals()
         own_log = log_dir / ("supervisor.log" if hosting else agent_log_name(spec.node_rank))
-        supervisor = _start_child(hosting, env, own_log)
+        supervisor = _start_child(hosting, env, own_log, store if isinstance(store, socket.socket) else None)
         self.tailers = self._tailers(spec)
         handled, last_finish = self._follow(supervisor, console, pull, receiver)
         # Ranks of the worker library outlive a killed supervisor long enough for a dying gasp (a

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 from ftrun.common import contract, procs
 from ftrun.node import errorfile
-from ftrun.node.forks import ForkedProcess, ForkedStarts, ForkServer, StartReport
+from ftrun.node.forks import ForkedProcess, ForkedStarts, ForkServer, NodeStore, StartReport
 from ftrun.common.contract import nccl_environment
 
 log = logging.getLogger("ftrun.node.spawner")
@@ -38,7 +38,7 @@ log = logging.getLogger("ftrun.node.spawner")
 STACK_DUMP_WAIT_S = 2.0  # how long a hung rank gets to write its stacks before it is killed
 # Variables of ftrun's own processes that a rank must not inherit.
 INTERNAL_VARS = (
-    "FTRUN_TOKEN_FOR_SUPERVISOR", "FTRUN_SUPERVISOR_SPEC", "FTRUN_EVENTS_ADDR", "FTRUN_STORE_PORT",
+    "FTRUN_TOKEN_FOR_SUPERVISOR", "FTRUN_SUPERVISOR_SPEC", "FTRUN_EVENTS_ADDR", "FTRUN_STORE_PORT", "FTRUN_STORE_FD",
     "FTRUN_AGENT_SPEC", "FTRUN_CONTROL_FOR_AGENT",
 )
 TOKEN_VAR = contract.TOKEN  # the job secret in a rank's environment (set by its node's agent, never sent)
@@ -146,10 +146,16 @@ class RankProcesses:
         multi_node: whether the job spans several nodes.
         token: the job secret, given to every rank and spare as ``FTRUN_TOKEN`` (the node's own copy:
             the coordinator's ``spawn`` frames never carry it).
+        fork_server: start ranks from the node's fork server (:mod:`ftrun.node.forks`).
+        store: (descriptor, operation timeout in seconds) of the listening socket of the job's
+            rendezvous store, bound by the launcher, for this node to host: the fork server does
+            (node 0 then imports torch once, not once more in the launcher); without one, or when it
+            cannot, this process does (:class:`~ftrun.node.forks.NodeStore`).
     """
 
     def __init__(self, argv: list[str], script_argv: list[str], module: bool, log_dir: Path, local_worker_num: int,
-                 master_addr: str, multi_node: bool, token: str, fork_server: bool = False) -> None:
+                 master_addr: str, multi_node: bool, token: str, fork_server: bool = False,
+                 store: tuple[int, float] | None = None) -> None:
         self.argv = argv
         self.token = token
         self.script_argv = script_argv
@@ -177,9 +183,11 @@ class RankProcesses:
         # Its ranks are re-parented here, so this process must be able to adopt them (a subreaper).
         self.forks: ForkedStarts | None = None
         self.dynamo = not module and imports_ftrun(script_argv[0])  # import torch._dynamo in advance
+        self.store = NodeStore(store)
         if fork_server and argv[:1] == [sys.executable] and not module and procs.become_subreaper():
-            self.forks = ForkedStarts(ForkServer(self._spare_env(), log_dir / "spares.log", self.dynamo),
+            self.forks = ForkedStarts(ForkServer(self._spare_env(), log_dir / "spares.log", self.dynamo, store),
                                       self._spawn_anew)
+        self.store.ensure(self.forks)
 
     # ----------------------------------------------------------------- environment
     def environment(self, rank_vars: Mapping[str, str]) -> dict[str, str]:
@@ -217,6 +225,7 @@ class RankProcesses:
         Raises:
             OSError: the program cannot be executed.
         """
+        self.store.ensure(self.forks)
         path = self.log_dir / f"worker_{rank}.log"
         env = self.environment(rank_vars)
         if rank in self.procs and self.procs[rank].proc.pid is not None:  # its predecessor: a respawned rank waits
@@ -353,6 +362,7 @@ class RankProcesses:
         is found at once, not after the heartbeat timeout)."""
         died_at, self.sigchld_at = self.sigchld_at, None
         reports: list[ExitReport | StopReport | StartReport] = [*self.forks.take()] if self.forks is not None else []
+        self.store.ensure(self.forks)
         if died_at is not None:
             reports.extend(self._stopped(died_at))
             if self.forks is not None and not self.forks.pending():

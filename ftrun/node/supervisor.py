@@ -40,11 +40,13 @@ def main() -> None:
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    store_fd = os.environ.pop("FTRUN_STORE_FD", None)  # the store's socket, for this node to host (not the ranks')
     processes = RankProcesses(
         rank_argv(spec.no_python, spec.module, spec.script, list(spec.script_args)),
         [spec.script, *spec.script_args], spec.module, log_dir, spec.local_worker_num, spec.master_addr,
         multi_node=spec.nnodes > 1, token=os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"],
         fork_server=getattr(spec, "fork_server", "off") == "on",
+        store=(int(store_fd), spec.cluster_time_out) if store_fd else None,
     )
     metrics, spec = start_job_metrics(spec)
     logging.raiseExceptions = False  # a full or removed log directory: the log loses lines, the job goes on

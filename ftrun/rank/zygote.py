@@ -13,6 +13,11 @@ Its protocol runs on its standard input and output, pipes to the agent. It is JS
 line, and nothing is unpickled:
 
 - once its imports are done it writes ``{"ready": true}``; requests sent before then wait in the pipe;
+- on node 0 of a single-node job it also hosts the job's rendezvous store (``--store_fd N``: the
+  listening socket the launcher bound, passed down): before that answer, it forks the store's
+  process (:func:`start_store`), adopted by the agent as a rank is, so node 0 imports torch once for
+  the store and the ranks; the answer then says ``"store": pid`` (or ``"store_error": "..."``:
+  the agent hosts the store itself);
 - a request is a rank's assignment as a warm spare gets it (``env``, ``argv``, ``module``, ``log``,
   ``cwd``: :func:`ftrun.rank.promotion.apply_assignment`) with an ``id``;
 - each answer is ``{"id": ..., "pid": ...}``, or ``{"id": ..., "error": "..."}`` when no process
@@ -32,14 +37,16 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
+import socket
 import sys
 import time
 from typing import Any
 
 from ftrun.common import procs
 from ftrun.rank.promotion import apply_assignment, show_command
-from ftrun.common.contract import DYNAMO_FLAG
+from ftrun.common.contract import DYNAMO_FLAG, STORE_FD_FLAG, STORE_TIMEOUT_FLAG
 from ftrun.rank.spare import import_libraries, run_script
 
 ADOPTION_WAIT_S = 10.0  # how long a forked rank waits to become its agent's child before it gives up
@@ -128,6 +135,84 @@ def be_adopted(agent: int) -> None:
     os.setsid()
 
 
+STORE_START_WAIT_S = 30.0  # how long the fork server waits for the store's process to say it serves
+
+
+def start_store(agent: int, fd: int, timeout_s: float) -> dict[str, Any]:
+    """Fork the process that serves the job's ``TCPStore`` on the listening socket ``fd``, adopted by
+    the agent as a rank is (:func:`fork_rank`), in a session of its own. It lives as long as the
+    launcher, as a store the launcher hosted would: a supervisor's death leaves it to the launcher,
+    which ends it once the orphaned ranks wrote their dying gasp. Returns ``{"store": pid}`` once
+    it serves, or ``{"store_error": why}``; never returns in the store's process. ``fd`` is closed
+    here either way: no rank forked later inherits it."""
+    import psutil
+
+    try:
+        launcher = psutil.Process(agent).ppid()
+    except psutil.Error:
+        launcher = None
+    read_end, write_end = os.pipe()
+    forked = fork_rank(agent)
+    if forked is None:  # the store's process
+        os.close(read_end)
+        serve_store_forever(fd, timeout_s, write_end, launcher)
+    os.close(write_end)
+    os.close(fd)
+    said = b""
+    try:
+        deadline = time.monotonic() + STORE_START_WAIT_S
+        while "pid" in forked and time.monotonic() < deadline:
+            if select.select([read_end], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                chunk = os.read(read_end, 4096)
+                if not chunk:
+                    break
+                said += chunk
+    finally:
+        os.close(read_end)
+    if "pid" in forked and said == b"ok":
+        return {"store": forked["pid"]}
+    return {"store_error": forked.get("error") or said.decode(errors="replace") or "the store's process ended before it served"}
+
+
+def serve_store_forever(fd: int, timeout_s: float, report: int, launcher: int | None) -> None:
+    """In the store's process: serve the store on ``fd``, say ``ok`` (or why not) on ``report``,
+    then serve until the ``launcher`` process ends (without its pid, or without ``pidfd_open``:
+    until the agent's death signal)."""
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for std in (0, 1):  # the agent's pipes to the fork server are not this process's to hold
+        os.dup2(devnull, std)
+    os.close(devnull)
+    sock = socket.socket(fileno=fd)
+    host, port = sock.getsockname()[:2]
+    show_command(["ftrun:", "rendezvous", "store", f"{host}:{port}"])
+    from ftrun.common.stores import StoreBindError, store_on_socket
+
+    try:
+        store = store_on_socket(sock, timeout_s)
+    except StoreBindError as err:
+        os.write(report, str(err).encode())
+        os._exit(1)
+    os.write(report, b"ok")
+    os.close(report)
+    try:
+        ended = os.pidfd_open(launcher) if launcher is not None else None
+    except ProcessLookupError:
+        os._exit(0)  # the launcher is gone already
+    except (AttributeError, OSError):
+        ended = None
+    if ended is not None:
+        procs.set_death_signal(0)  # not the agent's death: the launcher's
+        select.select([ended], [], [])  # readable once the launcher has ended
+        os._exit(0)
+    while store is not None:
+        signal.pause()
+
+
+def _flag_value(flag: str) -> str | None:
+    args = sys.argv[1:]
+    return args[args.index(flag) + 1] if flag in args[:-1] else None
+
+
 def main() -> None:
     agent = os.getppid()
     started = time.monotonic()
@@ -137,10 +222,13 @@ def main() -> None:
         print("ftrun: the fork server's imports initialized CUDA; the ranks start as new processes", file=sys.stderr,
               flush=True)
         sys.exit(1)
+    store_fd = _flag_value(STORE_FD_FLAG)
+    store = start_store(agent, int(store_fd), float(_flag_value(STORE_TIMEOUT_FLAG) or 300)) if store_fd else {}
     # Into spares.log (its stderr): when the node's ranks can start without imports.
     print(f"ftrun: fork server (pid {os.getpid()}) ready at {time.time():.3f}: its imports took "
-          f"{time.monotonic() - started:.2f} s", file=sys.stderr, flush=True)
-    _answer({"ready": True})
+          f"{time.monotonic() - started:.2f} s" + (f"; the rendezvous store: {store}" if store else ""),
+          file=sys.stderr, flush=True)
+    _answer({"ready": True, **store})
     job = serve(agent)  # in a rank from here on
     os.chdir(job["cwd"])
     run_script([str(a) for a in job["argv"]], bool(job["module"]))
