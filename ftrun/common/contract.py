@@ -15,7 +15,8 @@ those variables from a spare's environment and hands them over on its standard i
 processes with one ``RANK``.
 
 The store keys (:data:`CONTROL_ADDR_KEY` and the others) are the names under which the launcher,
-the coordinator and the ranks meet in the job's c10d store (hosted by node 0's launcher).
+the coordinator and the ranks meet in the job's c10d store (hosted by node 0's launcher, or for it by
+node 0's fork server: :func:`ftrun.node.launcher.store_in_fork_server`).
 """
 
 from __future__ import annotations
