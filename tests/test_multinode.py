@@ -466,8 +466,8 @@ def test_node1_lost_while_it_takes_over_the_second_standby_goes_on(net_hosts, lo
         for run in (runs[0], runs[first]):
             if run is runs[first] and when == "after_takeover":
                 # Taken over: node 0 declared lost too (the takeover publishes its endpoint in the
-                # store between the two events, which can take a second: a kill in between would
-                # leave no node_lost event to check below).
+                # store between the two events: a kill in between would leave no node_lost event
+                # to check below).
                 dj.wait_for(lambda: {"coordinator_takeover", "node_lost"} <= {e["kind"] for e in dj.events(runs[first].log_dir)},
                             timeout=60)
             for pid in run.host.pids():
