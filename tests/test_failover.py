@@ -412,3 +412,32 @@ def test_a_standby_whose_index_another_agent_took_at_once_is_replaced(tmp_path: 
     coord.failover.replicate(clock())
     assert coord.failover.node is None and (b"agent-1b", MsgType.STAND_BY) in sent
     assert (b"agent-1b", MsgType.STATE) not in sent
+
+
+@pytest.mark.parametrize("silent_for, takes_over", [(2.0, True), (14.0, False)])
+def test_a_standby_cut_off_longer_than_a_nodes_timeout_takes_no_job_over_on_a_closed_connection(
+        silent_for: float, takes_over: bool) -> None:
+    """The first standby in line sees its coordinator's connection close. Heard from within the
+    node timeout, it takes the job over (the coordinator's processes died). Cut off for longer, its
+    node may have been taken for lost and replaced, and the job may even have ended (the
+    coordinator's normal exit closes the connection too): it stops its ranks instead, and never
+    runs a second coordinator."""
+    from types import SimpleNamespace
+
+    from ftrun.node.agent import NodeAgent, Turn
+
+    agent = NodeAgent.__new__(NodeAgent)
+    moved: list[bool] = []
+    failed: list[str] = []
+    agent.link = SimpleNamespace(closed="closed", gone=lambda: True, frames=lambda: [], node=0, at_seat=False, proven=True)
+    agent.exit_code, agent.stop_signal, agent.coordinator_timeout = None, None, 5.0
+    agent.succession = SimpleNamespace(first_in_line=lambda: True, dead=[])
+    agent.clock = lambda: 1000.0
+    agent._last_heard = 1000.0 - silent_for
+    agent._move_along_line = lambda _poller, proven: moved.append(proven) or Turn.HANDED_OVER  # type: ignore[method-assign]
+    agent._fail = failed.append  # type: ignore[method-assign]
+    turn = agent._follow_closed_connection(None, {"closed": 1})  # type: ignore[arg-type]
+    if takes_over:
+        assert (turn, moved, failed) == (Turn.HANDED_OVER, [True], [])
+    else:
+        assert turn is Turn.NEXT and moved == [] and "does not take the job over" in failed[0]

@@ -228,6 +228,15 @@ class NodeAgent:
             self.handle(msg)
         if self.exit_code is not None:
             return Turn.NEXT
+        silence = self.clock() - self._last_heard
+        if silence > self.coordinator_timeout and self.succession.first_in_line():
+            # Cut off for longer than the coordinator waits for a node: this node may have been
+            # taken for lost and replaced (its seat taken off the line), and the job may even have
+            # ended. A close seen now proves nothing this seat may act on: no takeover.
+            self._fail(f"the job coordinator's connection closed after {silence:.1f} s in which this node heard "
+                       "nothing from it (this node may have been taken for lost and replaced meanwhile): this "
+                       "standby does not take the job over; stopping this node's ranks")
+            return Turn.NEXT
         self.succession.dead.append(self.link.node)
         if self.link.at_seat and not self.link.proven:
             self._fail(f"lost the job coordinator (nothing heard from it) and its standby on node "
