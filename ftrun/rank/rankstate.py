@@ -3,7 +3,8 @@
 A respawned rank must continue with its predecessor's data position and random streams, which no
 other rank holds (another rank's are different by construction). So each rank writes them to the
 job's c10d TCPStore (the one at ``MASTER_ADDR:MASTER_PORT``, hosted by node 0's launcher, or for
-its launcher by a process of node 0's fork server; either outlives every rank), labelled with the committed step they belong to:
+its launcher by a process of node 0's fork server; either outlives every rank), labelled with the
+committed step they belong to:
 
 - at each step start, the state before the step (label: the step before, committed);
 - provisionally when each synced backward pass of the step starts, before any of its gradients

@@ -204,7 +204,7 @@ def serve_store_forever(fd: int, timeout_s: float, report: int, launcher: int | 
         procs.set_death_signal(0)  # not the agent's death: the launcher's
         select.select([ended], [], [])  # readable once the launcher has ended
         os._exit(0)
-    while store is not None:
+    while True:  # ``store`` (a local of this frame) serves from its own thread
         signal.pause()
 
 
