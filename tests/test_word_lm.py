@@ -100,7 +100,10 @@ def test_word_lm_injected_kills_around_epoch_ends(tmp_path: Path, twin_digest: s
 
 
 def _newest_pid(log_dir: Path, rank: int) -> int:
-    return [e["pid"] for e in _events(log_dir) if e["kind"] == "rank_started" and e["rank"] == rank][-1]
+    """The pid of ``rank``'s newest process, from its start or its hello, whichever came last (a rank
+    forked by the fork server can say hello, and even finish its recovery, before its start is
+    reported)."""
+    return [e["pid"] for e in _events(log_dir) if e["kind"] in ("rank_started", "rank_joined") and e["rank"] == rank][-1]
 
 
 @pytest.mark.slow
