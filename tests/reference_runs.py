@@ -5,7 +5,10 @@ torch 2.13 itself sometimes aborts a gloo rank of such a run with "terminate cal
 active exception" (SIGABRT: a joinable ``std::thread`` destroyed), at start-up or after the rank's
 final line. Seen in CI under load, 4 times in 2 minutes (plain DDP twins, the plain Hugging Face
 Trainer) and never in 12 runs on an idle or busy machine. It is torch's defect, not the
-reference's result, so such a run is made again; any other failure is returned as it is.
+reference's result, so such a run is made again; any other failure is returned as it is. A run
+made again first finds ``cwd`` as the first run found it: what an aborted run wrote there (a
+checkpoint, say) is removed, or the next run would see it (Lightning's ``ModelCheckpoint`` then
+names its file ``...-v1.ckpt``, and the reference is not the run a test compares with).
 
 A run that does not end within its timeout is killed whole (torchrun and every rank, each of
 which torchrun starts in a session of its own: :func:`conftest.run_bounded`), never torchrun alone,
@@ -14,6 +17,7 @@ which would leave the ranks running as orphans.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,10 +37,21 @@ def run_torchrun(args: Sequence[str], env: dict[str, str], cwd: Path, timeout: f
         subprocess.TimeoutExpired: a run did not end within ``timeout`` seconds (every process
             of it killed)."""
     torchrun = Path(sys.executable).with_name("torchrun")
+    found = set(Path(cwd).rglob("*"))
     for attempt in range(1, TRIES + 1):
+        _remove_all_but(Path(cwd), found)
         proc = run_bounded([str(torchrun), *args], env=env, cwd=cwd, timeout=timeout)
         if proc.returncode == 0 or TORCH_ABORT not in proc.stdout + proc.stderr or attempt == TRIES:
             return proc
         print(f"reference run: torch aborted a rank ({TORCH_ABORT!r}); run {attempt + 1} of at most {TRIES}",
               file=sys.stderr)
     raise AssertionError("unreachable")
+
+
+def _remove_all_but(cwd: Path, kept: set[Path]) -> None:
+    """Remove every file and directory under ``cwd`` that is not in ``kept`` (deepest first)."""
+    for path in sorted(set(cwd.rglob("*")) - kept, key=lambda p: len(p.parts), reverse=True):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)

@@ -817,7 +817,17 @@ def test_every_kind_of_captured_agent_frame_replayed_is_rejected(tmp_path: Path)
         wire = tap.connection(coord.control_addr)
         for frame in frames:
             wire.send(frame)
-        pump(coord, lambda: isinstance(coord.agents.get(1), RemoteAgent) and coord.agents[1].take_reports() != [])
+        taken: list[Any] = []
+
+        def all_reported() -> bool:
+            # The frames arrive in order, and the exit report was sent last: once it is taken, every
+            # report the agent sent is (taking them one pass at a time would leave some for later).
+            if isinstance(coord.agents.get(1), RemoteAgent):
+                taken.extend(coord.agents[1].take_reports())
+            return any(type(report).__name__ == "ExitReport" for report in taken)
+
+        pump(coord, all_reported)
+        assert len(taken) == 5, taken
         bound, rejected_before = coord.agents[1].identity, coord.rejected
         replay_everything(coord, tap, wire, frames, rejected_before)
         assert coord.agents[1].identity == bound and coord.agents[1].take_reports() == []
