@@ -263,6 +263,8 @@ class SimRank:
     progress: Progress
     alive: bool = True
     recovering: bool = False
+    direct: int = 0  # frames sent to node 0 (a relayed beat carries the count)
+    beats: int = 0
 
 
 @dataclass
@@ -274,6 +276,7 @@ class SimNode:
     ranks: dict[int, SimRank] = field(default_factory=dict)
     silent: bool = False
     last_beat: float = 0.0  # when its agent last beat (wall)
+    relayed: Any = None  # its agent's ftrun.node.relay.RelayedBeats (with --heartbeat_relay on; not node 0)
 
 
 @dataclass
@@ -325,7 +328,7 @@ class Simulation:
     """
 
     def __init__(self, nodes: list[int], world: int, per_node: int, control_addr: str, interval: float,
-                 step_s: float) -> None:
+                 step_s: float, relay: bool = False) -> None:
         import zmq
 
         from ftrun.common.protocol import FrameAuth
@@ -335,13 +338,15 @@ class Simulation:
         self.ctx.MAX_SOCKETS = 2 * SOCKETS_PER_PROCESS + 100  # (zmq.Context(io_threads=...) kept the default 1023)
         self.auth = FrameAuth(TOKEN)
         self.world, self.per_node, self.addr = world, per_node, control_addr
-        self.interval, self.step_s = interval, step_s
+        self.interval, self.step_s, self.relay = interval, step_s, relay
         self.counters = Counters()
         self.nodes: dict[int, SimNode] = {}
         self.by_sock: dict[Any, tuple[SimNode, SimRank | None]] = {}
         self.poller = zmq.Poller()
         now = time.monotonic()
-        self.rank_beats, self.agent_beats = Beats(interval, now), Beats(interval, now)
+        # relayed ranks beat their agent twice an interval (ftrun.rank.channel); node 0's every other time
+        self.rank_beats = Beats(interval / 2 if relay else interval, now)
+        self.agent_beats = Beats(interval, now)
         self.rank_cursor = self.agent_cursor = 0
         self.ranks_list: list[SimRank] = []
         self.step = 0
@@ -364,7 +369,8 @@ class Simulation:
         self.poller.register(sock, zmq.POLLIN)
         return sock, Sender(self.auth), Receiver(self.auth, to_peer(identity))
 
-    def _send(self, sock: Any, sender: Any, msg_type: MsgType, **fields: Any) -> None:
+    def _send(self, sock: Any, sender: Any, msg_type: MsgType, r: SimRank | None = None, **fields: Any) -> None:
+        """Send one frame to node 0 (``r``: the rank whose frame it is, which counts it)."""
         from ftrun.common.protocol import CONTROL, encode
 
         frame = encode(msg_type, sender, CONTROL, **fields)
@@ -372,11 +378,16 @@ class Simulation:
             sock.send(frame, self.zmq.NOBLOCK)
         except self.zmq.Again:
             return
+        if r is not None:
+            r.direct += 1
         self.counters.note_sent(msg_type.value, len(frame))
 
     def add_node(self, index: int) -> None:
+        from ftrun.node.relay import RelayedBeats
+
         node = SimNode(index, None, None, None)
         if index != 0:
+            node.relayed = RelayedBeats() if self.relay else None
             node.sock, node.sender, node.receiver = self._dealer(b"a")
             self.by_sock[node.sock] = (node, None)
             self._send(node.sock, node.sender, MsgType.AGENT_HELLO, node=index, pid=SIM_PID_BASE // 2 + 1 + index,
@@ -395,7 +406,7 @@ class Simulation:
         node.ranks[rank] = r
         self.by_sock[sock] = (node, r)
         self.ranks_list.append(r)
-        self._send(sock, sender, MsgType.HELLO, rank=rank, incarnation=incarnation, pid=sim_pid(rank, incarnation),
+        self._send(sock, sender, MsgType.HELLO, r, rank=rank, incarnation=incarnation, pid=sim_pid(rank, incarnation),
                    generation=generation, replica_group=replica_group(rank, self.world, self.per_node), library=True)
         if incarnation > 0:
             r.recovering = True
@@ -460,7 +471,7 @@ class Simulation:
             seen[1] = now
             r.recovering = True
             r.board.enter("recovering")
-            self._send(r.sock, r.sender, MsgType.FAULT, rank=r.rank, incarnation=r.incarnation, generation=generation,
+            self._send(r.sock, r.sender, MsgType.FAULT, r, rank=r.rank, incarnation=r.incarnation, generation=generation,
                        step=r.progress.current_step if r.progress.current_step is not None else 0,
                        committed=r.progress.committed, reason="abort", kind="abort")
         elif msg.type == MsgType.RECONFIGURE:
@@ -473,7 +484,7 @@ class Simulation:
             r.progress.committed = int(msg["step"])
             r.recovering = False
             r.board.enter("compute")
-            self._send(r.sock, r.sender, MsgType.RECOVERED, rank=r.rank, incarnation=r.incarnation, generation=generation,
+            self._send(r.sock, r.sender, MsgType.RECOVERED, r, rank=r.rank, incarnation=r.incarnation, generation=generation,
                        role=role, bytes=RECORD_BYTES if role == "recipient" else 0, seconds=0.0)
 
     def report_exit(self, node: SimNode, r: SimRank, returncode: int = -9) -> float:
@@ -487,14 +498,17 @@ class Simulation:
     # ------------------------------------------------------------------ what the ranks and agents send
     def beat(self, now: float) -> None:
         """Send the beats due: the agents' first (a simulation process that falls behind must not
-        pass its own lag off as a node's silence), then the ranks' heartbeats with their step boards."""
+        pass its own lag off as a node's silence), then the ranks' heartbeats with their step boards.
+        With the relay, a rank of a node other than 0 beats its agent (twice an interval, as
+        ``ftrun.rank.channel`` does), whose next beat carries it."""
         agents = [n for n in self.nodes.values() if n.sock is not None]
         for _ in range(self.agent_beats.due(len(agents), now)):
             self.agent_cursor %= len(agents)
             node = agents[self.agent_cursor]
             self.agent_cursor += 1
             if not node.silent:
-                self._send(node.sock, node.sender, MsgType.AGENT_BEAT, node=node.index)
+                rows = node.relayed.rows(now) if node.relayed is not None else []
+                self._send(node.sock, node.sender, MsgType.AGENT_BEAT, node=node.index, **({"ranks": rows} if rows else {}))
                 node.last_beat = time.time()
         ranks = self.ranks_list
         for _ in range(self.rank_beats.due(len(ranks), now)):
@@ -503,9 +517,15 @@ class Simulation:
             self.rank_cursor += 1
             if r.node.silent:
                 continue
-            stage = "recover" if r.recovering else "loop"
-            self._send(r.sock, r.sender, MsgType.HEARTBEAT, rank=r.rank, incarnation=r.incarnation, **r.board.fields(),
-                       in_dist=False, stage=stage, stage_bytes=0)
+            r.beats += 1
+            if self.relay and r.node.relayed is None and r.beats % 2:
+                continue  # node 0's ranks beat the coordinator once an interval
+            fields = dict(rank=r.rank, incarnation=r.incarnation, **r.board.fields(), in_dist=False,
+                          stage="recover" if r.recovering else "loop", stage_bytes=0)
+            if r.node.relayed is not None:
+                r.node.relayed.note({**fields, "sent": r.direct}, now)
+            else:
+                self._send(r.sock, r.sender, MsgType.HEARTBEAT, **fields)
 
     def advance(self, now: float) -> None:
         """Every rank not recovering begins the next step (having committed the one before)."""
@@ -625,13 +645,13 @@ class CountingStore:
 
 
 def simulation_main(conn: Any, nodes: list[int], world: int, per_node: int, control_addr: str, interval: float,
-                    step_s: float, nice: int = 0) -> None:
+                    step_s: float, nice: int = 0, relay: bool = False) -> None:
     import torch.distributed  # noqa: F401  (the store client's; imported before any beat: it takes seconds)
 
     if nice:
         os.nice(nice)  # the simulated nodes are other machines: node 0's processes go first here
 
-    Simulation(nodes, world, per_node, control_addr, interval, step_s).run(conn)
+    Simulation(nodes, world, per_node, control_addr, interval, step_s, relay).run(conn)
 
 
 # --------------------------------------------------------------------------- the driver
@@ -723,7 +743,7 @@ def sum_counters(reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 def measure_size(ranks: int, per_node: int, window: float, cap: float, store_steps: int, record_bytes: int,
                  interval: float, step_s: float, heartbeat_timeout: float = 5.0,
-                 say: Callable[[str], None] = print, sim_nice: int = 0) -> dict[str, Any]:
+                 say: Callable[[str], None] = print, sim_nice: int = 0, relay: bool = True) -> dict[str, Any]:
     """Run one size through the phases (module docstring); returns its figures (``incomplete``
     names the phase that did not finish within ``cap`` seconds)."""
     mp = multiprocessing.get_context("fork")
@@ -731,7 +751,7 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
     run = SizeRun(ranks, per_node, time.monotonic() + cap)
     res = run.result
     res.update(ranks=ranks, nodes=ranks // per_node, per_node=per_node, heartbeat_interval_s=interval, step_s=step_s,
-               sim_nice=sim_nice)
+               sim_nice=sim_nice, heartbeat_relay="on" if relay else "off")
     procs: list[Any] = run.procs
     pipes: list[Any] = []
     events: EventTail | None = None
@@ -766,7 +786,7 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
         for i, nodes in enumerate(layout):
             parent, child = mp.Pipe()
             sim = mp.Process(target=simulation_main,
-                             args=(child, nodes, ranks, per_node, control_addr, interval, step_s, sim_nice),
+                             args=(child, nodes, ranks, per_node, control_addr, interval, step_s, sim_nice, relay),
                              daemon=True, name=f"simulation-{i}")
             sim.start()
             procs.append(sim)
@@ -815,7 +835,8 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
             "heartbeats_per_s": round((c1["sent"].get("heartbeat", 0) - c0["sent"].get("heartbeat", 0)) / span, 1),
             # what the started ranks and every agent owe a second: more than msgs_in_per_s when the
             # simulation itself falls behind
-            "frames_due_per_s": round((started + ranks // per_node) / interval, 1),
+            # (with the relay: node 0's ranks and the agents, whose beats carry the other ranks')
+            "frames_due_per_s": round(((per_node if relay else started) + ranks // per_node) / interval, 1),
             "coordinator_rss_bytes": proc_rss_bytes(coord.pid),
         }
         say(f"  steady: coordinator {res['steady']['coordinator_cpu_pct']}% of a core, "
@@ -1010,6 +1031,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heartbeat_interval", type=float, default=1.0, help="seconds (ftrun's default)")
     p.add_argument("--heartbeat_timeout", type=float, default=5.0, help="seconds (ftrun's default)")
     p.add_argument("--step_s", type=float, default=1.0, help="simulated step time, seconds")
+    p.add_argument("--heartbeat_relay", choices=("on", "off"), default="on",
+                   help="the ranks of nodes other than 0 beat through their agent (on, ftrun's default from 256 ranks) "
+                        "or node 0's coordinator (off: the design before the relay)")
     p.add_argument("--sim_nice", type=int, default=0,
                    help="niceness of the simulation processes (they stand for other machines: node 0's go first)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -1038,7 +1062,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(measure_size(n, args.per_node, args.window or default_window(n), args.cap or default_cap(n),
                                     args.store_steps, args.record_bytes, args.heartbeat_interval, args.step_s,
                                     args.heartbeat_timeout, say=lambda line: print(line, flush=True),
-                                    sim_nice=args.sim_nice))
+                                    sim_nice=args.sim_nice, relay=args.heartbeat_relay == "on"))
     print()
     print(table(results))
     if args.json and not args.from_json:

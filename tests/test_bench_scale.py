@@ -79,18 +79,22 @@ def test_arguments() -> None:
     assert bs.default_window(16384) <= 12 and bs.default_cap(16384) <= 330
 
 
-def test_a_tiny_run_reports_every_figure(tmp_path: Path) -> None:
-    """64 simulated ranks against the real coordinator and store, heartbeats at 0.2 s: every
-    figure is there and consistent with what was simulated (no timing is asserted)."""
+@pytest.mark.parametrize("relay", [True, False], ids=["relay", "direct"])
+def test_a_tiny_run_reports_every_figure(tmp_path: Path, relay: bool) -> None:
+    """64 simulated ranks against the real coordinator and store, heartbeats at 0.2 s, relayed
+    through the agents or not: every figure is there and consistent with what was simulated (no
+    timing is asserted), and no live rank was taken for hung."""
     lines: list[str] = []
     res = bs.measure_size(64, 8, window=1.5, cap=120.0, store_steps=1, record_bytes=1000, interval=0.2, step_s=0.2,
-                          heartbeat_timeout=1.0, say=lines.append)
+                          heartbeat_timeout=1.0, say=lines.append, relay=relay)
     assert "incomplete" not in res, (res, lines)
     steady = res["steady"]
     assert steady["coordinator_cpu_pct"] > 0 and steady["coordinator_rss_bytes"] > 0
     assert steady["msgs_in_per_s"] > 0 and steady["bytes_in_per_s"] > 0 and steady["msgs_handled_per_s"] > 0
     assert steady["cpu_us_per_msg_handled"] > 0 and steady["cpu_pct_needed"] > 0
-    assert steady["frames_due_per_s"] == (64 + 8) / 0.2  # 64 ranks and 8 agents (7 nodes and the standby)
+    # 64 ranks and 8 agents (7 nodes and the standby); relayed, node 0's 8 ranks and the agents
+    assert steady["frames_due_per_s"] == ((8 if relay else 64) + 8) / 0.2
+    assert (steady["heartbeats_per_s"] < 8 / 0.2 * 1.5) if relay else (steady["heartbeats_per_s"] > 8 / 0.2 * 2)
     death = res["rank_death"]
     assert 0 < death["to_plan_decided_s"] <= death["to_plan_received_by_all_s"] <= death["round_s"]
     silence = res["node_silence"]
@@ -99,4 +103,5 @@ def test_a_tiny_run_reports_every_figure(tmp_path: Path) -> None:
     assert store["ops_per_step"] == 2 * 64  # a record and a gradient digest per rank (the step start's equals the record)
     assert 64 * 1000 < store["bytes_per_step"] < 64 * 1400
     assert res["coordinator_rss_bytes"] > 0 and res["simulation_processes"] == 1
+    assert res["hung_orders"] == 0, res
     assert bs.table([res]).splitlines()[1].split()[0] == "64"

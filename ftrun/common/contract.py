@@ -39,6 +39,7 @@ GENERATION = "FTRUN_GENERATION"
 ATTEMPT = "FTRUN_ATTEMPT"
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # torchrun's name of the attempt (read when FTRUN_ATTEMPT is absent)
 CONTROL_ADDR = "FTRUN_CONTROL_ADDR"
+RELAY_ADDR = "FTRUN_RELAY_ADDR"  # the node agent's heartbeat relay (agent -> rank; ftrun.node.relay)
 STANDBY_LINE = "FTRUN_STANDBY_LINE"  # the standby coordinators' endpoints, first first, comma-separated (agent -> rank)
 TOKEN = "FTRUN_TOKEN"  # the job secret (set by the rank's node agent, never sent over the network)
 FAULT = "FTRUN_FAULT"  # fault injection (tests, ftrun check): see ftrun.common.faults

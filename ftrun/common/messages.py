@@ -110,6 +110,7 @@ class Heartbeat:
     step_times: list[float] | None = None
     step_max: float | None = None  # the largest of the new samples not listed
     step_max_from: int | None = None  # the number of the first of those
+    sent: int | None = None  # relayed through its node's agent: the frames it had sent the coordinator before this beat
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,13 +292,16 @@ class AgentHello:
 
 @dataclass(frozen=True, slots=True)
 class AgentBeat:
-    """Liveness, both ways; from an agent: ``leaving`` (why its node leaves the job), or its offer
-    to stand by (``standby_control``, ``standby_store``)."""
+    """Liveness, both ways; from an agent: ``leaving`` (why its node leaves the job), its offer
+    to stand by (``standby_control``, ``standby_store``), or its ranks' relayed heartbeats (``ranks``)."""
 
     node: int
     leaving: str | None = None
     standby_control: str | None = None
     standby_store: str | None = None
+    # The node's ranks' heartbeats since the agent's last beat (:mod:`ftrun.node.relay`): one row
+    # each, ``[rank, incarnation, age (seconds since the agent received it), sent, board fields]``.
+    ranks: list[list[Any]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

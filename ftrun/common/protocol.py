@@ -143,6 +143,9 @@ def _auth(token: str | FrameAuth) -> FrameAuth:
 # connection of that ROUTER (the coordinator's frames to a rank or an agent, by the routing identity
 # the peer chose), and one node's launcher (events and status).
 CONTROL: bytes = b"control"
+# A node agent's heartbeat relay (its ranks' beats, :mod:`ftrun.node.relay`): a relayed beat does
+# not verify at the coordinator's endpoint, nor a beat to the coordinator at a relay.
+RELAY: bytes = b"relay"
 
 
 def to_peer(identity: bytes) -> bytes:

@@ -261,7 +261,7 @@ def _store_address(chosen: _Chosen, nnodes: int) -> dict[str, Any]:
 
 def _recovery_settings(chosen: _Chosen) -> dict[str, Any]:
     """How faults are seen and met: the heartbeat's timeout against its interval, and
-    recoverable_errors, on_divergence, standby_spares, fork_server and resume parsed.
+    recoverable_errors, on_divergence, standby_spares, fork_server, heartbeat_relay and resume parsed.
 
     Raises:
         ConfigError: a timeout not longer than the interval, a name that is not an exception
@@ -288,11 +288,19 @@ def _recovery_settings(chosen: _Chosen) -> dict[str, Any]:
     fork_server = values["fork_server"].strip().lower()
     if fork_server not in ("on", "off"):
         raise ConfigError(f"{label('fork_server')} {values['fork_server']!r} must be 'on' or 'off'")
+    heartbeat_relay = values["heartbeat_relay"].strip().lower()
+    if heartbeat_relay not in ("auto", "on", "off"):
+        raise ConfigError(f"{label('heartbeat_relay')} {values['heartbeat_relay']!r} must be 'auto', 'on' or 'off'")
+    if heartbeat_relay == "on" and values["heartbeat_timeout"] <= 2 * values["heartbeat_interval"]:
+        raise ConfigError(
+            f"{label('heartbeat_relay')} on needs {label('heartbeat_timeout')} above two heartbeat intervals (a relayed "
+            f"beat arrives up to 1.5 intervals late), but it is {values['heartbeat_timeout']:g} with "
+            f"{label('heartbeat_interval')} {values['heartbeat_interval']:g}; raise the timeout or use --heartbeat_relay off")
     resume = values["resume"].strip()
     if not resume:
         raise ConfigError(f"{label('resume')} is empty; use 'auto', 'none' or the path of a checkpoint")
     return {"recoverable_errors": recoverable, "on_divergence": on_divergence, "standby_spares": standby_spares,
-            "fork_server": fork_server, "resume": resume}
+            "fork_server": fork_server, "heartbeat_relay": heartbeat_relay, "resume": resume}
 
 
 def _names_and_paths(chosen: _Chosen, cwd: Path) -> dict[str, Any]:

@@ -309,6 +309,8 @@ class Membership:
             job.control.reject(identity, f"{msg.type.value} from a connection that is not node {node!r}'s agent")
             return None
         agent.on_message(msg, now)
+        if msg.type == MsgType.AGENT_BEAT and msg.get("ranks"):
+            job.messages.on_relayed(node, msg["ranks"])
         return None
 
     def fence(self, identity: bytes, what: str) -> None:

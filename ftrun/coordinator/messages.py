@@ -7,7 +7,7 @@ from the connection whose ``hello`` was accepted for that incarnation (:meth:`Ra
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ftrun.common.events import EventKind
 from ftrun.coordinator.policy import RankState
@@ -57,6 +57,7 @@ class RankMessages:
             self.job.control.reject(identity, f"{msg.type.value} for rank {r.rank} from a connection that did not say hello")
             return
         r.proc.last_heartbeat = self.job.clock()
+        r.proc.direct += 1
         handler = self._rank_handlers.get(msg.type)
         if handler is not None:
             handler(self, r, msg)
@@ -94,6 +95,7 @@ class RankMessages:
         group = tuple(map(int, msg["replica_group"]))
         r.replica_group = self._replica_groups.setdefault(group, group)  # one object per group: cheap plans
         p.last_heartbeat = self.job.clock()
+        p.direct += 1
         p.move(RankState.HEALTHY if self.job.rounds.current is None else RankState.RECOVERING)
         self.job.emit(EventKind.RANK_JOINED, f"rank {r.rank} connected (pid {p.pid})", rank=r.rank, library=r.library,
                       **({"rejoined": True} if msg.get("rejoin") else {}))
@@ -113,13 +115,37 @@ class RankMessages:
     def on_heartbeat(self, r: Rank, msg: Message) -> None:
         """A rank's heartbeat: its heartbeat thread's evidence and its step board (where its
         training thread is: :class:`ftrun.rank.client.StepBoard`)."""
-        now = self.job.clock()
-        r.on_heartbeat(msg.get("in_dist"), msg.get("stage"), msg.get("stage_bytes"), now)
-        if "phase" in msg.fields:
-            moved, sample = r.on_board(msg.fields, now, self.job.spec.warmup_steps)
+        self._take_beat(r, msg.fields, self.job.clock())
+
+    def _take_beat(self, r: Rank, fields: dict[str, Any], at: float) -> None:
+        """What a heartbeat made at ``at`` (the coordinator's clock) says."""
+        r.on_heartbeat(fields.get("in_dist"), fields.get("stage"), fields.get("stage_bytes"), at)
+        if "phase" in fields:
+            moved, sample = r.on_board(fields, at, self.job.spec.warmup_steps)
             self.job.watchdog.observe(sample)
             if moved:
                 self.job.publisher.dirty = True
+
+    def on_relayed(self, node: int, rows: list[Any]) -> None:
+        """Node ``node``'s agent relayed its ranks' heartbeats (:mod:`ftrun.node.relay`; its frame
+        was checked: it is that node's agent). A row counts only for a live rank of that node, in
+        its current incarnation, that said hello. The beat proves the rank alive ``age`` seconds
+        ago; its step board is taken unless a frame the rank sent the coordinator after it was read
+        already (``sent`` below :attr:`Incarnation.direct`: the board is older than, say, its
+        ``fault``, and would put back the phase the ``fault`` ended). Malformed rows are skipped."""
+        now = self.job.clock()
+        for row in rows:
+            if not (isinstance(row, list) and len(row) == 5):
+                continue
+            rank, incarnation, age, sent, board = row
+            r = self.job.ranks.get(rank) if _is_count(rank) else None
+            if (r is None or r.node != node or incarnation != r.incarnation or not r.alive() or r.proc.identity is None
+                    or not _is_age(age) or not isinstance(board, dict)):
+                continue
+            at = now - age
+            r.proc.last_heartbeat = max(r.proc.last_heartbeat, at)
+            if _is_count(sent) and sent >= r.proc.direct:
+                self._take_beat(r, board, at)
 
     def on_progress(self, r: Rank, msg: Message) -> None:
         """``progress`` (``ft.report()``, a section opened or closed): the rank's step and metrics."""
@@ -206,3 +232,12 @@ class RankMessages:
         MsgType.ERROR: on_error,
         MsgType.DIVERGENCE: on_divergence,
     }
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_age(value: Any) -> bool:
+    """Seconds since a relay received a beat (an hour at most: older is no evidence of life)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 3600

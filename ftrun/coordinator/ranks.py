@@ -48,6 +48,7 @@ class Incarnation:
     state: RankState = RankState.STARTING
     identity: bytes | None = None  # its control connection (ZeroMQ routing identity), from its hello
     last_heartbeat: float = 0.0
+    direct: int = 0  # frames of it read from its own connection (a relayed beat's order: RankMessages.on_relayed)
     step: int | None = None
     committed: int = NO_STATE
     metrics: dict[str, Any] = field(default_factory=dict)

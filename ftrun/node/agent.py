@@ -41,6 +41,7 @@ from ftrun.common.events import Event, EventKind
 from ftrun.common.protocol import Message, MsgType, Sender, encode, events_for, standby_line
 from ftrun.node.commands import RankCommands
 from ftrun.node.link import CoordinatorLink
+from ftrun.node.relay import BeatRelay, relays_beats
 from ftrun.node.spawner import ExitReport, RankProcesses, rank_argv, shared_dir_marker
 from ftrun.node.succession import MoveTo, Succession, TakeOver, standby_seat
 
@@ -73,10 +74,13 @@ class NodeAgent:
             awaits the node) before it ends its part of the job. Its ranks keep running meanwhile;
             when the link returns after the coordinator declared the node lost, the agent is told to
             rejoin (:meth:`_on_shutdown`) and comes back as the node's replacement.
+        relay: relay this node's ranks' heartbeats in the agent's beats (``--heartbeat_relay``,
+            :mod:`ftrun.node.relay`).
     """
 
     def __init__(self, node: int, control_addr: str, token: str, processes: RankProcesses, heartbeat_interval: float,
-                 coordinator_timeout: float, events_addr: str | None, standby: Any = None, link_grace: float = 0.0) -> None:
+                 coordinator_timeout: float, events_addr: str | None, standby: Any = None, link_grace: float = 0.0,
+                 relay: bool = False) -> None:
         self.node = node
         self._events_node = node  # this node's launcher knows it by this index (a standby's keeps it)
         self._events_audience = events_for(node)
@@ -110,6 +114,9 @@ class NodeAgent:
         self.checkpoint_marker: Path | None = None  # node 0's marker in the checkpoint dir, if TTP is on
         self._wakeup = procs.WakeupPipe()
         self.ranks = RankCommands(processes, self._report, self.event, self.succession)
+        self.relay = BeatRelay(self.ctx, self.link.sender.auth) if relay else None
+        if self.relay is not None:
+            self.ranks.relay = self.relay.address
         self._handlers: dict[MsgType, Callable[[Message], None]] = {
             MsgType.SPAWN: self.ranks.spawn, MsgType.SIGNAL: self.ranks.signal, MsgType.KILL_HUNG: self.ranks.kill_hung,
             MsgType.STOP_RANKS: self.ranks.stop_ranks, MsgType.SPARES: self.ranks.keep_spares,
@@ -155,6 +162,8 @@ class NodeAgent:
                     break
         self.processes.stop_spares()
         self.link.close(linger_ms=2000)
+        if self.relay is not None:
+            self.relay.close()
         if self.push is not None:
             self.push.close(2000)
         self.ctx.term()
@@ -176,21 +185,28 @@ class NodeAgent:
         poller = zmq.Poller()
         self.link.watch(poller)
         poller.register(self._wakeup.fd, zmq.POLLIN)
+        if self.relay is not None:
+            poller.register(self.relay.sock, zmq.POLLIN)
         self._last_heard = self.clock()
         return poller
 
     def _wait_for_news(self, poller: zmq.Poller) -> dict[Any, int]:
-        """Beat when due, offer this node's seat once set up, wait up to a beat (0.5 s at most) for
-        a frame, a closed connection or a signal, and report the ranks' exits; returns what is ready."""
+        """Beat when due (with the ranks' relayed heartbeats), offer this node's seat once set up,
+        wait up to the next beat (0.5 s at most) for a frame, a closed connection or a signal, and
+        report the ranks' exits; returns what is ready."""
         now = self.clock()
         if now >= self._next_beat:
-            self.send(MsgType.AGENT_BEAT, node=self.node)
+            rows = self.relay.rows(time.monotonic()) if self.relay is not None else []
+            self.send(MsgType.AGENT_BEAT, node=self.node, **({"ranks": rows} if rows else {}))
             self._next_beat = now + self.heartbeat_interval
         if self.succession.seat_set_up():
             self.offer_standby()
-        events = dict(poller.poll(timeout=int(min(self.heartbeat_interval, 0.5) * 1000)))
+        wait = min(self.heartbeat_interval, 0.5, max(0.0, self._next_beat - self.clock()))
+        events = dict(poller.poll(timeout=int(wait * 1000)))
         if self._wakeup.fd in events:
             self._wakeup.drain()
+        if self.relay is not None and self.relay.sock in events:
+            self.relay.drain(time.monotonic())
         self.ranks.report_exits()
         return events
 
@@ -372,6 +388,9 @@ class NodeAgent:
         if self.push is not None:
             self.push.close(0)
             self.push = None
+        if self.relay is not None:  # the ranks beat the coordinator once they move to it (ftrun.rank.channel)
+            self.relay.close()
+            self.relay = None
         self.ctx.term()
         return self.succession.seat.take_over(self.processes, self.events_addr, self.node, self._events_node,
                                               lost=list(dict.fromkeys(lost if lost is not None else [self.link.node])),
@@ -457,7 +476,8 @@ def main() -> None:
                       processes, spec.heartbeat_interval, max(spec.heartbeat_timeout, 3 * spec.heartbeat_interval),
                       os.environ.get("FTRUN_EVENTS_ADDR"),
                       standby=standby_seat(spec, os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"]),
-                      link_grace=spec.node_wait_timeout if spec.tft.arf else 0.0)
+                      link_grace=spec.node_wait_timeout if spec.tft.arf else 0.0,
+                      relay=relays_beats(spec.heartbeat_relay, spec.worker_num, spec.heartbeat_interval, spec.heartbeat_timeout))
     agent.spec = spec
     if spec.tft.ttp:
         agent.checkpoint_marker = Path(spec.checkpoint_dir).resolve() / shared_dir_marker(

@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Callable
 
-from ftrun.common.contract import STANDBY_LINE
+from ftrun.common.contract import RELAY_ADDR, STANDBY_LINE
 from ftrun.common.events import EventKind
 from ftrun.common.protocol import Message, MsgType
 from ftrun.node.forks import StartReport
@@ -35,6 +35,10 @@ class RankCommands:
         event: an event for this node's console (``event(kind, message, **detail)``).
         succession: the line of standby coordinators, which a spawned rank is told
             (:data:`ftrun.common.contract.STANDBY_LINE`).
+
+    Attributes:
+        relay: the agent's heartbeat relay endpoint, which a spawned rank is told
+            (:data:`ftrun.common.contract.RELAY_ADDR`), or None: its ranks beat the coordinator.
     """
 
     def __init__(self, processes: RankProcesses, report: Callable[..., None], event: Callable[..., None],
@@ -43,11 +47,14 @@ class RankCommands:
         self.report = report
         self.event = event
         self.succession = succession
+        self.relay: str | None = None
 
     def spawn(self, msg: Message) -> None:
         """Start rank ``rank``'s incarnation (in a spare when ``use_spare`` and one is kept)."""
         rank_vars = {str(k): str(v) for k, v in msg["vars"].items()}
         rank_vars[STANDBY_LINE] = ",".join(control for control, _ in self.succession.line)  # see ftrun.rank.client.open_channel
+        if self.relay is not None:
+            rank_vars[RELAY_ADDR] = self.relay
         try:
             pid, spare = self.processes.spawn(msg["rank"], msg["incarnation"], rank_vars, msg["header"], msg["use_spare"])
         except OSError as err:

@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 import zmq
 
-from ftrun.common.protocol import (CONTROL, MAX_FRAME_BYTES, Message, MsgType, Receiver, Sender, endpoint_refuses, pack, receive,
-                       standby_line, to_peer)
+from ftrun.common.protocol import (CONTROL, MAX_FRAME_BYTES, RELAY, Message, MsgType, Receiver, Sender, endpoint_refuses, pack,
+                                  receive, standby_line, to_peer)
 
 RECEIVE_BUDGET = 1000  # frames read per wake-up of the I/O thread (then it beats and sends again)
 
@@ -35,9 +35,12 @@ class Channel:
         token: the job secret (``FTRUN_TOKEN``).
         rank, incarnation: this process's identity.
         heartbeat_interval: seconds between heartbeats.
+        relay: its node agent's heartbeat relay (``FTRUN_RELAY_ADDR``, :mod:`ftrun.node.relay`), or
+            None: the heartbeats then go to the supervisor with everything else.
     """
 
-    def __init__(self, addr: str, token: str, rank: int, incarnation: int, heartbeat_interval: float) -> None:
+    def __init__(self, addr: str, token: str, rank: int, incarnation: int, heartbeat_interval: float,
+                 relay: str | None = None) -> None:
         # One session per process (a respawned rank's frames can never pass as its predecessor's),
         # sealed on the I/O thread as they leave, so counters arrive in increasing order.
         self._sender = Sender(token)
@@ -51,7 +54,16 @@ class Channel:
         self._wake_lock = threading.Lock()
         self._wake_pending = False
         self._ctx = zmq.Context.instance()
+        self._direct_sent = 0  # frames sent to the coordinator (a relayed beat carries the count: its order)
         self._connect(addr)
+        self._relay: zmq.Socket | None = None
+        self._relay_sender: Sender | None = None
+        if relay:
+            self._relay = self._ctx.socket(zmq.DEALER)
+            self._relay.setsockopt(zmq.LINGER, 0)
+            self._relay.setsockopt(zmq.SNDHWM, 16)  # an agent not reading gets the newest beats, never a backlog
+            self._relay.connect(relay)
+            self._relay_sender = Sender(self._sender.auth)
         # The standby coordinators' endpoints, first first (a ``standby`` message): when this
         # connection closes (the coordinator's process died), the channel moves to the first and says
         # hello again; when that one's closes or refuses before it spoke, to the next.
@@ -116,6 +128,11 @@ class Channel:
         self._sock.close(0)
         self._connect(target)
         self._at_seat = True
+        if self._relay is not None:
+            # The new coordinator may run in this node's agent's process (its standby seat), which
+            # relays nothing then: from here on the heartbeats go to the coordinator itself.
+            self._relay.close(0)
+            self._relay = None
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._closes, zmq.POLLIN)
         if self._hello is not None:
@@ -124,8 +141,7 @@ class Channel:
                 hello.update(self.rejoin_fields())
             except Exception:  # noqa: BLE001  the hello must go out
                 _log_io_error("describing this rank for its new coordinator")
-            self._sock.send(self._sender.seal(pack(MsgType.HELLO, rank=self.rank, incarnation=self.incarnation,
-                                                   rejoin=True, **hello), CONTROL))
+            self._send_direct(pack(MsgType.HELLO, rank=self.rank, incarnation=self.incarnation, rejoin=True, **hello))
 
     def send(self, msg_type: MsgType, **fields: Any) -> None:
         """Queue a message (rank and incarnation are added). Never blocks on the network."""
@@ -174,7 +190,7 @@ class Channel:
         for watched in (self._sock, self._closes, self._wake_r):
             poller.register(watched, zmq.POLLIN)
         heartbeat = pack(MsgType.HEARTBEAT, rank=self.rank, incarnation=self.incarnation)
-        next_beat = time.monotonic() + self.heartbeat_interval  # the hello goes first
+        next_beat = time.monotonic() + self._interval()  # the hello goes first
         last_heard = time.monotonic()
         running = True
         while running:
@@ -186,7 +202,7 @@ class Channel:
                 last_heard = now
             if now >= next_beat:
                 self._beat(heartbeat)
-                next_beat = now + self.heartbeat_interval
+                next_beat = now + self._interval()
             events = dict(poller.poll(timeout=max(0, int((next_beat - now) * 1000))))
             if self._wake_r in events:
                 self._take_wake_up()
@@ -199,6 +215,11 @@ class Channel:
                 last_heard = time.monotonic()
         self._close_sockets()
 
+    def _interval(self) -> float:
+        """Seconds to the next heartbeat: through a relay, half the interval (its hop adds up to one;
+        :mod:`ftrun.node.relay`)."""
+        return self.heartbeat_interval / (2 if self._relay is not None else 1)
+
     def _fell_silent(self, silence: float) -> bool:
         """Nothing heard from the coordinator for longer than the ``standby`` message allows, and a
         standby is known to move to (a standby that was connected to is silent until it takes over)."""
@@ -208,26 +229,40 @@ class Channel:
     def _beat(self, heartbeat: bytes) -> None:
         """Send a heartbeat (with the probe's fields) and the progress message the beat carries, if
         any. Nothing here stops the heartbeats: a failing probe sends the plain ``heartbeat``, and a
-        full queue (the supervisor is not reading) drops the beat, the next one saying the same."""
-        seal = self._sender.seal
+        full queue (the supervisor is not reading) drops the beat, the next one saying the same.
+        With a relay the heartbeat goes to it, with the count of frames sent to the coordinator so
+        far (``sent``: the coordinator's check of their order); the progress message goes direct."""
+        relayed = {"sent": self._direct_sent} if self._relay is not None else {}
         beat = heartbeat
-        if self.probe is not None:
+        if self.probe is not None or relayed:
             try:
-                beat = pack(MsgType.HEARTBEAT, rank=self.rank, incarnation=self.incarnation, **self.probe())
+                beat = pack(MsgType.HEARTBEAT, rank=self.rank, incarnation=self.incarnation,
+                            **(self.probe() if self.probe is not None else {}), **relayed)
             except Exception:  # a probe must never stop the heartbeats
-                beat = heartbeat
+                beat = pack(MsgType.HEARTBEAT, rank=self.rank, incarnation=self.incarnation, **relayed)
         try:
-            self._sock.send(seal(beat, CONTROL), zmq.NOBLOCK)
+            if self._relay is not None and self._relay_sender is not None:
+                self._relay.send(self._relay_sender.seal(beat, RELAY), zmq.NOBLOCK)
+            else:
+                self._send_direct(beat, zmq.NOBLOCK)
         except zmq.Again:
             pass  # the supervisor is not reading (a full queue): the next beat says the same
         if self.beat_extra is not None:
             try:
                 extra = self.beat_extra()
                 if extra is not None:
-                    self._sock.send(seal(pack(MsgType.PROGRESS, rank=self.rank, incarnation=self.incarnation,
-                                              **extra), CONTROL), zmq.NOBLOCK)
+                    self._send_direct(pack(MsgType.PROGRESS, rank=self.rank, incarnation=self.incarnation, **extra),
+                                      zmq.NOBLOCK)
             except Exception:  # like the probe (zmq.Again included): never stop the heartbeats
                 pass
+
+    def _send_direct(self, frame: bytes, flags: int = 0) -> None:
+        """Seal ``frame`` and send it to the coordinator, counting it once it is sent.
+
+        Raises:
+            zmq.Again: with ``zmq.NOBLOCK``, the queue is full (nothing was sent or counted)."""
+        self._sock.send(self._sender.seal(frame, CONTROL), flags)
+        self._direct_sent += 1
 
     def _take_wake_up(self) -> None:
         """Empty the wake-up pipe; messages queued from now on wake the I/O thread again."""
@@ -248,7 +283,7 @@ class Channel:
                 return True
             if frame is None:
                 return False
-            self._sock.send(self._sender.seal(frame, CONTROL))
+            self._send_direct(frame)
 
     def _take_incoming(self) -> bool:
         """Read what the coordinator sent (up to :data:`RECEIVE_BUDGET` frames): keep a ``standby``
@@ -277,6 +312,8 @@ class Channel:
         self._sock.disable_monitor()
         self._closes.close(0)
         self._sock.close(linger=1000)
+        if self._relay is not None:
+            self._relay.close(0)
         os.close(self._wake_r)
         os.close(self._wake_w)
 

@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from ftrun.rank.channel import Channel
-from ftrun.common.contract import STANDBY_LINE, RankEnv
+from ftrun.common.contract import RELAY_ADDR, STANDBY_LINE, RankEnv
 from ftrun.common.protocol import Message, MsgType
 
 
@@ -31,7 +31,9 @@ def open_channel(library: bool, replica_group: Sequence[int], generation: int, e
     env = env if env is not None else RankEnv.from_environ(os.environ)
     if not env.control_addr or not env.token:
         return None
-    channel = Channel(env.control_addr, env.token, env.rank or 0, env.incarnation or 0, env.heartbeat_interval)
+    relay = os.environ.get(RELAY_ADDR, "")  # its node agent's heartbeat relay, if the job relays (ftrun.node.relay)
+    channel = Channel(env.control_addr, env.token, env.rank or 0, env.incarnation or 0, env.heartbeat_interval,
+                      relay=relay if relay.startswith("ipc://") else None)
     # Where to go if that coordinator dies before it announces its standbys to this rank (its
     # node's agent knew the line when it started the rank).
     channel.line = [c for c in os.environ.get(STANDBY_LINE, "").split(",") if c.startswith("tcp://")]

@@ -1,0 +1,125 @@
+"""A node agent's heartbeat relay: its ranks beat the agent, and the agent's one beat a heartbeat
+interval carries all of them to the coordinator.
+
+Without it every rank sends node 0's coordinator a frame each ``--heartbeat_interval``: at 16,384
+ranks, 16,384 authenticated frames a second into one Python process, each costing it 100 to 200 µs
+(docs/scale.md). With it the coordinator gets one frame per node: the agent's ``agent_beat``, whose
+``ranks`` rows hold each rank's newest heartbeat (its step board and the watchdog's evidence) and
+how long ago the agent received it. Everything else a rank sends (``hello``, ``fault``,
+``recovered``, ``progress``...) still goes straight to the coordinator, and a rank's death is still
+reported at once (``exited``, from ``SIGCHLD``).
+
+What the relay keeps (docs/scale.md, "What per-node aggregation must keep"):
+
+- **Ages measured where the beat arrives.** A row's age is the time since the agent received the
+  beat; the coordinator dates the beat ``age`` seconds before it read the agent's frame. Ranks beat
+  the relay twice a heartbeat interval, so a live rank's beat is at most about 1.5 intervals old
+  when the coordinator reads it (the watchdog's quiet rule is 2.5 intervals; with the relay on,
+  ``--heartbeat_timeout`` must be above two intervals).
+- **Order.** A relayed beat travels another way than the rank's direct messages and can arrive
+  after a ``fault`` it preceded. Each beat carries ``sent``, the frames the rank had sent the
+  coordinator before it; the coordinator takes a beat's step board only if it has not read more of
+  that rank's frames than that (liveness is taken from it either way).
+- **Fencing.** The rows come inside the agent's frame: a fenced or replaced agent's frames are
+  refused, its rows with them; a row is taken only for a live rank of the agent's own node, in the
+  incarnation the coordinator knows, that said hello.
+
+The relay listens on a Unix socket of the abstract namespace (``ipc://@...``: no file to leave behind
+when the agent is killed, and seen only inside the node's network namespace). Any local process
+may connect to it, so every frame must be authenticated with the job's secret for the audience
+:data:`~ftrun.common.protocol.RELAY` (so it verifies nowhere else) and be fresh; anything else is
+dropped and counted, and a drain reads a bounded number of frames. Nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import zmq
+
+from ftrun.common.protocol import MAX_FRAME_BYTES, RELAY, FrameAuth, MsgType, ProtocolError, Receiver, decode
+
+#: ``--heartbeat_relay auto`` relays the beats of a job of this many ranks or more.
+RELAY_AUTO_RANKS = 256
+#: A rank beats its relay this many times a heartbeat interval (the relay's hop adds up to one).
+RELAY_BEATS_PER_INTERVAL = 2
+#: Frames a drain reads at most (then the agent's loop goes on).
+DRAIN_BUDGET = 1000
+#: The fields a row carries in its own places, not in its board.
+_ROW_FIELDS = frozenset({"rank", "incarnation", "sent"})
+
+
+def relays_beats(setting: str, ranks: int, heartbeat_interval: float, heartbeat_timeout: float) -> bool:
+    """Whether a job's ranks on nodes other than node 0 beat through their agent.
+
+    Args:
+        setting: ``--heartbeat_relay``: ``on``, ``off`` or ``auto`` (on from :data:`RELAY_AUTO_RANKS`
+            ranks, when ``--heartbeat_timeout`` leaves room for the relay's hop).
+        ranks: the job's world size.
+        heartbeat_interval, heartbeat_timeout: seconds.
+    """
+    if setting == "on":
+        return True
+    return setting == "auto" and ranks >= RELAY_AUTO_RANKS and heartbeat_timeout > 2 * heartbeat_interval
+
+
+class RelayedBeats:
+    """The newest heartbeat of each rank since the last :meth:`rows` (what an agent's beat carries)."""
+
+    def __init__(self) -> None:
+        self._latest: dict[int, tuple[float, dict[str, Any]]] = {}
+
+    def note(self, fields: dict[str, Any], now: float) -> None:
+        """One rank's heartbeat (its decoded fields), received at ``now``: the newest is kept."""
+        self._latest[fields["rank"]] = (now, fields)
+
+    def rows(self, now: float) -> list[list[Any]]:
+        """The rows of the agent's next beat, one per rank heard since the last call:
+        ``[rank, incarnation, age, sent, board]``, age in seconds at ``now``."""
+        rows = [[f["rank"], f["incarnation"], round(max(0.0, now - at), 3), f.get("sent"),
+                 {k: v for k, v in f.items() if k not in _ROW_FIELDS}] for at, f in self._latest.values()]
+        self._latest.clear()
+        return rows
+
+
+class BeatRelay(RelayedBeats):
+    """The relay's socket, which the node's ranks beat, and their newest beats.
+
+    Args:
+        ctx: the agent's ZeroMQ context.
+        auth: the job's frame authentication (its secret).
+
+    Attributes:
+        address: the ``ipc://`` endpoint the node's ranks beat (``FTRUN_RELAY_ADDR``).
+        rejected: frames dropped (not authentic, not fresh, not a heartbeat).
+    """
+
+    def __init__(self, ctx: zmq.Context, auth: FrameAuth) -> None:
+        super().__init__()
+        self.address = f"ipc://@ftrun-relay-{secrets.token_hex(8)}"
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self.sock.bind(self.address)
+        self._receiver = Receiver(auth, RELAY)
+        self.rejected = 0
+
+    def drain(self, now: float, budget: int = DRAIN_BUDGET) -> None:
+        """Read the beats waiting (up to ``budget``), received at ``now`` (seconds, monotonic)."""
+        for _ in range(budget):
+            try:
+                parts = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(parts[-1], self._receiver) if len(parts) == 2 else None
+            except ProtocolError:
+                msg = None
+            if msg is None or msg.type != MsgType.HEARTBEAT:
+                self.rejected += 1
+                continue
+            self.note(msg.fields, now)
+
+    def close(self) -> None:
+        self.sock.close(0)

@@ -1,0 +1,153 @@
+"""The node agents' heartbeat relay (ftrun.node.relay): a rank's beats reach the coordinator inside
+its agent's beat, dated where they arrived, in order with the rank's direct messages, and only for
+the agent's own live ranks. Driven without processes: a real rank channel and relay on ZeroMQ, and
+the coordinator of coordinator_fixtures on an injected clock."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from ftrun.common.protocol import CONTROL, RELAY, FrameAuth, MsgType, Sender, pack
+from ftrun.config import ConfigError
+from ftrun.coordinator.ranks import RankPhase
+from ftrun.node.relay import RELAY_AUTO_RANKS, BeatRelay, relays_beats
+from ftrun.rank.channel import Channel
+
+from config_fixtures import res
+from coordinator_fixtures import TOKEN, begin, board, close_coordinators, hello_all, make, send  # noqa: F401
+
+
+def _rows_within(relay: BeatRelay, until, deadline_s: float = 20.0) -> list[list]:
+    rows: list[list] = []
+    deadline = time.monotonic() + deadline_s
+    while not until(rows):
+        assert time.monotonic() < deadline, f"the relay got only {rows}"
+        relay.sock.poll(100)
+        relay.drain(time.monotonic())
+        rows += relay.rows(time.monotonic())
+    return rows
+
+
+def test_a_ranks_beats_go_to_its_relay_with_the_count_of_its_direct_frames_and_forged_ones_are_dropped() -> None:
+    ctx = zmq.Context()
+    relay = BeatRelay(ctx, FrameAuth(TOKEN))
+    coordinator = ctx.socket(zmq.ROUTER)
+    coordinator.setsockopt(zmq.LINGER, 0)
+    port = coordinator.bind_to_random_port("tcp://127.0.0.1")
+    channel = Channel(f"tcp://127.0.0.1:{port}", TOKEN, rank=3, incarnation=2, heartbeat_interval=0.1, relay=relay.address)
+    channel.probe = lambda: {"in_dist": True, "stage": "loop"}
+    try:
+        assert relay.address.startswith("ipc://@")
+        channel.send(MsgType.HELLO, pid=1, generation=0, replica_group=[3], library=True)
+        channel.send(MsgType.STEPS_END)
+        rows = _rows_within(relay, lambda rows: any(row[3] == 2 for row in rows))
+        rank, incarnation, age, sent, fields = rows[-1]
+        assert (rank, incarnation, sent) == (3, 2, 2) and 0 <= age < 1.0
+        assert fields == {"in_dist": True, "stage": "loop"}
+        # the coordinator got the two direct frames and no heartbeat
+        got = []
+        while coordinator.poll(100):
+            got.append(coordinator.recv_multipart()[1])
+        assert len(got) == 2
+        # a frame for the coordinator, one keyed with another secret, and a message that is no heartbeat:
+        # none counts, each is dropped
+        forger = ctx.socket(zmq.DEALER)
+        forger.setsockopt(zmq.LINGER, 0)
+        forger.connect(relay.address)
+        beat = pack(MsgType.HEARTBEAT, rank=5, incarnation=0)
+        forger.send(Sender(TOKEN).seal(beat, CONTROL))
+        forger.send(Sender("x" * 64).seal(beat, RELAY))
+        forger.send(Sender(TOKEN).seal(pack(MsgType.STEPS_END, rank=5, incarnation=0), RELAY))
+        deadline = time.monotonic() + 20
+        while relay.rejected < 3:
+            assert time.monotonic() < deadline, relay.rejected
+            relay.sock.poll(100)
+            relay.drain(time.monotonic())
+        assert all(row[0] == 3 for row in relay.rows(time.monotonic()))
+        forger.close(0)
+    finally:
+        channel.close()
+        relay.close()
+        coordinator.close(0)
+        ctx.term()
+
+
+def test_a_relayed_beat_keeps_a_rank_alive_dated_where_it_arrived(tmp_path: Path) -> None:
+    coord, _agent, clock = make(tmp_path)
+    hello_all(coord)
+    timeout = coord.spec.heartbeat_timeout
+    clock.now += timeout - 1.0
+    rows = [[rank, coord.ranks[rank].incarnation, 0.5, 1, {}] for rank in coord.ranks]
+    coord.messages.on_relayed(0, rows)
+    assert all(r.proc.last_heartbeat == clock.now - 0.5 for r in coord.ranks.values())
+    clock.now += timeout - 0.5 - 0.01  # just within the timeout, counted from the beat's arrival at the relay
+    assert coord.watchdog.heartbeats(list(coord.ranks.values()), clock.now) == []
+    clock.now += 0.02
+    assert len(coord.watchdog.heartbeats(list(coord.ranks.values()), clock.now)) == 4
+
+
+def test_a_relayed_board_older_than_a_direct_message_is_not_taken(tmp_path: Path) -> None:
+    """The beat left before the rank's fault but arrived after it: its board would put back the
+    phase the fault ended. Its liveness still counts; a later beat's board is taken."""
+    coord, _agent, clock = make(tmp_path)
+    hello_all(coord)  # one direct frame each
+    begin(coord, 1, 5, collective=True)  # a direct heartbeat: two
+    r = coord.ranks[1]
+    stale = board(coord, 1).fields()
+    assert r.proc.phase == RankPhase.COLLECTIVE and r.proc.direct == 2
+    send(coord, 1, MsgType.FAULT, generation=coord.generation, step=5, committed=4, reason="gloo", kind="comm")
+    assert r.proc.phase == RankPhase.RECOVERING and r.proc.direct == 3
+    clock.now += 1.0
+    coord.messages.on_relayed(0, [[1, r.incarnation, 0.2, 2, stale]])
+    assert r.proc.phase == RankPhase.RECOVERING and r.proc.last_heartbeat == clock.now - 0.2
+    coord.messages.on_relayed(0, [[1, r.incarnation, 0.1, 3, stale]])
+    assert r.proc.phase == RankPhase.COLLECTIVE and r.proc.step == 5
+
+
+@pytest.mark.parametrize("row", [
+    [1, 0, 0.1, 5, {"phase": "update"}, "extra"],  # not five fields
+    ["1", 0, 0.1, 5, {"phase": "update"}],  # a rank that is no number
+    [1, 7, 0.1, 5, {"phase": "update"}],  # another incarnation
+    [1, 0, -1.0, 5, {"phase": "update"}],  # a negative age
+    [1, 0, True, 5, {"phase": "update"}],  # an age that is a bool
+    [1, 0, 0.1, 5, ["phase", "update"]],  # a board that is no map
+    [9, 0, 0.1, 5, {"phase": "update"}],  # no such rank
+])
+def test_a_malformed_or_foreign_row_changes_nothing(tmp_path: Path, row: list) -> None:
+    coord, _agent, clock = make(tmp_path)
+    hello_all(coord)
+    before = coord.ranks[1].proc.last_heartbeat
+    clock.now += 1.0
+    coord.messages.on_relayed(0, [row])
+    assert coord.ranks[1].proc.last_heartbeat == before and coord.ranks[1].proc.phase == RankPhase.SETUP
+
+
+def test_rows_count_only_for_the_agents_own_node_and_ranks_that_said_hello(tmp_path: Path) -> None:
+    coord, _agent, clock = make(tmp_path, world=4, local=2)  # ranks 2 and 3 on node 1 (not started)
+    hello_all(coord, [0, 1])
+    clock.now += 1.0
+    coord.messages.on_relayed(1, [[0, coord.ranks[0].incarnation, 0.0, 5, {}]])  # node 1's agent speaks for node 0's rank
+    coord.messages.on_relayed(0, [[2, coord.ranks[2].incarnation, 0.0, 5, {}]])  # a rank not started, not said hello
+    assert coord.ranks[0].proc.last_heartbeat == clock.now - 1.0
+    assert coord.ranks[2].proc.last_heartbeat == 0.0
+
+
+def test_when_the_relay_is_on() -> None:
+    assert relays_beats("on", 2, 1.0, 5.0) and not relays_beats("off", 100_000, 1.0, 5.0)
+    assert relays_beats("auto", RELAY_AUTO_RANKS, 1.0, 5.0) and not relays_beats("auto", RELAY_AUTO_RANKS - 1, 1.0, 5.0)
+    assert not relays_beats("auto", 10_000, 1.0, 2.0)  # no room for the relay's hop
+
+
+def test_the_relay_on_with_too_short_a_heartbeat_timeout_is_refused(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(ConfigError, match="--heartbeat_relay on needs --heartbeat_timeout above two heartbeat intervals"):
+        res(tmp_path, str(script), {"heartbeat_relay": "on", "heartbeat_timeout": 2.0, "heartbeat_interval": 1.0})
+    with pytest.raises(ConfigError, match="must be 'auto', 'on' or 'off'"):
+        res(tmp_path, str(script), {"heartbeat_relay": "sometimes"})
+    assert res(tmp_path, str(script), {"heartbeat_relay": " ON "}).heartbeat_relay == "on"
+    assert res(tmp_path, str(script)).heartbeat_relay == "auto"
