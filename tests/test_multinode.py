@@ -143,7 +143,7 @@ def test_kills_at_injection_points_on_the_last_node(net_hosts, reference: str, t
     hosts = net_hosts(2)
     capture = start_capture(hosts[1], tmp_path / "node1.pcap")
     try:
-        digest, events, _ = run_job(hosts, tmp_path / "job", fault=(
+        digest, events, runs = run_job(hosts, tmp_path / "job", extra=RELAY, fault=(
             "rank=3,step=4,point=allreduce,kind=kill; rank=2,step=9,point=optimizer,kind=kill; "
             "rank=3,step=14,point=before_forward,kind=kill,incarnation=1; rank=2,step=19,point=between_steps,kind=kill,incarnation=1"))
     finally:
@@ -166,6 +166,7 @@ def test_kills_at_injection_points_on_the_last_node(net_hosts, reference: str, t
     plans = [e for e in events if e["kind"] == "recovery_planned"]
     recipients = {t[1] for p in plans for t in p["detail"]["transfers"]}
     assert plans and {2, 3} <= recipients, dj.story(events)
+    assert_relayed(runs[1])
 
 
 def _signal_rank_on_node1(hosts: list[NetHost], tmp_path: Path, sig: int) -> tuple[str, list[dict]]:
@@ -337,12 +338,24 @@ def test_hangs_inside_recoveries_across_hosts(net_hosts, reference: str, tmp_pat
     (Rank 0 hung before the broadcast is a whole-job restart, rightly: nobody else holds the
     initial state yet.)"""
     hosts = net_hosts(2)
-    digest, events, _ = run_job(hosts, tmp_path, fault=(
+    digest, events, runs = run_job(hosts, tmp_path, extra=RELAY, fault=(
         "rank=3,point=init,kind=hang; rank=2,step=8,kind=kill; rank=0,point=transfer,kind=hang,step=7"))
     assert digest == reference
     found = [(e["rank"], e["detail"]["fault"]) for e in events if e["kind"] == "rank_hung"]
     assert found == [(3, "stalled"), (0, "stalled")], dj.story(events)
     assert not [e for e in events if e["kind"] == "job_restarting"], dj.story(events)
+    assert_relayed(runs[1])
+
+
+# Node 1's ranks beat through its agent (ftrun.node.relay) in the two tests above: their liveness
+# and the stall evidence (rank 3's, in its set-up on node 1) reach the coordinator only that way.
+RELAY = ("--heartbeat_relay", "on")
+
+
+def assert_relayed(run: NodeRun) -> None:
+    """Node ``run``'s agent relayed its ranks' heartbeats (its log says so)."""
+    log = (run.log_dir / "agent_1.log").read_text()
+    assert "this node's ranks beat through this agent" in log, log[-2000:]
 
 
 def _lose_host0(hosts: list[NetHost], tmp_path: Path, fault: Any) -> tuple[list[NodeRun], NodeRun, list[int], list[int], Any]:

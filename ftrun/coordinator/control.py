@@ -113,7 +113,9 @@ class ControlPlane:
              stop: Callable[[], bool] = lambda: False) -> int:
         """Handle up to ``budget`` frames waiting on the ROUTER (with ``agents_only``, ranks'
         messages are dropped: while every rank is being stopped), until ``stop()`` is true.
-        Returns how many agents' messages were handled (their reports wait to be applied).
+        Returns how many agents' reports were handled (messages other than beats: they wait to be
+        applied; a beat, which every agent sends each interval, is news for no check but the ones
+        each ``--monitor_interval`` runs anyway).
 
         The budget bounds the time one call takes whatever arrives (a flood of forged frames), so
         the loop gets back to reaping deaths (SIGCHLD) and to the watchdog between batches.
@@ -154,10 +156,10 @@ class ControlPlane:
         return identity, msg, parts[1].get(zmq.SRCFD) if msg.type == MsgType.AGENT_HELLO else None
 
     def _dispatch(self, identity: bytes, msg: Message, fd: int | None, agents_only: bool) -> bool:
-        """Hand one message to its handler; whether it was an agent's."""
+        """Hand one message to its handler; whether it was an agent's report (not a beat)."""
         if msg.type in AGENT_MESSAGES:
             self.on_agent(identity, msg, fd)
-            return True
+            return msg.type != MsgType.AGENT_BEAT
         if not agents_only:
             self.on_rank(identity, msg)
         return False

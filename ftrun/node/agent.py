@@ -187,6 +187,7 @@ class NodeAgent:
         poller.register(self._wakeup.fd, zmq.POLLIN)
         if self.relay is not None:
             poller.register(self.relay.sock, zmq.POLLIN)
+            log.info("this node's ranks beat through this agent (--heartbeat_relay) at %s", self.relay.address)
         self._last_heard = self.clock()
         return poller
 
