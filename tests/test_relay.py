@@ -151,3 +151,36 @@ def test_the_relay_on_with_too_short_a_heartbeat_timeout_is_refused(tmp_path: Pa
         res(tmp_path, str(script), {"heartbeat_relay": "sometimes"})
     assert res(tmp_path, str(script), {"heartbeat_relay": " ON "}).heartbeat_relay == "on"
     assert res(tmp_path, str(script)).heartbeat_relay == "auto"
+
+
+def test_silence_and_hangs_are_judged_up_to_what_the_coordinator_has_read(tmp_path: Path, monkeypatch) -> None:
+    """While frames wait unread (a read left some), a rank's heartbeat may be among them: no rank
+    is taken for hung past its timeout until the coordinator has read everything that arrived."""
+    import ftrun.coordinator.control as control
+
+    coord, _agent, clock = make(tmp_path)
+    hello_all(coord)
+    monkeypatch.setattr(control, "READ_BUDGET", 1)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(coord.control_addr)
+    try:
+        for _ in range(2):
+            sock.send(b"not a frame")
+        assert coord.control.router.poll(20_000)
+        coord.read_messages()  # one of them: the coordinator is behind from now on
+        assert coord.behind_since == clock.now
+        clock.now += coord.spec.heartbeat_timeout + 1.0
+        coord.check_hangs()
+        assert not [r for r in coord.ranks.values() if r.proc.kill_reason is not None]
+        deadline = time.monotonic() + 20
+        while coord.behind_since is not None:
+            assert time.monotonic() < deadline
+            coord.control.router.poll(100)
+            coord.read_messages()
+        coord.check_hangs()
+        assert [r.rank for r in coord.ranks.values() if r.proc.kill_reason is not None] == [0]  # one a pass
+    finally:
+        sock.close(0)
+        ctx.term()

@@ -60,6 +60,7 @@ class ControlPlane:
         self.on_reject: Callable[[str, int], None] = lambda _why, _total: None
         self.protected: Callable[[], set[bytes]] = set
         self.rejected = 0
+        self.drained = True  # the last read() left no frame waiting (else the coordinator is behind)
         self._held: list[tuple[bytes, Message, int | None]] = []  # read by a standby before its takeover (hold)
         self._reject_counts: dict[bytes, int] = {}
         self._offenders: set[bytes] = set()
@@ -109,7 +110,7 @@ class ControlPlane:
         identities, self._closed_agents = self._closed_agents, set()
         return identities
 
-    def read(self, budget: int = READ_BUDGET, agents_only: bool = False,
+    def read(self, budget: int | None = None, agents_only: bool = False,
              stop: Callable[[], bool] = lambda: False) -> int:
         """Handle up to ``budget`` frames waiting on the ROUTER (with ``agents_only``, ranks'
         messages are dropped: while every rank is being stopped), until ``stop()`` is true.
@@ -120,13 +121,14 @@ class ControlPlane:
         The budget bounds the time one call takes whatever arrives (a flood of forged frames), so
         the loop gets back to reaping deaths (SIGCHLD) and to the watchdog between batches.
         """
-        agents = 0
+        agents, self.drained = 0, False
         while self._held:  # what a standby read before its takeover comes first, in order
             identity, msg, fd = self._held.pop(0)
             agents += self._dispatch(identity, msg, fd, agents_only)
-        for _ in range(budget):
+        for _ in range(READ_BUDGET if budget is None else budget):
             got = self._next()
             if got is None:
+                self.drained = True
                 break
             if got is not False:
                 agents += self._dispatch(*got, agents_only)

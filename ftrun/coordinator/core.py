@@ -122,6 +122,7 @@ class Coordinator:
         self.stop_signal: int | None = None
         self._wakeup = procs.WakeupPipe()
         self._scanned_at = float("-inf")  # the last passes over every rank (_scan_due)
+        self.behind_since: float | None = None  # since when frames have waited unread (heard_until)
 
     # ----------------------------------------------------------------- the roles' public faces
     epoch = JobStateField()  # the coordinator epoch: moved on by every takeover (ftrun.coordinator.failover)
@@ -177,7 +178,20 @@ class Coordinator:
 
     def read_messages(self, agents_only: bool = False) -> int:
         """Handle the control messages waiting; how many were agents' (:meth:`ControlPlane.read`)."""
-        return self.control.read(agents_only=agents_only, stop=lambda: self.exit_code is not None)
+        agents = self.control.read(agents_only=agents_only, stop=lambda: self.exit_code is not None)
+        if self.control.drained:
+            self.behind_since = None
+        elif self.behind_since is None:
+            self.behind_since = self.clock()
+        return agents
+
+    def heard_until(self, now: float) -> float:
+        """The time up to which this coordinator has read what arrived: ``now``, or, while frames
+        have waited unread since a read left some (a start's or a round's thousands of frames), the
+        time that began. Silence and hangs are judged up to it: a beat waiting in the queue is no
+        silence of its sender (at 16,384 ranks a node was taken for lost while its beats waited
+        behind the start's hellos; docs/scale.md)."""
+        return now if self.behind_since is None else min(now, self.behind_since)
 
     def finish_with(self, code: int | None) -> None:
         """Record the job's exit code, once decided (``None``: not decided)."""

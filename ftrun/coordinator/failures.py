@@ -119,8 +119,9 @@ class Failures:
     def check_hangs(self) -> None:
         """Act on what the watchdog finds (:meth:`Watchdog.inspect`)."""
         job = self.job
+        heard = job.heard_until(job.clock())  # what waits unread is no silence (Coordinator.heard_until)
         found = job.watchdog.inspect(job.ranks.values(), job.rounds.current, bool(job.state.round_failures),
-                                     set(job.agents), job.clock(), job.members.quiet_nodes(job.clock()))
+                                     set(job.agents), heard, job.members.quiet_nodes(heard))
         if isinstance(found, Unrepaired):
             job.end.finish_with(job.end.restart_job(found.reason))
         elif isinstance(found, CommHang):

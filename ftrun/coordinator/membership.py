@@ -124,11 +124,12 @@ class Membership:
         lost_quorum = self.quorum(closed, now)
         if lost_quorum is not None:
             return lost_quorum
+        heard = self.job.heard_until(now)  # an agent's beat waiting unread is no silence
         for identity, standby in list(self.standby_nodes.items()):
             gone = ("its agent's connection closed" if identity in closed
                     else f"its launcher left: {standby.leaving}" if standby.leaving
-                    else f"nothing heard from its agent for {now - standby.last_seen:.1f} s"
-                    if now - standby.last_seen > timeout else None)
+                    else f"nothing heard from its agent for {heard - standby.last_seen:.1f} s"
+                    if heard - standby.last_seen > timeout else None)
             if gone is not None:
                 self.drop_standby_node(identity, gone)
         moved = self.job.elastic.moved
@@ -158,10 +159,10 @@ class Membership:
                                 "not_joined", replaceable=False)
             if remote is not None and remote.leaving:
                 return NodeLoss(node, f"node {node} left the job: {remote.leaving} (host {remote.host or '?'})", "left")
-            if remote is not None and now - remote.last_seen > timeout:
-                return NodeLoss(node, f"node {node} lost: nothing heard from its agent for {now - remote.last_seen:.1f} s "
-                                      f"(host {remote.host or '?'}; {self.heard_note(node, now)})", "silent",
-                                evidence_age=now - remote.last_seen)
+            if remote is not None and heard - remote.last_seen > timeout:
+                return NodeLoss(node, f"node {node} lost: nothing heard from its agent for {heard - remote.last_seen:.1f} s "
+                                      f"(host {remote.host or '?'}; {self.heard_note(node, heard)})", "silent",
+                                evidence_age=heard - remote.last_seen)
         return None
 
     def elastic_verdict(self, node: int) -> Shrink | NoReplacement | None:
@@ -207,9 +208,10 @@ class Membership:
         (``docs/coordinator_failover.md``)."""
         spec = self.job.spec
         window = silence_timeout(spec) - spec.heartbeat_interval
+        until = self.job.heard_until(now)  # a beat waiting unread is no silence
         everyone = [*self.agents.values(), *self.standby_nodes.values()]
         heard = sum(1 for a in everyone if not isinstance(a, RemoteAgent)
-                    or (a.identity not in closed and not a.leaving and now - a.last_seen <= window))
+                    or (a.identity not in closed and not a.leaving and until - a.last_seen <= window))
         if heard == len(everyone):
             self.electorate = heard
             return None
