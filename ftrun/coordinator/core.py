@@ -62,6 +62,10 @@ from ftrun.coordinator.watchdog import Hung, Watchdog, WatchdogBounds
 
 log = logging.getLogger("ftrun.coordinator")
 
+#: The passes over every rank (the watchdog, the spares, the standbys' replica) run at most every
+#: ``ranks / SCAN_RANKS_PER_S`` seconds, and at most every ``--monitor_interval`` (Coordinator._scan_due).
+SCAN_RANKS_PER_S = 50_000
+
 
 class Coordinator:
     """The job coordinator: every job-wide decision, for the ranks of every node.
@@ -324,6 +328,8 @@ class Coordinator:
             if self.exit_code is None and (news or agent_news):
                 self.finish_with(self.check_agents())
             if self.exit_code is None and due:
+                self.rounds.plan_when_reported()  # a rank that left the job is awaited no more
+                self.rounds.finish_when_recovered()
                 self.check_hangs()
                 if self.exit_code is None:
                     self.spawning.keep_spares()
@@ -333,9 +339,12 @@ class Coordinator:
 
     def _scan_due(self) -> bool:
         """Whether the passes over every rank are due: ``--monitor_interval`` seconds (the job's
-        clock) after the last ones."""
+        clock) after the last ones, or one second per :data:`SCAN_RANKS_PER_S` ranks in a larger
+        job (16,384 ranks: every 0.33 s), so that their share of a core stays bounded: one pass of
+        the watchdog over 16,384 ranks costs 20 to 35 ms of CPU, and every timeout it checks is
+        seconds long (docs/scale.md)."""
         now = self.clock()
-        if now - self._scanned_at < self.spec.monitor_interval:
+        if now - self._scanned_at < max(self.spec.monitor_interval, len(self.ranks) / SCAN_RANKS_PER_S):
             return False
         self._scanned_at = now
         return True

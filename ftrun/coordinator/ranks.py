@@ -277,5 +277,9 @@ class RecoveryRound:
     joined_at: dict[int, float] = field(default_factory=dict)
     rounds: int = 1
     round_started: float = 0.0  # when the current round began (its deadlines count from here)
+    # The live ranks that had not reported (not carried out the plan) at the last look over every
+    # rank; None: not looked yet (RecoveryRounds.plan_when_reported, finish_when_recovered).
+    unreported: set[int] | None = None
+    unrecovered: set[int] | None = None
 
 

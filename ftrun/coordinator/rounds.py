@@ -62,6 +62,7 @@ class RecoveryRounds:
             rec.reports.clear()
             rec.plan = None
             rec.recovered.clear()
+            rec.unreported = rec.unrecovered = None
             rec.rounds += 1
             rec.round_started = now
             why = f"rank(s) {sorted(failed)} failed during recovery" if failed else reason
@@ -89,8 +90,22 @@ class RecoveryRounds:
             return
         rec.reports[r.rank] = committed
         r.proc.move(RankState.RECOVERING)
+        if rec.unreported is not None:
+            rec.unreported.discard(r.rank)
+        if rec.plan is None and not rec.unreported:
+            self.plan_when_reported()
+
+    def plan_when_reported(self) -> None:
+        """Make the plan once every live rank has reported. A look over every rank, taken when the
+        ranks missing at the last look have all reported, and once per pass of the main loop (a
+        rank that left the job meanwhile is missing no more): one look per report would cost a
+        round O(ranks²), minutes at 16,384 ranks (docs/scale.md)."""
+        rec = self.current
+        if rec is None or rec.plan is not None or not rec.reports:
+            return
         live = [x.rank for x in self.job.ranks.values() if x.alive()]
-        if rec.plan is None and set(live) <= set(rec.reports):
+        rec.unreported = {rank for rank in live if rank not in rec.reports}
+        if not rec.unreported:
             self.make_plan(live)
 
     def on_hello(self, r: Rank, generation: int, seen: int | None = None) -> None:
@@ -183,7 +198,19 @@ class RecoveryRounds:
             how = "rolled back to the checkpoint" if role == "rollback" else f"rejoined as {role}"
             job.emit(EventKind.RANK_RECOVERED, f"rank {r.rank} {how}: {msg['bytes'] / 1e6:.2f} MB in {msg['seconds']:.3f} s",
                      rank=r.rank, role=role, bytes=msg["bytes"], seconds=msg["seconds"], rebuild_seconds=msg.get("rebuild_seconds"))
-        if set(rec.recovered) >= {x.rank for x in job.ranks.values() if x.alive()}:
+        if rec.unrecovered is not None:
+            rec.unrecovered.discard(r.rank)
+        if not rec.unrecovered:
+            self.finish_when_recovered()
+
+    def finish_when_recovered(self) -> None:
+        """End the recovery once every live rank carried out the plan (looked at as
+        :meth:`plan_when_reported` looks at the reports)."""
+        rec = self.current
+        if rec is None or rec.plan is None or not rec.recovered:
+            return
+        rec.unrecovered = {x.rank for x in self.job.ranks.values() if x.alive() and x.rank not in rec.recovered}
+        if not rec.unrecovered:
             self.finish(rec)
 
     def finish(self, rec: RecoveryRound) -> None:
