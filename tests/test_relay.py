@@ -184,3 +184,27 @@ def test_silence_and_hangs_are_judged_up_to_what_the_coordinator_has_read(tmp_pa
     finally:
         sock.close(0)
         ctx.term()
+
+
+def test_each_rank_is_sent_only_the_transfers_it_takes_part_in(tmp_path: Path, monkeypatch) -> None:
+    """The plan's reconfigure carries a rank's own [donor, recipient] pairs (all a rank acts on):
+    the whole list to every rank would be O(ranks x transfers) bytes in a large job."""
+    import signal
+
+    from coordinator_fixtures import events
+
+    coord, agent, clock = make(tmp_path, world=6, local=6)
+    hello_all(coord)
+    sent: dict[int, list] = {}
+    monkeypatch.setattr(coord, "send", lambda r, msg_type, **f: sent.__setitem__(r.rank, f["transfers"])
+                        if msg_type == MsgType.RECONFIGURE else None)
+    agent.exit(4, -signal.SIGKILL, at=clock.now)
+    coord.check_processes()
+    coord.check_processes()
+    for rank in (0, 1, 2, 3, 5):  # rank 1 is a step behind its replicas: a laggard, a recipient too
+        send(coord, rank, MsgType.FAULT, generation=1, step=3, committed=1 if rank == 1 else 2, reason="abort")
+    hello_all(coord, [4])
+    plan = events(tmp_path, "recovery_planned")[-1]["detail"]["transfers"]
+    assert {tuple(p)[1] for p in plan} == {1, 4}
+    for rank in range(6):
+        assert sent[rank] == [p for p in plan if rank in p], (rank, sent[rank], plan)

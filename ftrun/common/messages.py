@@ -211,8 +211,9 @@ class Saved:
 # ---------------------------------------------------------------- coordinator -> rank, launcher
 @dataclass(frozen=True, slots=True)
 class Reconfigure:
-    """The recovery plan of ``generation``: resume after ``step``; ``transfers``: [donor,
-    recipient] pairs; ``store``: the store after a takeover (``host:port``); ``rollback``: the
+    """The recovery plan of ``generation``: resume after ``step``; ``transfers``: the [donor,
+    recipient] pairs the receiving rank takes part in (the whole plan is the
+    ``recovery_planned`` event's); ``store``: the store after a takeover (``host:port``); ``rollback``: the
     checkpoint directory every rank loads instead."""
 
     generation: int

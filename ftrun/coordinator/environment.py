@@ -62,6 +62,15 @@ SPARES_CHECK_S = 1.0  # how often the agents' spares orders are looked at when n
 # An unchanged order is sent again this often, seconds: a node's agent looks at its spares only when
 # it gets an order (it replaces those that died, and finds a hot spare that failed in its set-up).
 SPARES_REFRESH_S = 1.0
+# ... both once per this many nodes a second in a larger job (2,048 nodes: every 10 s): an order
+# costs about 180 µs of the coordinator's CPU (a rank's environment, built, encoded and sent), so
+# once a second to 2,048 agents was a third of a core (docs/scale.md).
+SPARES_NODES_PER_S = 200
+
+
+def spares_period(base: float, nodes: int) -> float:
+    """Seconds between two looks at (or refreshes of) the agents' spares orders for ``nodes`` nodes."""
+    return max(base, nodes / SPARES_NODES_PER_S)
 
 
 @dataclass(frozen=True)
@@ -151,6 +160,7 @@ class Spawning:
         An agent is sent an order (:meth:`_order_spares`) when what its node should keep changes,
         when it is new (a joined, replacement or standby node; every agent after a takeover), after
         its node used a spare (the order refills it), and otherwise every :data:`SPARES_REFRESH_S`
+        (:func:`spares_period`: longer in a job of more than :data:`SPARES_NODES_PER_S` nodes)
         (the agent then replaces spares that died on their own, and finds a hot spare that failed
         in its set-up). Called on every pass of the main loop: a pass
         costs a look at one rank still in its set-up (every rank's step once they are past it); the
@@ -165,7 +175,7 @@ class Spawning:
         hot = spec.hot_spares if self._past_setup() else 0
         now = job.clock()
         key = (spec.warm_spares, hot, len(standby_nodes))
-        if key == self._spares_key and now - self._spares_checked < SPARES_CHECK_S:
+        if key == self._spares_key and now - self._spares_checked < spares_period(SPARES_CHECK_S, spec.nnodes):
             return
         self._spares_checked, self._spares_key = now, key
         models: dict[int, Rank] = {}  # node -> its first rank in the table (the model of its spares)
@@ -203,7 +213,7 @@ class Spawning:
         env = self.rank_env(model).without_identity()
         last = self._spares_kept.get(key)
         if (last is not None and last.agent is agent and (last.warm, last.hot, last.env) == (warm, hot, env)
-                and now - last.sent_at < SPARES_REFRESH_S):
+                and now - last.sent_at < spares_period(SPARES_REFRESH_S, self.job.spec.nnodes)):
             return
         agent.keep_spares(warm, hot, env.to_environ())
         self._spares_kept[key] = SparesOrder(agent, warm, hot, env, now)

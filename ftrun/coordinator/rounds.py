@@ -163,10 +163,17 @@ class RecoveryRounds:
                  **rollback)
         # After a takeover the ranks' store is the new coordinator's (ftrun.coordinator.failover).
         store = {"store": f"{job.spec.master_addr}:{job.spawning.attempt_port}"} if job.epoch else {}
+        # Each rank is sent the transfers it takes part in, which are all it acts on
+        # (ftrun.rank.recovery): a plan's laggard rule can give thousands of ranks a transfer, and
+        # the whole list to every rank was O(ranks x transfers) bytes (docs/scale.md).
+        mine: dict[int, list[list[int]]] = {}
+        for pair in transfers:
+            for rank in dict.fromkeys(pair):
+                mine.setdefault(rank, []).append(pair)
         for x in job.ranks.values():
             if x.alive():
                 job.send(x, MsgType.RECONFIGURE, generation=rec.generation, world_size=job.spec.worker_num, step=plan.step,
-                         transfers=transfers, **store, **rollback)
+                         transfers=mine.get(x.rank, []), **store, **rollback)
 
     def fall_back(self, reason: str) -> None:
         """ARF cannot recover (no live replica and no checkpoint to roll back to, or replica groups
