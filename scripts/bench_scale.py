@@ -18,7 +18,8 @@ process: its ranks are simulated like the others.
 Per size (``--ranks``, 8 ranks a node with ``--per_node``), in order:
 
 1. start: every agent and rank says hello; the job runs;
-2. steady state: a window of ``--window`` seconds (scaled with the ranks) in which node 0's
+2. steady state: once the coordinator has caught up with the start (it handles no more frames a
+   second than arrive), a window of ``--window`` seconds (scaled with the ranks) in which node 0's
    coordinator's CPU (every thread of its process: the ZeroMQ I/O thread too), the messages and
    bytes sent to it and those it handled are counted;
 3. one rank's death (its agent reports the exit at once, as it does after ``SIGCHLD``): the times
@@ -805,8 +806,19 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
             res["start_incomplete"] = f"{handled().get('hello', 0)} of {ranks} hellos handled in {time.monotonic() - t0:.0f} s"
             say(f"  {ranks} ranks: start not over: {res['start_incomplete']}; measuring the steady state all the same")
 
-        # 2. steady state
+        # 2. steady state: from when the coordinator has caught up with the start (a second in
+        # which it handles no more than 20% above what arrives), at most a quarter of the cap after it
+        due = ((per_node if relay else ranks) + ranks // per_node) / interval
+        t_settle, settle_by = time.monotonic(), time.monotonic() + cap / 4
         time.sleep(min(3.0, window / 2))
+        before = sum(handled().values())
+        while time.monotonic() < settle_by:
+            time.sleep(1.0)
+            after = sum(handled().values())
+            if after - before <= 1.2 * due:
+                break
+            before = after
+        res["settle_s"] = round(time.monotonic() - t_settle, 2)
         profiling = bool(os.environ.get("FTRUN_BENCH_PROFILE"))
         if profiling:
             os.kill(coord.pid, signal.SIGUSR2)
