@@ -300,15 +300,20 @@ def test_control_messages_move_the_board_before_they_leave():
     assert sent == [(MsgType.FAULT, "recovering"), (MsgType.RECOVERED, "compute"), (MsgType.STEPS_END, "done")]
 
 
+@pytest.mark.parametrize("relayed", [False, True], ids=["direct", "relayed"])
 @pytest.mark.parametrize("loss", ["silent", "closed"])
-def test_channel_moves_to_the_standby_and_says_hello_again(loss, capfd):
+def test_channel_moves_to_the_standby_and_says_hello_again(loss, relayed, capfd):
     """The coordinator's ``standby`` message names a standby and a silence timeout: when the
     coordinator falls silent past it, or its connection closes, the channel connects to the standby
-    and says its hello again (``rejoin``, with :attr:`Channel.rejoin_fields`), then beats there."""
+    and says its hello again (``rejoin``, with :attr:`Channel.rejoin_fields`), then beats there:
+    a channel whose beats went to its node agent's relay too (the new coordinator may run in that
+    agent's process, which relays nothing then)."""
     import time
 
     import zmq
 
+    from ftrun.common.protocol import FrameAuth
+    from ftrun.node.relay import BeatRelay
     from ftrun.rank.channel import Channel
 
     ctx = zmq.Context.instance()
@@ -317,13 +322,20 @@ def test_channel_moves_to_the_standby_and_says_hello_again(loss, capfd):
         sock.setsockopt(zmq.LINGER, 0)
     port = coordinator.bind_to_random_port("tcp://127.0.0.1")
     standby_port = standby.bind_to_random_port("tcp://127.0.0.1")
-    channel = Channel(f"tcp://127.0.0.1:{port}", TOKEN, rank=1, incarnation=2, heartbeat_interval=0.05)
+    relay = BeatRelay(ctx, FrameAuth(TOKEN)) if relayed else None
+    channel = Channel(f"tcp://127.0.0.1:{port}", TOKEN, rank=1, incarnation=2, heartbeat_interval=0.05,
+                      relay=relay.address if relay is not None else None)
     channel.rejoin_fields = lambda: {"seen": 7}
     try:
         channel.send(MsgType.HELLO, pid=1, generation=0, replica_group=[1], library=True, hot="loop")
         assert coordinator.poll(10_000), "no hello from the channel"
         identity, frame = coordinator.recv_multipart()
         assert decode(frame, Receiver(TOKEN, CONTROL)).type == MsgType.HELLO
+        if relay is not None:  # its beats go to the relay, not to the coordinator
+            assert relay.sock.poll(10_000), "no beat at the relay"
+            relay.drain(time.monotonic())
+            assert [row[3] for row in relay.rows(time.monotonic())] == [1]  # sent after its hello
+            assert not coordinator.poll(200)
         timeout = 0.3 if loss == "silent" else None
         coordinator.send_multipart([identity, encode(MsgType.STANDBY, Sender(TOKEN), to_peer(identity),
                                                      control=f"tcp://127.0.0.1:{standby_port}", store="s", epoch=1,
@@ -348,3 +360,5 @@ def test_channel_moves_to_the_standby_and_says_hello_again(loss, capfd):
         channel.close()
         coordinator.close()
         standby.close()
+        if relay is not None:
+            relay.close()
