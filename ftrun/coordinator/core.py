@@ -64,7 +64,7 @@ log = logging.getLogger("ftrun.coordinator")
 
 #: The passes over every rank (the watchdog, the spares, the standbys' replica) run at most every
 #: ``ranks / SCAN_RANKS_PER_S`` seconds, and at most every ``--monitor_interval`` (Coordinator._scan_due).
-SCAN_RANKS_PER_S = 50_000
+SCAN_RANKS_PER_S = 20_000
 
 
 class Coordinator:
@@ -340,7 +340,7 @@ class Coordinator:
     def _scan_due(self) -> bool:
         """Whether the passes over every rank are due: ``--monitor_interval`` seconds (the job's
         clock) after the last ones, or one second per :data:`SCAN_RANKS_PER_S` ranks in a larger
-        job (16,384 ranks: every 0.33 s), so that their share of a core stays bounded: one pass of
+        job (16,384 ranks: every 0.82 s), so that their share of a core stays bounded: one pass of
         the watchdog over 16,384 ranks costs 20 to 35 ms of CPU, and every timeout it checks is
         seconds long (docs/scale.md)."""
         now = self.clock()
