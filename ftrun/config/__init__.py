@@ -74,6 +74,7 @@ from ftrun.config.options import (
     TftSwitches,
     format_number,
     option,
+    relay_fits,
 )
 from ftrun.config.resolve import resolve
 from ftrun.config.sources import (
@@ -107,7 +108,7 @@ __all__ = [
     "ClusterEnv", "ConfigError", "JobSpec", "Option", "TftSwitches", "TorchrunFlags", "apply_torchrun",
     "check_address", "check_faults", "check_script", "check_text", "check_writable_dir", "convert_text",
     "convert_toml", "count_local_devices", "expand_hostlist", "first_host", "format_number", "iter_hostlist",
-    "merge_aliases", "option", "parse_nnodes", "parse_rdzv_conf", "parse_rdzv_endpoint", "parse_std_streams",
+    "merge_aliases", "option", "relay_fits", "parse_nnodes", "parse_rdzv_conf", "parse_rdzv_endpoint", "parse_std_streams",
     "parse_tail", "parse_tft", "read_cluster_env", "read_env", "read_job_token", "read_toml", "resolve",
     "torchrun_flag",
 ]

@@ -35,6 +35,13 @@ TFT_IMPLEMENTED: frozenset[str] = frozenset({"ARF", "TTP", "UCE", "HCCE"})
 STANDBY_SPARES = ("hot", "warm", "none")
 
 
+def relay_fits(heartbeat_timeout: float, heartbeat_interval: float) -> bool:
+    """Whether ``--heartbeat_timeout`` leaves room for the heartbeat relay's hop (seconds both): it
+    must be above two heartbeat intervals, since a relayed beat is read up to about 1.5 intervals
+    late (:mod:`ftrun.node.relay`)."""
+    return heartbeat_timeout > 2 * heartbeat_interval
+
+
 @dataclass(frozen=True)
 class TftSwitches:
     """Fault-tolerance switches (MindSpore ``MS_ENABLE_TFT`` semantics).

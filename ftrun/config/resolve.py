@@ -24,7 +24,8 @@ from ftrun.config.checks import (
     parse_tft,
     read_job_token,
 )
-from ftrun.config.options import MAX_WORLD_SIZE, OPTIONS, OPTIONS_BY_NAME, STANDBY_SPARES, ConfigError, JobSpec, TftSwitches
+from ftrun.config.options import (MAX_WORLD_SIZE, OPTIONS, OPTIONS_BY_NAME, STANDBY_SPARES, ConfigError, JobSpec, TftSwitches,
+                                  relay_fits)
 from ftrun.config.sources import ClusterEnv, read_cluster_env, read_env, read_toml
 from ftrun.config.torchrun import TorchrunFlags, apply_torchrun
 
@@ -291,7 +292,7 @@ def _recovery_settings(chosen: _Chosen) -> dict[str, Any]:
     heartbeat_relay = values["heartbeat_relay"].strip().lower()
     if heartbeat_relay not in ("auto", "on", "off"):
         raise ConfigError(f"{label('heartbeat_relay')} {values['heartbeat_relay']!r} must be 'auto', 'on' or 'off'")
-    if heartbeat_relay == "on" and values["heartbeat_timeout"] <= 2 * values["heartbeat_interval"]:
+    if heartbeat_relay == "on" and not relay_fits(values["heartbeat_timeout"], values["heartbeat_interval"]):
         raise ConfigError(
             f"{label('heartbeat_relay')} on needs {label('heartbeat_timeout')} above two heartbeat intervals (a relayed "
             f"beat arrives up to 1.5 intervals late), but it is {values['heartbeat_timeout']:g} with "

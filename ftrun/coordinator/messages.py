@@ -13,7 +13,7 @@ from ftrun.common.events import EventKind
 from ftrun.coordinator.policy import RankState
 from ftrun.common.protocol import Message, MsgType
 from ftrun.coordinator.phases import JobPhase
-from ftrun.coordinator.ranks import Incarnation, Rank, RankPhase
+from ftrun.coordinator.ranks import Incarnation, Rank, RankPhase, is_int, is_seconds
 
 if TYPE_CHECKING:
     from ftrun.coordinator.core import Coordinator
@@ -138,13 +138,14 @@ class RankMessages:
             if not (isinstance(row, list) and len(row) == 5):
                 continue
             rank, incarnation, age, sent, board = row
-            r = self.job.ranks.get(rank) if _is_count(rank) else None
+            r = self.job.ranks.get(rank) if is_int(rank) else None
+            # an age above an hour is no evidence of life
             if (r is None or r.node != node or incarnation != r.incarnation or not r.alive() or r.proc.identity is None
-                    or not _is_age(age) or not isinstance(board, dict)):
+                    or not is_seconds(age) or age > 3600 or not isinstance(board, dict)):
                 continue
             at = now - age
             r.proc.last_heartbeat = max(r.proc.last_heartbeat, at)
-            if _is_count(sent) and sent >= r.proc.direct:
+            if is_int(sent) and sent >= r.proc.direct:
                 self._take_beat(r, board, at)
 
     def on_progress(self, r: Rank, msg: Message) -> None:
@@ -232,12 +233,3 @@ class RankMessages:
         MsgType.ERROR: on_error,
         MsgType.DIVERGENCE: on_divergence,
     }
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _is_age(value: Any) -> bool:
-    """Seconds since a relay received a beat (an hour at most: older is no evidence of life)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 3600

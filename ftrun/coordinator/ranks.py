@@ -180,27 +180,27 @@ class Rank:
         if p.steps_ended:
             return False, None
         age, step, moved = board.get("phase_age"), board.get("step"), False
-        if _is_int(step) and step != p.step:
+        if is_int(step) and step != p.step:
             p.step, moved = step, True
-        if _is_int(board.get("committed")):
+        if is_int(board.get("committed")):
             p.committed = board["committed"]
-        if _is_int(board.get("total")):
+        if is_int(board.get("total")):
             self.total_steps = board["total"]
         for key, attr in (("last_step", "last_step_seconds"), ("compute", "compute_seconds")):
-            if _is_seconds(board.get(key)):
+            if is_seconds(board.get(key)):
                 setattr(self, attr, float(board[key]))
         if phase != RankPhase.SETUP:
             p.phase = phase
-            if _is_seconds(age):
+            if is_seconds(age):
                 p.last_progress = max(p.last_progress, now - age)
         samples, times = board.get("samples"), board.get("step_times")
-        if not (_is_int(samples) and isinstance(times, list)):
+        if not (is_int(samples) and isinstance(times, list)):
             return moved, None
         p.samples = samples
         # the listed times are numbered samples - len + 1 .. samples
-        past = [float(t) for i, t in enumerate(times, samples - len(times) + 1) if i > warmup_steps and _is_seconds(t)]
+        past = [float(t) for i, t in enumerate(times, samples - len(times) + 1) if i > warmup_steps and is_seconds(t)]
         first, older = board.get("step_max_from"), board.get("step_max")
-        if _is_int(first) and first > warmup_steps and _is_seconds(older):
+        if is_int(first) and first > warmup_steps and is_seconds(older):
             past.append(float(older))
         return moved, max(past, default=None)
 
@@ -226,11 +226,13 @@ class Rank:
         self.proc.steps_ended, self.proc.phase = True, RankPhase.DONE
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An int that is no bool (as msgpack decodes a message's integers)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_seconds(value: Any) -> bool:
+def is_seconds(value: Any) -> bool:
+    """A duration in seconds, as a message carries it: a number, no bool, in [0, 1e9)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e9
 
 

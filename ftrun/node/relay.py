@@ -9,7 +9,7 @@ how long ago the agent received it. Everything else a rank sends (``hello``, ``f
 ``recovered``, ``progress``...) still goes straight to the coordinator, and a rank's death is still
 reported at once (``exited``, from ``SIGCHLD``).
 
-What the relay keeps (docs/scale.md, "What per-node aggregation must keep"):
+What the relay keeps (docs/scale.md, "What the relay keeps, and what it does not do"):
 
 - **Ages measured where the beat arrives.** A row's age is the time since the agent received the
   beat; the coordinator dates the beat ``age`` seconds before it read the agent's frame. Ranks beat
@@ -39,6 +39,7 @@ from typing import Any
 import zmq
 
 from ftrun.common.protocol import MAX_FRAME_BYTES, RELAY, FrameAuth, MsgType, ProtocolError, Receiver, decode
+from ftrun.config import relay_fits
 
 #: ``--heartbeat_relay auto`` relays the beats of a job of this many ranks or more.
 RELAY_AUTO_RANKS = 256
@@ -61,7 +62,7 @@ def relays_beats(setting: str, ranks: int, heartbeat_interval: float, heartbeat_
     """
     if setting == "on":
         return True
-    return setting == "auto" and ranks >= RELAY_AUTO_RANKS and heartbeat_timeout > 2 * heartbeat_interval
+    return setting == "auto" and ranks >= RELAY_AUTO_RANKS and relay_fits(heartbeat_timeout, heartbeat_interval)
 
 
 class RelayedBeats:
