@@ -459,13 +459,32 @@ class Simulation:
         elif msg.type == MsgType.STOP_RANKS:  # a whole-job restart: every rank of the node ends
             for r in [x for x in node.ranks.values() if x.alive]:
                 self.report_exit(node, r, returncode=-signal.SIGTERM)
+        elif msg.type == MsgType.RANK_ORDERS:
+            # A round's order, relayed: the agent hands it to each rank (a local hop on the rank's
+            # own node, not simulated) and sends their answers in one frame (ftrun.node.relay).
+            from ftrun.common.protocol import Message
+
+            order = MsgType(msg["order"])
+            for rank, incarnation, own in msg["ranks"]:
+                r = node.ranks.get(rank)
+                if r is not None and r.alive and r.incarnation == incarnation:
+                    self.on_rank_order(r, Message(order, {**msg["common"], **own}), relayed=True)
+            for rows in node.relayed.reports():
+                self._send(node.sock, node.sender, MsgType.RANK_REPORTS, node=node.index, reports=rows)
         elif msg.type == MsgType.KILL_HUNG:
             self.counters.hung_orders += 1
             r = node.ranks.get(int(msg["rank"]))
             if r is not None and r.alive and r.incarnation == msg["incarnation"]:
                 self.report_exit(node, r)
 
-    def on_rank_order(self, r: SimRank, msg: Any) -> None:
+    def _answer(self, r: SimRank, relayed: bool, msg_type: MsgType, **fields: Any) -> None:
+        """A rank's answer to a round's order: through its agent if the order came that way."""
+        if relayed:
+            r.node.relayed.note_answer(msg_type, dict(rank=r.rank, incarnation=r.incarnation, **fields))
+        else:
+            self._send(r.sock, r.sender, msg_type, r, rank=r.rank, incarnation=r.incarnation, **fields)
+
+    def on_rank_order(self, r: SimRank, msg: Any, relayed: bool = False) -> None:
         now = time.time()
         if msg.type == MsgType.ABORT:
             generation = int(msg["generation"])
@@ -473,9 +492,9 @@ class Simulation:
             seen[1] = now
             r.recovering = True
             r.board.enter("recovering")
-            self._send(r.sock, r.sender, MsgType.FAULT, r, rank=r.rank, incarnation=r.incarnation, generation=generation,
-                       step=r.progress.current_step if r.progress.current_step is not None else 0,
-                       committed=r.progress.committed, reason="abort", kind="abort")
+            self._answer(r, relayed, MsgType.FAULT, generation=generation,
+                         step=r.progress.current_step if r.progress.current_step is not None else 0,
+                         committed=r.progress.committed, reason="abort", kind="abort")
         elif msg.type == MsgType.RECONFIGURE:
             generation = int(msg["generation"])
             seen = self.counters.plans.setdefault(generation, [now, now])
@@ -486,8 +505,8 @@ class Simulation:
             r.progress.committed = int(msg["step"])
             r.recovering = False
             r.board.enter("compute")
-            self._send(r.sock, r.sender, MsgType.RECOVERED, r, rank=r.rank, incarnation=r.incarnation, generation=generation,
-                       role=role, bytes=RECORD_BYTES if role == "recipient" else 0, seconds=0.0)
+            self._answer(r, relayed, MsgType.RECOVERED, generation=generation, role=role,
+                         bytes=RECORD_BYTES if role == "recipient" else 0, seconds=0.0)
 
     def report_exit(self, node: SimNode, r: SimRank, returncode: int = -9) -> float:
         """``r`` dies: its agent reports the exit (the ``SIGCHLD``'s time); returns that time (wall)."""
@@ -823,7 +842,8 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
                 break
             first = last if span >= 1.5 else first
         res["settle_s"] = round(time.monotonic() - t_settle, 2)
-        profiling = bool(os.environ.get("FTRUN_BENCH_PROFILE"))
+        profiled = os.environ.get("FTRUN_BENCH_PROFILE_PHASE", "steady") if os.environ.get("FTRUN_BENCH_PROFILE") else None
+        profiling = profiled == "steady"
         if profiling:
             os.kill(coord.pid, signal.SIGUSR2)
         cpu0, h0, c0, w0 = proc_cpu_seconds(coord.pid), handled(), sum_counters(ask_all(pipes, "counters")), time.monotonic()
@@ -861,8 +881,12 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
         # 3. a rank's death
         victim = per_node + 3  # a rank of node 1
         n_finished = len(events.of("recovery_finished"))
+        if profiled == "round":
+            os.kill(coord.pid, signal.SIGUSR2)
         at = ask_all([pipes[where[1]]], "kill", victim)[0]
         fin = run.wait("one rank's recovery", lambda: events.of("recovery_finished")[n_finished:])[0]
+        if profiled == "round":
+            os.kill(coord.pid, signal.SIGUSR2)
         planned = events.of("recovery_planned")[-1]
         gen = planned["generation"]
         plans = run.wait("plan receipts", lambda: sum_counters(ask_all(pipes, "counters"))["plans"].get(gen))

@@ -208,3 +208,140 @@ def test_each_rank_is_sent_only_the_transfers_it_takes_part_in(tmp_path: Path, m
     assert {tuple(p)[1] for p in plan} == {1, 4}
     for rank in range(6):
         assert sent[rank] == [p for p in plan if rank in p], (rank, sent[rank], plan)
+
+
+# ---------------------------------------------------------------- a round's orders and answers, relayed
+def _relayed_job(tmp_path: Path):
+    """A 4-rank job whose ranks 2 and 3 run on node 1, whose agent relayed a beat of each; the
+    frames to node 1's agent and to each rank are recorded."""
+    from ftrun.coordinator.agents import RemoteAgent
+
+    coord, agent, clock = make(tmp_path, world=4, local=4)
+    hello_all(coord)
+    to_agent: list[tuple[MsgType, dict]] = []
+    coord.members.agents[1] = RemoteAgent(node=1, identity=b"agent-1", last_seen=clock.now,
+                                          send_frame=lambda _i, t, f: to_agent.append((t, f)) if t == MsgType.RANK_ORDERS else None)
+    for rank in (2, 3):
+        coord.ranks[rank].node = 1
+    coord.messages.on_relayed(1, [[rank, coord.ranks[rank].incarnation, 0.1, 1, {}] for rank in (2, 3)])
+    direct: list[tuple[int, MsgType, dict]] = []
+    coord.send = lambda r, t, **f: direct.append((r.rank, t, f))
+    return coord, agent, clock, to_agent, direct
+
+
+def _answer(rank: int, msg_type: str, **fields) -> list:
+    return [msg_type, {"rank": rank, "incarnation": 0, **fields}]
+
+
+def test_a_rounds_orders_and_answers_go_through_the_agent_of_ranks_whose_relayed_beats_were_read(tmp_path: Path) -> None:
+    """Rank 0 dies: rank 1 (no relayed beat) is aborted straight, ranks 2 and 3 in one frame to
+    node 1's agent; their answers come back in one frame; the plan goes the same ways, each rank's
+    transfers in its own row; the round ends on the relayed ``recovered``."""
+    import signal
+
+    from coordinator_fixtures import events
+
+    coord, agent, clock, to_agent, direct = _relayed_job(tmp_path)
+    assert [coord.ranks[rank].proc.relayed for rank in range(4)] == [False, False, True, True]
+    agent.exit(0, -signal.SIGKILL, at=clock.now)
+    coord.check_processes()
+    coord.check_processes()
+    assert [(rank, t) for rank, t, _f in direct] == [(1, MsgType.ABORT)]
+    assert [t for t, _f in to_agent] == [MsgType.RANK_ORDERS]
+    orders = to_agent[0][1]
+    assert orders["order"] == "abort" and orders["common"]["generation"] == 1 and orders["node"] == 1
+    assert orders["ranks"] == [[2, 0, {}], [3, 0, {}]]
+    send(coord, 1, MsgType.FAULT, generation=1, step=3, committed=2, reason="abort", kind="abort")
+    coord.messages.on_relayed_answers(1, [_answer(rank, "fault", generation=1, step=3, committed=2, reason="abort",
+                                                  kind="abort") for rank in (2, 3)])
+    assert coord.rounds.current.reports == {1: 2, 2: 2, 3: 2}
+    hello_all(coord, [0])  # the respawned rank 0: its hello is its report
+    plan = events(tmp_path, "recovery_planned")[-1]["detail"]
+    assert plan["transfers"] == [[1, 0]]
+    assert sorted((rank, t) for rank, t, _f in direct[1:]) == [(0, MsgType.RECONFIGURE), (1, MsgType.RECONFIGURE)]
+    assert [f["transfers"] for rank, _t, f in direct[1:] if rank == 1] == [[[1, 0]]]
+    reconfigure = to_agent[1][1]
+    assert reconfigure["order"] == "reconfigure" and reconfigure["common"]["step"] == 2
+    assert reconfigure["common"]["transfers"] == [] and reconfigure["ranks"] == [[2, 0, {}], [3, 0, {}]]
+    for rank in (0, 1):
+        send(coord, rank, MsgType.RECOVERED, generation=1, role="recipient" if rank == 0 else "donor", bytes=0, seconds=0.0)
+    coord.messages.on_relayed_answers(1, [_answer(2, "recovered", generation=1, role="none", bytes=0, seconds=0.0)])
+    assert coord.rounds.current is not None  # rank 3 has not answered
+    coord.messages.on_relayed_answers(1, [_answer(3, "recovered", generation=1, role="none", bytes=0, seconds=0.0)])
+    assert coord.rounds.current is None and events(tmp_path, "recovery_finished")
+
+
+@pytest.mark.parametrize("node, row", [
+    (0, _answer(2, "fault", generation=1, step=3, committed=2, reason="abort", kind="abort")),  # another node's agent
+    (1, ["fault", {"rank": 2, "incarnation": 7, "generation": 1, "step": 3, "committed": 2, "reason": "abort"}]),
+    (1, _answer(2, "fault", generation=1, step=3, committed=2, reason="abort", bogus=1)),  # a field faults do not have
+    (1, _answer(2, "fault", generation=1, step=3, reason="abort")),  # no committed step
+    (1, _answer(2, "done", committed=2)),  # a message that is no answer
+    (1, _answer(2, "fault", generation=1, step=3, committed=2, reason="abort")[1]),  # no type
+    (1, ["no such type", {}]),
+])
+def test_a_relayed_answer_that_is_not_a_live_ranks_of_the_agents_node_changes_nothing(tmp_path: Path, node: int,
+                                                                                        row: list) -> None:
+    import signal
+
+    coord, agent, clock, _to_agent, _direct = _relayed_job(tmp_path)
+    agent.exit(0, -signal.SIGKILL, at=clock.now)
+    coord.check_processes()
+    coord.check_processes()
+    coord.messages.on_relayed_answers(node, [row])
+    assert coord.rounds.current.reports == {}
+
+
+def test_an_order_relayed_to_a_rank_comes_sealed_for_it_and_its_answer_goes_back_through_the_relay() -> None:
+    """A real channel and relay: the relay knows the rank from its beat, forwards an abort sealed
+    for that rank's relay connection, and the rank's answer comes back to the relay (its beat read
+    before the answer is dropped: it is older); an order sealed for another connection is dropped,
+    and a direct abort is answered straight."""
+    from ftrun.common.protocol import Message, decode, Receiver, to_peer
+
+    ctx = zmq.Context()
+    relay = BeatRelay(ctx, FrameAuth(TOKEN))
+    coordinator = ctx.socket(zmq.ROUTER)
+    coordinator.setsockopt(zmq.LINGER, 0)
+    port = coordinator.bind_to_random_port("tcp://127.0.0.1")
+    channel = Channel(f"tcp://127.0.0.1:{port}", TOKEN, rank=3, incarnation=2, heartbeat_interval=0.1, relay=relay.address)
+    try:
+        _rows_within(relay, lambda rows: rows)  # the rank beat the relay: it is known there
+        relay.note({"rank": 3, "incarnation": 2, "phase": "compute"}, time.monotonic())  # a beat before the answer
+        orders = Message(MsgType.RANK_ORDERS, {"node": 1, "order": "abort", "common": {"generation": 4, "reason": "rank 0 died"},
+                                               "ranks": [[3, 2, {}], [3, 1, {}], [5, 0, {}]]})
+        assert relay.forward(orders) == 1 and relay.unrelayed == 2  # another incarnation, a rank never heard
+        got = channel.receive(timeout=20)
+        assert got is not None and got.type == MsgType.ABORT and got["generation"] == 4
+        channel.send(MsgType.FAULT, generation=4, step=9, committed=8, reason="abort", kind="abort")
+        deadline = time.monotonic() + 20
+        answers: list = []
+        while not answers:
+            assert time.monotonic() < deadline
+            relay.sock.poll(100)
+            relay.drain(time.monotonic())
+            answers = [row for rows in relay.reports() for row in rows]
+        assert answers == [["fault", {"rank": 3, "incarnation": 2, "generation": 4, "step": 9, "committed": 8,
+                                      "reason": "abort", "kind": "abort"}]]
+        assert all(row[2] != {"phase": "compute"} for row in relay.rows(time.monotonic()))
+        # an order sealed for another connection does not verify at the rank
+        identity = relay._identities[3][1]
+        relay.sock.send_multipart([identity, Sender(TOKEN).seal(pack(MsgType.ABORT, generation=5, reason="x"),
+                                                                to_peer(b"q-someone-else"))])
+        assert channel.receive(timeout=0.5) is None
+        # a direct abort is answered straight to the coordinator
+        hello = coordinator.recv_multipart() if coordinator.poll(100) else None  # nothing sent yet but the beats' relay
+        assert hello is None
+        channel.send(MsgType.HELLO, pid=1, generation=0, replica_group=[3], library=True)
+        peer = coordinator.recv_multipart()[0]
+        coordinator.send_multipart([peer, Sender(TOKEN).seal(pack(MsgType.ABORT, generation=6, reason="y"), to_peer(peer))])
+        assert channel.receive(timeout=20)["generation"] == 6
+        channel.send(MsgType.FAULT, generation=6, step=9, committed=8, reason="abort", kind="abort")
+        assert coordinator.poll(20_000)
+        frame = coordinator.recv_multipart()[1]
+        assert decode(frame, Receiver(TOKEN, CONTROL))["generation"] == 6
+    finally:
+        channel.close()
+        relay.close()
+        coordinator.close(0)
+        ctx.term()

@@ -64,6 +64,8 @@ class MsgType(str, Enum):
     SPARE_NOTE = "spare_note"  # what the node's spares showed (a script that breaks the hot-spare contract)
     SHUTDOWN = "shutdown"  # the job is over: exit with this code
     TAKE_NODE = "take_node"  # a standby agent becomes this lost node's agent (its spares take the node's ranks)
+    RANK_ORDERS = "rank_orders"  # to an agent: relay this abort or reconfigure to these ranks of the node (ftrun.node.relay)
+    RANK_REPORTS = "rank_reports"  # from an agent: its ranks' answers (fault, recovered) to relayed orders
     # coordinator failover (docs/coordinator_failover.md)
     STANDBY = "standby"  # to ranks and agents: the standby coordinator's endpoint and store, to move to if this one dies
     STATE = "state"  # to the standby: the coordinator's hard state (generation, attempt, budget, ranks...)
@@ -306,6 +308,28 @@ class AgentBeat:
 
 
 @dataclass(frozen=True, slots=True)
+class RankOrders:
+    """Relay a recovery round's ``order`` (``abort`` or ``reconfigure``) to these ranks of the node
+    (:mod:`ftrun.node.relay`): each rank is sent ``common`` updated with its row's own fields;
+    rows ``[rank, incarnation, own fields]``."""
+
+    node: int
+    order: str
+    common: dict[str, Any]
+    ranks: list[list[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class RankReports:
+    """The node's ranks' answers to relayed orders (``fault``, ``recovered``), in the order the agent
+    received them: rows ``[type, fields]``, the fields as the rank sent them (its rank and
+    incarnation included)."""
+
+    node: int
+    reports: list[list[Any]]
+
+
+@dataclass(frozen=True, slots=True)
 class Spawn:
     """Start ``incarnation`` of ``rank`` with ``vars`` (in a spare if ``use_spare``)."""
 
@@ -447,7 +471,7 @@ BODIES: dict[MsgType, type] = {
     MsgType.EXITED: Exited, MsgType.STOPPED: Stopped, MsgType.SIGNAL: Signal, MsgType.KILL_HUNG: KillHung,
     MsgType.STACKS: Stacks, MsgType.STOP_RANKS: StopRanks, MsgType.SPARES: Spares, MsgType.SPARE_NOTE: SpareNote,
     MsgType.SHUTDOWN: Shutdown, MsgType.TAKE_NODE: TakeNode, MsgType.STANDBY: Standby, MsgType.STATE: State,
-    MsgType.STAND_BY: StandBy,
+    MsgType.STAND_BY: StandBy, MsgType.RANK_ORDERS: RankOrders, MsgType.RANK_REPORTS: RankReports,
 }
 
 #: What each annotation accepts once decoded (a float field takes an int: msgpack keeps ``1.0`` a float,

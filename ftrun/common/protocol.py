@@ -2,7 +2,7 @@
 
 Every message is one ZeroMQ frame: a 32-byte HMAC-SHA256 tag, a session header, a msgpack map::
 
-    tag(32) || session(16) || counter(8, big-endian) || msgpack({"v": 4, "type": <MsgType value>, ...fields})
+    tag(32) || session(16) || counter(8, big-endian) || msgpack({"v": 5, "type": <MsgType value>, ...fields})
 
 The tag covers the session header and the payload, plus the frame's *audience* (the endpoint it is
 meant for: the coordinator's control socket, one connection of it, one node's launcher), which is
@@ -54,7 +54,7 @@ import msgpack
 
 from ftrun.common.messages import BODIES, MsgType, field_types, required_fields
 
-PROTOCOL_VERSION = 4  # 2: per-frame HMAC tag instead of the secret in clear; 3: sessions, counters, audiences; 4: exact fields (one dataclass a type)
+PROTOCOL_VERSION = 5  # 2: per-frame HMAC tag instead of the secret in clear; 3: sessions, counters, audiences; 4: exact fields (one dataclass a type); 5: rounds relayed by the agents
 TAG_BYTES = 32  # HMAC-SHA256
 SESSION_BYTES = 16  # a sender's random session id
 COUNTER_BYTES = 8  # the frame's number in its session (big-endian)
@@ -146,6 +146,9 @@ CONTROL: bytes = b"control"
 # A node agent's heartbeat relay (its ranks' beats, :mod:`ftrun.node.relay`): a relayed beat does
 # not verify at the coordinator's endpoint, nor a beat to the coordinator at a relay.
 RELAY: bytes = b"relay"
+#: What a coordinator may send ranks through their agent's relay, and what they answer through it.
+RELAYED_ORDERS = frozenset({MsgType.ABORT, MsgType.RECONFIGURE})
+RELAYED_ANSWERS = frozenset({MsgType.FAULT, MsgType.RECOVERED})
 
 
 def to_peer(identity: bytes) -> bytes:
@@ -282,6 +285,29 @@ def decode(frame: bytes, receiver: Receiver) -> Message:
             msgpack, not a map, wrong version, unknown type, a missing, mistyped or unknown field.
     """
     return unpack(receiver.open(frame))
+
+
+def relayed_message(kind: Any, fields: Any, allowed: frozenset[MsgType]) -> Message:
+    """A message that reached this process inside another one's frame (an agent relays its ranks'
+    answers, :mod:`ftrun.node.relay`): checked as a decoded frame's would be.
+
+    Args:
+        kind: the message type's name (``"fault"``...); fields: its fields.
+        allowed: the types that may travel so.
+
+    Raises:
+        ProtocolError: a type not in ``allowed``, fields not a map, or fields that are not the type's.
+    """
+    try:
+        msg_type = MsgType(kind)
+    except ValueError:
+        raise ProtocolError("unknown message type") from None
+    if msg_type not in allowed:
+        raise ProtocolError(f"{msg_type.value} cannot be relayed")
+    if not isinstance(fields, dict):
+        raise ProtocolError(f"{msg_type.value}: fields are not a map")
+    _check_fields(msg_type, fields)
+    return Message(msg_type, dict(fields))
 
 
 def _check_fields(msg_type: MsgType, fields: dict[str, Any]) -> None:

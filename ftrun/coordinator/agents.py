@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping
 
 from ftrun.common.protocol import Message, MsgType
 from ftrun.node.forks import StartReport
+from ftrun.node.relay import ROWS_PER_FRAME
 from ftrun.node.spawner import EXIT_TAIL_LINES, ExitReport, RankProcesses, StopReport
 
 log = logging.getLogger("ftrun.coordinator")
@@ -109,6 +110,12 @@ class AgentHandle:
 
     def replicate(self, state: dict[str, Any]) -> None:
         """Send the coordinator's hard state to this node's agent, the standby coordinator."""
+
+    def relay_orders(self, order: MsgType, common: dict[str, Any], rows: list[list[Any]]) -> bool:
+        """Have the agent relay a round's ``order`` to its ranks (rows ``[rank, incarnation, own
+        fields]``; :mod:`ftrun.node.relay`); False when it cannot (node 0's agent relays nothing:
+        send them straight)."""
+        return False
 
     def ask_to_stand_by(self) -> None:
         """Ask the agent to stand by as the job coordinator (it answers with a
@@ -232,6 +239,13 @@ class RemoteAgent(AgentHandle):
 
     def replicate(self, state: dict[str, Any]) -> None:
         self._send(MsgType.STATE, state=state)
+
+    def relay_orders(self, order: MsgType, common: dict[str, Any], rows: list[list[Any]]) -> bool:
+        if self.lost:
+            return False
+        for i in range(0, len(rows), ROWS_PER_FRAME):
+            self._send(MsgType.RANK_ORDERS, node=self.node, order=order.value, common=common, ranks=rows[i:i + ROWS_PER_FRAME])
+        return True
 
     def ask_to_stand_by(self) -> None:
         self._send(MsgType.STAND_BY)

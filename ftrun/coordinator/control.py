@@ -21,7 +21,9 @@ from ftrun.common.protocol import (CONTROL, MAX_FRAME_BYTES, Message, MsgType, P
 log = logging.getLogger("ftrun.coordinator")
 
 AGENT_MESSAGES = frozenset({MsgType.AGENT_HELLO, MsgType.AGENT_BEAT, MsgType.SPAWNED, MsgType.EXITED, MsgType.STOPPED,
-                            MsgType.STACKS, MsgType.SPARE_NOTE})
+                            MsgType.STACKS, MsgType.SPARE_NOTE, MsgType.RANK_REPORTS})
+# Agents' messages applied as they are read (the others are reports that wait for the main loop's checks).
+APPLIED_AT_ONCE = frozenset({MsgType.AGENT_BEAT, MsgType.RANK_REPORTS})
 MAX_REJECT_EVENTS = 20  # rejected frames after this many are counted in the log only
 OFFENDER_REJECTS = 8  # a connection that sent this many rejected frames is not read any more
 READ_BUDGET = 2000  # frames handled per pass of the main loop (then deaths and hangs are checked)
@@ -161,7 +163,7 @@ class ControlPlane:
         """Hand one message to its handler; whether it was an agent's report (not a beat)."""
         if msg.type in AGENT_MESSAGES:
             self.on_agent(identity, msg, fd)
-            return msg.type != MsgType.AGENT_BEAT
+            return msg.type not in APPLIED_AT_ONCE
         if not agents_only:
             self.on_rank(identity, msg)
         return False

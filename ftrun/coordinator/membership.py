@@ -313,6 +313,8 @@ class Membership:
         agent.on_message(msg, now)
         if msg.type == MsgType.AGENT_BEAT and msg.get("ranks"):
             job.messages.on_relayed(node, msg["ranks"])
+        elif msg.type == MsgType.RANK_REPORTS:
+            job.messages.on_relayed_answers(node, msg["reports"])
         return None
 
     def fence(self, identity: bytes, what: str) -> None:

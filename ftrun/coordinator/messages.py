@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ftrun.common.events import EventKind
 from ftrun.coordinator.policy import RankState
-from ftrun.common.protocol import Message, MsgType
+from ftrun.common.protocol import RELAYED_ANSWERS, Message, MsgType, ProtocolError, relayed_message
 from ftrun.coordinator.phases import JobPhase
 from ftrun.coordinator.ranks import Incarnation, Rank, RankPhase, is_int, is_seconds
 
@@ -133,20 +133,45 @@ class RankMessages:
         ago; its step board is taken unless a frame the rank sent the coordinator after it was read
         already (``sent`` below :attr:`Incarnation.direct`: the board is older than, say, its
         ``fault``, and would put back the phase the ``fault`` ended). Malformed rows are skipped."""
-        now = self.job.clock()
-        for row in rows:
-            if not (isinstance(row, list) and len(row) == 5):
+        now, ranks = self.job.clock(), self.job.ranks
+        for row in rows:  # a row a rank a second: the checks are written for speed (docs/scale.md)
+            if type(row) is not list or len(row) != 5:
                 continue
             rank, incarnation, age, sent, board = row
-            r = self.job.ranks.get(rank) if is_int(rank) else None
+            r = ranks.get(rank) if type(rank) is int else None
+            if r is None:
+                continue
+            p = r.proc
             # an age above an hour is no evidence of life
-            if (r is None or r.node != node or incarnation != r.incarnation or not r.alive() or r.proc.identity is None
-                    or not is_seconds(age) or age > 3600 or not isinstance(board, dict)):
+            if (r.node != node or incarnation != p.number or not p.running or p.identity is None
+                    or not is_seconds(age) or age > 3600 or type(board) is not dict):
                 continue
             at = now - age
-            r.proc.last_heartbeat = max(r.proc.last_heartbeat, at)
-            if is_int(sent) and sent >= r.proc.direct:
+            if at > p.last_heartbeat:
+                p.last_heartbeat = at
+            p.relayed = True
+            if type(sent) is int and sent >= p.direct:
                 self._take_beat(r, board, at)
+
+    def on_relayed_answers(self, node: int, rows: list[Any]) -> None:
+        """Node ``node``'s agent relayed its ranks' answers to a round's orders (``fault``,
+        ``recovered``; :mod:`ftrun.node.relay`), in the order it read them. Each is checked as a
+        frame's message is (:func:`ftrun.common.protocol.relayed_message`) and taken only for a
+        live rank of that node, in its current incarnation, that said hello; malformed rows and
+        others are skipped. An answer proves the rank alive; it is not one of the frames the rank
+        sent the coordinator itself (:attr:`Incarnation.direct`)."""
+        now = self.job.clock()
+        for row in rows:
+            try:
+                msg = relayed_message(row[0], row[1], RELAYED_ANSWERS) if isinstance(row, list) and len(row) == 2 else None
+            except ProtocolError:
+                msg = None
+            r = self.job.ranks.get(msg["rank"]) if msg is not None else None
+            if (r is None or r.node != node or msg["incarnation"] != r.incarnation or not r.alive()
+                    or r.proc.identity is None):
+                continue
+            r.proc.last_heartbeat = now
+            self._rank_handlers[msg.type](self, r, msg)
 
     def on_progress(self, r: Rank, msg: Message) -> None:
         """``progress`` (``ft.report()``, a section opened or closed): the rank's step and metrics."""

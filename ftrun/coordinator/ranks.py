@@ -34,6 +34,9 @@ class RankPhase(str, Enum):
     DONE = "done"  # left its step loop (ft.finish() or the end of ft.steps)
 
 
+_PHASES = {phase.value: phase for phase in RankPhase}
+
+
 @dataclass
 class Incarnation:
     """One process serving a rank, from its spawn to its exit (the fields a respawn starts afresh).
@@ -49,6 +52,7 @@ class Incarnation:
     identity: bytes | None = None  # its control connection (ZeroMQ routing identity), from its hello
     last_heartbeat: float = 0.0
     direct: int = 0  # frames of it read from its own connection (a relayed beat's order: RankMessages.on_relayed)
+    relayed: bool = False  # its node's agent relayed a beat of it: a round's orders go through that agent
     step: int | None = None
     committed: int = NO_STATE
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -173,23 +177,27 @@ class Rank:
         automatic step timeout: past ``warmup_steps`` samples of this process, else None). Once the rank
         left its step loop (``steps_end``, ``done``) a late board changes nothing."""
         p = self.proc
-        try:
-            phase = RankPhase(board.get("phase"))
-        except ValueError:
+        value = board.get("phase")
+        phase = _PHASES.get(value) if type(value) is str else None  # one look-up: a row a rank a second
+        if phase is None or p.steps_ended:
             return False, None
-        if p.steps_ended:
-            return False, None
-        age, step, moved = board.get("phase_age"), board.get("step"), False
-        if is_int(step) and step != p.step:
+        get = board.get
+        age, step, moved = get("phase_age"), get("step"), False
+        if type(step) is int and step != p.step:
             p.step, moved = step, True
-        if is_int(board.get("committed")):
-            p.committed = board["committed"]
-        if is_int(board.get("total")):
-            self.total_steps = board["total"]
-        for key, attr in (("last_step", "last_step_seconds"), ("compute", "compute_seconds")):
-            if is_seconds(board.get(key)):
-                setattr(self, attr, float(board[key]))
-        if phase != RankPhase.SETUP:
+        value = get("committed")
+        if type(value) is int:
+            p.committed = value
+        value = get("total")
+        if type(value) is int:
+            self.total_steps = value
+        value = get("last_step")
+        if is_seconds(value):
+            self.last_step_seconds = float(value)
+        value = get("compute")
+        if is_seconds(value):
+            self.compute_seconds = float(value)
+        if phase is not RankPhase.SETUP:
             p.phase = phase
             if is_seconds(age):
                 p.last_progress = max(p.last_progress, now - age)
@@ -227,13 +235,15 @@ class Rank:
 
 
 def is_int(value: Any) -> bool:
-    """An int that is no bool (as msgpack decodes a message's integers)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An int that is no bool (as msgpack decodes a message's integers: exactly ``int``)."""
+    return type(value) is int
 
 
 def is_seconds(value: Any) -> bool:
-    """A duration in seconds, as a message carries it: a number, no bool, in [0, 1e9)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e9
+    """A duration in seconds, as a message carries it: a number (exactly ``int`` or ``float``: no
+    bool), in [0, 1e9) (no NaN)."""
+    kind = type(value)
+    return (kind is float or kind is int) and 0 <= value < 1e9
 
 
 @dataclass

@@ -78,10 +78,28 @@ class RecoveryRounds:
             job.emit(EventKind.RANK_RESPAWNED,
                      f"rank {rank} respawned as incarnation {r.incarnation} (restart {job.restarts_used}/{job.spec.max_restarts})",
                      rank=rank, restarts_used=job.restarts_used)
-        for r in job.ranks.values():
-            if r.alive() and r.rank not in failed:
-                r.proc.move(RankState.RECOVERING)
-                job.send(r, MsgType.ABORT, generation=job.generation, reason=reason)
+        survivors = [r for r in job.ranks.values() if r.alive() and r.rank not in failed]
+        for r in survivors:
+            r.proc.move(RankState.RECOVERING)
+        self.send_order(survivors, MsgType.ABORT, {"generation": job.generation, "reason": reason})
+
+    def send_order(self, ranks: list[Rank], order: MsgType, common: dict[str, Any],
+                   own: dict[int, dict[str, Any]] | None = None) -> None:
+        """Send ``ranks`` a round's ``order`` (``common`` fields, updated with ``own[rank]``). A rank
+        whose relayed beats were read gets it through its node's agent, one frame a node
+        (:mod:`ftrun.node.relay`); the others, straight."""
+        job, own = self.job, own or {}
+        by_node: dict[int, list[list[Any]]] = {}
+        for r in ranks:
+            if r.proc.relayed and r.proc.identity is not None:
+                by_node.setdefault(r.node, []).append([r.rank, r.incarnation, own.get(r.rank, {})])
+            else:
+                job.send(r, order, **{**common, **own.get(r.rank, {})})
+        for node, rows in by_node.items():
+            agent = job.members.agents.get(node)
+            if agent is None or not agent.relay_orders(order, common, rows):
+                for rank, _incarnation, fields in rows:
+                    job.send(job.ranks[rank], order, **{**common, **fields})
 
     def on_report(self, r: Rank, generation: int, committed: int) -> None:
         """A live rank reports its committed step for this round (its hello, for a new one)."""
@@ -166,14 +184,13 @@ class RecoveryRounds:
         # Each rank is sent the transfers it takes part in, which are all it acts on
         # (ftrun.rank.recovery): a plan's laggard rule can give thousands of ranks a transfer, and
         # the whole list to every rank was O(ranks x transfers) bytes (docs/scale.md).
-        mine: dict[int, list[list[int]]] = {}
+        mine: dict[int, dict[str, Any]] = {}
         for pair in transfers:
             for rank in dict.fromkeys(pair):
-                mine.setdefault(rank, []).append(pair)
-        for x in job.ranks.values():
-            if x.alive():
-                job.send(x, MsgType.RECONFIGURE, generation=rec.generation, world_size=job.spec.worker_num, step=plan.step,
-                         transfers=mine.get(x.rank, []), **store, **rollback)
+                mine.setdefault(rank, {"transfers": []})["transfers"].append(pair)
+        self.send_order([x for x in job.ranks.values() if x.alive()], MsgType.RECONFIGURE,
+                        {"generation": rec.generation, "world_size": job.spec.worker_num, "step": plan.step, "transfers": [],
+                         **store, **rollback}, mine)
 
     def fall_back(self, reason: str) -> None:
         """ARF cannot recover (no live replica and no checkpoint to roll back to, or replica groups

@@ -121,8 +121,10 @@ class NodeAgent:
             MsgType.SPAWN: self.ranks.spawn, MsgType.SIGNAL: self.ranks.signal, MsgType.KILL_HUNG: self.ranks.kill_hung,
             MsgType.STOP_RANKS: self.ranks.stop_ranks, MsgType.SPARES: self.ranks.keep_spares,
             MsgType.SHUTDOWN: self._on_shutdown, MsgType.TAKE_NODE: self._on_take_node, MsgType.STANDBY: self._on_standby,
-            MsgType.STATE: self._on_state, MsgType.STAND_BY: self._on_stand_by,
+            MsgType.STATE: self._on_state, MsgType.STAND_BY: self._on_stand_by
         }
+        if self.relay is not None:  # a round's orders to this node's ranks (ftrun.node.relay)
+            self._handlers[MsgType.RANK_ORDERS] = self.relay.forward
 
     def close_connection(self) -> None:
         """Close the connection to the coordinator (and its monitor)."""
@@ -208,6 +210,8 @@ class NodeAgent:
             self._wakeup.drain()
         if self.relay is not None and self.relay.sock in events:
             self.relay.drain(time.monotonic())
+            for rows in self.relay.reports():  # before the exits: a rank that answered, then died
+                self.send(MsgType.RANK_REPORTS, node=self.node, reports=rows)
         self.ranks.report_exits()
         return events
 

@@ -1,13 +1,24 @@
-"""A node agent's heartbeat relay: its ranks beat the agent, and the agent's one beat a heartbeat
-interval carries all of them to the coordinator.
+"""A node agent's relay: its ranks beat the agent, and the agent's one beat a heartbeat interval
+carries all of them to the coordinator; a recovery round's orders and answers go the same way.
 
 Without it every rank sends node 0's coordinator a frame each ``--heartbeat_interval``: at 16,384
 ranks, 16,384 authenticated frames a second into one Python process, each costing it 100 to 200 µs
 (docs/scale.md). With it the coordinator gets one frame per node: the agent's ``agent_beat``, whose
 ``ranks`` rows hold each rank's newest heartbeat (its step board and the watchdog's evidence) and
-how long ago the agent received it. Everything else a rank sends (``hello``, ``fault``,
-``recovered``, ``progress``...) still goes straight to the coordinator, and a rank's death is still
-reported at once (``exited``, from ``SIGCHLD``).
+how long ago the agent received it. A rank's death is still reported at once (``exited``, from
+``SIGCHLD``), and its ``hello``, ``progress``, failure reports and the rest go straight to the
+coordinator.
+
+**Rounds.** A recovery round sends every live rank an ``abort`` and then a ``reconfigure``, and
+each answers (``fault``, ``recovered``): four frames a rank through node 0, 65,536 at 16,384 ranks,
+seconds of the coordinator's time. To a rank whose relayed beats it has read, the coordinator sends
+its node's agent one ``rank_orders`` frame for all of them (the fields they share, and each rank's
+own: its transfers); the agent seals one frame for each rank, for that rank's relay connection
+alone, and the rank answers through the relay too. The agent sends the answers it read, as they
+come, in one ``rank_reports`` frame a turn of its loop, before any exit it reports (a rank that
+answered and died is seen in that order), and drops the rank's beat read before the answer (it
+would be older). The coordinator checks each answer as it checks a frame (its type, its fields) and
+takes it only for a live rank of the agent's node, in its current incarnation.
 
 What the relay keeps (docs/scale.md, "What the relay keeps, and what it does not do"):
 
@@ -33,13 +44,17 @@ dropped and counted, and a drain reads a bounded number of frames. Nothing is un
 
 from __future__ import annotations
 
+import logging
 import secrets
 from typing import Any
 
 import zmq
 
-from ftrun.common.protocol import MAX_FRAME_BYTES, RELAY, FrameAuth, MsgType, ProtocolError, Receiver, decode
+from ftrun.common.protocol import (MAX_FRAME_BYTES, RELAY, RELAYED_ANSWERS, RELAYED_ORDERS, FrameAuth, Message, MsgType,
+                                   ProtocolError, Receiver, Sender, decode, encode, to_peer)
 from ftrun.config import relay_fits
+
+log = logging.getLogger("ftrun.node.agent")  # the agent's log: the relay is part of the agent process
 
 #: ``--heartbeat_relay auto`` relays the beats of a job of this many ranks or more.
 RELAY_AUTO_RANKS = 256
@@ -49,6 +64,9 @@ RELAY_BEATS_PER_INTERVAL = 2
 DRAIN_BUDGET = 1000
 #: The fields a row carries in its own places, not in its board.
 _ROW_FIELDS = frozenset({"rank", "incarnation", "sent"})
+#: Rows a ``rank_orders`` or ``rank_reports`` frame carries at most (its size stays far below
+#: :data:`~ftrun.common.protocol.MAX_FRAME_BYTES`).
+ROWS_PER_FRAME = 256
 
 
 def relays_beats(setting: str, ranks: int, heartbeat_interval: float, heartbeat_timeout: float) -> bool:
@@ -66,14 +84,28 @@ def relays_beats(setting: str, ranks: int, heartbeat_interval: float, heartbeat_
 
 
 class RelayedBeats:
-    """The newest heartbeat of each rank since the last :meth:`rows` (what an agent's beat carries)."""
+    """The newest heartbeat of each rank since the last :meth:`rows` (what an agent's beat carries),
+    and the ranks' answers since the last :meth:`reports` (what its ``rank_reports`` carries)."""
 
     def __init__(self) -> None:
         self._latest: dict[int, tuple[float, dict[str, Any]]] = {}
+        self._answers: list[list[Any]] = []
 
     def note(self, fields: dict[str, Any], now: float) -> None:
         """One rank's heartbeat (its decoded fields), received at ``now``: the newest is kept."""
         self._latest[fields["rank"]] = (now, fields)
+
+    def note_answer(self, msg_type: MsgType, fields: dict[str, Any]) -> None:
+        """One rank's answer to a relayed order: kept in order; the rank's beat read before it is
+        dropped (the coordinator would take its older step board after the answer)."""
+        self._latest.pop(fields["rank"], None)
+        self._answers.append([msg_type.value, fields])
+
+    def reports(self) -> list[list[list[Any]]]:
+        """The answers since the last call, in order, as the rows of ``rank_reports`` frames
+        (:data:`ROWS_PER_FRAME` a frame at most)."""
+        answers, self._answers = self._answers, []
+        return [answers[i:i + ROWS_PER_FRAME] for i in range(0, len(answers), ROWS_PER_FRAME)]
 
     def rows(self, now: float) -> list[list[Any]]:
         """The rows of the agent's next beat, one per rank heard since the last call:
@@ -85,7 +117,8 @@ class RelayedBeats:
 
 
 class BeatRelay(RelayedBeats):
-    """The relay's socket, which the node's ranks beat, and their newest beats.
+    """The relay's socket, which the node's ranks beat and answer relayed orders on, their newest
+    beats and their answers.
 
     Args:
         ctx: the agent's ZeroMQ context.
@@ -93,7 +126,8 @@ class BeatRelay(RelayedBeats):
 
     Attributes:
         address: the ``ipc://`` endpoint the node's ranks beat (``FTRUN_RELAY_ADDR``).
-        rejected: frames dropped (not authentic, not fresh, not a heartbeat).
+        rejected: frames dropped (not authentic, not fresh, not a heartbeat or an answer).
+        unrelayed: orders that could not be relayed (a rank not heard here in that incarnation).
     """
 
     def __init__(self, ctx: zmq.Context, auth: FrameAuth) -> None:
@@ -104,7 +138,10 @@ class BeatRelay(RelayedBeats):
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.sock.bind(self.address)
         self._receiver = Receiver(auth, RELAY)
+        self._sender = Sender(auth)  # the orders to the ranks
+        self._identities: dict[int, tuple[int, bytes]] = {}  # rank -> (incarnation, its relay connection)
         self.rejected = 0
+        self.unrelayed = 0
 
     def drain(self, now: float, budget: int = DRAIN_BUDGET) -> None:
         """Read the beats waiting (up to ``budget``), received at ``now`` (seconds, monotonic)."""
@@ -117,10 +154,44 @@ class BeatRelay(RelayedBeats):
                 msg = decode(parts[-1], self._receiver) if len(parts) == 2 else None
             except ProtocolError:
                 msg = None
-            if msg is None or msg.type != MsgType.HEARTBEAT:
+            if msg is None or (msg.type != MsgType.HEARTBEAT and msg.type not in RELAYED_ANSWERS):
                 self.rejected += 1
                 continue
-            self.note(msg.fields, now)
+            self._identities[msg["rank"]] = (msg["incarnation"], parts[0])
+            if msg.type == MsgType.HEARTBEAT:
+                self.note(msg.fields, now)
+            else:
+                self.note_answer(msg.type, msg.fields)
+
+    def forward(self, msg: Message) -> int:
+        """Send each rank a ``rank_orders`` message names the order it carries, sealed for that
+        rank's relay connection alone; returns how many were sent. A row for a rank or an
+        incarnation this relay has not heard from is dropped and counted (the coordinator relays
+        only to ranks whose relayed beats it read: the rank died meanwhile, and its exit is
+        reported)."""
+        try:
+            order = MsgType(msg["order"])
+        except ValueError:
+            order = None
+        if order not in RELAYED_ORDERS:
+            self.rejected += 1
+            return 0
+        sent = 0
+        for row in msg["ranks"]:
+            known = self._identities.get(row[0]) if isinstance(row, list) and len(row) == 3 else None
+            if known is None or known[0] != row[1] or not isinstance(row[2], dict):
+                self.unrelayed += 1
+                continue
+            identity = known[1]
+            try:
+                frame = encode(order, self._sender, to_peer(identity), **{**msg["common"], **row[2]})
+                self.sock.send_multipart([identity, frame], zmq.NOBLOCK)
+                sent += 1
+            except (ProtocolError, zmq.ZMQError):
+                self.unrelayed += 1
+        log.info("relayed %s (generation %s) to %d rank(s) of this node%s", order.value, msg["common"].get("generation"), sent,
+                 f"; {self.unrelayed} order(s) not relayed so far" if self.unrelayed else "")
+        return sent
 
     def close(self) -> None:
         self.sock.close(0)

@@ -6,6 +6,10 @@ them, sends a heartbeat every ``heartbeat_interval`` seconds, and queues what th
 (``abort``, ``reconfigure``, ``stop``) for the training thread to take with :meth:`Channel.receive`.
 Heartbeats come from this thread, so a rank whose training thread is busy in a long step still
 proves it is alive; a frozen process (SIGSTOP) stops sending them.
+
+With a relay (:mod:`ftrun.node.relay`) the thread also owns a DEALER to its node agent: the beats
+go there, and so do a recovery round's answers (``fault`` for an abort, ``recovered``) when the
+round's order came that way; the orders the agent relays are read there.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any, Callable
 
 import zmq
 
-from ftrun.common.protocol import (CONTROL, MAX_FRAME_BYTES, RELAY, Message, MsgType, Receiver, Sender, endpoint_refuses, pack,
+from ftrun.common.protocol import (CONTROL, MAX_FRAME_BYTES, RELAY, RELAYED_ORDERS, Message, MsgType, Receiver, Sender, endpoint_refuses, pack,
                                   receive, standby_line, to_peer)
 
 RECEIVE_BUDGET = 1000  # frames read per wake-up of the I/O thread (then it beats and sends again)
@@ -47,7 +51,7 @@ class Channel:
         self.rank = rank
         self.incarnation = incarnation
         self.heartbeat_interval = heartbeat_interval
-        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[bytes, bool] | None] = queue.SimpleQueue()  # (frame, a round's answer)
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -58,12 +62,18 @@ class Channel:
         self._connect(addr)
         self._relay: zmq.Socket | None = None
         self._relay_sender: Sender | None = None
+        self._relay_receiver: Receiver | None = None
+        self._answer_via_relay = False  # the last round order came through the relay: answer there
         if relay:
             self._relay = self._ctx.socket(zmq.DEALER)
+            relay_identity = b"q" + secrets.token_bytes(15)  # the agent seals this rank's orders for it alone
+            self._relay.setsockopt(zmq.IDENTITY, relay_identity)
             self._relay.setsockopt(zmq.LINGER, 0)
             self._relay.setsockopt(zmq.SNDHWM, 16)  # an agent not reading gets the newest beats, never a backlog
+            self._relay.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             self._relay.connect(relay)
             self._relay_sender = Sender(self._sender.auth)
+            self._relay_receiver = Receiver(self._sender.auth, to_peer(relay_identity))
         # The standby coordinators' endpoints, first first (a ``standby`` message): when this
         # connection closes (the coordinator's process died), the channel moves to the first and says
         # hello again; when that one's closes or refuses before it spoke, to the next.
@@ -131,8 +141,10 @@ class Channel:
         if self._relay is not None:
             # The new coordinator may run in this node's agent's process (its standby seat), which
             # relays nothing then: from here on the heartbeats go to the coordinator itself.
+            poller.unregister(self._relay)
             self._relay.close(0)
             self._relay = None
+            self._answer_via_relay = False
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._closes, zmq.POLLIN)
         if self._hello is not None:
@@ -150,11 +162,12 @@ class Channel:
         if msg_type == MsgType.HELLO:
             self._hello = dict(fields)  # said again to a standby coordinator after a takeover
         frame = pack(msg_type, rank=self.rank, incarnation=self.incarnation, **fields)
+        answer = msg_type == MsgType.RECOVERED or (msg_type == MsgType.FAULT and fields.get("kind") == "abort")
         # Wake the I/O thread once per burst: until it has taken the wake-up, it will drain
         # everything queued meanwhile (a step sends several messages; a system call each was
         # measurable on small steps).
         with self._wake_lock:
-            self._outbox.put(frame)
+            self._outbox.put((frame, answer))
             if not self._wake_pending:
                 self._wake_pending = True
                 try:
@@ -189,6 +202,8 @@ class Channel:
         poller = zmq.Poller()
         for watched in (self._sock, self._closes, self._wake_r):
             poller.register(watched, zmq.POLLIN)
+        if self._relay is not None:
+            poller.register(self._relay, zmq.POLLIN)
         heartbeat = pack(MsgType.HEARTBEAT, rank=self.rank, incarnation=self.incarnation)
         next_beat = time.monotonic() + self._interval()  # the hello goes first
         last_heard = time.monotonic()
@@ -212,6 +227,8 @@ class Channel:
                 last_heard = time.monotonic()
                 continue
             if self._sock in events and self._take_incoming():
+                last_heard = time.monotonic()
+            if self._relay is not None and self._relay in events and self._take_relayed():
                 last_heard = time.monotonic()
         self._close_sockets()
 
@@ -283,7 +300,14 @@ class Channel:
                 return True
             if frame is None:
                 return False
-            self._send_direct(frame)
+            payload, answer = frame
+            if answer and self._answer_via_relay and self._relay is not None and self._relay_sender is not None:
+                try:
+                    self._relay.send(self._relay_sender.seal(payload, RELAY), zmq.NOBLOCK)
+                    continue
+                except zmq.Again:
+                    pass  # the agent is not reading: straight to the coordinator
+            self._send_direct(payload)
 
     def _take_incoming(self) -> bool:
         """Read what the coordinator sent (up to :data:`RECEIVE_BUDGET` frames): keep a ``standby``
@@ -299,13 +323,32 @@ class Channel:
                 timeout = msg.get("timeout")
                 self.silence_timeout = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else None
                 continue
-            if self.on_receive is not None:
-                try:
-                    self.on_receive(msg)
-                except Exception:  # noqa: BLE001  the message must still reach the training thread
-                    _log_io_error(f"acting on {msg.type.value} on the I/O thread")
-            self._inbox.put(msg)
+            if msg.type in (MsgType.ABORT, MsgType.RECONFIGURE):
+                self._answer_via_relay = False
+            self._deliver(msg)
         return heard
+
+    def _take_relayed(self) -> bool:
+        """Read the round's orders the node agent relayed (sealed for this rank's relay connection
+        alone: ``abort`` and ``reconfigure`` only), and answer them through the relay. Returns
+        whether any arrived."""
+        assert self._relay is not None and self._relay_receiver is not None
+        heard = False
+        for msg in receive(self._relay, self._relay_receiver, RECEIVE_BUDGET, lambda _err: None):
+            if msg.type not in RELAYED_ORDERS:
+                continue
+            heard = self._answer_via_relay = True
+            self._deliver(msg)
+        return heard
+
+    def _deliver(self, msg: Message) -> None:
+        """Hand a message of the coordinator to :attr:`on_receive`, then queue it for the training thread."""
+        if self.on_receive is not None:
+            try:
+                self.on_receive(msg)
+            except Exception:  # noqa: BLE001  the message must still reach the training thread
+                _log_io_error(f"acting on {msg.type.value} on the I/O thread")
+        self._inbox.put(msg)
 
     def _close_sockets(self) -> None:
         """Close the DEALER (queued frames get up to a second to leave), its monitor and the wake-up pipe."""
