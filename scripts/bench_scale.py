@@ -70,6 +70,7 @@ PER_NODE = 8
 RECORD_BYTES = 18_912  # word_lm's rank-state record (docs/benchmarks.md)
 SOCKETS_PER_PROCESS = 4000  # a ZeroMQ socket takes two descriptors (its connection and its mailbox)
 TOKEN = "s" * 64
+RANK_POLL_S = 0.2  # a simulated rank's connection is read this often once its beats are relayed (see Simulation)
 SIM_PID_BASE = 1 << 23  # simulated ranks' pids: above any real one (pid_max is at most 2^22)
 
 
@@ -267,6 +268,7 @@ class SimRank:
     recovering: bool = False
     direct: int = 0  # frames sent to node 0 (a relayed beat carries the count)
     beats: int = 0
+    relayed: bool = False  # a beat of it went out in its agent's (its connection is then polled less often)
 
 
 @dataclass
@@ -344,7 +346,12 @@ class Simulation:
         self.counters = Counters()
         self.nodes: dict[int, SimNode] = {}
         self.by_sock: dict[Any, tuple[SimNode, SimRank | None]] = {}
-        self.poller = zmq.Poller()
+        # Two pollers: a poll costs time in every socket it looks at (it was half of a simulation
+        # process's CPU), and node 0 sends a rank's own connection nothing once it has read a relayed
+        # beat of it (the round's orders go through its agent). Such a connection moves from the
+        # poller of every pass to one looked at every RANK_POLL_S.
+        self.poller, self.rank_poller = zmq.Poller(), zmq.Poller()
+        self.next_rank_poll = 0.0
         now = time.monotonic()
         # relayed ranks beat their agent twice an interval (ftrun.rank.channel); node 0's every other time
         self.rank_beats = Beats(interval / 2 if relay else interval, now)
@@ -359,6 +366,7 @@ class Simulation:
 
     # ------------------------------------------------------------------ sockets and frames
     def _dealer(self, prefix: bytes) -> tuple[Any, Any, Any]:
+        """A DEALER to node 0 (``prefix``: b"a" an agent's, b"r" a rank's)."""
         from ftrun.common.protocol import Receiver, Sender, to_peer
 
         zmq = self.zmq
@@ -415,7 +423,7 @@ class Simulation:
 
     def close_rank(self, r: SimRank) -> None:
         r.alive = False
-        self.poller.unregister(r.sock)
+        (self.rank_poller if r.relayed else self.poller).unregister(r.sock)
         self.by_sock.pop(r.sock, None)
         r.sock.close(0)
         self.ranks_list = [x for x in self.ranks_list if x is not r]
@@ -424,7 +432,11 @@ class Simulation:
     def receive(self, timeout_ms: int) -> None:
         from ftrun.common.protocol import ProtocolError, decode
 
-        for sock, _ in self.poller.poll(timeout_ms):
+        ready = self.poller.poll(timeout_ms)
+        if self.relay and time.monotonic() >= self.next_rank_poll:
+            ready += self.rank_poller.poll(0)
+            self.next_rank_poll = time.monotonic() + RANK_POLL_S
+        for sock, _ in ready:
             owner = self.by_sock.get(sock)
             if owner is None:
                 continue
@@ -529,6 +541,8 @@ class Simulation:
             self.agent_cursor += 1
             if not node.silent:
                 rows = node.relayed.rows(now) if node.relayed is not None else []
+                for row in rows:
+                    self.relayed_out(node.ranks.get(row[0]), row[1])
                 self._send(node.sock, node.sender, MsgType.AGENT_BEAT, node=node.index, **({"ranks": rows} if rows else {}))
                 node.last_beat = time.time()
         ranks = self.ranks_list
@@ -560,6 +574,13 @@ class Simulation:
                     r.progress.committed = r.progress.current_step
                 r.progress.current_step = max(self.step, r.progress.committed + 1)
                 r.board.begin(r.progress.current_step, None)
+
+    def relayed_out(self, r: SimRank | None, incarnation: int) -> None:
+        """A beat of ``r`` went out in its agent's: its own connection moves to the slow poller."""
+        if r is not None and r.alive and r.incarnation == incarnation and not r.relayed:
+            r.relayed = True
+            self.poller.unregister(r.sock)
+            self.rank_poller.register(r.sock, self.zmq.POLLIN)
 
     # ------------------------------------------------------------------ rank-state records
     def start_records(self, store_port: int, steps: int, record_bytes: int) -> None:
@@ -846,10 +867,13 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
         profiling = profiled == "steady"
         if profiling:
             os.kill(coord.pid, signal.SIGUSR2)
+        sims = procs[2:]
         cpu0, h0, c0, w0 = proc_cpu_seconds(coord.pid), handled(), sum_counters(ask_all(pipes, "counters")), time.monotonic()
+        sim_cpu0 = sum(proc_cpu_seconds(p.pid) for p in sims)
         time.sleep(window)
         reports = ask_all(pipes, "counters")
         cpu1, h1, c1, w1 = proc_cpu_seconds(coord.pid), handled(), sum_counters(reports), time.monotonic()
+        sim_cpu1 = sum(proc_cpu_seconds(p.pid) for p in sims)
         started = sum(rep["ranks"] for rep in reports)  # rank processes the simulation runs now
         if profiling:
             os.kill(coord.pid, signal.SIGUSR2)
@@ -859,6 +883,8 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
         res["steady"] = {
             "window_s": round(span, 2),
             "coordinator_cpu_pct": round(100 * (cpu1 - cpu0) / span, 1),
+            # what simulating every other node costs this machine meanwhile (its cores are shared)
+            "simulation_cpu_pct": round(100 * (sim_cpu1 - sim_cpu0) / span, 1),
             "msgs_in_per_s": round(sent / span, 1),
             "bytes_in_per_s": round((c1["sent_bytes"] - c0["sent_bytes"]) / span),
             "msgs_handled_per_s": round(done / span, 1),
@@ -890,7 +916,10 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
         planned = events.of("recovery_planned")[-1]
         gen = planned["generation"]
         plans = run.wait("plan receipts", lambda: sum_counters(ask_all(pipes, "counters"))["plans"].get(gen))
+        aborts = sum_counters(ask_all(pipes, "counters"))["aborts"].get(gen) or [at, at]
         res["rank_death"] = {
+            "to_round_started_s": round(events.of("recovery_started")[-1]["time"] - at, 4),
+            "to_abort_received_by_all_s": round(aborts[1] - at, 4),
             "to_plan_decided_s": round(planned["time"] - at, 4),
             "to_plan_received_by_all_s": round(plans[1] - at, 4),
             "round_s": round(fin["time"] - at, 4),

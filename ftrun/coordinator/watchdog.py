@@ -137,7 +137,7 @@ class Watchdog:
             found = look()  # in order, and no further than the first kind found
             if found:
                 return found
-        if recovery is not None or any(r.alive() and r.proc.kill_reason is not None for r in ranks):
+        if recovery is not None or any(r.proc.kill_reason is not None and r.proc.running for r in ranks):
             return None  # recovering ranks wait for each other (set-up and heartbeats still apply); or a kill is pending
         if quiet_nodes:
             # A node whose agent went quiet is the likelier cause of a stalled step: its ranks'
@@ -151,9 +151,10 @@ class Watchdog:
         """Ranks whose heartbeats stopped for ``--heartbeat_timeout`` (after ft.finish() a rank
         sends nothing: its own code runs to its exit)."""
         timeout = self.bounds.heartbeat_timeout
+        since = now - timeout  # one comparison a rank first: a pass looks at every rank (docs/scale.md)
         return [Hung(r.rank, "no_heartbeat", f"no heartbeat for {now - r.proc.last_heartbeat:.1f} s "
                                              f"(--heartbeat_timeout {timeout:g})", r.proc.last_heartbeat)
-                for r in ranks if r.connected() and not r.proc.finished and now - r.proc.last_heartbeat > timeout]
+                for r in ranks if r.proc.last_heartbeat < since and r.connected() and not r.proc.finished]
 
     @staticmethod
     def rejoins(ranks: Sequence[Rank], now: float) -> list[Hung]:
@@ -163,8 +164,8 @@ class Watchdog:
         rather than waited for by every round."""
         return [Hung(r.rank, "no_heartbeat", f"did not say hello to this coordinator within "
                                              f"{r.proc.rejoin_by - r.proc.started_at:.0f} s of its takeover", r.proc.started_at)
-                for r in ranks if r.alive() and r.proc.identity is None and r.proc.kill_reason is None
-                and r.proc.rejoin_by is not None and now > r.proc.rejoin_by]
+                for r in ranks if r.proc.rejoin_by is not None and now > r.proc.rejoin_by and r.alive()
+                and r.proc.identity is None and r.proc.kill_reason is None]
 
     @staticmethod
     def sections(ranks: Sequence[Rank], now: float) -> list[Hung]:
@@ -172,7 +173,7 @@ class Watchdog:
         out = []
         for r in ranks:
             p = r.proc
-            if (r.alive() and p.kill_reason is None and p.section is not None and p.section_timeout is not None
+            if (p.section is not None and p.section_timeout is not None and p.running and p.kill_reason is None
                     and now - p.section_started > p.section_timeout):
                 out.append(Hung(r.rank, "section", f"in section {p.section!r} for {now - p.section_started:.1f} s "
                                                    f"(its timeout {p.section_timeout:g} s)", p.section_started))
@@ -184,13 +185,14 @@ class Watchdog:
         heartbeats see them there), is hung after :meth:`stall_bound` seconds, whatever the
         round's or the set-up's longer deadlines (round 3: a hang at ``rejoin`` held the job until
         the 300 s set-up timeout, at ``transfer`` for 60-150 s)."""
-        alive = [r for r in ranks if r.connected() and not r.proc.finished]
-        waiting = [r.rank for r in alive if r.proc.in_dist is True]
+        stalled_ranks = [r for r in ranks if r.proc.outside_since is not None and r.proc.stage in STALL_STAGES
+                         and r.connected() and not r.proc.finished]
+        if not stalled_ranks:
+            return []  # the usual case: no rank outside torch.distributed in such a stage, no look at the others
+        waiting = [r.rank for r in ranks if r.proc.in_dist is True and r.connected() and not r.proc.finished]
         out = []
-        for r in alive:
+        for r in stalled_ranks:
             p = r.proc
-            if p.stage not in STALL_STAGES or p.outside_since is None:
-                continue
             stalled, bound = now - p.outside_since, self.stall_bound(r)
             others = [w for w in waiting if w != r.rank]
             if stalled > bound and others:
@@ -206,8 +208,8 @@ class Watchdog:
         timeout = self.bounds.setup_timeout
         if recovery is not None and now - recovery.round_started < REPORT_DEADLINE_S:
             return []  # ranks released by the abort (a failed broadcast) get the time to report
-        overdue = [r for r in ranks if r.alive() and r.proc.kill_reason is None and not r.proc.finished and r.library
-                   and r.proc.step is None and not r.proc.steps_ended and now - r.proc.started_at > timeout
+        overdue = [r for r in ranks if r.proc.step is None and r.alive() and r.proc.kill_reason is None and not r.proc.finished
+                   and r.library and not r.proc.steps_ended and now - r.proc.started_at > timeout
                    and r.proc.phase == RankPhase.SETUP  # one that reported a fault is in a recovery round: its deadlines apply
                    and r.node in nodes_joined]  # a rank whose node has not (re)joined is not started yet
         if not overdue:
@@ -254,11 +256,11 @@ class Watchdog:
         it outside torch.distributed although it announced it (stuck in its own code between the
         announcement and the call). With none, every rank waits in the collective: a
         :class:`CommHang`."""
-        live = [r for r in ranks if r.alive() and r.library and r.proc.step is not None and not r.proc.steps_ended]
+        live = [r for r in ranks if r.proc.running and r.library and r.proc.step is not None and not r.proc.steps_ended]
         if not live:
             return None
         timeout = self.step_timeout()
-        last = max(r.proc.last_progress for r in live)
+        last = max([r.proc.last_progress for r in live])
         if now - last <= timeout:
             return None
         stalled = f"no step progress for {now - last:.1f} s (step timeout {timeout:.1f} s)"
