@@ -70,6 +70,7 @@ PER_NODE = 8
 RECORD_BYTES = 18_912  # word_lm's rank-state record (docs/benchmarks.md)
 SOCKETS_PER_PROCESS = 4000  # a ZeroMQ socket takes two descriptors (its connection and its mailbox)
 TOKEN = "s" * 64
+STANDBY_SEAT_PORT = 9  # a simulated standby coordinator's endpoint: named in messages, never connected to
 RANK_POLL_S = 0.2  # a simulated rank's connection is read this often once its beats are relayed (see Simulation)
 SIM_PID_BASE = 1 << 23  # simulated ranks' pids: above any real one (pid_max is at most 2^22)
 
@@ -471,6 +472,11 @@ class Simulation:
         elif msg.type == MsgType.STOP_RANKS:  # a whole-job restart: every rank of the node ends
             for r in [x for x in node.ranks.values() if x.alive]:
                 self.report_exit(node, r, returncode=-signal.SIGTERM)
+        elif msg.type == MsgType.STAND_BY:
+            # The coordinator's standby: this agent offers a seat (never taken over here), so that the
+            # coordinator beats every rank and replicates its state to it, as in a real job.
+            self._send(node.sock, node.sender, MsgType.AGENT_BEAT, node=node.index,
+                       standby_control=f"tcp://127.0.0.1:{STANDBY_SEAT_PORT}", standby_store="127.0.0.1:1")
         elif msg.type == MsgType.RANK_ORDERS:
             # A round's order, relayed: the agent hands it to each rank (a local hop on the rank's
             # own node, not simulated) and sends their answers in one frame (ftrun.node.relay).

@@ -79,22 +79,27 @@ def test_a_rank_row_is_named_and_travels_as_a_list_of_nine_values(tmp_path: Path
     assert all(type(row) is list and len(row) == len(RankRow._fields) == 9 for row in rows)
     row = RankRow.from_wire(rows[2])
     assert (row.rank, row.incarnation, row.library, row.state, row.committed, row.running) == (2, 0, True, "healthy", 3, True)
-    assert row.replica_group == [0, 1, 2, 3] and row.to_wire() == rows[2]
+    assert hard_state(coord)["groups"][row.replica_group] == [0, 1, 2, 3] and row.to_wire() == rows[2]
     assert RankRow.decision(rows[2]) == [v for name, v in zip(RankRow._fields, rows[2]) if name != "committed"]
     with pytest.raises(TypeError):
         RankRow.from_wire(rows[2][:8])
 
 
-def test_the_hard_state_of_16384_ranks_fits_one_frame() -> None:
-    """Rows travel as lists, not maps: a job of 16,384 ranks (replica pairs, high pids and steps)
-    replicates its whole hard state in one ``state`` frame."""
+@pytest.mark.parametrize("groups", ["pairs", "data_parallel"])
+def test_the_hard_state_of_16384_ranks_fits_one_frame(groups: str) -> None:
+    """Rows travel as lists, not maps, and name their replica group by its place in the state's
+    groups: a job of 16,384 ranks (high pids and steps; replica pairs, or one data-parallel group of
+    every rank, whose list in each row was 268 million numbers) replicates its whole hard state in
+    one ``state`` frame."""
     from ftrun.common.protocol import CONTROL, MAX_FRAME_BYTES, Receiver, Sender, decode, encode
 
     world = 16384
-    rows = [RankRow(r, 3, 4_000_000 + r, True, [r - r % 2, r - r % 2 + 1], 3, "healthy", 1_000_000, True).to_wire()
+    table = [[r, r + 1] for r in range(0, world, 2)] if groups == "pairs" else [list(range(world))]
+    rows = [RankRow(r, 3, 4_000_000 + r, True, r // 2 if groups == "pairs" else 0, 3, "healthy", 1_000_000, True).to_wire()
             for r in range(world)]
     state = {"epoch": 0, "attempt": 0, "generation": 9, "restarts_used": 3, "run_id": "job", "lost_nodes": {},
-             "members": list(range(world // 8)), "awaited": {}, "electorate": world // 8, "seats": [], "ranks": rows}
+             "members": list(range(world // 8)), "awaited": {}, "electorate": world // 8, "seats": [], "groups": table,
+             "ranks": rows}
     frame = encode(MsgType.STATE, Sender(TOKEN), CONTROL, state=state)
     assert len(frame) < MAX_FRAME_BYTES
     assert RankRow.from_wire(decode(frame, Receiver(TOKEN, CONTROL)).body.state["ranks"][-1]).pid == 4_000_000 + world - 1
@@ -104,7 +109,7 @@ def test_a_takeover_recovers_the_dead_coordinators_node_from_replicas(tmp_path: 
     clock = Clock()
     new = _standby_of(tmp_path, store, clock)
     state = {"epoch": 0, "attempt": 0, "generation": 2, "restarts_used": 1, "run_id": "job", "lost_nodes": {},
-             "ranks": [[r, 0, 100 + r, True, [0, 1, 2, 3], 0, "healthy", 40 + r % 2, True] for r in range(4)]}
+             "groups": [[0, 1, 2, 3]], "ranks": [[r, 0, 100 + r, True, 0, 0, "healthy", 40 + r % 2, True] for r in range(4)]}
     new.take_over(state, lost=[0])
     assert new.epoch == 1 and new.generation == 3  # the round after the dead coordinator's generation
     takeover = events(tmp_path / "new", "coordinator_takeover")
@@ -132,7 +137,7 @@ def test_a_rank_that_never_says_hello_after_a_takeover_is_replaced(tmp_path: Pat
     clock = Clock()
     new = _standby_of(tmp_path, store, clock)
     state = {"epoch": 0, "attempt": 0, "generation": 2, "restarts_used": 0, "run_id": "job", "lost_nodes": {},
-             "ranks": [[r, 0, 100 + r, True, [0, 1, 2, 3], 0, "healthy", 40, True] for r in range(4)]}
+             "groups": [[0, 1, 2, 3]], "ranks": [[r, 0, 100 + r, True, 0, 0, "healthy", 40, True] for r in range(4)]}
     new.take_over(state, lost=[0])
     new.agents[1].running.update({2: (0, 102), 3: (0, 103)})  # node 1's ranks, this process's children
     new.handle(ident(2, 0), msg(MsgType.HELLO, rank=2, incarnation=0, pid=102, generation=2,
@@ -157,7 +162,7 @@ def test_a_newer_incarnation_than_the_state_names_is_adopted_after_a_takeover(tm
     clock = Clock()
     new = _standby_of(tmp_path, store, clock)
     state = {"epoch": 0, "attempt": 0, "generation": 2, "restarts_used": 0, "run_id": "job", "lost_nodes": {},
-             "members": [0, 1], "ranks": [[r, 0, 100 + r, True, [0, 1, 2, 3], 0, "healthy", 40, True] for r in range(4)]}
+             "members": [0, 1], "groups": [[0, 1, 2, 3]], "ranks": [[r, 0, 100 + r, True, 0, 0, "healthy", 40, True] for r in range(4)]}
     new.take_over(state, lost=[0])
     new.handle(ident(2, 1), msg(MsgType.HELLO, rank=2, incarnation=1, pid=555, generation=3,
                                 replica_group=[0, 1, 2, 3], library=True, rejoin=True, seen=3))
@@ -175,7 +180,7 @@ def test_a_rank_that_heard_of_a_newer_generation_moves_the_round_beyond_it(tmp_p
     what a rank has seen would be ignored by it)."""
     new = _standby_of(tmp_path, store, Clock())
     state = {"epoch": 0, "attempt": 0, "generation": 2, "restarts_used": 0, "run_id": "job", "lost_nodes": {},
-             "ranks": [[r, 0, 100 + r, True, [0, 1, 2, 3], 0, "healthy", 40, True] for r in range(4)]}
+             "groups": [[0, 1, 2, 3]], "ranks": [[r, 0, 100 + r, True, 0, 0, "healthy", 40, True] for r in range(4)]}
     new.take_over(state, lost=[0])
     assert new.generation == 3
     new.handle(ident(2, 0), msg(MsgType.HELLO, rank=2, incarnation=0, pid=102, generation=2, replica_group=[0, 1, 2, 3],

@@ -92,7 +92,7 @@ FULL = {
     MsgType.SHUTDOWN: dict(code=0, message="done", rejoin=False),
     MsgType.TAKE_NODE: dict(node=0),
     MsgType.STANDBY: dict(control="tcp://h1:2", store="h1:3", epoch=0, seats=[["tcp://h1:2", 1]], timeout=15.0),
-    MsgType.STATE: dict(state={"epoch": 0, "ranks": [[0, 0, 10, True, [0, 1], 0, "healthy", 4, True]]}),
+    MsgType.STATE: dict(state={"epoch": 0, "groups": [[0, 1]], "ranks": [[0, 0, 10, True, 0, 0, "healthy", 4, True]]}),
     MsgType.STAND_BY: dict(),
     MsgType.RANK_ORDERS: dict(node=1, order="abort", common={"generation": 2, "reason": "rank 3 died"}, ranks=[[2, 0, {}]]),
     MsgType.RANK_REPORTS: dict(node=1, reports=[["recovered", {"rank": 2, "incarnation": 0, "generation": 2,

@@ -146,8 +146,9 @@ CONTROL: bytes = b"control"
 # A node agent's heartbeat relay (its ranks' beats, :mod:`ftrun.node.relay`): a relayed beat does
 # not verify at the coordinator's endpoint, nor a beat to the coordinator at a relay.
 RELAY: bytes = b"relay"
-#: What a coordinator may send ranks through their agent's relay, and what they answer through it.
-RELAYED_ORDERS = frozenset({MsgType.ABORT, MsgType.RECONFIGURE})
+#: What a coordinator may send ranks through their agent's relay (a round's orders; its beat, the
+#: ``standby`` message), and what they answer through it.
+RELAYED_ORDERS = frozenset({MsgType.ABORT, MsgType.RECONFIGURE, MsgType.STANDBY})
 RELAYED_ANSWERS = frozenset({MsgType.FAULT, MsgType.RECOVERED})
 
 

@@ -207,11 +207,14 @@ class RemoteAgent(AgentHandle):
     pid: int = 0
     lost: bool = False
     leaving: str | None = None  # the reason it gave for leaving (its launcher was stopped or killed)
+    sent: int = 0  # frames sent to it (any frame proves the coordinator alive to it)
+    sent_at_beat: int = 0  # ... as counted at the coordinator's last look at its beats
     _reports: list[Report] = field(default_factory=list)
 
     def _send(self, msg_type: MsgType, **fields: Any) -> None:
         if not self.lost:
             self.send_frame(self.identity, msg_type, fields)
+            self.sent += 1
 
     def spawn(self, rank: int, incarnation: int, rank_vars: Mapping[str, str], header: str, use_spare: bool) -> None:
         self._send(MsgType.SPAWN, rank=rank, incarnation=incarnation, vars=dict(rank_vars), header=header, use_spare=use_spare)

@@ -69,6 +69,12 @@ log = logging.getLogger("ftrun.coordinator")
 
 STANDBY_NODE = 1  # the node whose agent is the first standby coordinator
 SEATS = 2  # standby coordinators kept in line: node 1 may be lost while it takes over from node 0
+#: In a job of more than this many ranks, the hard state (a row a rank) goes to the standbys once per
+#: this many ranks a second (16,384 ranks: every 8 s), or at once when forced (a round's start):
+#: built, compared and sent every heartbeat interval it took a 16,384-rank coordinator from a quarter
+#: of a core to nine tenths (docs/scale.md). A takeover from an older state adopts what it missed
+#: (ftrun.coordinator.messages, RankMessages._adopts).
+REPLICA_RANKS_PER_S = 2048
 
 
 def silence_timeout(spec: Any) -> float:
@@ -91,23 +97,25 @@ def address_towards(peer: str) -> str:
 
 class RankRow(NamedTuple):
     """One rank in the hard state (:func:`hard_state`). It travels as a list of these nine values
-    in this order, not as a map: the rows of 16,384 ranks fit one frame
-    (:data:`ftrun.common.protocol.MAX_FRAME_BYTES`)."""
+    in this order, not as a map, and names its replica group by its place in the state's
+    ``groups``: the rows of 16,384 ranks fit one frame (:data:`ftrun.common.protocol.MAX_FRAME_BYTES`),
+    whatever the groups' size (a data-parallel job's one group holds every rank: in each row, 16,384
+    ranks' rows were 268 million numbers)."""
 
     rank: int
     incarnation: int
     pid: int  # 0: not known yet
     library: bool  # the rank runs the worker library
-    replica_group: list[int]
+    replica_group: int  # its index in the hard state's ``groups``
     restarts: int
     state: str  # a RankState value
     committed: int  # its committed step: moves every step, not a decision (:meth:`decision`)
     running: bool
 
     @classmethod
-    def of(cls, r: "Rank") -> "RankRow":
-        """The row of rank ``r`` now."""
-        return cls(r.rank, r.incarnation, r.proc.pid or 0, r.library, list(r.replica_group), r.restarts,
+    def of(cls, r: "Rank", group: int) -> "RankRow":
+        """The row of rank ``r`` now, its replica group at index ``group`` of the state's groups."""
+        return cls(r.rank, r.incarnation, r.proc.pid or 0, r.library, group, r.restarts,
                    r.proc.state.value, r.proc.committed, r.proc.running)
 
     @classmethod
@@ -135,6 +143,7 @@ _COMMITTED = RankRow._fields.index("committed")
 def hard_state(job: "Coordinator") -> dict[str, Any]:
     """What a standby needs to go on with the job: the coordinator's hard state (see the module
     docstring), a msgpack-able dict."""
+    rows, groups = _rows_and_groups(job)
     return {
         "epoch": job.epoch,
         "attempt": job.attempt,
@@ -149,8 +158,24 @@ def hard_state(job: "Coordinator") -> dict[str, Any]:
         "electorate": job.members.electorate,
         # the standby coordinators in line, first first: [node, control endpoint, store]
         "seats": [[seat.node, seat.control, seat.store] for seat in job.failover.seats],
-        "ranks": [RankRow.of(r).to_wire() for r in job.ranks.values()],  # one RankRow each
+        "groups": groups,  # each replica group the ranks declared, once
+        "ranks": rows,  # one RankRow each
     }
+
+
+def _rows_and_groups(job: "Coordinator") -> tuple[list[list[Any]], list[list[int]]]:
+    """The ranks' rows and the replica groups they name (each once; a group is one object for all
+    its ranks, :meth:`ftrun.coordinator.messages.RankMessages.on_hello`, so it is found by its id)."""
+    index: dict[int, int] = {}
+    groups: list[list[int]] = []
+    rows = []
+    for r in job.ranks.values():
+        at = index.get(id(r.replica_group))
+        if at is None:
+            at = index[id(r.replica_group)] = len(groups)
+            groups.append(list(r.replica_group))
+        rows.append(RankRow.of(r, at).to_wire())
+    return rows, groups
 
 
 def restore(job: "Coordinator", state: dict[str, Any]) -> None:
@@ -184,13 +209,14 @@ def restore(job: "Coordinator", state: dict[str, Any]) -> None:
         job.members.node_deadline[node] = now + 2 * silence_timeout(job.spec)
         job.members.rejoining.add(node)
     job.members.electorate = int(state.get("electorate", 0))
+    groups = [tuple(int(x) for x in group) for group in state["groups"]]  # one object per group, as on_hello keeps them
     for row in map(RankRow.from_wire, state["ranks"]):
         r = job.ranks[int(row.rank)]
         r.proc = Incarnation(number=int(row.incarnation), started_at=now, pid=int(row.pid) or None,
                              running=bool(row.running), state=RankState(row.state), committed=int(row.committed),
                              last_heartbeat=now, last_progress=now, rejoin_by=now + 2 * silence_timeout(job.spec))
         r.library, r.restarts = bool(row.library), int(row.restarts)
-        r.replica_group = tuple(int(x) for x in row.replica_group)
+        r.replica_group = groups[int(row.replica_group)]
 
 
 @dataclass
@@ -300,29 +326,36 @@ class Replication:
         first first); with no standby (its node was lost), an empty ``control``: nowhere."""
         if (self.seats or self._announced) and r.connected():
             self._announced = True
-            first = self.seats[0] if self.seats else None
-            self.job.send(r, MsgType.STANDBY, control=first.control if first else "", store=first.store if first else "",
-                          epoch=self.job.epoch, timeout=float(silence_timeout(self.job.spec)),
-                          seats=[[s.control, s.node] for s in self.seats])
+            self.job.send(r, MsgType.STANDBY, **self._standby_fields())
+
+    def _standby_fields(self) -> dict[str, Any]:
+        first = self.seats[0] if self.seats else None
+        return {"control": first.control if first else "", "store": first.store if first else "", "epoch": self.job.epoch,
+                "timeout": float(silence_timeout(self.job.spec)), "seats": [[s.control, s.node] for s in self.seats]}
 
     def beat_ranks(self, now: float) -> None:
         """Once a heartbeat interval, once a standby was announced: announce it again (or that
         there is none) to every rank. A rank that hears nothing for the silence timeout (a
         partition between it and this coordinator) moves to the standby, as on a closed
-        connection."""
+        connection. A rank whose beats its agent relays gets it through that agent, one frame a
+        node (:mod:`ftrun.node.relay`): 16,384 frames a second out of node 0 otherwise."""
         if not self._announced or now - self._ranks_told_at < self.job.spec.heartbeat_interval:
             return
         self._ranks_told_at = now
-        for r in self.job.ranks.values():
-            self.announce(r)
+        self.job.rounds.send_order([r for r in self.job.ranks.values() if r.connected()], MsgType.STANDBY,
+                                   self._standby_fields())
 
     def replicate(self, now: float, force: bool = False) -> None:
         """Send the hard state to every standby in line when it changed (``force``: now, before
-        what it decided is sent to anyone), and at every beat."""
+        what it decided is sent to anyone), and at every beat; in a job of more than
+        :data:`REPLICA_RANKS_PER_S` ranks, at most once per that many ranks a second unless forced."""
         job = self.job
         self.beat_ranks(now)
         self.choose(now)
         if not self.seats:
+            return
+        if (not force and len(job.ranks) > REPLICA_RANKS_PER_S
+                and all(now - self._sent_at.get(seat.node, 0.0) < len(job.ranks) / REPLICA_RANKS_PER_S for seat in self.seats)):
             return
         state = hard_state(job)
         for seat in self.seats:

@@ -189,8 +189,9 @@ class BeatRelay(RelayedBeats):
                 sent += 1
             except (ProtocolError, zmq.ZMQError):
                 self.unrelayed += 1
-        log.info("relayed %s (generation %s) to %d rank(s) of this node%s", order.value, msg["common"].get("generation"), sent,
-                 f"; {self.unrelayed} order(s) not relayed so far" if self.unrelayed else "")
+        if order != MsgType.STANDBY:  # the coordinator's beat comes every heartbeat interval: not logged
+            log.info("relayed %s (generation %s) to %d rank(s) of this node%s", order.value, msg["common"].get("generation"),
+                     sent, f"; {self.unrelayed} order(s) not relayed so far" if self.unrelayed else "")
         return sent
 
     def close(self) -> None:

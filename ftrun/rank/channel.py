@@ -319,9 +319,7 @@ class Channel:
             heard = True
             self._at_seat = False  # whoever this is connected to speaks: it is the coordinator
             if msg.type == MsgType.STANDBY:
-                self.line = [control for control, _ in standby_line(msg)]  # []: the standby was lost, none yet
-                timeout = msg.get("timeout")
-                self.silence_timeout = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else None
+                self._take_standby(msg)
                 continue
             if msg.type in (MsgType.ABORT, MsgType.RECONFIGURE):
                 self._answer_via_relay = False
@@ -329,17 +327,27 @@ class Channel:
         return heard
 
     def _take_relayed(self) -> bool:
-        """Read the round's orders the node agent relayed (sealed for this rank's relay connection
-        alone: ``abort`` and ``reconfigure`` only), and answer them through the relay. Returns
-        whether any arrived."""
+        """Read what the node agent relayed (sealed for this rank's relay connection alone): the
+        coordinator's beat (``standby``), and a round's ``abort`` and ``reconfigure``, whose answers
+        then go through the relay too. Returns whether any arrived."""
         assert self._relay is not None and self._relay_receiver is not None
         heard = False
         for msg in receive(self._relay, self._relay_receiver, RECEIVE_BUDGET, lambda _err: None):
             if msg.type not in RELAYED_ORDERS:
                 continue
-            heard = self._answer_via_relay = True
+            heard = True
+            if msg.type == MsgType.STANDBY:
+                self._take_standby(msg)
+                continue
+            self._answer_via_relay = True
             self._deliver(msg)
         return heard
+
+    def _take_standby(self, msg: Message) -> None:
+        """The coordinator's beat: its standbys in line and its silence timeout."""
+        self.line = [control for control, _ in standby_line(msg)]  # []: the standby was lost, none yet
+        timeout = msg.get("timeout")
+        self.silence_timeout = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else None
 
     def _deliver(self, msg: Message) -> None:
         """Hand a message of the coordinator to :attr:`on_receive`, then queue it for the training thread."""
