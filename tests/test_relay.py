@@ -345,3 +345,62 @@ def test_an_order_relayed_to_a_rank_comes_sealed_for_it_and_its_answer_goes_back
         relay.close()
         coordinator.close(0)
         ctx.term()
+
+
+def test_the_coordinators_beat_to_relayed_ranks_goes_through_their_agent_one_frame_a_node(tmp_path: Path) -> None:
+    """Once a standby is announced, every rank hears the coordinator's ``standby`` once a heartbeat
+    interval: a rank whose beats node 1's agent relays, in that agent's one ``rank_orders``; the
+    others straight. Node 1's agent, sent that frame, gets no beat of its own in that period."""
+    from ftrun.coordinator.agents import RemoteAgent
+    from ftrun.coordinator.membership import AGENT_BEATS_PER_S, agent_beat_period
+
+    coord, _agent, clock, to_agent, direct = _relayed_job(tmp_path)
+    frames: list[MsgType] = []
+    coord.members.agents[1].send_frame = lambda _i, t, f: (frames.append(t), to_agent.append((t, f)) if t == MsgType.RANK_ORDERS
+                                                          else None)
+    coord.failover.on_standby(1, "tcp://10.0.0.2:5555", "10.0.0.2:6666")
+    direct.clear(), to_agent.clear()
+    clock.now += coord.spec.heartbeat_interval
+    coord.failover.beat_ranks(clock.now)
+    assert sorted(rank for rank, t, _f in direct if t == MsgType.STANDBY) == [0, 1]
+    assert [(f["order"], f["ranks"]) for _t, f in to_agent] == [("standby", [[2, 0, {}], [3, 0, {}]])]
+    assert to_agent[0][1]["common"]["control"] == "tcp://10.0.0.2:5555"
+    frames.clear()
+    coord.members._next_beat = 0.0
+    coord.members.check(set(), clock.now)
+    assert MsgType.AGENT_BEAT not in frames  # the relayed beat proved the coordinator alive to it
+    coord.members._next_beat = 0.0
+    coord.members.check(set(), clock.now)
+    assert frames == [MsgType.AGENT_BEAT]  # nothing else sent since: a beat
+    spec = coord.spec
+    assert agent_beat_period(spec, 64) == spec.heartbeat_interval
+    assert agent_beat_period(spec, 2 * AGENT_BEATS_PER_S) == min(2.0, max(spec.heartbeat_timeout, 3 * spec.heartbeat_interval) / 2.5)
+    assert isinstance(coord.members.agents[1], RemoteAgent)
+
+
+def test_a_relayed_standby_sets_the_ranks_line_and_silence_timeout() -> None:
+    from ftrun.common.protocol import Message
+
+    ctx = zmq.Context()
+    relay = BeatRelay(ctx, FrameAuth(TOKEN))
+    coordinator = ctx.socket(zmq.ROUTER)
+    coordinator.setsockopt(zmq.LINGER, 0)
+    port = coordinator.bind_to_random_port("tcp://127.0.0.1")
+    channel = Channel(f"tcp://127.0.0.1:{port}", TOKEN, rank=3, incarnation=2, heartbeat_interval=0.1, relay=relay.address)
+    try:
+        _rows_within(relay, lambda rows: rows)
+        orders = Message(MsgType.RANK_ORDERS, {"node": 1, "order": "standby", "ranks": [[3, 2, {}]], "common": {
+            "control": "tcp://10.0.0.2:5555", "store": "10.0.0.2:6666", "epoch": 0, "timeout": 7.5,
+            "seats": [["tcp://10.0.0.2:5555", 1]]}})
+        assert relay.forward(orders) == 1
+        deadline = time.monotonic() + 20
+        while channel.silence_timeout is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert channel.line == ["tcp://10.0.0.2:5555"] and channel.silence_timeout == 7.5
+        assert channel.receive(timeout=0.2) is None  # the beat is the I/O thread's, not the training thread's
+    finally:
+        channel.close()
+        relay.close()
+        coordinator.close(0)
+        ctx.term()
