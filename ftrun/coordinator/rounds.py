@@ -22,6 +22,12 @@ from ftrun.coordinator.ranks import Rank, RankPhase, RecoveryRound
 if TYPE_CHECKING:
     from ftrun.coordinator.core import Coordinator
 
+#: A round whose plan moves state to more ranks than this (a laggard rule over thousands of ranks, a
+#: rollback of every rank) has a ``rank_recovered`` event for its respawned ranks only: one per rank
+#: was thousands of events (each written, pushed to the console and counted) at 16,384 ranks; the
+#: ``recovery_finished`` event has the round's totals.
+RANK_EVENTS_MAX = 256
+
 _KIND_LABEL = {"comm_error": "HCCE: communication error", "recoverable_error": "UCE: recoverable error"}
 
 
@@ -218,7 +224,8 @@ class RecoveryRounds:
         rec.recovered[r.rank] = dict(msg.fields, at=job.clock())
         r.proc.move(RankState.HEALTHY)
         role = msg["role"]
-        if role != "none":
+        moved = len(job.ranks) if rec.plan.rollback else len(rec.plan.transfers)  # ranks whose state the plan moves
+        if role != "none" and (r.rank in rec.failed or moved <= RANK_EVENTS_MAX):
             how = "rolled back to the checkpoint" if role == "rollback" else f"rejoined as {role}"
             job.emit(EventKind.RANK_RECOVERED, f"rank {r.rank} {how}: {msg['bytes'] / 1e6:.2f} MB in {msg['seconds']:.3f} s",
                      rank=r.rank, role=role, bytes=msg["bytes"], seconds=msg["seconds"], rebuild_seconds=msg.get("rebuild_seconds"))
