@@ -5,8 +5,10 @@ the coordinator of coordinator_fixtures on an injected clock."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import zmq
@@ -21,6 +23,25 @@ from config_fixtures import res
 from coordinator_fixtures import TOKEN, begin, board, close_coordinators, hello_all, make, send  # noqa: F401
 
 
+@contextlib.contextmanager
+def _rank_on_a_relay() -> Iterator[tuple[zmq.Context, BeatRelay, zmq.Socket, Channel]]:
+    """A real rank channel (rank 3, incarnation 2, beating every 0.1 s) on a real relay, and a bare
+    ROUTER as its coordinator; all closed on the way out."""
+    ctx = zmq.Context()
+    relay = BeatRelay(ctx, FrameAuth(TOKEN))
+    coordinator = ctx.socket(zmq.ROUTER)
+    coordinator.setsockopt(zmq.LINGER, 0)
+    port = coordinator.bind_to_random_port("tcp://127.0.0.1")
+    channel = Channel(f"tcp://127.0.0.1:{port}", TOKEN, rank=3, incarnation=2, heartbeat_interval=0.1, relay=relay.address)
+    try:
+        yield ctx, relay, coordinator, channel
+    finally:
+        channel.close()
+        relay.close()
+        coordinator.close(0)
+        ctx.term()
+
+
 def _rows_within(relay: BeatRelay, until, deadline_s: float = 20.0) -> list[list]:
     rows: list[list] = []
     deadline = time.monotonic() + deadline_s
@@ -33,14 +54,8 @@ def _rows_within(relay: BeatRelay, until, deadline_s: float = 20.0) -> list[list
 
 
 def test_a_ranks_beats_go_to_its_relay_with_the_count_of_its_direct_frames_and_forged_ones_are_dropped() -> None:
-    ctx = zmq.Context()
-    relay = BeatRelay(ctx, FrameAuth(TOKEN))
-    coordinator = ctx.socket(zmq.ROUTER)
-    coordinator.setsockopt(zmq.LINGER, 0)
-    port = coordinator.bind_to_random_port("tcp://127.0.0.1")
-    channel = Channel(f"tcp://127.0.0.1:{port}", TOKEN, rank=3, incarnation=2, heartbeat_interval=0.1, relay=relay.address)
-    channel.probe = lambda: {"in_dist": True, "stage": "loop"}
-    try:
+    with _rank_on_a_relay() as (ctx, relay, coordinator, channel):
+        channel.probe = lambda: {"in_dist": True, "stage": "loop"}
         assert relay.address.startswith("ipc://@")
         channel.send(MsgType.HELLO, pid=1, generation=0, replica_group=[3], library=True)
         channel.send(MsgType.STEPS_END)
@@ -69,11 +84,6 @@ def test_a_ranks_beats_go_to_its_relay_with_the_count_of_its_direct_frames_and_f
             relay.drain(time.monotonic())
         assert all(row[0] == 3 for row in relay.rows(time.monotonic()))
         forger.close(0)
-    finally:
-        channel.close()
-        relay.close()
-        coordinator.close(0)
-        ctx.term()
 
 
 def test_a_relayed_beat_keeps_a_rank_alive_dated_where_it_arrived(tmp_path: Path) -> None:
@@ -299,13 +309,7 @@ def test_an_order_relayed_to_a_rank_comes_sealed_for_it_and_its_answer_goes_back
     and a direct abort is answered straight."""
     from ftrun.common.protocol import Message, decode, Receiver, to_peer
 
-    ctx = zmq.Context()
-    relay = BeatRelay(ctx, FrameAuth(TOKEN))
-    coordinator = ctx.socket(zmq.ROUTER)
-    coordinator.setsockopt(zmq.LINGER, 0)
-    port = coordinator.bind_to_random_port("tcp://127.0.0.1")
-    channel = Channel(f"tcp://127.0.0.1:{port}", TOKEN, rank=3, incarnation=2, heartbeat_interval=0.1, relay=relay.address)
-    try:
+    with _rank_on_a_relay() as (ctx, relay, coordinator, channel):
         _rows_within(relay, lambda rows: rows)  # the rank beat the relay: it is known there
         relay.note({"rank": 3, "incarnation": 2, "phase": "compute"}, time.monotonic())  # a beat before the answer
         orders = Message(MsgType.RANK_ORDERS, {"node": 1, "order": "abort", "common": {"generation": 4, "reason": "rank 0 died"},
@@ -340,11 +344,6 @@ def test_an_order_relayed_to_a_rank_comes_sealed_for_it_and_its_answer_goes_back
         assert coordinator.poll(20_000)
         frame = coordinator.recv_multipart()[1]
         assert decode(frame, Receiver(TOKEN, CONTROL))["generation"] == 6
-    finally:
-        channel.close()
-        relay.close()
-        coordinator.close(0)
-        ctx.term()
 
 
 def test_the_coordinators_beat_to_relayed_ranks_goes_through_their_agent_one_frame_a_node(tmp_path: Path) -> None:
@@ -381,13 +380,7 @@ def test_the_coordinators_beat_to_relayed_ranks_goes_through_their_agent_one_fra
 def test_a_relayed_standby_sets_the_ranks_line_and_silence_timeout() -> None:
     from ftrun.common.protocol import Message
 
-    ctx = zmq.Context()
-    relay = BeatRelay(ctx, FrameAuth(TOKEN))
-    coordinator = ctx.socket(zmq.ROUTER)
-    coordinator.setsockopt(zmq.LINGER, 0)
-    port = coordinator.bind_to_random_port("tcp://127.0.0.1")
-    channel = Channel(f"tcp://127.0.0.1:{port}", TOKEN, rank=3, incarnation=2, heartbeat_interval=0.1, relay=relay.address)
-    try:
+    with _rank_on_a_relay() as (ctx, relay, coordinator, channel):
         _rows_within(relay, lambda rows: rows)
         orders = Message(MsgType.RANK_ORDERS, {"node": 1, "order": "standby", "ranks": [[3, 2, {}]], "common": {
             "control": "tcp://10.0.0.2:5555", "store": "10.0.0.2:6666", "epoch": 0, "timeout": 7.5,
@@ -399,8 +392,3 @@ def test_a_relayed_standby_sets_the_ranks_line_and_silence_timeout() -> None:
             time.sleep(0.01)
         assert channel.line == ["tcp://10.0.0.2:5555"] and channel.silence_timeout == 7.5
         assert channel.receive(timeout=0.2) is None  # the beat is the I/O thread's, not the training thread's
-    finally:
-        channel.close()
-        relay.close()
-        coordinator.close(0)
-        ctx.term()

@@ -341,8 +341,8 @@ class JobSpec:
     heartbeat_relay: str = option(
         "auto", "Whether the ranks of nodes other than node 0 send their heartbeats through their node's agent, "
         "which passes them on in its own beat (one message a heartbeat interval per node to node 0 instead of one "
-        "per rank): 'on', 'off' or 'auto' (on from 256 ranks when --heartbeat_timeout is above two heartbeat "
-        "intervals; see docs/scale.md).")
+        "per rank), and a recovery round's orders and answers go through it too: 'on', 'off' or 'auto' (on from "
+        "256 ranks when --heartbeat_timeout is above two heartbeat intervals; see docs/scale.md).")
     hot_spares: int = option(
         0, "Spares per node that run the script's own set-up (imports, data, model, optimizer) before any fault and "
         "wait at its training loop for a rank to replace (ARF; 0: warm spares only). The script must not read its "

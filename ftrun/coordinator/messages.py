@@ -13,7 +13,7 @@ from ftrun.common.events import EventKind
 from ftrun.coordinator.policy import RankState
 from ftrun.common.protocol import RELAYED_ANSWERS, Message, MsgType, ProtocolError, relayed_message
 from ftrun.coordinator.phases import JobPhase
-from ftrun.coordinator.ranks import Incarnation, Rank, RankPhase, is_int, is_seconds
+from ftrun.coordinator.ranks import Incarnation, Rank, RankPhase, is_seconds
 
 if TYPE_CHECKING:
     from ftrun.coordinator.core import Coordinator
