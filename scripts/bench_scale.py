@@ -10,7 +10,12 @@ torch: each simulated rank has its own DEALER connection, its own frame session
 of the worker library sends (``hello``, a ``heartbeat`` with its step board every
 ``--heartbeat_interval``, ``fault`` in answer to an abort, ``recovered`` after a plan); each
 simulated agent says hello, beats, answers ``spawn`` with ``spawned`` and starts the new rank's
-connection, and reports a rank's exit. Rank-state records go to the store through the real
+connection, reports a rank's exit, and offers a standby seat when asked (``stand_by``: the
+coordinator then keeps standbys in line, replicates its hard state to them and beats every rank).
+With the relay (``--heartbeat_relay on``) a rank of a node other than 0 beats its agent, whose beat
+carries the rows (:class:`ftrun.node.relay.RelayedBeats`), and a round's orders and answers go
+through the agent (``rank_orders``, ``rank_reports``; the agent-to-rank hop, local to each node, is
+not simulated). Rank-state records go to the store through the real
 :class:`ftrun.rank.rankstate.RankStateStore` (one store client per simulation process, not one per rank).
 Node 0's own agent is :class:`SimLocalAgent`, an :class:`ftrun.coordinator.agents.AgentHandle` that starts no
 process: its ranks are simulated like the others.
@@ -20,10 +25,11 @@ Per size (``--ranks``, 8 ranks a node with ``--per_node``), in order:
 1. start: every agent and rank says hello; the job runs;
 2. steady state: once the coordinator has caught up with the start (it handles no more frames a
    second than arrive), a window of ``--window`` seconds (scaled with the ranks) in which node 0's
-   coordinator's CPU (every thread of its process: the ZeroMQ I/O thread too), the messages and
-   bytes sent to it and those it handled are counted;
+   coordinator's CPU (every thread of its process: the ZeroMQ I/O thread too), the simulation
+   processes' CPU, the messages and bytes sent to it and those it handled are counted;
 3. one rank's death (its agent reports the exit at once, as it does after ``SIGCHLD``): the times
-   to the recovery plan and to the end of the round (the respawned rank starts at once: what is
+   to the round's start, to the abort received by every rank, to the recovery plan (decided;
+   received by every rank) and to the end of the round (the respawned rank starts at once: what is
    left is the control plane's part);
 4. one node's silence (its agent and ranks stop sending; their connections stay open, a hung
    host): the time to the coordinator's verdict (``node_lost``), and the one-node recovery round on
@@ -33,6 +39,8 @@ Per size (``--ranks``, 8 ranks a node with ``--per_node``), in order:
    step, and the store process's CPU.
 
 Node 0's memory (RSS of the coordinator's and the store's processes) is read at the end.
+``FTRUN_BENCH_PROFILE=PATH`` writes a cProfile of the coordinator's main loop over the steady state
+(``FTRUN_BENCH_PROFILE_PHASE=round``: over the rank death's round instead).
 Each size has a time cap (``--cap``): a phase that does not finish in it is reported as such, with
 what was measured before it. The machine's other load shows in every figure: run it on an idle
 machine for figures worth quoting, and read them as one run's.
