@@ -18,7 +18,9 @@ alone, and the rank answers through the relay too. The agent sends the answers i
 come, in one ``rank_reports`` frame a turn of its loop, before any exit it reports (a rank that
 answered and died is seen in that order), and drops the rank's beat read before the answer (it
 would be older). The coordinator checks each answer as it checks a frame (its type, its fields) and
-takes it only for a live rank of the agent's node, in its current incarnation.
+takes it only for a live rank of the agent's node, in its current incarnation. The coordinator's
+beat to the ranks (``standby``: where its standby is, once a heartbeat interval) is relayed the same
+way; the rank's I/O thread keeps it, as it keeps one that comes straight.
 
 What the relay keeps (docs/scale.md, "What the relay keeps, and what it does not do"):
 
