@@ -446,3 +446,34 @@ def test_a_standby_cut_off_longer_than_a_nodes_timeout_takes_no_job_over_on_a_cl
         assert (turn, moved, failed) == (Turn.HANDED_OVER, [True], [])
     else:
         assert turn is Turn.NEXT and moved == [] and "does not take the job over" in failed[0]
+
+
+def test_a_large_jobs_hard_state_is_built_once_per_period_whatever_seat_has_no_agent_yet(tmp_path: Path,
+                                                                                         monkeypatch) -> None:
+    """Above REPLICA_RANKS_PER_S ranks the hard state is built and sent once per ranks /
+    REPLICA_RANKS_PER_S seconds unless forced; a seat kept from the line before a takeover (no agent
+    has offered it here yet, so it is sent nothing) does not make every pass build it."""
+    import ftrun.coordinator.failover as failover
+    from ftrun.coordinator.agents import RemoteAgent
+    from ftrun.coordinator.failover import Seat
+
+    monkeypatch.setattr(failover, "REPLICA_RANKS_PER_S", 2)  # 4 ranks: a period of 2 s
+    built: list[int] = []
+    real = failover.hard_state
+    monkeypatch.setattr(failover, "hard_state", lambda job: built.append(1) or real(job))
+    coord, _agent, clock = make(tmp_path, world=4)
+    hello_all(coord)
+    sent: list[MsgType] = []
+    coord.members.agents[1] = RemoteAgent(node=1, identity=b"agent-1", last_seen=clock.now,
+                                          send_frame=lambda _i, t, _f: sent.append(t))
+    coord.failover.on_standby(1, "tcp://10.0.0.2:5555", "10.0.0.2:6666")
+    coord.failover.seats.append(Seat(2, None, "tcp://10.0.0.3:7777", "10.0.0.3:8888"))
+    coord.failover.replicate(clock.now, force=True)
+    assert sent.count(MsgType.STATE) == 1 and len(built) == 1
+    for _ in range(3):  # passes within the period: nothing built, nothing sent
+        clock.now += 0.5
+        coord.failover.replicate(clock.now)
+    assert sent.count(MsgType.STATE) == 1 and len(built) == 1
+    clock.now += 0.6  # past the period
+    coord.failover.replicate(clock.now)
+    assert sent.count(MsgType.STATE) == 2 and len(built) == 2

@@ -70,10 +70,10 @@ log = logging.getLogger("ftrun.coordinator")
 STANDBY_NODE = 1  # the node whose agent is the first standby coordinator
 SEATS = 2  # standby coordinators kept in line: node 1 may be lost while it takes over from node 0
 #: In a job of more than this many ranks, the hard state (a row a rank) goes to the standbys once per
-#: this many ranks a second (16,384 ranks: every 8 s), or at once when forced (a round's start):
-#: built, compared and sent every heartbeat interval it took a 16,384-rank coordinator from a quarter
-#: of a core to nine tenths (docs/scale.md). A takeover from an older state adopts what it missed
-#: (ftrun.coordinator.messages, RankMessages._adopts).
+#: this many ranks a second (16,384 ranks: every 8 s), or at once when forced (a round's start),
+#: instead of every heartbeat interval: its building, comparing and sending grow with the ranks
+#: (docs/scale.md). A takeover from an older state adopts what it missed (ftrun.coordinator.messages,
+#: RankMessages._adopts).
 REPLICA_RANKS_PER_S = 2048
 
 
@@ -355,7 +355,8 @@ class Replication:
         if not self.seats:
             return
         if (not force and len(job.ranks) > REPLICA_RANKS_PER_S
-                and all(now - self._sent_at.get(seat.node, 0.0) < len(job.ranks) / REPLICA_RANKS_PER_S for seat in self.seats)):
+                and all(now - self._sent_at.get(seat.node, 0.0) < len(job.ranks) / REPLICA_RANKS_PER_S
+                        for seat in self.seats if seat.agent is not None)):  # a seat with no agent yet is sent nothing
             return
         state = hard_state(job)
         for seat in self.seats:
