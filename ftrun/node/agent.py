@@ -121,7 +121,7 @@ class NodeAgent:
             MsgType.SPAWN: self.ranks.spawn, MsgType.SIGNAL: self.ranks.signal, MsgType.KILL_HUNG: self.ranks.kill_hung,
             MsgType.STOP_RANKS: self.ranks.stop_ranks, MsgType.SPARES: self.ranks.keep_spares,
             MsgType.SHUTDOWN: self._on_shutdown, MsgType.TAKE_NODE: self._on_take_node, MsgType.STANDBY: self._on_standby,
-            MsgType.STATE: self._on_state, MsgType.STAND_BY: self._on_stand_by
+            MsgType.STATE: self._on_state, MsgType.STAND_BY: self._on_stand_by,
         }
         if self.relay is not None:  # a round's orders to this node's ranks (ftrun.node.relay)
             self._handlers[MsgType.RANK_ORDERS] = self.relay.forward

@@ -166,7 +166,7 @@ class BeatRelay(RelayedBeats):
                 self.note_answer(msg.type, msg.fields)
 
     def forward(self, msg: Message) -> int:
-        """Send each rank a ``rank_orders`` message names the order it carries, sealed for that
+        """Send each rank named in a ``rank_orders`` message the order it carries, sealed for that
         rank's relay connection alone; returns how many were sent. A row for a rank or an
         incarnation this relay has not heard from is dropped and counted (the coordinator relays
         only to ranks whose relayed beats it read: the rank died meanwhile, and its exit is

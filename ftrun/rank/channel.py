@@ -321,7 +321,7 @@ class Channel:
             if msg.type == MsgType.STANDBY:
                 self._take_standby(msg)
                 continue
-            if msg.type in (MsgType.ABORT, MsgType.RECONFIGURE):
+            if msg.type in RELAYED_ORDERS:  # a round's order came straight: its answer goes straight
                 self._answer_via_relay = False
             self._deliver(msg)
         return heard
