@@ -334,7 +334,8 @@ def test_a_steps_record_is_written_when_its_backward_starts_and_its_fingerprint_
     progress = RankProgress()
     progress.committed = 4
     checks = ExactlyOnceChecks(progress, registry, SimpleNamespace(predecessor_gradient=None),
-                               SimpleNamespace(store=lambda: store, store_moves=0), WorkerState(managed=True),
+                               SimpleNamespace(store=lambda: store, store_moves=0, cluster_timeout=60.0,
+                                               conns=SimpleNamespace(keep_ports=set())), WorkerState(managed=True),
                                send=lambda *a, **k: None, poll_abort=lambda timeout: False, world_size=2, seed=None,
                                on_divergence="warn")
     checks.bind(1, 0, torch.device("cpu"), [1])

@@ -25,6 +25,8 @@ import psutil
 import pytest
 from reference_runs import TORCH_ABORT
 from nethosts import NetHost, net_hosts  # noqa: F401
+from example_jobs import final_digest
+from test_examples_real import EXAMPLES, MNIST_ARGS, mnist_reference  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(360)]
 
@@ -54,18 +56,18 @@ def start_job(hosts: list[NetHost], tmp_path: Path, script: Path = dj.SCRIPT, st
 
 
 def start_node(host: NetHost, node: int | None, master: str, nnodes: int, tmp_path: Path, script: Path = dj.SCRIPT,
-               steps: str = dj.STEPS, local: int = 2, fault: str | None = None, extra: tuple[str, ...] = (),
+               steps: str | None = dj.STEPS, local: int = 2, fault: str | None = None, extra: tuple[str, ...] = (),
                script_args: tuple[str, ...] = ("--log_every", "10"), extra_env: dict[str, str] | None = None,
                tag: str = "") -> NodeRun:
     """Start one node's launcher on ``host`` (a replacement too: the same command, another host;
-    ``node`` None: no index, it takes one)."""
+    ``node`` None: no index, it takes one; ``steps`` None: the script takes no ``--steps``)."""
     env = dj.env({"FTRUN_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", **({"FTRUN_FAULT": fault} if fault else {}),
                   **(extra_env or {})})
     log_dir = tmp_path / f"logs{tag}"
     cmd = [sys.executable, "-m", "ftrun", "--worker_num", str(local * nnodes), "--local_worker_num", str(local),
            *(() if node is None else ("--node_rank", str(node))), "--master_addr", master, "--master_port", "29500", "--plain",
            "--log_dir", str(log_dir), "--checkpoint_dir", str(tmp_path / "ckpt"), "--max_restarts", "4",
-           "--tail_worker_log", "0" if node in (0, None) else "", *extra, str(script), "--steps", steps, *script_args]
+           "--tail_worker_log", "0" if node in (0, None) else "", *extra, str(script), *(() if steps is None else ("--steps", steps)), *script_args]
     out_path = tmp_path / f"out{tag}.txt"
     with open(out_path, "wb") as out:
         proc = host.popen(cmd, env=env, cwd=str(tmp_path), stdout=out, stderr=subprocess.STDOUT)
@@ -325,6 +327,43 @@ def _replace_node1(hosts: list[NetHost], tmp_path: Path, long_reference: str, pa
 
 def test_lost_node_is_replaced_by_a_new_launcher(net_hosts, long_reference: str, tmp_path: Path) -> None:  # noqa: F811
     _replace_node1(net_hosts(3), tmp_path, long_reference, partition=False)
+
+
+def test_a_replaced_nodes_rank_takes_its_own_state_from_the_buddy_nodes_copy(net_hosts, mnist_reference: str,  # noqa: F811
+                                                                               tmp_path: Path) -> None:
+    """pytorch/examples' mnist (its DataLoader's place and its dropout RNG: state only rank 1
+    holds) on two hosts, a rank each. Host 1 dies whole, its record store with it; a replacement
+    launcher takes node 1 on host 2, whose record store is empty: rank 1's successor reads its
+    predecessor's record from the copy at node 0's record store, and the run ends bitwise equal
+    to the torchrun twin's, without a divergence."""
+    hosts = net_hosts(3)
+    wait = ("--node_wait_timeout", "120")
+    runs = [start_node(hosts[i], i, hosts[0].addr, 2, tmp_path, EXAMPLES / "mnist.py", steps=None, local=1,
+                       extra=wait, script_args=tuple(MNIST_ARGS), tag=str(i)) for i in range(2)]
+    replacement = None
+    try:
+        log = runs[0].log_dir / "worker_0.log"
+        dj.wait_for(lambda: log.exists() and "Train Epoch: 2 [" in log.read_text(), timeout=180)
+        for pid in hosts[1].pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        dj.wait_for(lambda: any(e["kind"] == "node_lost" for e in dj.events(runs[0].log_dir)), timeout=60)
+        replacement = start_node(hosts[2], 1, hosts[0].addr, 2, tmp_path, EXAMPLES / "mnist.py", steps=None, local=1,
+                                 extra=wait, script_args=tuple(MNIST_ARGS), tag="2")
+        codes = wait_all([runs[0], replacement])
+    finally:
+        kill_left([*runs, replacement])
+    everything = "\n---\n".join(r.output()[-3000:] for r in [runs[0], replacement])
+    assert codes == [0, 0], everything
+    assert final_digest(runs[0].output()) == mnist_reference
+    events = dj.events(runs[0].log_dir)
+    assert not [e["message"] for e in events if e["kind"] == "divergence"]
+    pids = dj.started(events)
+    assert len(pids[0]) == 1 and len(pids[1]) == 2, dj.story(events)
+    successor = (replacement.log_dir / "worker_1.log").read_text()
+    assert "comes from the copy at its buddy node" in successor, successor[-3000:]
 
 
 def test_partitioned_node_is_replaced_and_fenced(net_hosts, long_reference: str, tmp_path: Path) -> None:  # noqa: F811

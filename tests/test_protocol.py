@@ -75,7 +75,7 @@ FULL = {
     MsgType.EVENT: dict(event={"kind": "job_started"}),
     MsgType.STATUS: dict(ranks=[{"rank": 0}], attempt=0, generation=1),
     MsgType.AGENT_HELLO: dict(node=1, pid=7, host="h1", standby_control="tcp://h1:2", standby_store="h1:3",
-                              sees_checkpoint_dir=True),
+                              sees_checkpoint_dir=True, record_store="h1:4"),
     MsgType.AGENT_BEAT: dict(node=1, leaving="SIGTERM", standby_control="tcp://h1:2", standby_store="h1:3",
                              ranks=[[2, 0, 0.25, 3, {"phase": "compute", "step": 5}]]),
     MsgType.SPAWN: dict(rank=2, incarnation=1, vars={"RANK": "2"}, header="== rank 2 ==", use_spare=False),

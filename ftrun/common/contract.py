@@ -39,6 +39,7 @@ GENERATION = "FTRUN_GENERATION"
 ATTEMPT = "FTRUN_ATTEMPT"
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # torchrun's name of the attempt (read when FTRUN_ATTEMPT is absent)
 CONTROL_ADDR = "FTRUN_CONTROL_ADDR"
+RECORD_STORE = "FTRUN_RECORD_STORE"  # this node's store of its ranks' records, host:port (launcher -> agent -> rank; ftrun.rank.rankstate)
 RELAY_ADDR = "FTRUN_RELAY_ADDR"  # the node agent's heartbeat relay (agent -> rank; ftrun.node.relay)
 STANDBY_LINE = "FTRUN_STANDBY_LINE"  # the standby coordinators' endpoints, first first, comma-separated (agent -> rank)
 TOKEN = "FTRUN_TOKEN"  # the job secret (set by the rank's node agent, never sent over the network)
@@ -73,6 +74,12 @@ VACANT_KEY = "ftrun/vacant"  # nodes the coordinator waits for, comma-separated 
 NEXT_NODE_KEY = "ftrun/next_node"  # a counter handing node indices to launchers without --node_rank
 RANK_STATE_PREFIX = "ftrun/rank_state"  # each rank's own state for its successor (ftrun.rank.rankstate)
 JOINED_KEY = "joined/{rank}"  # under a generation's prefix: the incarnation that joined it
+
+
+def record_store_key(node: int) -> str:
+    """Where node ``node``'s record store listens, ``host:port`` (coordinator -> ranks; absent while
+    the node is lost: :mod:`ftrun.rank.rankstate`)."""
+    return f"ftrun/record_store/{node}"
 
 
 def node_key(node: int) -> str:

@@ -282,8 +282,9 @@ class Standby:
 # ---------------------------------------------------------------- node agent <-> coordinator
 @dataclass(frozen=True, slots=True)
 class AgentHello:
-    """A node's agent joins; a standby's offer (``standby_control``, ``standby_store``) and whether
-    it sees the checkpoint directory's marker ride along."""
+    """A node's agent joins; a standby's offer (``standby_control``, ``standby_store``), whether
+    it sees the checkpoint directory's marker, and where its node's record store listens
+    (``record_store``, ``host:port``: :mod:`ftrun.rank.rankstate`) ride along."""
 
     node: int
     pid: int
@@ -291,6 +292,7 @@ class AgentHello:
     standby_control: str | None = None
     standby_store: str | None = None
     sees_checkpoint_dir: bool | None = None
+    record_store: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

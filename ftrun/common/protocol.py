@@ -54,7 +54,7 @@ import msgpack
 
 from ftrun.common.messages import BODIES, MsgType, field_types, required_fields
 
-PROTOCOL_VERSION = 5  # 2: per-frame HMAC tag instead of the secret in clear; 3: sessions, counters, audiences; 4: exact fields (one dataclass a type); 5: rounds relayed by the agents
+PROTOCOL_VERSION = 6  # 2: per-frame HMAC tag instead of the secret in clear; 3: sessions, counters, audiences; 4: exact fields (one dataclass a type); 5: rounds relayed by the agents; 6: node record stores
 TAG_BYTES = 32  # HMAC-SHA256
 SESSION_BYTES = 16  # a sender's random session id
 COUNTER_BYTES = 8  # the frame's number in its session (big-endian)

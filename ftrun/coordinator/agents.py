@@ -205,6 +205,7 @@ class RemoteAgent(AgentHandle):
     last_seen: float
     host: str = ""
     pid: int = 0
+    record_store: str = ""  # where its node's record store listens, host:port (ftrun.rank.rankstate; "": none)
     lost: bool = False
     leaving: str | None = None  # the reason it gave for leaving (its launcher was stopped or killed)
     sent: int = 0  # frames sent to it (any frame proves the coordinator alive to it)

@@ -8,6 +8,7 @@ attempt its own c10d store (so a restarted job never meets a previous attempt's 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from ftrun.common import checkpoint as ckpt
 from ftrun.config import JobSpec
 from ftrun.common.events import EventKind
 from ftrun.coordinator.policy import RankState
-from ftrun.common.contract import CONTROL_ADDR_KEY, RankEnv
+from ftrun.common.contract import CONTROL_ADDR_KEY, RECORD_STORE, RankEnv
 from ftrun.node.spawner import shared_dir_marker
 from ftrun.coordinator.ranks import Rank
 
@@ -256,3 +257,4 @@ class Spawning:
         job.members.main_store = TCPStore(spec.master_addr, self.store_port, is_master=False,
                                           timeout=timedelta(seconds=spec.cluster_time_out))
         job.members.main_store.set(CONTROL_ADDR_KEY, job.control_addr)
+        job.members.publish_record_store(spec.node_rank, os.environ.get(RECORD_STORE, ""))  # this node's

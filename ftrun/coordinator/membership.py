@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ftrun.coordinator.agents import AgentHandle, RemoteAgent
-from ftrun.common.contract import STANDBY_NODE_INDEX, VACANT_KEY
+from ftrun.common.contract import STANDBY_NODE_INDEX, VACANT_KEY, record_store_key
 from ftrun.common.events import EventKind
 from ftrun.common.protocol import Message, MsgType
 from ftrun.coordinator.elastic import Shrink
@@ -246,6 +246,7 @@ class Membership:
             self.fenced[agent.identity] = node
         self.pending_spawns.pop(node, None)
         self.lost_nodes[node] = reason
+        self.publish_record_store(node, "")
 
     def await_replacement(self, node: int, reason: str, now: float) -> None:
         """Hand ``node`` to a standby node (:meth:`take_standby_node`), or wait up to
@@ -298,6 +299,20 @@ class Membership:
             self.main_store.set(VACANT_KEY, ",".join(str(n) for n in sorted(self.waiting_for)))
         except Exception as err:  # the store is node 0's launcher's: gone only if the job is ending
             log.warning("cannot publish vacant node indices: %s", err)
+
+    def publish_record_store(self, node: int, addr: str) -> None:
+        """Keep ``ftrun/record_store/<node>`` in the job's store: where ``node``'s record store
+        listens (``addr``, ``host:port``), or nothing while it is lost or has none (``""``). The
+        ranks of the node before it copy their records there (:mod:`ftrun.rank.rankstate`)."""
+        if self.main_store is None:
+            return
+        try:
+            if addr:
+                self.main_store.set(record_store_key(node), addr)
+            else:
+                self.main_store.delete_key(record_store_key(node))
+        except Exception as err:  # the store is node 0's launcher's: gone only if the job is ending
+            log.warning("cannot publish node %s's record store: %s", node, err)
 
     def on_agent_message(self, identity: bytes, msg: Message, fd: int | None = None) -> NodeLoss | None:
         """An agent's hello, beat or report. A hello binds the node to the connection that sent
@@ -370,7 +385,7 @@ class Membership:
         if replacing is not None:
             self.publish_vacancies()
         agent = RemoteAgent(node=node, identity=identity, send_frame=job.control.send, last_seen=now,
-                            host=msg["host"], pid=msg["pid"])
+                            host=msg["host"], pid=msg["pid"], record_store=msg.get("record_store") or "")
         job.control.watch_agent_connection(fd, identity)
         self.joined(node, agent, f"{'a replacement for ' if replacing else ''}node {node} joined (host {msg['host']}, "
                                  f"agent pid {msg['pid']})", hello=msg, replacement=replacing is not None)
@@ -381,7 +396,7 @@ class Membership:
         """A standby node's agent says hello: it waits in :attr:`standby_nodes` (or takes an awaited node at once)."""
         job = self.job
         agent = RemoteAgent(node=STANDBY_NODE_INDEX, identity=identity, send_frame=job.control.send, last_seen=now,
-                            host=msg["host"], pid=msg["pid"])
+                            host=msg["host"], pid=msg["pid"], record_store=msg.get("record_store") or "")
         self.standby_nodes[identity] = agent
         job.control.watch_agent_connection(fd, identity)
         job.emit(EventKind.STANDBY_NODE_JOINED,
@@ -399,6 +414,7 @@ class Membership:
         its ``hello`` offering to stand by, becomes it), and the orders kept for the node go to it."""
         job = self.job
         self.agents[node] = agent
+        self.publish_record_store(node, agent.record_store)
         job.emit(EventKind.NODE_JOINED, message, node_joined=node, **detail)
         if hello is not None and isinstance(hello.get("standby_control"), str) and isinstance(hello.get("standby_store"), str):
             job.failover.on_standby(node, hello["standby_control"], hello["standby_store"])

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import zmq
 
-from ftrun.common import procs
+from ftrun.common import contract, procs
 from ftrun.common.clocks import RunningClock
 from ftrun.common.contract import STANDBY_NODE_INDEX
 from ftrun.common.events import Event, EventKind
@@ -131,8 +131,9 @@ class NodeAgent:
         self.link.close()
 
     def _hello(self) -> None:
+        record_store = os.environ.get(contract.RECORD_STORE)  # this node's (ftrun.rank.rankstate)
         self.send(MsgType.AGENT_HELLO, node=self.node, pid=os.getpid(), host=socket.gethostname(),
-                  **self.succession.seat_fields(),
+                  **self.succession.seat_fields(), **({"record_store": record_store} if record_store else {}),
                   **({} if self.checkpoint_marker is None else {"sees_checkpoint_dir": self.checkpoint_marker.exists()}))
 
     def send(self, msg_type: MsgType, **fields: Any) -> None:
@@ -471,11 +472,13 @@ def main() -> None:
     log_dir = Path(spec.log_dir)
     logging.basicConfig(filename=log_dir / agent_log_name(spec.node_rank), level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    store_fd = os.environ.pop("FTRUN_STORE_FD", None)  # the node's record store's socket, to host (not the ranks')
     processes = RankProcesses(
         rank_argv(spec.no_python, spec.module, spec.script, list(spec.script_args)),
         [spec.script, *spec.script_args], spec.module, log_dir, spec.local_worker_num, spec.master_addr,
         multi_node=spec.nnodes > 1, token=os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"],
         fork_server=getattr(spec, "fork_server", "off") == "on",
+        store=(int(store_fd), spec.cluster_time_out) if store_fd else None,
     )
     agent = NodeAgent(spec.node_rank, os.environ["FTRUN_CONTROL_FOR_AGENT"], os.environ["FTRUN_TOKEN_FOR_SUPERVISOR"],
                       processes, spec.heartbeat_interval, max(spec.heartbeat_timeout, 3 * spec.heartbeat_interval),

@@ -306,8 +306,10 @@ class ForkedStarts:
 
 
 class NodeStore:
-    """The job's rendezvous store that node 0 was given to host, as its listening socket
-    ((descriptor, operation timeout in seconds), bound by the launcher; None: none to host).
+    """The store this node was given to host, as its listening socket ((descriptor, operation
+    timeout in seconds), bound by the launcher; None: none to host): the job's rendezvous store on
+    node 0 of a single-node job, the node's record store in a multi-node job
+    (:mod:`ftrun.rank.rankstate`).
 
     The fork server hosts it (:func:`ftrun.rank.zygote.start_store`): node 0 then imports torch once.
     Once the server cannot (it is off, could not host it, or died before it did), this process
@@ -333,5 +335,5 @@ class NodeStore:
             return
         from ftrun.common.stores import store_on_socket
 
-        log.warning("the fork server does not host the job's rendezvous store: the agent does")
+        log.warning("the fork server does not host the node's store: the agent does")
         self.store = store_on_socket(socket.socket(fileno=fd), timeout_s)

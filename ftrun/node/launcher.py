@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -411,11 +412,35 @@ def _child_env(spec: JobSpec, token: str, events_port: int, store_port: int, con
     return env
 
 
+def record_store_socket(spec: JobSpec, env: dict[str, str]) -> socket.socket | None:
+    """The listening socket of this node's record store (:mod:`ftrun.rank.rankstate`) in a
+    multi-node job, bound on this host's address towards node 0 on a free port, for the child to
+    host (its fork server, or else itself: :class:`ftrun.node.forks.NodeStore`); its address goes
+    into ``env`` (``FTRUN_RECORD_STORE``), for the agent to announce and its ranks to write to.
+    None in a single-node job (the records go to the job's store), or when it cannot be bound
+    (said once; the records then go to the job's store)."""
+    if spec.nnodes < 2:
+        return None
+    from ftrun.common.stores import StoreBindError, listen_socket
+    from ftrun.coordinator.failover import address_towards
+
+    try:
+        host = address_towards(spec.master_addr)
+        sock = listen_socket(host, 0)
+    except (OSError, StoreBindError) as err:
+        print(f"ftrun: cannot bind this node's record store ({err}); its ranks' records go to node 0's store",
+              file=sys.stderr, flush=True)
+        return None
+    env[contract.RECORD_STORE] = f"{host}:{sock.getsockname()[1]}"
+    return sock
+
+
 def _start_child(hosting: bool, env: dict[str, str], own_log: Path, store_socket: socket.socket | None = None) -> Any:
     """Start this launcher's child, its output in ``own_log``: node 0 runs the job coordinator with
     its own agent (``ftrun.node.supervisor``); every other node runs an agent (``ftrun.node.agent``).
-    ``store_socket``: the store's listening socket, for node 0's supervisor to host the store on
-    (``FTRUN_STORE_FD``; :func:`store_in_fork_server`). Returns its :class:`subprocess.Popen`; it
+    ``store_socket``: a store's listening socket, for the child to host that store on
+    (``FTRUN_STORE_FD``): the job's on node 0 of a single-node job (:func:`store_in_fork_server`),
+    else the node's record store (:func:`record_store_socket`). Returns its :class:`subprocess.Popen`; it
     gets SIGTERM when this launcher dies."""
     fds = (store_socket.fileno(),) if store_socket is not None else ()
     if store_socket is not None:
@@ -504,7 +529,10 @@ class Launcher:
         console = self.console or make_console(f"ftrun: {spec.script} on {spec.worker_num} rank(s)")
         self._install_signals()
         own_log = log_dir / ("supervisor.log" if hosting else agent_log_name(spec.node_rank))
-        supervisor = _start_child(hosting, env, own_log, store if isinstance(store, socket.socket) else None)
+        hosted = store if isinstance(store, socket.socket) else record_store_socket(spec, env)
+        supervisor = _start_child(hosting, env, own_log, hosted)
+        if hosted is not None and hosted is not store:
+            hosted.close()  # the child has its own copy
         self.tailers = self._tailers(spec)
         handled, last_finish = self._follow(supervisor, console, pull, receiver)
         # Ranks of the worker library outlive a killed supervisor long enough for a dying gasp (a

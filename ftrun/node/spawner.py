@@ -147,10 +147,11 @@ class RankProcesses:
         token: the job secret, given to every rank and spare as ``FTRUN_TOKEN`` (the node's own copy:
             the coordinator's ``spawn`` frames never carry it).
         fork_server: start ranks from the node's fork server (:mod:`ftrun.node.forks`).
-        store: (descriptor, operation timeout in seconds) of the listening socket of the job's
-            rendezvous store, bound by the launcher, for this node to host: the fork server does
-            (node 0 then imports torch once, not once more in the launcher); without one, or when it
-            cannot, this process does (:class:`~ftrun.node.forks.NodeStore`).
+        store: (descriptor, operation timeout in seconds) of the listening socket of a store,
+            bound by the launcher, for this node to host (the job's rendezvous store on node 0 of
+            a single-node job, the node's record store in a multi-node job): the fork server does
+            (the node then imports torch once, not once more in the agent); without one, or when
+            it cannot, this process does (:class:`~ftrun.node.forks.NodeStore`).
     """
 
     def __init__(self, argv: list[str], script_argv: list[str], module: bool, log_dir: Path, local_worker_num: int,

@@ -40,7 +40,7 @@ def main() -> None:
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    store_fd = os.environ.pop("FTRUN_STORE_FD", None)  # the store's socket, for this node to host (not the ranks')
+    store_fd = os.environ.pop("FTRUN_STORE_FD", None)  # a store's socket (the job's or the node's record store), to host
     processes = RankProcesses(
         rank_argv(spec.no_python, spec.module, spec.script, list(spec.script_args)),
         [spec.script, *spec.script_args], spec.module, log_dir, spec.local_worker_num, spec.master_addr,

@@ -75,7 +75,7 @@ class ExactlyOnceChecks:
         # (step, [fingerprints by pass], who computed them).
         self.expected: tuple[int, list[str], str] | None = None
         self.rank_states: Any = None  # ftrun.rank.rankstate.RankStateStore, once records are kept
-        self._store_moves = 0  # the group's store_moves when rank_states was made
+        self._opened: tuple[int, int] = (0, 0)  # (the group's store_moves, the generation) when rank_states was made
         self.rank = -1
         self.attempt = 0
         self.device = torch.device("cpu")
@@ -95,13 +95,14 @@ class ExactlyOnceChecks:
             return False
         if not gradient and self.seed is not None and not self.registry.has_own_rank_state():
             return False
-        if self.rank_states is not None and self._store_moves != getattr(self.group, "store_moves", 0):
-            self.rank_states = None  # the job's store moved (a coordinator takeover): write to the new one
-        if self.rank_states is None:
-            from ftrun.rank.rankstate import RankStateStore
+        # Opened again in each new generation: the job's store may have moved (a coordinator
+        # takeover), and the buddy node may have been lost or replaced (ftrun.rank.rankstate).
+        opened = (getattr(self.group, "store_moves", 0), self.progress.generation)
+        if self.rank_states is None or self._opened != opened:
+            from ftrun.rank.rankstate import open_rank_records
 
-            self._store_moves = getattr(self.group, "store_moves", 0)
-            self.rank_states = RankStateStore(self.group.store(), self.attempt, self.rank)
+            self._opened = opened
+            self.rank_states = open_rank_records(self.group, self.attempt, self.rank)
         return True
 
     def snapshot_step_start(self, mid_pass: bool = False) -> None:

@@ -231,17 +231,21 @@ class Recovery:
         return "rollback", state_bytes(state), time.monotonic() - started
 
     def _fetch_rank_record(self, step: int) -> None:
-        """A respawned rank: fetch its predecessor's own state at committed ``step`` from the store
+        """A respawned rank: fetch its predecessor's own state at committed ``step`` from its record stores
         (applied where its first step begins, :meth:`ftrun.rank.worker.Worker.epochs`) and the digest of
         the local gradient it computed for ``step + 1``, if it got that far; without a record, say
         that it starts fresh."""
-        from ftrun.rank.rankstate import RankStateStore
+        from ftrun.rank.rankstate import open_rank_records
 
         record = None
         failure = None
         try:
-            records = RankStateStore(self.group.store(), self.attempt, self.rank)
+            records = open_rank_records(self.group, self.attempt, self.rank)
             record = records.get(step)
+            if record is not None and records.source is not records.store:
+                print(f"ftrun: rank {self.rank}: its predecessor's own state at step {step} comes from the copy at "
+                      "its buddy node (its own node's record store has none: the node was replaced)",
+                      file=sys.stderr, flush=True)
             digest = records.get_gradient_digest(step + 1)
             self.predecessor_gradient = (step + 1, digest) if digest is not None else None
         except Exception as err:

@@ -13,10 +13,11 @@ Its protocol runs on its standard input and output, pipes to the agent. It is JS
 line, and nothing is unpickled:
 
 - once its imports are done it writes ``{"ready": true}``; requests sent before then wait in the pipe;
-- on node 0 of a single-node job it also hosts the job's rendezvous store (``--store_fd N``: the
-  listening socket the launcher bound, passed down): before that answer, it forks the store's
-  process (:func:`start_store`), adopted by the agent as a rank is, so node 0 imports torch once for
-  the store and the ranks; the answer then says ``"store": pid`` (or ``"store_error": "..."``:
+- it also hosts the store its launcher bound a listening socket for (``--store_fd N``, passed
+  down): the job's rendezvous store on node 0 of a single-node job, the node's record store
+  (:mod:`ftrun.rank.rankstate`) on every node of a multi-node job; before that answer, it forks
+  the store's process (:func:`start_store`), adopted by the agent as a rank is, so the node imports
+  torch once for the store and the ranks; the answer then says ``"store": pid`` (or ``"store_error": "..."``:
   the agent hosts the store itself);
 - a request is a rank's assignment as a warm spare gets it (``env``, ``argv``, ``module``, ``log``,
   ``cwd``: :func:`ftrun.rank.promotion.apply_assignment`) with an ``id``;
