@@ -15,8 +15,8 @@ coordinator then keeps standbys in line, replicates its hard state to them and b
 With the relay (``--heartbeat_relay on``) a rank of a node other than 0 beats its agent, whose beat
 carries the rows (:class:`ftrun.node.relay.RelayedBeats`), and a round's orders and answers go
 through the agent (``rank_orders``, ``rank_reports``; the agent-to-rank hop, local to each node, is
-not simulated). Rank-state records go to the store through the real
-:class:`ftrun.rank.rankstate.RankStateStore` (one store client per simulation process, not one per rank).
+not simulated). Rank-state records go through the real :class:`ftrun.rank.rankstate.RankStateStore`
+(one client per store and simulation process, not one per rank).
 Node 0's own agent is :class:`SimLocalAgent`, an :class:`ftrun.coordinator.agents.AgentHandle` that starts no
 process: its ranks are simulated like the others.
 
@@ -35,8 +35,12 @@ Per size (``--ranks``, 8 ranks a node with ``--per_node``), in order:
    host): the time to the coordinator's verdict (``node_lost``), and the one-node recovery round on
    the standby node that takes its place;
 5. the rank-state records of ``--store_steps`` steps (a ``--record_bytes`` record and a gradient
-   digest per rank and step, what word_lm writes) into the job's store: operations and bytes per
-   step, and the store process's CPU.
+   digest per rank and step, what word_lm writes): with ``--record_stores node`` (the default) to
+   each rank's node's record store and a copy at its buddy's, found through the job's store as a
+   rank finds them (:func:`ftrun.rank.rankstate.record_stores`; each simulation process hosts one
+   store for its nodes'), with ``job`` into node 0's job store (the design before). Operations and
+   bytes per step into node 0's job store and into node 0's record store, the most into any one
+   node's, the buddy look-ups (once per rank and generation), and the job store's process's CPU.
 
 Node 0's memory (RSS of the coordinator's and the store's processes) is read at the end.
 ``FTRUN_BENCH_PROFILE=PATH`` writes a cProfile of the coordinator's main loop over the steady state
@@ -351,8 +355,15 @@ class Simulation:
         self.ctx.MAX_SOCKETS = 2 * SOCKETS_PER_PROCESS + 100  # (zmq.Context(io_threads=...) kept the default 1023)
         self.auth = FrameAuth(TOKEN)
         self.world, self.per_node, self.addr = world, per_node, control_addr
+        self.nnodes = world // per_node
         self.interval, self.step_s, self.relay = interval, step_s, relay
         self.counters = Counters()
+        # The record store of this process's nodes (ftrun.rank.rankstate; one for all of them), as
+        # each node's fork server hosts one: its agents name it in their hello.
+        from torch.distributed import TCPStore
+
+        self.record_server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.record_addr = f"127.0.0.1:{self.record_server.port}"
         self.nodes: dict[int, SimNode] = {}
         self.by_sock: dict[Any, tuple[SimNode, SimRank | None]] = {}
         # Two pollers: a poll costs time in every socket it looks at (it was half of a simulation
@@ -410,7 +421,7 @@ class Simulation:
             node.sock, node.sender, node.receiver = self._dealer(b"a")
             self.by_sock[node.sock] = (node, None)
             self._send(node.sock, node.sender, MsgType.AGENT_HELLO, node=index, pid=SIM_PID_BASE // 2 + 1 + index,
-                       host=f"sim-{index}")
+                       host=f"sim-{index}", record_store=self.record_addr)
         self.nodes[index] = node
         if index == 0:  # node 0's ranks: its agent (the coordinator's) reported them spawned
             for rank in range(self.per_node):
@@ -597,20 +608,47 @@ class Simulation:
             self.rank_poller.register(r.sock, self.zmq.POLLIN)
 
     # ------------------------------------------------------------------ rank-state records
-    def start_records(self, store_port: int, steps: int, record_bytes: int) -> None:
-        """Write ``steps`` steps of every live rank's records to the job's store (a chunk of ranks
-        per loop pass, so the heartbeats go on meanwhile)."""
+    def start_records(self, store_port: int, steps: int, record_bytes: int, where: str) -> None:
+        """Write ``steps`` steps of every live rank's records (a chunk of ranks per loop pass, so
+        the heartbeats go on meanwhile). ``where``: ``node``, as ranks of a multi-node job do (to
+        their node's record store and a copy at their buddy's, found through the job's store by
+        :func:`ftrun.rank.rankstate.record_stores`; this process's one store stands for the record
+        stores of all its nodes), or ``job``, the design before it (every record into the job's store)."""
         from datetime import timedelta
 
         from torch.distributed import TCPStore
 
-        from ftrun.rank.rankstate import RankStateStore
+        from ftrun.common.contract import RECORD_STORE
+        from ftrun.rank.rankstate import RankStateStore, record_stores
 
-        client = CountingStore(TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60)))
-        writers = [(r, RankStateStore(client, 0, r.rank)) for r in self.ranks_list if r.alive and not r.node.silent]
+        job = CountingStore(TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60)))
+        clients: dict[str, Any] = {}
+        into: dict[int, list[int]] = {}  # node -> [writes, bytes] into its record store
+
+        def connect(addr: str, timeout_s: float) -> Any:
+            if addr not in clients:
+                host, _, port = addr.rpartition(":")
+                clients[addr] = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+            return clients[addr]
+
+        writers = []
+        lookup_started = time.monotonic()
+        for r in self.ranks_list:
+            if not r.alive or r.node.silent:
+                continue
+            if where == "job":
+                writers.append((r, RankStateStore(job, 0, r.rank)))
+                continue
+            env = {RECORD_STORE: self.record_addr, "GROUP_RANK": str(r.node.index), "GROUP_WORLD_SIZE": str(self.nnodes)}
+            store, copies, _ = record_stores(job, 60.0, env, connect)
+            buddy = (r.node.index + 1) % self.nnodes
+            writers.append((r, RankStateStore(NodeCounting(store, into.setdefault(r.node.index, [0, 0])), 0, r.rank,
+                                              [NodeCounting(c, into.setdefault(buddy, [0, 0])) for c in copies])))
+        lookups = {"ops": job.ops + job.reads, "seconds": time.monotonic() - lookup_started}
+        job.ops = job.nbytes = job.reads = 0  # from here: what the steps send to the job's store
         blob = os.urandom(record_bytes)
-        self.records = {"client": client, "writers": writers, "blob": blob, "steps": steps, "step": 0, "next": 0,
-                        "started": time.monotonic(), "finished": None}
+        self.records = {"job": job, "clients": clients, "into": into, "writers": writers, "blob": blob, "steps": steps,
+                        "step": 0, "next": 0, "lookups": lookups, "started": time.monotonic(), "finished": None}
 
     def write_records(self, chunk: int = 256) -> None:
         rec = self.records
@@ -629,15 +667,17 @@ class Simulation:
         if rec["next"] >= len(writers):
             rec["next"], rec["step"] = 0, rec["step"] + 1
             if rec["step"] >= rec["steps"]:
-                rec["client"].flush()
+                for store in [rec["job"].store, *rec["clients"].values()]:
+                    store.check(["ftrun/bench/flush"])  # a set does not wait: one read, once every write is taken
                 rec["finished"] = time.monotonic()
 
     def records_report(self) -> dict[str, Any] | None:
         rec = self.records
         if rec is None:
             return None
-        client = rec["client"]
-        return {"ops": client.ops, "bytes": client.nbytes, "steps": rec["steps"], "ranks": len(rec["writers"]),
+        job = rec["job"]
+        return {"job_ops": job.ops, "job_bytes": job.nbytes, "into": {str(n): v for n, v in rec["into"].items()},
+                "steps": rec["steps"], "ranks": len(rec["writers"]), "lookups": rec["lookups"],
                 "seconds": (rec["finished"] or time.monotonic()) - rec["started"], "done": rec["finished"] is not None}
 
     # ------------------------------------------------------------------ driver's commands
@@ -659,6 +699,18 @@ class Simulation:
         if cmd == "records":
             self.start_records(*arg)
             return True
+        if cmd == "publish_node0":
+            # Node 0's record store, published as its coordinator does (from its own environment)
+            if 0 in self.nodes:
+                from datetime import timedelta
+
+                from torch.distributed import TCPStore
+
+                from ftrun.common.contract import record_store_key
+
+                TCPStore("127.0.0.1", arg, is_master=False, timeout=timedelta(seconds=60)).set(
+                    record_store_key(0), self.record_addr)
+            return True
         raise ValueError(cmd)
 
     def run(self, conn: Any) -> None:
@@ -679,10 +731,10 @@ class Simulation:
 
 
 class CountingStore:
-    """A store client that counts its writes (operations and value bytes) and passes them on."""
+    """A store client that counts its writes (operations and value bytes) and reads, and passes them on."""
 
     def __init__(self, store: Any) -> None:
-        self.store, self.ops, self.nbytes = store, 0, 0
+        self.store, self.ops, self.nbytes, self.reads = store, 0, 0, 0
 
     def set(self, key: str, value: bytes) -> None:
         self.ops += 1
@@ -690,14 +742,25 @@ class CountingStore:
         self.store.set(key, value)
 
     def check(self, keys: list[str]) -> bool:
+        self.reads += 1
         return self.store.check(keys)
 
     def get(self, key: str) -> bytes:
+        self.reads += 1
         return self.store.get(key)
 
-    def flush(self) -> None:
-        """Wait until the store has taken every write (a ``set`` does not wait for it): one read."""
-        self.store.check(["ftrun/bench/flush"])
+
+class NodeCounting:
+    """A record store client that counts the writes meant for one node's record store into
+    ``counts`` ([writes, bytes]): this process's one store stands for the stores of its nodes."""
+
+    def __init__(self, store: Any, counts: list[int]) -> None:
+        self.store, self.counts = store, counts
+
+    def set(self, key: str, value: bytes) -> None:
+        self.counts[0] += 1
+        self.counts[1] += len(value) + len(key)
+        self.store.set(key, value)
 
 
 def simulation_main(conn: Any, nodes: list[int], world: int, per_node: int, control_addr: str, interval: float,
@@ -799,7 +862,8 @@ def sum_counters(reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 def measure_size(ranks: int, per_node: int, window: float, cap: float, store_steps: int, record_bytes: int,
                  interval: float, step_s: float, heartbeat_timeout: float = 5.0,
-                 say: Callable[[str], None] = print, sim_nice: int = 0, relay: bool = True) -> dict[str, Any]:
+                 say: Callable[[str], None] = print, sim_nice: int = 0, relay: bool = True,
+                 record_stores: str = "node") -> dict[str, Any]:
     """Run one size through the phases (module docstring); returns its figures (``incomplete``
     names the phase that did not finish within ``cap`` seconds)."""
     mp = multiprocessing.get_context("fork")
@@ -960,9 +1024,10 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
 
         # 5. rank-state records
         if store_steps > 0:
+            ask_all(pipes, "publish_node0", store_port)
             store_cpu0 = proc_cpu_seconds(store.pid)
             t0 = time.monotonic()
-            ask_all(pipes, "records", (store_port, store_steps, record_bytes))
+            ask_all(pipes, "records", (store_port, store_steps, record_bytes, record_stores))
 
             def records() -> list[dict[str, Any]] | None:
                 reps = [rep["records"] for rep in ask_all(pipes, "counters")]
@@ -970,17 +1035,36 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
 
             reps = run.wait("rank-state records", records, poll=0.2)
             seconds = time.monotonic() - t0
-            ops, nbytes = sum(r["ops"] for r in reps), sum(r["bytes"] for r in reps)
+            ops, nbytes = sum(r["job_ops"] for r in reps), sum(r["job_bytes"] for r in reps)
+            into: dict[str, list[int]] = {}
+            for rep in reps:
+                for node, (writes, nb) in rep["into"].items():
+                    into.setdefault(node, [0, 0])
+                    into[node][0] += writes
+                    into[node][1] += nb
+            per_node = sorted(nb for _, nb in into.values())
             res["store"] = {
+                "record_stores": record_stores,
                 "steps": store_steps,
+                # into node 0's job store (the launcher's TCPStore) by the steps' writes
                 "ops_per_step": round(ops / store_steps),
                 "bytes_per_step": round(nbytes / store_steps),
+                # into each node's record store (its own ranks' records and its buddy's copies)
+                "node0_record_store_bytes_per_step": round(into.get("0", [0, 0])[1] / store_steps),
+                "node_record_store_bytes_per_step_max": round(per_node[-1] / store_steps) if per_node else 0,
+                "node_record_store_bytes_per_step_median": round(per_node[len(per_node) // 2] / store_steps) if per_node else 0,
+                # once per generation and rank: its buddy's address, read from the job's store
+                "lookup_ops": sum(r["lookups"]["ops"] for r in reps),
+                "lookup_s_max": round(max(r["lookups"]["seconds"] for r in reps), 3),
                 "seconds_per_step": round(seconds / store_steps, 3),
                 "store_cpu_s_per_step": round((proc_cpu_seconds(store.pid) - store_cpu0) / store_steps, 3),
                 "store_rss_bytes": proc_rss_bytes(store.pid),
             }
-            say(f"  records: {res['store']['ops_per_step']} store ops and {res['store']['bytes_per_step'] / 1e6:.1f} MB "
-                f"a step, {res['store']['seconds_per_step']} s a step")
+            say(f"  records ({record_stores} stores): {res['store']['ops_per_step']} ops and "
+                f"{res['store']['bytes_per_step'] / 1e6:.1f} MB a step into node 0's job store; "
+                f"{res['store']['node0_record_store_bytes_per_step'] / 1e6:.2f} MB a step into node 0's record store "
+                f"(the most into one node's: {res['store']['node_record_store_bytes_per_step_max'] / 1e6:.2f} MB); "
+                f"{res['store']['seconds_per_step']} s a step")
     except (Incomplete, OSError, EOFError, RuntimeError) as err:  # a phase not over in time, or a process gone
         res["incomplete"] = str(err) if isinstance(err, Incomplete) else f"{type(err).__name__}: {err}"
         if len(procs) > 1 and procs[1].is_alive():
@@ -1030,8 +1114,9 @@ COLUMNS = [
     ("handled/s", lambda r: r.get("steady", {}).get("msgs_handled_per_s"), "{:.0f}"),
     ("us/msg", lambda r: r.get("steady", {}).get("cpu_us_per_msg_handled"), "{}"),
     ("% needed", lambda r: r.get("steady", {}).get("cpu_pct_needed"), "{}"),
-    ("store ops/step", lambda r: r.get("store", {}).get("ops_per_step"), "{}"),
-    ("store MB/step", lambda r: _div(r.get("store", {}).get("bytes_per_step"), 1e6), "{:.1f}"),
+    ("job store ops/step", lambda r: r.get("store", {}).get("ops_per_step"), "{}"),
+    ("job store MB/step", lambda r: _div(r.get("store", {}).get("bytes_per_step"), 1e6), "{:.1f}"),
+    ("node 0 record store MB/step", lambda r: _div(r.get("store", {}).get("node0_record_store_bytes_per_step"), 1e6), "{:.2f}"),
     ("death->plan s", lambda r: r.get("rank_death", {}).get("to_plan_received_by_all_s"), "{}"),
     ("rank round s", lambda r: r.get("rank_death", {}).get("round_s"), "{}"),
     ("silence->verdict s", lambda r: r.get("node_silence", {}).get("to_verdict_s"), "{}"),
@@ -1069,7 +1154,8 @@ def plot(results: list[dict[str, Any]], target: Path) -> None:
         ("into node 0, per second / per step", [
             ("control messages /s", lambda r: r.get("steady", {}).get("msgs_in_per_s")),
             ("control KB /s", lambda r: _div(r.get("steady", {}).get("bytes_in_per_s"), 1e3)),
-            ("store MB / step", lambda r: _div(r.get("store", {}).get("bytes_per_step"), 1e6))]),
+            ("job store MB / step", lambda r: _div(r.get("store", {}).get("bytes_per_step"), 1e6)),
+            ("node 0's record store MB / step", lambda r: _div(r.get("store", {}).get("node0_record_store_bytes_per_step"), 1e6))]),
         ("control-plane time, s", [
             ("rank death -> plan at every rank", lambda r: r.get("rank_death", {}).get("to_plan_received_by_all_s")),
             ("one-rank round", lambda r: r.get("rank_death", {}).get("round_s")),
@@ -1117,6 +1203,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heartbeat_relay", choices=("on", "off"), default="on",
                    help="the ranks of nodes other than 0 beat through their agent (on, ftrun's default from 256 ranks) "
                         "or node 0's coordinator (off: the design before the relay)")
+    p.add_argument("--record_stores", choices=("node", "job"), default="node",
+                   help="where the ranks' records go: their node's record store and a copy at the next node's "
+                        "(node, ftrun's design for a multi-node job) or node 0's job store (job: the design before it)")
     p.add_argument("--sim_nice", type=int, default=0,
                    help="niceness of the simulation processes (they stand for other machines: node 0's go first)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -1145,7 +1234,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(measure_size(n, args.per_node, args.window or default_window(n), args.cap or default_cap(n),
                                     args.store_steps, args.record_bytes, args.heartbeat_interval, args.step_s,
                                     args.heartbeat_timeout, say=lambda line: print(line, flush=True),
-                                    sim_nice=args.sim_nice, relay=args.heartbeat_relay == "on"))
+                                    sim_nice=args.sim_nice, relay=args.heartbeat_relay == "on",
+                                    record_stores=args.record_stores))
     print()
     print(table(results))
     if args.json and not args.from_json:
