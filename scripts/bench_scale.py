@@ -66,6 +66,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -294,6 +295,7 @@ class SimNode:
     silent: bool = False
     last_beat: float = 0.0  # when its agent last beat (wall)
     relayed: Any = None  # its agent's ftrun.node.relay.RelayedBeats (with --heartbeat_relay on; not node 0)
+    record_addr: str = ""  # where its record store listens (ftrun.rank.rankstate)
 
 
 @dataclass
@@ -363,7 +365,7 @@ class Simulation:
         from torch.distributed import TCPStore
 
         self.record_server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.record_addr = f"127.0.0.1:{self.record_server.port}"
+        self.record_port = self.record_server.port
         self.nodes: dict[int, SimNode] = {}
         self.by_sock: dict[Any, tuple[SimNode, SimRank | None]] = {}
         # Two pollers: a poll costs time in every socket it looks at (it was half of a simulation
@@ -416,12 +418,15 @@ class Simulation:
         from ftrun.node.relay import RelayedBeats
 
         node = SimNode(index, None, None, None)
+        # Two addresses for this process's nodes (even, odd) and one for the standby: a node's
+        # buddy (the next node) has another, as on real hosts, with few connections to make.
+        node.record_addr = f"127.1.0.{3 if index < 0 else 1 + index % 2}:{self.record_port}"
         if index != 0:
             node.relayed = RelayedBeats() if self.relay else None
             node.sock, node.sender, node.receiver = self._dealer(b"a")
             self.by_sock[node.sock] = (node, None)
             self._send(node.sock, node.sender, MsgType.AGENT_HELLO, node=index, pid=SIM_PID_BASE // 2 + 1 + index,
-                       host=f"sim-{index}", record_store=self.record_addr)
+                       host=f"sim-{index}", record_store=node.record_addr)
         self.nodes[index] = node
         if index == 0:  # node 0's ranks: its agent (the coordinator's) reported them spawned
             for rank in range(self.per_node):
@@ -621,9 +626,11 @@ class Simulation:
         from ftrun.common.contract import RECORD_STORE
         from ftrun.rank.rankstate import RankStateStore, record_stores
 
-        job = CountingStore(TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60)))
         clients: dict[str, Any] = {}
         into: dict[int, list[int]] = {}  # node -> [writes, bytes] into its record store
+        live = [r for r in self.ranks_list if r.alive and not r.node.silent]
+        self.records = rec = {"clients": clients, "into": into, "writers": None, "blob": os.urandom(record_bytes),
+                              "steps": steps, "step": 0, "next": 0, "started": None, "finished": None}
 
         def connect(addr: str, timeout_s: float) -> Any:
             if addr not in clients:
@@ -631,28 +638,32 @@ class Simulation:
                 clients[addr] = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
             return clients[addr]
 
-        writers = []
-        lookup_started = time.monotonic()
-        for r in self.ranks_list:
-            if not r.alive or r.node.silent:
-                continue
-            if where == "job":
-                writers.append((r, RankStateStore(job, 0, r.rank)))
-                continue
-            env = {RECORD_STORE: self.record_addr, "GROUP_RANK": str(r.node.index), "GROUP_WORLD_SIZE": str(self.nnodes)}
-            store, copies, _ = record_stores(job, 60.0, env, connect)
-            buddy = (r.node.index + 1) % self.nnodes
-            writers.append((r, RankStateStore(NodeCounting(store, into.setdefault(r.node.index, [0, 0])), 0, r.rank,
-                                              [NodeCounting(c, into.setdefault(buddy, [0, 0])) for c in copies])))
-        lookups = {"ops": job.ops + job.reads, "seconds": time.monotonic() - lookup_started}
-        job.ops = job.nbytes = job.reads = 0  # from here: what the steps send to the job's store
-        blob = os.urandom(record_bytes)
-        self.records = {"job": job, "clients": clients, "into": into, "writers": writers, "blob": blob, "steps": steps,
-                        "step": 0, "next": 0, "lookups": lookups, "started": time.monotonic(), "finished": None}
+        def open_stores() -> None:
+            # On a thread of its own (a store call lets go of the GIL): this machine's resolver
+            # drops a query now and then, and a store's server looks up the name of each client
+            # that connects, which then holds every call to that server for 5 s; the heartbeats go on.
+            started = time.monotonic()
+            job = rec["job"] = CountingStore(TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60)))
+            writers = []
+            for r in live:
+                if where == "job":
+                    writers.append((r, RankStateStore(job, 0, r.rank)))
+                    continue
+                env = {RECORD_STORE: r.node.record_addr, "GROUP_RANK": str(r.node.index), "GROUP_WORLD_SIZE": str(self.nnodes)}
+                store, copies, _ = record_stores(job, 60.0, env, connect)
+                buddy = (r.node.index + 1) % self.nnodes
+                writers.append((r, RankStateStore(NodeCounting(store, into.setdefault(r.node.index, [0, 0])), 0, r.rank,
+                                                  [NodeCounting(c, into.setdefault(buddy, [0, 0])) for c in copies])))
+            rec["lookups"] = {"ops": job.ops + job.reads, "seconds": time.monotonic() - started}
+            job.ops = job.nbytes = job.reads = 0  # from here: what the steps send to the job's store
+            rec["started"] = time.monotonic()
+            rec["writers"] = writers
+
+        threading.Thread(target=open_stores, daemon=True).start()
 
     def write_records(self, chunk: int = 256) -> None:
         rec = self.records
-        if rec is None or rec["finished"] is not None:
+        if rec is None or rec["finished"] is not None or rec["writers"] is None:
             return
         writers = rec["writers"]
         label = 1000 + rec["step"]
@@ -673,7 +684,7 @@ class Simulation:
 
     def records_report(self) -> dict[str, Any] | None:
         rec = self.records
-        if rec is None:
+        if rec is None or rec["writers"] is None:
             return None
         job = rec["job"]
         return {"job_ops": job.ops, "job_bytes": job.nbytes, "into": {str(n): v for n, v in rec["into"].items()},
@@ -709,7 +720,7 @@ class Simulation:
                 from ftrun.common.contract import record_store_key
 
                 TCPStore("127.0.0.1", arg, is_master=False, timeout=timedelta(seconds=60)).set(
-                    record_store_key(0), self.record_addr)
+                    record_store_key(0), self.nodes[0].record_addr)
             return True
         raise ValueError(cmd)
 
@@ -1025,8 +1036,7 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
         # 5. rank-state records
         if store_steps > 0:
             ask_all(pipes, "publish_node0", store_port)
-            store_cpu0 = proc_cpu_seconds(store.pid)
-            t0 = time.monotonic()
+            store_cpu0 = proc_cpu_seconds(store.pid)  # the buddies' look-ups included
             ask_all(pipes, "records", (store_port, store_steps, record_bytes, record_stores))
 
             def records() -> list[dict[str, Any]] | None:
@@ -1034,7 +1044,7 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
                 return reps if all(rep and rep["done"] for rep in reps) else None
 
             reps = run.wait("rank-state records", records, poll=0.2)
-            seconds = time.monotonic() - t0
+            seconds = max(r["seconds"] for r in reps)  # from the look-ups' end to the last write taken
             ops, nbytes = sum(r["job_ops"] for r in reps), sum(r["job_bytes"] for r in reps)
             into: dict[str, list[int]] = {}
             for rep in reps:
