@@ -44,7 +44,10 @@ Per size (``--ranks``, 8 ranks a node with ``--per_node``), in order:
 
 Node 0's memory (RSS of the coordinator's and the store's processes) is read at the end.
 ``FTRUN_BENCH_PROFILE=PATH`` writes a cProfile of the coordinator's main loop over the steady state
-(``FTRUN_BENCH_PROFILE_PHASE=round``: over the rank death's round instead).
+(``FTRUN_BENCH_PROFILE_PHASE=round``: over the rank death's round instead); ``FTRUN_BENCH_PYSPY=PATH``
+a py-spy sampling of the coordinator's process over the steady state (raw, a line a stack: far
+less overhead than cProfile, whose share of each function is skewed towards many small calls;
+with ``FTRUN_BENCH_PROFILE_PHASE=round``, the 3 s from the rank's death).
 Each size has a time cap (``--cap``): a phase that does not finish in it is reported as such, with
 what was measured before it. The machine's other load shows in every figure: run it on an idle
 machine for figures worth quoting, and read them as one run's.
@@ -216,12 +219,27 @@ def coordinator_main(conn: Any, ranks: int, per_node: int, store_port: int, log_
 
     coord.control.on_rank, coord.control.on_agent = count_rank, count_agent
 
+    import gc
+
+    collections = {"count": 0, "seconds": 0.0, "gen2": 0}  # the cyclic garbage collector's passes
+    began = [0.0]
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            collections["count"] += 1
+            collections["seconds"] += time.perf_counter() - began[0]
+            collections["gen2"] += info.get("generation") == 2
+
+    gc.callbacks.append(on_gc)
+
     def write_stats() -> None:
         while True:
             tmp = stats_path + ".tmp"
             with open(tmp, "w") as f:
                 json.dump({"handled": dict(handled), "generation": coord.generation, "rejected": coord.control.rejected,
-                           "at": time.monotonic()}, f)
+                           "gc": dict(collections), "at": time.monotonic()}, f)
             os.replace(tmp, stats_path)
             time.sleep(0.5)
 
@@ -249,6 +267,30 @@ def proc_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` (every thread), from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def py_spy(pid: int, seconds: float) -> Any:
+    """Start py-spy sampling process ``pid`` for ``seconds`` (200 a second, raw stacks) into
+    ``FTRUN_BENCH_PYSPY``; returns its process."""
+    import subprocess
+
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    return subprocess.Popen([exe, "record", "-p", str(pid), "-d", str(max(1, round(seconds))), "-r", "200", "-f", "raw",
+                             "-o", os.environ["FTRUN_BENCH_PYSPY"]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """User + system CPU seconds of each thread of process ``pid``, by thread name (summed over
+    threads of one name), from /proc."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # a thread that ended meanwhile
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
 
 
 def proc_rss_bytes(pid: int) -> int:
@@ -952,26 +994,38 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
                 break
             first = last if span >= 1.5 else first
         res["settle_s"] = round(time.monotonic() - t_settle, 2)
-        profiled = os.environ.get("FTRUN_BENCH_PROFILE_PHASE", "steady") if os.environ.get("FTRUN_BENCH_PROFILE") else None
-        profiling = profiled == "steady"
+        profiled = (os.environ.get("FTRUN_BENCH_PROFILE_PHASE", "steady")
+                    if os.environ.get("FTRUN_BENCH_PROFILE") or os.environ.get("FTRUN_BENCH_PYSPY") else None)
+        profiling = profiled == "steady" and bool(os.environ.get("FTRUN_BENCH_PROFILE"))
         if profiling:
             os.kill(coord.pid, signal.SIGUSR2)
+        spy = py_spy(coord.pid, window) if os.environ.get("FTRUN_BENCH_PYSPY") and profiled in (None, "steady") else None
         sims = procs[2:]
+        threads0, gc0 = thread_cpu_seconds(coord.pid), coordinator_stats().get("gc", {})
         cpu0, h0, c0, w0 = proc_cpu_seconds(coord.pid), handled(), sum_counters(ask_all(pipes, "counters")), time.monotonic()
         sim_cpu0 = sum(proc_cpu_seconds(p.pid) for p in sims)
         time.sleep(window)
         reports = ask_all(pipes, "counters")
         cpu1, h1, c1, w1 = proc_cpu_seconds(coord.pid), handled(), sum_counters(reports), time.monotonic()
+        threads1, gc1 = thread_cpu_seconds(coord.pid), coordinator_stats().get("gc", {})
         sim_cpu1 = sum(proc_cpu_seconds(p.pid) for p in sims)
         started = sum(rep["ranks"] for rep in reports)  # rank processes the simulation runs now
         if profiling:
             os.kill(coord.pid, signal.SIGUSR2)
+        if spy is not None:
+            spy.wait()
         span = w1 - w0
         sent = sum(c1["sent"].values()) - sum(c0["sent"].values())
         done = sum(h1.values()) - sum(h0.values())
         res["steady"] = {
             "window_s": round(span, 2),
             "coordinator_cpu_pct": round(100 * (cpu1 - cpu0) / span, 1),
+            # by thread: the main loop's (python), ZeroMQ's I/O thread, the status writer...
+            # the cyclic garbage collector in the coordinator's main loop (a share of the python thread's)
+            "coordinator_gc_pct": round(100 * (gc1.get("seconds", 0) - gc0.get("seconds", 0)) / span, 1),
+            "coordinator_gc_passes": gc1.get("count", 0) - gc0.get("count", 0),
+            "coordinator_threads_cpu_pct": {name: round(100 * (cpu - threads0.get(name, 0.0)) / span, 1)
+                                            for name, cpu in threads1.items() if cpu - threads0.get(name, 0.0) > 0},
             # what simulating every other node costs this machine meanwhile (its cores are shared)
             "simulation_cpu_pct": round(100 * (sim_cpu1 - sim_cpu0) / span, 1),
             "msgs_in_per_s": round(sent / span, 1),
@@ -996,12 +1050,15 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
         # 3. a rank's death
         victim = per_node + 3  # a rank of node 1
         n_finished = len(events.of("recovery_finished"))
-        if profiled == "round":
+        spy = py_spy(coord.pid, 3) if os.environ.get("FTRUN_BENCH_PYSPY") and profiled == "round" else None
+        if profiled == "round" and os.environ.get("FTRUN_BENCH_PROFILE"):
             os.kill(coord.pid, signal.SIGUSR2)
         at = ask_all([pipes[where[1]]], "kill", victim)[0]
         fin = run.wait("one rank's recovery", lambda: events.of("recovery_finished")[n_finished:])[0]
-        if profiled == "round":
+        if profiled == "round" and os.environ.get("FTRUN_BENCH_PROFILE"):
             os.kill(coord.pid, signal.SIGUSR2)
+        if spy is not None:
+            spy.wait()
         planned = events.of("recovery_planned")[-1]
         gen = planned["generation"]
         plans = run.wait("plan receipts", lambda: sum_counters(ask_all(pipes, "counters"))["plans"].get(gen))

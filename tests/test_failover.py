@@ -83,6 +83,24 @@ def test_a_rank_row_is_named_and_travels_as_a_list_of_nine_values(tmp_path: Path
     assert RankRow.decision(rows[2]) == [v for name, v in zip(RankRow._fields, rows[2]) if name != "committed"]
     with pytest.raises(TypeError):
         RankRow.from_wire(rows[2][:8])
+    # The state builds its rows as lists, for speed: each is the named row's.
+    assert rows == [RankRow.of(r, row.replica_group).to_wire() for r in coord.ranks.values()]
+
+
+def test_only_a_decision_makes_the_hard_state_differ_from_the_one_sent(tmp_path: Path) -> None:
+    from ftrun.coordinator.failover import _same_decisions
+
+    coord, _agent, _clock = make(tmp_path, world=4)
+    hello_all(coord)
+    step(coord, 3)
+    sent = hard_state(coord)
+    step(coord, 4)
+    moved = hard_state(coord)
+    assert moved != sent and _same_decisions(moved, sent)  # committed steps alone moved
+    assert not _same_decisions(moved, None)
+    for changed in ({"generation": 7}, {"ranks": [*moved["ranks"][:3], [*moved["ranks"][3][:6], "failed", *moved["ranks"][3][7:]]]},
+                    {"ranks": moved["ranks"][:3]}, {"seats": [[1, "tcp://h1:2", "h1:3"]]}):
+        assert not _same_decisions({**moved, **changed}, sent), changed
 
 
 @pytest.mark.parametrize("groups", ["pairs", "data_parallel"])

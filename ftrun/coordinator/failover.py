@@ -169,12 +169,13 @@ def _rows_and_groups(job: "Coordinator") -> tuple[list[list[Any]], list[list[int
     index: dict[int, int] = {}
     groups: list[list[int]] = []
     rows = []
-    for r in job.ranks.values():
+    for r in job.ranks.values():  # every rank at every replica: written for speed (RankRow.of's values, as a list)
         at = index.get(id(r.replica_group))
         if at is None:
             at = index[id(r.replica_group)] = len(groups)
             groups.append(list(r.replica_group))
-        rows.append(RankRow.of(r, at).to_wire())
+        p = r.proc
+        rows.append([r.rank, p.number, p.pid or 0, r.library, at, r.restarts, p.state.value, p.committed, p.running])
     return rows, groups
 
 
@@ -338,12 +339,18 @@ class Replication:
         there is none) to every rank. A rank that hears nothing for the silence timeout (a
         partition between it and this coordinator) moves to the standby, as on a closed
         connection. A rank whose beats its agent relays gets it through that agent, one frame a
-        node (:mod:`ftrun.node.relay`): 16,384 frames a second out of node 0 otherwise."""
-        if not self._announced or now - self._ranks_told_at < self.job.spec.heartbeat_interval:
+        node (:mod:`ftrun.node.relay`): 16,384 frames a second out of node 0 otherwise. In a job
+        of more nodes than :data:`ftrun.coordinator.membership.AGENT_BEATS_PER_S`, as seldom as
+        the agents' own beats (:func:`ftrun.coordinator.membership.agent_beat_period`: 2 s at
+        2,048 nodes, always 2.5 beats a silence timeout): the frames that carry it to the agents
+        are their beats then."""
+        from ftrun.coordinator.membership import agent_beat_period
+
+        job = self.job
+        if not self._announced or now - self._ranks_told_at < agent_beat_period(job.spec, len(job.members.agents)):
             return
         self._ranks_told_at = now
-        self.job.rounds.send_order([r for r in self.job.ranks.values() if r.connected()], MsgType.STANDBY,
-                                   self._standby_fields())
+        job.rounds.send_order([r for r in job.ranks.values() if r.connected()], MsgType.STANDBY, self._standby_fields())
 
     def replicate(self, now: float, force: bool = False) -> None:
         """Send the hard state to every standby in line when it changed (``force``: now, before
@@ -361,7 +368,7 @@ class Replication:
         state = hard_state(job)
         for seat in self.seats:
             sent = self._sent.get(seat.node)
-            if (not force and _decisions(state) == _decisions(sent)
+            if (not force and _same_decisions(state, sent)
                     and now - self._sent_at.get(seat.node, 0.0) < job.spec.heartbeat_interval):
                 continue  # only committed steps moved: they ride along with the next beat
             if seat.agent is None:
@@ -370,8 +377,11 @@ class Replication:
             self._sent[seat.node], self._sent_at[seat.node] = state, now
 
 
-def _decisions(state: dict[str, Any] | None) -> Any:
-    """A hard state without the committed steps (which move every step)."""
-    if state is None:
-        return None
-    return {**state, "ranks": [RankRow.decision(row) for row in state["ranks"]]}
+def _same_decisions(state: dict[str, Any], sent: dict[str, Any] | None) -> bool:
+    """Whether hard state ``state`` holds the decisions ``sent`` held: equal but for the ranks'
+    committed steps (which move every step). Rows are compared whole first; only those that differ
+    are compared without their committed step (:meth:`RankRow.decision`, without making it)."""
+    if sent is None or any(state[k] != sent.get(k) for k in state if k != "ranks") or len(state["ranks"]) != len(sent["ranks"]):
+        return False
+    c = _COMMITTED
+    return all(a == b or (a[:c] == b[:c] and a[c + 1:] == b[c + 1:]) for a, b in zip(state["ranks"], sent["ranks"]))

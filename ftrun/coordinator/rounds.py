@@ -94,13 +94,17 @@ class RecoveryRounds:
         """Send ``ranks`` a round's ``order`` (``common`` fields, updated with ``own[rank]``). A rank
         whose relayed beats were read gets it through its node's agent, one frame a node
         (:mod:`ftrun.node.relay`); the others, straight."""
-        job, own = self.job, own or {}
+        job, own, none = self.job, own or {}, {}  # ``none``: the own fields of a rank without any (never changed)
         by_node: dict[int, list[list[Any]]] = {}
-        for r in ranks:
-            if r.proc.relayed and r.proc.identity is not None:
-                by_node.setdefault(r.node, []).append([r.rank, r.incarnation, own.get(r.rank, {})])
+        for r in ranks:  # every rank at every coordinator's beat: written for speed (docs/scale.md)
+            p = r.proc
+            if p.relayed and p.identity is not None:
+                rows = by_node.get(r.node)
+                if rows is None:
+                    rows = by_node[r.node] = []
+                rows.append([r.rank, p.number, own.get(r.rank, none)])
             else:
-                job.send(r, order, **{**common, **own.get(r.rank, {})})
+                job.send(r, order, **{**common, **own.get(r.rank, none)})
         for node, rows in by_node.items():
             agent = job.members.agents.get(node)
             if agent is None or not agent.relay_orders(order, common, rows):

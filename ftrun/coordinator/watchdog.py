@@ -128,16 +128,39 @@ class Watchdog:
         if self.unrepaired is not None and now - self.unrepaired[0] > UNREPAIRED_GRACE_S:
             reason, self.unrepaired = self.unrepaired[1], None
             return Unrepaired(reason)
-        for find in (self.heartbeats, self.sections, self.rejoins):
-            found = find(ranks, now)
+        # One walk over the rank table picks each check's candidates by its rarest condition; the
+        # checks then look at those alone (and at every rank only once one has a candidate). At
+        # 16,384 ranks, a walk per check was a sixth of the coordinator's busy time (docs/scale.md).
+        since = now - self.bounds.heartbeat_timeout
+        late, in_section, rejoining, outside, no_step = [], [], [], [], []
+        kill_pending = False
+        newest = None  # the latest step progress of a rank that steps (progress), if any
+        for r in ranks:
+            p = r.proc
+            if p.last_heartbeat < since:
+                late.append(r)
+            if p.section is not None:
+                in_section.append(r)
+            if p.rejoin_by is not None:
+                rejoining.append(r)
+            if p.outside_since is not None:
+                outside.append(r)
+            if p.step is None:
+                no_step.append(r)
+            elif p.running and r.library and not p.steps_ended and (newest is None or p.last_progress > newest):
+                newest = p.last_progress
+            if p.kill_reason is not None and p.running:
+                kill_pending = True
+        for find, candidates in ((self.heartbeats, late), (self.sections, in_section), (self.rejoins, rejoining)):
+            found = find(candidates, now)
             if found:
                 return found[:1]
-        for look in (lambda: self.stalls(ranks, now), lambda: self.setup(ranks, recovery, nodes_joined, now),
+        for look in (lambda: self.stalls(ranks, now, outside), lambda: self.setup(ranks, recovery, nodes_joined, now, no_step),
                      lambda: self.round_deadline(ranks, recovery, now)):
             found = look()  # in order, and no further than the first kind found
             if found:
                 return found
-        if recovery is not None or any(r.proc.kill_reason is not None and r.proc.running for r in ranks):
+        if recovery is not None or kill_pending:
             return None  # recovering ranks wait for each other (set-up and heartbeats still apply); or a kill is pending
         if quiet_nodes:
             # A node whose agent went quiet is the likelier cause of a stalled step: its ranks'
@@ -145,6 +168,8 @@ class Watchdog:
             # is no hang of its own. The node's loss is found within the silence timeout (or it is
             # heard again), so the wait is bounded (CI30: a rank of node 0 was killed so).
             return None
+        if newest is None or now - newest <= self.step_timeout():
+            return None  # the usual case: some rank stepped within the step timeout
         return self.progress(ranks, now)
 
     def heartbeats(self, ranks: Sequence[Rank], now: float) -> list[Hung]:
@@ -179,13 +204,14 @@ class Watchdog:
                                                    f"(its timeout {p.section_timeout:g} s)", p.section_started))
         return out
 
-    def stalls(self, ranks: Sequence[Rank], now: float) -> list[Hung]:
+    def stalls(self, ranks: Sequence[Rank], now: float, outside: Sequence[Rank] | None = None) -> list[Hung]:
         """A rank stuck in its own code during a recovery's drop or transfer, or before the initial
         broadcast, while a peer waits for it inside torch.distributed (the peers say so: their
         heartbeats see them there), is hung after :meth:`stall_bound` seconds, whatever the
         round's or the set-up's longer deadlines (round 3: a hang at ``rejoin`` held the job until
         the 300 s set-up timeout, at ``transfer`` for 60-150 s)."""
-        stalled_ranks = [r for r in ranks if r.proc.outside_since is not None and r.proc.stage in STALL_STAGES
+        stalled_ranks = [r for r in (ranks if outside is None else outside)  # outside: those with outside_since set
+                         if r.proc.outside_since is not None and r.proc.stage in STALL_STAGES
                          and r.connected() and not r.proc.finished]
         if not stalled_ranks:
             return []  # the usual case: no rank outside torch.distributed in such a stage, no look at the others
@@ -201,14 +227,15 @@ class Watchdog:
                                                    "wait for it in torch.distributed", p.outside_since))
         return out
 
-    def setup(self, ranks: Sequence[Rank], recovery: RecoveryRound | None, nodes_joined: Collection[int], now: float) -> list[Hung]:
+    def setup(self, ranks: Sequence[Rank], recovery: RecoveryRound | None, nodes_joined: Collection[int], now: float,
+              no_step: Sequence[Rank] | None = None) -> list[Hung]:
         """Ranks that have not begun a step ``--setup_timeout`` seconds after their start. Only
         those not waiting in a torch.distributed call (the initial broadcast, a rendezvous) are
         hung: the others wait for them."""
         timeout = self.bounds.setup_timeout
         if recovery is not None and now - recovery.round_started < REPORT_DEADLINE_S:
             return []  # ranks released by the abort (a failed broadcast) get the time to report
-        overdue = [r for r in ranks if r.proc.step is None and r.alive() and r.proc.kill_reason is None and not r.proc.finished
+        overdue = [r for r in (ranks if no_step is None else no_step) if r.proc.step is None and r.alive() and r.proc.kill_reason is None and not r.proc.finished
                    and r.library and not r.proc.steps_ended and now - r.proc.started_at > timeout
                    and r.proc.phase == RankPhase.SETUP  # one that reported a fault is in a recovery round: its deadlines apply
                    and r.node in nodes_joined]  # a rank whose node has not (re)joined is not started yet
