@@ -279,6 +279,20 @@ def py_spy(pid: int, seconds: float) -> Any:
                              "-o", os.environ["FTRUN_BENCH_PYSPY"]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def round_cpu_seconds(coord: int, sims: list[Any], cpu_at: float, sim_at: float, span: float,
+                      steady: dict[str, Any]) -> dict[str, float]:
+    """What a round cost in CPU, read from its start (``cpu_at``, ``sim_at``: the coordinator's
+    and the simulation processes' CPU seconds then) to now, ``span`` seconds later: the
+    coordinator's, the same less what its steady state costs in as long (its beats, passes and
+    relayed heartbeats go on meanwhile), and the simulation's (every simulated rank and agent
+    answering the round, on this machine's cores, not on thousands of hosts)."""
+    cpu = proc_cpu_seconds(coord) - cpu_at
+    return {"coordinator_cpu_s": round(cpu, 3),
+            "coordinator_cpu_above_steady_s": round(cpu - steady.get("coordinator_cpu_pct", 0) / 100 * span, 3),
+            "simulation_cpu_s": round(sum(proc_cpu_seconds(p.pid) for p in sims) - sim_at, 3),
+            "measured_over_s": round(span, 3)}
+
+
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
     """User + system CPU seconds of each thread of process ``pid``, by thread name (summed over
     threads of one name), from /proc."""
@@ -1053,8 +1067,10 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
         spy = py_spy(coord.pid, 3) if os.environ.get("FTRUN_BENCH_PYSPY") and profiled == "round" else None
         if profiled == "round" and os.environ.get("FTRUN_BENCH_PROFILE"):
             os.kill(coord.pid, signal.SIGUSR2)
+        cpu_at, sim_at = proc_cpu_seconds(coord.pid), sum(proc_cpu_seconds(p.pid) for p in sims)
         at = ask_all([pipes[where[1]]], "kill", victim)[0]
         fin = run.wait("one rank's recovery", lambda: events.of("recovery_finished")[n_finished:])[0]
+        round_cpu = round_cpu_seconds(coord.pid, sims, cpu_at, sim_at, time.time() - at, res["steady"])
         if profiled == "round" and os.environ.get("FTRUN_BENCH_PROFILE"):
             os.kill(coord.pid, signal.SIGUSR2)
         if spy is not None:
@@ -1070,6 +1086,7 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
             "to_plan_received_by_all_s": round(plans[1] - at, 4),
             "round_s": round(fin["time"] - at, 4),
             "coordinator_total_seconds": fin["detail"]["total_seconds"],
+            **round_cpu,
         }
         say(f"  rank death: plan decided {res['rank_death']['to_plan_decided_s']} s, received by all "
             f"{res['rank_death']['to_plan_received_by_all_s']} s, round {res['rank_death']['round_s']} s")
@@ -1078,14 +1095,17 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
         silent_node = ranks // per_node - 1
         n_lost, n_finished = len(events.of("node_lost")), len(events.of("recovery_finished"))
         silent_at = ask_all([pipes[where[silent_node]]], "silence", silent_node)[0]
-        lost = run.wait("node verdict", lambda: events.of("node_lost")[n_lost:])[0]
+        lost = run.wait("node verdict", lambda: events.of("node_lost")[n_lost:], poll=0.02)[0]
+        cpu_at, sim_at, lost_seen = proc_cpu_seconds(coord.pid), sum(proc_cpu_seconds(p.pid) for p in sims), time.time()
         fin = run.wait("one node's recovery", lambda: events.of("recovery_finished")[n_finished:])[0]
+        round_cpu = round_cpu_seconds(coord.pid, sims, cpu_at, sim_at, time.time() - lost_seen, res["steady"])
         timeout = max(heartbeat_timeout, 3 * interval)  # ftrun.coordinator.failover.silence_timeout
         res["node_silence"] = {
             "silence_timeout_s": timeout,
             "to_verdict_s": round(lost["time"] - silent_at, 3),
             "verdict_after_timeout_s": round(lost["time"] - silent_at - timeout, 3),
             "round_s": round(fin["time"] - lost["time"], 4),
+            **round_cpu,
         }
         say(f"  node silence: verdict after {res['node_silence']['to_verdict_s']} s "
             f"(timeout {timeout:g} s), round {res['node_silence']['round_s']} s")

@@ -174,3 +174,30 @@ def test_status_snapshots_of_a_large_job_are_spaced_by_its_size(tmp_path: Path) 
     pub.status(snapshot(8192), final={"exit_code": 0, "message": "done"})  # the end is written at once
     assert json.loads((tmp_path / "status.json").read_text())["state"] == "succeeded"
 
+
+
+def test_a_large_jobs_status_waits_for_a_young_recovery_round(tmp_path: Path) -> None:
+    """At 16,384 ranks a snapshot takes a tenth of a second or more, which every rank of a
+    round would wait for: a job of more than 1,024 ranks makes none in a round's first
+    ROUND_STATUS_HOLD_S, then goes on as before; a small job's round holds nothing."""
+    from coordinator_fixtures import hello_all, make
+
+    from ftrun.coordinator.core import ROUND_STATUS_HOLD_S
+
+    for world, held in ((8, False), (2048, True)):
+        coord, _agent, clock = make(tmp_path / str(world), world=world, local=8 if world > 8 else world)
+        hello_all(coord)
+        made: list[float] = []
+        real = coord.status_snapshot
+        coord.status_snapshot = lambda: made.append(clock.now) or real()  # type: ignore[method-assign]
+        coord.rounds.start(set(), "a test's round", kind="comm_error")
+        assert coord.rounds.current is not None
+        clock.now += 60.0  # past any snapshot gap...
+        coord.rounds.current.round_started = clock.now  # ...in a round that just began
+        coord.publisher.dirty = True
+        coord.publish_status()
+        assert made == ([] if held else [clock.now]), world
+        clock.now += ROUND_STATUS_HOLD_S
+        coord.publish_status()
+        assert len(made) == 1, world
+        coord.close()
