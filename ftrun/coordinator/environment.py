@@ -104,6 +104,7 @@ class Spawning:
         self._spares_key: tuple[int, int, int] | None = None  # (warm, hot, standby nodes) at the last check
         self._spares_kept: dict[int | bytes, SparesOrder] = {}  # node index (standby: its identity) -> last order sent
         self._setup_witness: Rank | None = None  # a rank still in its set-up when last looked at
+        self._past_setup_at: tuple[int, ...] | None = None  # (attempt, generation, restarts, ranks) when every rank was past it
 
     def rank_env(self, r: Rank) -> RankEnv:
         """:func:`rank_environment` for ``r`` where the job stands now."""
@@ -204,7 +205,12 @@ class Spawning:
         job, witness = self.job, self._setup_witness
         if witness is not None and job.ranks.get(witness.rank) is witness and in_setup(witness):
             return False
+        # Once every rank was past it, no walk until a rank is started again (a respawn, a restart, a new generation).
+        started = (job.attempt, job.generation, job.restarts_used, len(job.ranks))
+        if witness is None and self._past_setup_at == started:
+            return True
         self._setup_witness = next((r for r in job.ranks.values() if in_setup(r)), None)
+        self._past_setup_at = started if self._setup_witness is None else None
         return self._setup_witness is None
 
     def _order_spares(self, key: int | bytes, agent: "AgentHandle", warm: int, hot: int, model: Rank, now: float) -> None:

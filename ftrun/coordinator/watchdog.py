@@ -143,7 +143,7 @@ class Watchdog:
                 in_section.append(r)
             if p.rejoin_by is not None:
                 rejoining.append(r)
-            if p.outside_since is not None:
+            if p.outside_since is not None and p.stage in STALL_STAGES:
                 outside.append(r)
             if p.step is None:
                 no_step.append(r)
@@ -210,7 +210,7 @@ class Watchdog:
         heartbeats see them there), is hung after :meth:`stall_bound` seconds, whatever the
         round's or the set-up's longer deadlines (round 3: a hang at ``rejoin`` held the job until
         the 300 s set-up timeout, at ``transfer`` for 60-150 s)."""
-        stalled_ranks = [r for r in (ranks if outside is None else outside)  # outside: those with outside_since set
+        stalled_ranks = [r for r in (ranks if outside is None else outside)  # outside: those outside in such a stage
                          if r.proc.outside_since is not None and r.proc.stage in STALL_STAGES
                          and r.connected() and not r.proc.finished]
         if not stalled_ranks:
