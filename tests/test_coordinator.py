@@ -14,6 +14,7 @@ import pytest
 from ftrun.coordinator import OFFENDER_REJECTS, PLAN_DEADLINE_S, REPORT_DEADLINE_S, Coordinator
 from ftrun.coordinator.policy import STARTUP_HOLD_S, STARTUP_WINDOW_S
 from ftrun.common.protocol import MsgType
+from ftrun.coordinator.agents import RemoteAgent
 from ftrun.node.spawner import ExitReport
 
 from coordinator_fixtures import (TOKEN, Clock, FakeAgent, beat, beat_all, begin, board, close_coordinators,  # noqa: F401
@@ -1045,3 +1046,21 @@ def test_a_restart_whose_store_cannot_listen_ends_the_job_with_one_line(tmp_path
     assert len(events(tmp_path, "job_restarting")) == 1
     finished = events(tmp_path, "job_finished")[-1]["message"]
     assert "rendezvous store cannot listen" in finished and "Address already in use" in finished, finished
+
+
+def test_a_spares_order_carries_the_environment_of_a_spare_on_its_own_node(tmp_path: Path) -> None:
+    """The spares' environment is made once a look and given each node's index: what each agent
+    is sent is what its node's first rank's environment, without its identity, says."""
+    coord, _agent, clock = make(tmp_path, world=8, local=2, warm_spares=1)
+    sent: dict[int, dict[str, str]] = {}
+    for node in range(1, 4):
+        agent = RemoteAgent(node=node, identity=f"a{node}".encode(), send_frame=lambda *a: None, last_seen=clock.now)
+        agent.keep_spares = (lambda n: lambda warm, hot, env: sent.__setitem__(n, env))(node)  # type: ignore[method-assign]
+        coord.members.agents[node] = agent
+    hello_all(coord)
+    coord.spawning.keep_spares()
+    assert sorted(sent) == [1, 2, 3]
+    for node, env in sent.items():
+        model = next(r for r in coord.ranks.values() if r.node == node)
+        assert env == coord.spawning.rank_env(model).without_identity().to_environ(), node
+        assert env["GROUP_RANK"] == str(node)

@@ -8,6 +8,7 @@ attempt its own c10d store (so a restarted job never meets a previous attempt's 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -84,6 +85,7 @@ class SparesOrder:
     hot: int
     env: RankEnv
     sent_at: float
+    base: RankEnv | None = None  # the environment it was made from, on any node (Spawning._order_spares)
 
 
 class Spawning:
@@ -183,18 +185,22 @@ class Spawning:
         models: dict[int, Rank] = {}  # node -> its first rank in the table (the model of its spares)
         for r in ranks:
             models.setdefault(r.node, r)
+        # A spare's environment differs from node to node by its node alone: made once a look
+        # (2,048 nodes: making each node's whole cost a third of a core once a second).
+        base = self.rank_env(next(iter(models.values()))).without_identity() if models else None
         if spec.warm_spares or spec.hot_spares:
             for node, agent in job.members.agents.items():
                 model = models.get(node)
                 if model is None or not agent.connected():
                     self._spares_kept.pop(node, None)  # a reconnected agent gets its order again
                     continue
-                self._order_spares(node, agent, spec.warm_spares, hot, model, now)
+                self._order_spares(node, agent, spec.warm_spares, hot, model, now, base)
         kind, model = spec.standby_spares, models.get(1)
         if kind != "none" and model is not None:
             count = spec.local_worker_num
             for identity, standby in standby_nodes.items():
-                self._order_spares(identity, standby, count if kind == "warm" else 0, count if kind == "hot" else 0, model, now)
+                self._order_spares(identity, standby, count if kind == "warm" else 0, count if kind == "hot" else 0, model, now,
+                                   base)
 
     def _past_setup(self) -> bool:
         """Whether every rank is past its set-up (it reported a step, or succeeded). While one is
@@ -213,17 +219,21 @@ class Spawning:
         self._past_setup_at = started if self._setup_witness is None else None
         return self._setup_witness is None
 
-    def _order_spares(self, key: int | bytes, agent: "AgentHandle", warm: int, hot: int, model: Rank, now: float) -> None:
+    def _order_spares(self, key: int | bytes, agent: "AgentHandle", warm: int, hot: int, model: Rank, now: float,
+                      base: RankEnv | None = None) -> None:
         """Send ``agent`` (kept under ``key``: its node, or a standby's identity) the order to keep
         ``warm`` and ``hot`` spares modelled on rank ``model`` unless it was sent that order
-        less than :data:`SPARES_REFRESH_S` ago."""
-        env = self.rank_env(model).without_identity()
+        less than :data:`SPARES_REFRESH_S` ago. ``base``: a spare's environment on any node
+        (:meth:`ftrun.common.contract.RankEnv.without_identity`), when the caller made it."""
+        if base is None:
+            base = self.rank_env(model).without_identity()
         last = self._spares_kept.get(key)
-        if (last is not None and last.agent is agent and (last.warm, last.hot, last.env) == (warm, hot, env)
-                and now - last.sent_at < spares_period(SPARES_REFRESH_S, self.job.spec.nnodes)):
+        if (last is not None and last.agent is agent and (last.warm, last.hot, last.env.node) == (warm, hot, model.node)
+                and last.base == base and now - last.sent_at < spares_period(SPARES_REFRESH_S, self.job.spec.nnodes)):
             return
+        env = dataclasses.replace(base, node=model.node)
         agent.keep_spares(warm, hot, env.to_environ())
-        self._spares_kept[key] = SparesOrder(agent, warm, hot, env, now)
+        self._spares_kept[key] = SparesOrder(agent, warm, hot, env, now, base)
 
     def _attempt_store_port(self) -> int:
         """The port of the store this attempt's ranks rendezvous on (their MASTER_PORT).
