@@ -695,9 +695,9 @@ class Simulation:
             return clients[addr]
 
         def open_stores() -> None:
-            # On a thread of its own (a store call lets go of the GIL): this machine's resolver
-            # drops a query now and then, and a store's server looks up the name of each client
-            # that connects, which then holds every call to that server for 5 s; the heartbeats go on.
+            # On a thread of its own (a store call lets go of the GIL): a new connection to a store
+            # waits for a look-up of the client's host name, and this machine's resolver drops one
+            # query in 25, which holds that connection 5 s; the heartbeats go on meanwhile.
             started = time.monotonic()
             job = rec["job"] = CountingStore(TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60)))
             writers = []

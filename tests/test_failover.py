@@ -495,3 +495,24 @@ def test_a_large_jobs_hard_state_is_built_once_per_period_whatever_seat_has_no_a
     clock.now += 0.6  # past the period
     coord.failover.replicate(clock.now)
     assert sent.count(MsgType.STATE) == 2 and len(built) == 2
+
+
+@pytest.mark.parametrize("nodes, beats", [(4, 4), (2048, 2)])
+def test_the_beat_to_the_ranks_of_a_large_job_is_paced_as_the_agents_beats_are(nodes: int, beats: int) -> None:
+    """Once a heartbeat interval, and in a job of more than 1,000 nodes as seldom as the agents'
+    own beats (2 s at 2,048 nodes, 2.5 beats a silence timeout): its frames to the agents are
+    their beats then."""
+    from types import SimpleNamespace
+
+    from ftrun.coordinator.failover import Replication
+
+    sent: list[Any] = []
+    spec = JobSpec(script="train.py", worker_num=2 * nodes, local_worker_num=2, heartbeat_interval=1.0)
+    job = SimpleNamespace(spec=spec, epoch=0, ranks={}, members=SimpleNamespace(agents=dict.fromkeys(range(nodes))),
+                          rounds=SimpleNamespace(send_order=lambda ranks, order, fields: sent.append((order, fields))))
+    replication = Replication(job)  # type: ignore[arg-type]
+    replication._announced = True
+    for now in (10.0, 11.0, 11.5, 12.0, 13.0):
+        replication.beat_ranks(now)
+    assert len(sent) == beats and all(order == MsgType.STANDBY for order, _ in sent)
+    assert silence_timeout(spec) / 2.5 >= 2.0

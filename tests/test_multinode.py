@@ -100,6 +100,15 @@ def kill_left(runs: list[NodeRun | None]) -> None:
             os.killpg(run.proc.pid, signal.SIGKILL)
 
 
+def kill_host(host: NetHost) -> None:
+    """SIGKILL every process on ``host`` (a host's death: its launcher, agent, fork server, stores, ranks)."""
+    for pid in host.pids():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def all_pids(runs: list[NodeRun]) -> list[int]:
     """Every process a test started in the hosts (launchers and their descendants), still alive."""
     found = []
@@ -284,11 +293,7 @@ def _replace_node1(hosts: list[NetHost], tmp_path: Path, long_reference: str, pa
         if partition:
             subprocess.run(["ip", "link", "set", hosts[1].veth, "down"], check=True)
         else:
-            for pid in hosts[1].pids():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_host(hosts[1])
         dj.wait_for(lambda: any(e["kind"] == "node_lost" for e in dj.events(runs[0].log_dir)), timeout=60)
         replacement = start_node(hosts[2], 1, hosts[0].addr, 2, tmp_path, steps=dj.LONG_STEPS, tag="2",
                                  extra=("--node_wait_timeout", "120"))
@@ -344,11 +349,7 @@ def test_a_replaced_nodes_rank_takes_its_own_state_from_the_buddy_nodes_copy(net
     try:
         log = runs[0].log_dir / "worker_0.log"
         dj.wait_for(lambda: log.exists() and "Train Epoch: 2 [" in log.read_text(), timeout=180)
-        for pid in hosts[1].pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_host(hosts[1])
         dj.wait_for(lambda: any(e["kind"] == "node_lost" for e in dj.events(runs[0].log_dir)), timeout=60)
         replacement = start_node(hosts[2], 1, hosts[0].addr, 2, tmp_path, EXAMPLES / "mnist.py", steps=None, local=1,
                                  extra=wait, script_args=tuple(MNIST_ARGS), tag="2")
