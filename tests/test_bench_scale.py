@@ -82,11 +82,12 @@ def test_arguments() -> None:
 @pytest.mark.parametrize("relay", [True, False], ids=["relay", "direct"])
 def test_a_tiny_run_reports_every_figure(tmp_path: Path, relay: bool) -> None:
     """64 simulated ranks against the real coordinator and store, heartbeats at 0.2 s, relayed
-    through the agents or not: every figure is there and consistent with what was simulated (no
-    timing is asserted), and no live rank was taken for hung."""
+    through the agents or not, the records in the nodes' record stores (relayed) or in node 0's
+    job store (the design before: direct): every figure is there and consistent with what was
+    simulated (no timing is asserted), and no live rank was taken for hung."""
     lines: list[str] = []
     res = bs.measure_size(64, 8, window=1.5, cap=120.0, store_steps=1, record_bytes=1000, interval=0.2, step_s=0.2,
-                          heartbeat_timeout=1.0, say=lines.append, relay=relay)
+                          heartbeat_timeout=1.0, say=lines.append, relay=relay, record_stores="node" if relay else "job")
     assert "incomplete" not in res, (res, lines)
     steady = res["steady"]
     assert steady["coordinator_cpu_pct"] > 0 and steady["coordinator_rss_bytes"] > 0
@@ -100,8 +101,16 @@ def test_a_tiny_run_reports_every_figure(tmp_path: Path, relay: bool) -> None:
     silence = res["node_silence"]
     assert silence["silence_timeout_s"] == 1.0 and silence["to_verdict_s"] > 0 and silence["round_s"] > 0
     store = res["store"]
-    assert store["ops_per_step"] == 2 * 64  # a record and a gradient digest per rank (the step start's equals the record)
-    assert 64 * 1000 < store["bytes_per_step"] < 64 * 1400
+    if relay:  # nothing into node 0's job store; each node's record store: its 8 ranks' and its predecessor's copies
+        assert store["ops_per_step"] == store["bytes_per_step"] == 0
+        assert store["lookup_ops"] == 2 * 64  # a look-up of the buddy's address per rank: check and get
+        for per_node in ("node0_record_store_bytes_per_step", "node_record_store_bytes_per_step_median",
+                         "node_record_store_bytes_per_step_max"):
+            assert 2 * 8 * 1000 < store[per_node] < 2 * 8 * 1400, (per_node, store)
+    else:
+        assert store["ops_per_step"] == 2 * 64  # a record and a gradient digest per rank (the step start's equals the record)
+        assert 64 * 1000 < store["bytes_per_step"] < 64 * 1400
+        assert store["node0_record_store_bytes_per_step"] == 0
     assert res["coordinator_rss_bytes"] > 0 and res["simulation_processes"] == 1
     assert res["hung_orders"] == 0, res
     assert bs.table([res]).splitlines()[1].split()[0] == "64"

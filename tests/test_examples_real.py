@@ -9,7 +9,6 @@ bitwise, without and with faults (2 ranks):
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,21 +16,12 @@ from pathlib import Path
 import digits_job as dj
 from once import shared_once
 import pytest
-from reference_runs import run_torchrun
-from example_jobs import assert_recovered_in_place as _assert_recovered_in_place, final_digest as _digest, job_events as _events
+from example_jobs import (EXAMPLES, MNIST_ARGS, assert_recovered_in_place as _assert_recovered_in_place, clean_env as _env,
+                          final_digest as _digest, job_events as _events, mnist_reference, torchrun_digest as _torchrun_digest)  # noqa: F401
 
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"
-MNIST_ARGS = ["--epochs", "2", "--log-interval", "4"]
 REAL_ARGS = ["--epochs", "3", "--eval_every", "15", "--log_every", "5"]
 
 pytestmark = pytest.mark.integration
-
-
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items() if not k.startswith(("FTRUN_", "TORCHELASTIC_", "MS_ENABLE_TFT"))}
-    out.update(extra or {})
-    return out
 
 
 def _ftrun_cmd(log_dir: Path, script: str, args: list[str], ftrun_args: tuple[str, ...] = ()) -> list[str]:
@@ -49,26 +39,12 @@ def _run_ftrun(tmp_path: Path, script: str, args: list[str], fault: str | None =
     return _digest(proc.stdout), _events(log_dir)
 
 
-def _torchrun_digest(cwd: Path, script: str, args: list[str]) -> str:
-    """The parameters' digest of ``script`` under plain torchrun on 2 ranks (DDP, no ftrun)."""
-    proc = run_torchrun(["--standalone", "--nproc_per_node", "2", str(EXAMPLES / script), *args], env=_env(), cwd=cwd)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return _digest(proc.stdout)
-
-
 def _kill_rank_when(tmp_path: Path, script: str, args: list[str], line: str, rank: int) -> tuple[str, list[dict]]:
     """Run ``script`` under ftrun, SIGKILL ``rank``'s first process from outside once rank 0's log
     shows ``line``, and let the job end; returns (digest, events). Asserts exit code 0."""
     log_dir = tmp_path / "logs"
     out = dj.kill_rank_when_logged(_ftrun_cmd(log_dir, script, args), _env(), tmp_path, log_dir, line, rank)
     return _digest(out), _events(log_dir)
-
-
-@pytest.fixture(scope="module")
-def mnist_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The torchrun twin's parameters (plain DDP, no ftrun)."""
-    return shared_once(tmp_path_factory, "mnist_reference", lambda: _torchrun_digest(
-        tmp_path_factory.mktemp("mnist_torchrun"), "mnist_torchrun.py", MNIST_ARGS))
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from coordinator_fixtures import close_coordinators  # noqa: F401  (closes the coordinators a test made)
 
 from ftrun.coordinator.publish import STATUS_PERIOD_S, STATUS_SECONDS_PER_RANK, Publisher, write_status_file
 from ftrun.common.events import AppendLog, EventKind
@@ -200,4 +201,3 @@ def test_a_large_jobs_status_waits_for_a_young_recovery_round(tmp_path: Path) ->
         clock.now += ROUND_STATUS_HOLD_S
         coord.publish_status()
         assert len(made) == 1, world
-        coord.close()

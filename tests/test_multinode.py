@@ -25,8 +25,7 @@ import psutil
 import pytest
 from reference_runs import TORCH_ABORT
 from nethosts import NetHost, net_hosts  # noqa: F401
-from example_jobs import final_digest
-from test_examples_real import EXAMPLES, MNIST_ARGS, mnist_reference  # noqa: F401
+from example_jobs import EXAMPLES, MNIST_ARGS, final_digest, mnist_reference  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(360)]
 

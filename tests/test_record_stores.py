@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
+from coordinator_fixtures import close_coordinators  # noqa: F401  (closes the coordinators a test made)
 
 from ftrun.common import contract
 from ftrun.rank.rankstate import RankStateStore, buddy_node, record_stores

@@ -351,7 +351,7 @@ def test_the_coordinators_beat_to_relayed_ranks_goes_through_their_agent_one_fra
     interval: a rank whose beats node 1's agent relays, in that agent's one ``rank_orders``; the
     others straight. Node 1's agent, sent that frame, gets no beat of its own in that period."""
     from ftrun.coordinator.agents import RemoteAgent
-    from ftrun.coordinator.membership import AGENT_BEATS_PER_S, agent_beat_period
+    from ftrun.coordinator.failover import AGENT_BEATS_PER_S, agent_beat_period
 
     coord, _agent, clock, to_agent, direct = _relayed_job(tmp_path)
     frames: list[MsgType] = []

@@ -77,6 +77,18 @@ SEATS = 2  # standby coordinators kept in line: node 1 may be lost while it take
 REPLICA_RANKS_PER_S = 2048
 
 
+#: The coordinator beats the other nodes' agents (and, through them, their ranks) once a heartbeat
+#: interval, or, with more than this many nodes, once per this many nodes a second (2,048 nodes:
+#: every 2 s; a beat to each agent is a frame sealed for it: O(nodes) a second out of node 0), never
+#: less often than 2.5 beats a silence timeout (the agents' and the ranks' deadline for the coordinator).
+AGENT_BEATS_PER_S = 1000
+
+
+def agent_beat_period(spec: Any, nodes: int) -> float:
+    """Seconds between two beats of the coordinator to every agent (:data:`AGENT_BEATS_PER_S`)."""
+    return max(spec.heartbeat_interval, min(nodes / AGENT_BEATS_PER_S, silence_timeout(spec) / 2.5))
+
+
 def silence_timeout(spec: Any) -> float:
     """Seconds without a word after which a peer of the control plane is taken as gone: the
     ``--heartbeat_timeout``, at least three heartbeat intervals."""
@@ -340,12 +352,10 @@ class Replication:
         partition between it and this coordinator) moves to the standby, as on a closed
         connection. A rank whose beats its agent relays gets it through that agent, one frame a
         node (:mod:`ftrun.node.relay`): 16,384 frames a second out of node 0 otherwise. In a job
-        of more nodes than :data:`ftrun.coordinator.membership.AGENT_BEATS_PER_S`, as seldom as
-        the agents' own beats (:func:`ftrun.coordinator.membership.agent_beat_period`: 2 s at
+        of more nodes than :data:`AGENT_BEATS_PER_S`, as seldom as
+        the agents' own beats (:func:`agent_beat_period`: 2 s at
         2,048 nodes, always 2.5 beats a silence timeout): the frames that carry it to the agents
         are their beats then."""
-        from ftrun.coordinator.membership import agent_beat_period
-
         job = self.job
         if not self._announced or now - self._ranks_told_at < agent_beat_period(job.spec, len(job.members.agents)):
             return

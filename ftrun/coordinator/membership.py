@@ -29,23 +29,13 @@ from ftrun.common.contract import STANDBY_NODE_INDEX, VACANT_KEY, record_store_k
 from ftrun.common.events import EventKind
 from ftrun.common.protocol import Message, MsgType
 from ftrun.coordinator.elastic import Shrink
-from ftrun.coordinator.failover import silence_timeout
+from ftrun.coordinator.failover import agent_beat_period, silence_timeout
 
 if TYPE_CHECKING:
     from ftrun.coordinator.core import Coordinator
 
 log = logging.getLogger("ftrun.coordinator")
 
-#: The coordinator beats the other nodes' agents once a heartbeat interval, or, with more than this
-#: many nodes, once per this many nodes a second (2,048 nodes: every 2 s; a beat to each agent is a
-#: frame sealed for it: O(nodes) a second out of node 0), never less often than 2.5 beats a silence
-#: timeout (the agents' own deadline for the coordinator).
-AGENT_BEATS_PER_S = 1000
-
-
-def agent_beat_period(spec: Any, nodes: int) -> float:
-    """Seconds between two beats of the coordinator to every agent (:data:`AGENT_BEATS_PER_S`)."""
-    return max(spec.heartbeat_interval, min(nodes / AGENT_BEATS_PER_S, silence_timeout(spec) / 2.5))
 
 SpawnOrder = tuple[int, int, Mapping[str, str], str, bool]  # rank, incarnation, variables, log header, use a spare
 

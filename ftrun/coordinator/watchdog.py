@@ -64,6 +64,22 @@ class Unrepaired:
 Finding = Sequence[Hung] | CommHang | Unrepaired | None
 
 
+@dataclass
+class Candidates:
+    """What one walk over the rank table found for the watchdog's checks (:meth:`Watchdog.candidates`):
+    ranks whose heartbeats are older than the timeout, in a section, awaited after a takeover,
+    outside torch.distributed in a stage the stall check bounds, without a step; the newest step
+    progress of a rank that steps (None: none steps); whether a kill is pending."""
+
+    late: list[Rank]
+    in_section: list[Rank]
+    rejoining: list[Rank]
+    outside: list[Rank]
+    no_step: list[Rank]
+    newest: float | None = None
+    kill_pending: bool = False
+
+
 class Watchdog:
     """Hang verdicts for one job (NVRx's and torchrun's idea of a rank alive but not progressing).
 
@@ -128,39 +144,17 @@ class Watchdog:
         if self.unrepaired is not None and now - self.unrepaired[0] > UNREPAIRED_GRACE_S:
             reason, self.unrepaired = self.unrepaired[1], None
             return Unrepaired(reason)
-        # One walk over the rank table picks each check's candidates by its rarest condition; the
-        # checks then look at those alone (and at every rank only once one has a candidate). At
-        # 16,384 ranks, a walk per check was a sixth of the coordinator's busy time (docs/scale.md).
-        since = now - self.bounds.heartbeat_timeout
-        late, in_section, rejoining, outside, no_step = [], [], [], [], []
-        kill_pending = False
-        newest = None  # the latest step progress of a rank that steps (progress), if any
-        for r in ranks:
-            p = r.proc
-            if p.last_heartbeat < since:
-                late.append(r)
-            if p.section is not None:
-                in_section.append(r)
-            if p.rejoin_by is not None:
-                rejoining.append(r)
-            if p.outside_since is not None and p.stage in STALL_STAGES:
-                outside.append(r)
-            if p.step is None:
-                no_step.append(r)
-            elif p.running and r.library and not p.steps_ended and (newest is None or p.last_progress > newest):
-                newest = p.last_progress
-            if p.kill_reason is not None and p.running:
-                kill_pending = True
-        for find, candidates in ((self.heartbeats, late), (self.sections, in_section), (self.rejoins, rejoining)):
+        c = self.candidates(ranks, now)
+        for find, candidates in ((self.heartbeats, c.late), (self.sections, c.in_section), (self.rejoins, c.rejoining)):
             found = find(candidates, now)
             if found:
                 return found[:1]
-        for look in (lambda: self.stalls(ranks, now, outside), lambda: self.setup(ranks, recovery, nodes_joined, now, no_step),
+        for look in (lambda: self.stalls(ranks, now, c.outside), lambda: self.setup(ranks, recovery, nodes_joined, now, c.no_step),
                      lambda: self.round_deadline(ranks, recovery, now)):
             found = look()  # in order, and no further than the first kind found
             if found:
                 return found
-        if recovery is not None or kill_pending:
+        if recovery is not None or c.kill_pending:
             return None  # recovering ranks wait for each other (set-up and heartbeats still apply); or a kill is pending
         if quiet_nodes:
             # A node whose agent went quiet is the likelier cause of a stalled step: its ranks'
@@ -168,9 +162,33 @@ class Watchdog:
             # is no hang of its own. The node's loss is found within the silence timeout (or it is
             # heard again), so the wait is bounded (CI30: a rank of node 0 was killed so).
             return None
-        if newest is None or now - newest <= self.step_timeout():
+        if c.newest is None or now - c.newest <= self.step_timeout():
             return None  # the usual case: some rank stepped within the step timeout
         return self.progress(ranks, now)
+
+    def candidates(self, ranks: Sequence[Rank], now: float) -> "Candidates":
+        """One walk over the rank table picks each check's candidates by its rarest condition; the
+        checks then look at those alone (and at every rank only once one has a candidate). At
+        16,384 ranks, a walk per check was a sixth of the coordinator's busy time (docs/scale.md)."""
+        since = now - self.bounds.heartbeat_timeout
+        c = Candidates([], [], [], [], [])
+        for r in ranks:
+            p = r.proc
+            if p.last_heartbeat < since:
+                c.late.append(r)
+            if p.section is not None:
+                c.in_section.append(r)
+            if p.rejoin_by is not None:
+                c.rejoining.append(r)
+            if p.outside_since is not None and p.stage in STALL_STAGES:
+                c.outside.append(r)
+            if p.step is None:
+                c.no_step.append(r)
+            elif p.running and r.library and not p.steps_ended and (c.newest is None or p.last_progress > c.newest):
+                c.newest = p.last_progress
+            if p.kill_reason is not None and p.running:
+                c.kill_pending = True
+        return c
 
     def heartbeats(self, ranks: Sequence[Rank], now: float) -> list[Hung]:
         """Ranks whose heartbeats stopped for ``--heartbeat_timeout`` (after ft.finish() a rank
