@@ -141,3 +141,19 @@ def test_the_coordinator_publishes_each_nodes_record_store_and_withdraws_a_lost_
     assert store.get(contract.record_store_key(2)) == b"10.0.0.2:402"
     job.members.lose(2, "its host died")
     assert not store.check([contract.record_store_key(2)]) and store.check([contract.record_store_key(1)])
+
+
+def test_a_multi_node_launcher_binds_its_nodes_record_store_and_names_it_to_its_child() -> None:
+    from types import SimpleNamespace
+
+    from ftrun.node.launcher import record_store_socket
+
+    env: dict[str, str] = {}
+    assert record_store_socket(SimpleNamespace(nnodes=1, master_addr="127.0.0.1"), env) is None and env == {}
+    for local_addr in (None, "127.0.0.1"):  # --local_addr, else the address towards node 0
+        sock = record_store_socket(SimpleNamespace(nnodes=2, master_addr="127.0.0.1", local_addr=local_addr), env)
+        try:
+            host, port = sock.getsockname()[:2]
+            assert env[contract.RECORD_STORE] == f"{host}:{port}" and host == "127.0.0.1" and port > 0
+        finally:
+            sock.close()

@@ -414,9 +414,10 @@ def _child_env(spec: JobSpec, token: str, events_port: int, store_port: int, con
 
 def record_store_socket(spec: JobSpec, env: dict[str, str]) -> socket.socket | None:
     """The listening socket of this node's record store (:mod:`ftrun.rank.rankstate`) in a
-    multi-node job, bound on this host's address towards node 0 on a free port, for the child to
-    host (its fork server, or else itself: :class:`ftrun.node.forks.NodeStore`); its address goes
-    into ``env`` (``FTRUN_RECORD_STORE``), for the agent to announce and its ranks to write to.
+    multi-node job, bound on ``--local_addr`` (else this host's address towards node 0) on a free
+    port, for the child to host (its fork server, or else itself: :class:`ftrun.node.forks.NodeStore`);
+    its address goes into ``env`` (``FTRUN_RECORD_STORE``), for the agent to announce and its ranks
+    to write to.
     None in a single-node job (the records go to the job's store), or when it cannot be bound
     (said once; the records then go to the job's store)."""
     if spec.nnodes < 2:
@@ -425,7 +426,7 @@ def record_store_socket(spec: JobSpec, env: dict[str, str]) -> socket.socket | N
     from ftrun.coordinator.failover import address_towards
 
     try:
-        host = address_towards(spec.master_addr)
+        host = getattr(spec, "local_addr", None) or address_towards(spec.master_addr)
         sock = listen_socket(host, 0)
     except (OSError, StoreBindError) as err:
         print(f"ftrun: cannot bind this node's record store ({err}); its ranks' records go to node 0's store",
