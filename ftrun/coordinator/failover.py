@@ -127,8 +127,7 @@ class RankRow(NamedTuple):
     @classmethod
     def of(cls, r: "Rank", group: int) -> "RankRow":
         """The row of rank ``r`` now, its replica group at index ``group`` of the state's groups."""
-        return cls(r.rank, r.incarnation, r.proc.pid or 0, r.library, group, r.restarts,
-                   r.proc.state.value, r.proc.committed, r.proc.running)
+        return cls._make(_wire_row(r, group))
 
     @classmethod
     def from_wire(cls, row: Sequence[Any]) -> "RankRow":
@@ -181,14 +180,20 @@ def _rows_and_groups(job: "Coordinator") -> tuple[list[list[Any]], list[list[int
     index: dict[int, int] = {}
     groups: list[list[int]] = []
     rows = []
-    for r in job.ranks.values():  # every rank at every replica: written for speed (RankRow.of's values, as a list)
+    for r in job.ranks.values():
         at = index.get(id(r.replica_group))
         if at is None:
             at = index[id(r.replica_group)] = len(groups)
             groups.append(list(r.replica_group))
-        p = r.proc
-        rows.append([r.rank, p.number, p.pid or 0, r.library, at, r.restarts, p.state.value, p.committed, p.running])
+        rows.append(_wire_row(r, at))
     return rows, groups
+
+
+def _wire_row(r: "Rank", group: int) -> list[Any]:
+    """:meth:`RankRow.of`'s values, as the row travels (a list: the hard state is built of these,
+    one a rank, without making the named row)."""
+    p = r.proc
+    return [r.rank, p.number, p.pid or 0, r.library, group, r.restarts, p.state.value, p.committed, p.running]
 
 
 def restore(job: "Coordinator", state: dict[str, Any]) -> None:
@@ -352,10 +357,9 @@ class Replication:
         partition between it and this coordinator) moves to the standby, as on a closed
         connection. A rank whose beats its agent relays gets it through that agent, one frame a
         node (:mod:`ftrun.node.relay`): 16,384 frames a second out of node 0 otherwise. In a job
-        of more nodes than :data:`AGENT_BEATS_PER_S`, as seldom as
-        the agents' own beats (:func:`agent_beat_period`: 2 s at
-        2,048 nodes, always 2.5 beats a silence timeout): the frames that carry it to the agents
-        are their beats then."""
+        of more nodes than :data:`AGENT_BEATS_PER_S`, as seldom as the agents' own beats
+        (:func:`agent_beat_period`: 2 s at 2,048 nodes, always 2.5 beats a silence timeout): the
+        frames that carry it to the agents are their beats then."""
         job = self.job
         if not self._announced or now - self._ranks_told_at < agent_beat_period(job.spec, len(job.members.agents)):
             return
