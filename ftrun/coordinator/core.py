@@ -54,7 +54,7 @@ from ftrun.coordinator.membership import Membership, NodeLoss, NoReplacement, Qu
 from ftrun.coordinator.messages import RankMessages
 from ftrun.coordinator.phases import JobPhases
 from ftrun.coordinator.policy import TEARDOWN_CRASH_CODES, RankState  # noqa: F401 (TEARDOWN_CRASH_CODES: exported by the package)
-from ftrun.coordinator.publish import STATUS_PERIOD_S, STATUS_SECONDS_PER_RANK, Publisher, status_header
+from ftrun.coordinator.publish import STATUS_PERIOD_S, Publisher, status_gap, status_header
 from ftrun.coordinator.ranks import Rank, RecoveryRound
 from ftrun.coordinator.rounds import RecoveryRounds
 from ftrun.coordinator.state import JobState, JobStateField
@@ -67,8 +67,8 @@ log = logging.getLogger("ftrun.coordinator")
 #: ``ranks / SCAN_RANKS_PER_S`` seconds, and at most every ``--monitor_interval`` (Coordinator._scan_due).
 SCAN_RANKS_PER_S = 20_000
 
-#: In a job whose status snapshot is costly (more ranks than one per STATUS_SECONDS_PER_RANK in a
-#: STATUS_PERIOD_S: 1,024), none is made in a recovery round's first seconds: at 16,384 ranks one
+#: In a job whose status snapshots are spaced by their cost (``status_gap`` above STATUS_PERIOD_S:
+#: more than 1,024 ranks), none is made in a recovery round's first seconds: at 16,384 ranks one
 #: takes a tenth of a second or more, which every rank of the round would wait for. Events go on.
 ROUND_STATUS_HOLD_S = 2.0
 
@@ -273,7 +273,7 @@ class Coordinator:
         """Publish the status (:meth:`ftrun.coordinator.publish.Publisher.status`), unless a young
         recovery round of a large job goes first (:data:`ROUND_STATUS_HOLD_S`)."""
         rec = self.rounds.current
-        if (not force and final is None and rec is not None and len(self.ranks) * STATUS_SECONDS_PER_RANK > STATUS_PERIOD_S
+        if (not force and final is None and rec is not None and status_gap(len(self.ranks)) > STATUS_PERIOD_S
                 and self.clock() - rec.round_started < ROUND_STATUS_HOLD_S):
             return
         self.publisher.status(self.status_snapshot, force=force, final=final)

@@ -31,6 +31,13 @@ STATUS_PERIOD_S = 0.25  # at most four console snapshots a second
 STATUS_SECONDS_PER_RANK = 1 / 4096  # and, in a larger job, one every this many seconds per rank
 
 
+def status_gap(ranks: int) -> float:
+    """The least time between two status snapshots of a job of ``ranks`` ranks, seconds:
+    :data:`STATUS_PERIOD_S`, or :data:`STATUS_SECONDS_PER_RANK` per rank in a larger job (a
+    snapshot has a row per rank)."""
+    return max(STATUS_PERIOD_S, ranks * STATUS_SECONDS_PER_RANK)
+
+
 class Publisher:
     """Records and pushes the job's events and status.
 
@@ -107,7 +114,7 @@ class Publisher:
         if not (force or final or (self.dirty and now - self._last_status >= self._status_gap)):
             return
         data = snapshot()
-        self._status_gap = max(STATUS_PERIOD_S, len(data["ranks"]) * STATUS_SECONDS_PER_RANK)
+        self._status_gap = status_gap(len(data["ranks"]))
         data["state"] = "running" if final is None else ("succeeded" if final["exit_code"] == 0 else "failed")
         if final is not None:
             data.update(final)
