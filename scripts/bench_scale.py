@@ -47,7 +47,9 @@ Node 0's memory (RSS of the coordinator's and the store's processes) is read at 
 (``FTRUN_BENCH_PROFILE_PHASE=round``: over the rank death's round instead); ``FTRUN_BENCH_PYSPY=PATH``
 a py-spy sampling of the coordinator's process over the steady state (raw, a line a stack: far
 less overhead than cProfile, whose share of each function is skewed towards many small calls;
-with ``FTRUN_BENCH_PROFILE_PHASE=round``, the 3 s from the rank's death).
+with ``FTRUN_BENCH_PROFILE_PHASE=round``, the 3 s from the rank's death; ``node``, the 2 s from
+the node's verdict). ``FTRUN_BENCH_TIMINGS=PATH`` writes a line for each call of the coordinator's
+round, passes and reading (:data:`TIMED_CALLS`) that takes 3 ms or more, with its wall and CPU time.
 Each size has a time cap (``--cap``): a phase that does not finish in it is reported as such, with
 what was measured before it. The machine's other load shows in every figure: run it on an idle
 machine for figures worth quoting, and read them as one run's.
@@ -87,7 +89,6 @@ RECORD_BYTES = 18_912  # word_lm's rank-state record (docs/benchmarks.md)
 SOCKETS_PER_PROCESS = 4000  # a ZeroMQ socket takes two descriptors (its connection and its mailbox)
 TOKEN = "s" * 64
 STANDBY_SEAT_PORT = 9  # a simulated standby coordinator's endpoint: named in messages, never connected to
-RANK_POLL_S = 0.2  # a simulated rank's connection is read this often once its beats are relayed (see Simulation)
 SIM_PID_BASE = 1 << 23  # simulated ranks' pids: above any real one (pid_max is at most 2^22)
 
 
@@ -244,6 +245,8 @@ def coordinator_main(conn: Any, ranks: int, per_node: int, store_port: int, log_
             time.sleep(0.5)
 
     threading.Thread(target=write_stats, daemon=True).start()
+    if os.environ.get("FTRUN_BENCH_TIMINGS"):
+        time_calls(os.environ["FTRUN_BENCH_TIMINGS"])
     conn.send(coord.control_addr)
     os.environ.setdefault("TORCHELASTIC_RUN_ID", "bench-scale")
     profile_to = os.environ.get("FTRUN_BENCH_PROFILE")
@@ -261,6 +264,44 @@ def coordinator_main(conn: Any, ranks: int, per_node: int, store_port: int, log_
 
         signal.signal(signal.SIGUSR2, toggle)
     coord.run()
+
+
+#: What ``FTRUN_BENCH_TIMINGS`` times: the coordinator's round, its passes and its reading.
+TIMED_CALLS = [("ftrun.coordinator.rounds", "RecoveryRounds", ["start", "send_order", "make_plan", "plan_when_reported",
+                                                               "finish_when_recovered", "finish"]),
+               ("ftrun.coordinator.failover", "Replication", ["replicate", "beat_ranks"]),
+               ("ftrun.coordinator.failures", "Failures", ["node_lost", "check_hangs"]),
+               ("ftrun.coordinator.core", "Coordinator", ["read_messages", "publish_status", "check_agents", "spawn"]),
+               ("ftrun.coordinator.watchdog", "Watchdog", ["inspect"])]
+
+
+def time_calls(path: str, at_least: float = 0.003) -> None:
+    """Write a line to ``path`` for each call of :data:`TIMED_CALLS` that takes ``at_least``
+    seconds or more: its start (wall), name, wall and CPU (its thread's) milliseconds."""
+    import functools
+    import importlib
+
+    log = open(path, "w", buffering=1)
+
+    def timed(owner: type, name: str) -> None:
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0, c0 = time.time(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if time.time() - t0 >= at_least:
+                    log.write(f"{t0:.4f} {owner.__name__}.{name} wall {1e3 * (time.time() - t0):.1f} ms "
+                              f"cpu {1e3 * (time.thread_time() - c0):.1f} ms\n")
+
+        setattr(owner, name, wrapper)
+
+    for module, cls, names in TIMED_CALLS:
+        owner = getattr(importlib.import_module(module), cls)
+        for name in names:
+            timed(owner, name)
 
 
 def proc_cpu_seconds(pid: int) -> float:
@@ -316,6 +357,52 @@ def proc_rss_bytes(pid: int) -> int:
 
 
 # --------------------------------------------------------------------------- simulated ranks and agents
+class Readiness:
+    """Which of many ZeroMQ sockets have frames to read, in time proportional to the ready ones.
+
+    ``zmq.Poller`` looks at every socket it holds at each call (a simulation process holds about
+    3,700: its agents' and its ranks' connections to node 0); here each socket's ``ZMQ_FD`` (the
+    eventfd of its command mailbox) sits in one level-triggered epoll. The fd is readable while
+    commands wait, which a ``recv`` that ends in ``EAGAIN`` drains; a ``send`` may drain it too
+    while frames wait, so :meth:`after_send` looks at the socket's ``ZMQ_EVENTS`` once sent on.
+    """
+
+    def __init__(self, zmq: Any) -> None:
+        import select
+
+        self.zmq, self.epoll = zmq, select.epoll()
+        self.by_fd: dict[int, Any] = {}
+        self.pending: set[Any] = set()  # sockets with frames known to wait (to read without waiting)
+
+    def add(self, sock: Any) -> None:
+        fd = sock.getsockopt(self.zmq.FD)
+        self.by_fd[fd] = sock
+        self.epoll.register(fd, 0x001)  # EPOLLIN, level-triggered
+        self.pending.add(sock)  # a socket can be ready before its fd was watched
+
+    def remove(self, sock: Any) -> None:
+        fd = sock.getsockopt(self.zmq.FD)
+        self.epoll.unregister(fd)
+        self.by_fd.pop(fd, None)
+        self.pending.discard(sock)
+
+    def again(self, sock: Any) -> None:
+        """``sock`` has frames left (read at the next :meth:`wait`, which then does not wait)."""
+        self.pending.add(sock)
+
+    def after_send(self, sock: Any) -> None:
+        if sock.getsockopt(self.zmq.EVENTS) & self.zmq.POLLIN:
+            self.pending.add(sock)
+
+    def wait(self, timeout_ms: int) -> set[Any]:
+        """The sockets that may have frames, waiting up to ``timeout_ms`` for one; read each until
+        ``zmq.Again`` (or hand it back with :meth:`again`)."""
+        events = self.epoll.poll(0 if self.pending else timeout_ms / 1000)
+        ready, self.pending = self.pending, set()
+        ready.update(self.by_fd[fd] for fd, _ in events if fd in self.by_fd)
+        return ready
+
+
 @dataclass
 class Progress:
     """What :class:`ftrun.rank.client.StepBoard` reads of a rank's progress."""
@@ -338,7 +425,6 @@ class SimRank:
     recovering: bool = False
     direct: int = 0  # frames sent to node 0 (a relayed beat carries the count)
     beats: int = 0
-    relayed: bool = False  # a beat of it went out in its agent's (its connection is then polled less often)
 
 
 @dataclass
@@ -424,12 +510,7 @@ class Simulation:
         self.record_port = self.record_server.port
         self.nodes: dict[int, SimNode] = {}
         self.by_sock: dict[Any, tuple[SimNode, SimRank | None]] = {}
-        # Two pollers: a poll costs time in every socket it looks at (it was half of a simulation
-        # process's CPU), and node 0 sends a rank's own connection nothing once it has read a relayed
-        # beat of it (the round's orders go through its agent). Such a connection moves from the
-        # poller of every pass to one looked at every RANK_POLL_S.
-        self.poller, self.rank_poller = zmq.Poller(), zmq.Poller()
-        self.next_rank_poll = 0.0
+        self.ready = Readiness(zmq)
         now = time.monotonic()
         # relayed ranks beat their agent twice an interval (ftrun.rank.channel); node 0's every other time
         self.rank_beats = Beats(interval / 2 if relay else interval, now)
@@ -454,7 +535,7 @@ class Simulation:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 10_000)
         sock.connect(self.addr)
-        self.poller.register(sock, zmq.POLLIN)
+        self.ready.add(sock)
         return sock, Sender(self.auth), Receiver(self.auth, to_peer(identity))
 
     def _send(self, sock: Any, sender: Any, msg_type: MsgType, r: SimRank | None = None, **fields: Any) -> None:
@@ -466,6 +547,8 @@ class Simulation:
             sock.send(frame, self.zmq.NOBLOCK)
         except self.zmq.Again:
             return
+        finally:
+            self.ready.after_send(sock)
         if r is not None:
             r.direct += 1
         self.counters.note_sent(msg_type.value, len(frame))
@@ -504,7 +587,7 @@ class Simulation:
 
     def close_rank(self, r: SimRank) -> None:
         r.alive = False
-        (self.rank_poller if r.relayed else self.poller).unregister(r.sock)
+        self.ready.remove(r.sock)
         self.by_sock.pop(r.sock, None)
         r.sock.close(0)
         self.ranks_list = [x for x in self.ranks_list if x is not r]
@@ -513,11 +596,7 @@ class Simulation:
     def receive(self, timeout_ms: int) -> None:
         from ftrun.common.protocol import ProtocolError, decode
 
-        ready = self.poller.poll(timeout_ms)
-        if self.relay and time.monotonic() >= self.next_rank_poll:
-            ready += self.rank_poller.poll(0)
-            self.next_rank_poll = time.monotonic() + RANK_POLL_S
-        for sock, _ in ready:
+        for sock in self.ready.wait(timeout_ms):
             owner = self.by_sock.get(sock)
             if owner is None:
                 continue
@@ -537,7 +616,9 @@ class Simulation:
                 if r is None:
                     self.on_agent_order(node, msg)
                 elif r.alive:
-                    self.on_rank_order(r, msg)
+                    self.on_rank_order(r, msg.type, msg.fields, time.time())
+            else:
+                self.ready.again(sock)  # more than a pass's share: read on at the next pass
 
     def on_agent_order(self, node: SimNode, msg: Any) -> None:
         if msg.type == MsgType.TAKE_NODE:
@@ -560,13 +641,11 @@ class Simulation:
         elif msg.type == MsgType.RANK_ORDERS:
             # A round's order, relayed: the agent hands it to each rank (a local hop on the rank's
             # own node, not simulated) and sends their answers in one frame (ftrun.node.relay).
-            from ftrun.common.protocol import Message
-
-            order = MsgType(msg["order"])
+            order, common, now = MsgType(msg["order"]), msg["common"], time.time()
             for rank, incarnation, own in msg["ranks"]:
                 r = node.ranks.get(rank)
                 if r is not None and r.alive and r.incarnation == incarnation:
-                    self.on_rank_order(r, Message(order, {**msg["common"], **own}), relayed=True)
+                    self.on_rank_order(r, order, {**common, **own} if own else common, now, relayed=True)
             for rows in node.relayed.reports():
                 self._send(node.sock, node.sender, MsgType.RANK_REPORTS, node=node.index, reports=rows)
         elif msg.type == MsgType.KILL_HUNG:
@@ -582,9 +661,9 @@ class Simulation:
         else:
             self._send(r.sock, r.sender, msg_type, r, rank=r.rank, incarnation=r.incarnation, **fields)
 
-    def on_rank_order(self, r: SimRank, msg: Any, relayed: bool = False) -> None:
-        now = time.time()
-        if msg.type == MsgType.ABORT:
+    def on_rank_order(self, r: SimRank, order: MsgType, msg: dict[str, Any], now: float, relayed: bool = False) -> None:
+        """Rank ``r`` is sent a round's ``order`` (its fields ``msg``) at ``now`` (wall)."""
+        if order == MsgType.ABORT:
             generation = int(msg["generation"])
             seen = self.counters.aborts.setdefault(generation, [now, now])
             seen[1] = now
@@ -593,13 +672,13 @@ class Simulation:
             self._answer(r, relayed, MsgType.FAULT, generation=generation,
                          step=r.progress.current_step if r.progress.current_step is not None else 0,
                          committed=r.progress.committed, reason="abort", kind="abort")
-        elif msg.type == MsgType.RECONFIGURE:
+        elif order == MsgType.RECONFIGURE:
             generation = int(msg["generation"])
             seen = self.counters.plans.setdefault(generation, [now, now])
             seen[1] = now
             transfers = msg["transfers"]
-            role = ("recipient" if any(t[1] == r.rank for t in transfers)
-                    else "donor" if any(t[0] == r.rank for t in transfers) else "none")
+            role = "none" if not transfers else ("recipient" if any(t[1] == r.rank for t in transfers)
+                                                 else "donor" if any(t[0] == r.rank for t in transfers) else "none")
             r.progress.committed = int(msg["step"])
             r.recovering = False
             r.board.enter("compute")
@@ -627,8 +706,6 @@ class Simulation:
             self.agent_cursor += 1
             if not node.silent:
                 rows = node.relayed.rows(now) if node.relayed is not None else []
-                for row in rows:
-                    self.relayed_out(node.ranks.get(row[0]), row[1])
                 self._send(node.sock, node.sender, MsgType.AGENT_BEAT, node=node.index, **({"ranks": rows} if rows else {}))
                 node.last_beat = time.time()
         ranks = self.ranks_list
@@ -660,13 +737,6 @@ class Simulation:
                     r.progress.committed = r.progress.current_step
                 r.progress.current_step = max(self.step, r.progress.committed + 1)
                 r.board.begin(r.progress.current_step, None)
-
-    def relayed_out(self, r: SimRank | None, incarnation: int) -> None:
-        """A beat of ``r`` went out in its agent's: its own connection moves to the slow poller."""
-        if r is not None and r.alive and r.incarnation == incarnation and not r.relayed:
-            r.relayed = True
-            self.poller.unregister(r.sock)
-            self.rank_poller.register(r.sock, self.zmq.POLLIN)
 
     # ------------------------------------------------------------------ rank-state records
     def start_records(self, store_port: int, steps: int, record_bytes: int, where: str) -> None:
@@ -781,8 +851,16 @@ class Simulation:
         raise ValueError(cmd)
 
     def run(self, conn: Any) -> None:
+        import gc
+
+        frozen_at = 0.0
         while True:
             now = time.monotonic()
+            if now - frozen_at > 5.0:
+                # What this process simulates is thousands of small processes' state: the cyclic
+                # collector's full passes over it (tens of ms) would be pauses no real agent has.
+                gc.freeze()
+                frozen_at = now
             if conn.poll():
                 cmd, arg = conn.recv()
                 if cmd == "stop":
@@ -1097,13 +1175,24 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
         silent_at = ask_all([pipes[where[silent_node]]], "silence", silent_node)[0]
         lost = run.wait("node verdict", lambda: events.of("node_lost")[n_lost:], poll=0.02)[0]
         cpu_at, sim_at, lost_seen = proc_cpu_seconds(coord.pid), sum(proc_cpu_seconds(p.pid) for p in sims), time.time()
+        spy = py_spy(coord.pid, 2) if os.environ.get("FTRUN_BENCH_PYSPY") and profiled == "node" else None
         fin = run.wait("one node's recovery", lambda: events.of("recovery_finished")[n_finished:])[0]
+        if spy is not None:
+            spy.wait()
         round_cpu = round_cpu_seconds(coord.pid, sims, cpu_at, sim_at, time.time() - lost_seen, res["steady"])
         timeout = max(heartbeat_timeout, 3 * interval)  # ftrun.coordinator.failover.silence_timeout
+        gen = events.of("recovery_planned")[-1]["generation"]
+        plans = run.wait("plan receipts", lambda: sum_counters(ask_all(pipes, "counters"))["plans"].get(gen))
+        aborts = sum_counters(ask_all(pipes, "counters"))["aborts"].get(gen) or [lost["time"]] * 2
         res["node_silence"] = {
             "silence_timeout_s": timeout,
             "to_verdict_s": round(lost["time"] - silent_at, 3),
             "verdict_after_timeout_s": round(lost["time"] - silent_at - timeout, 3),
+            # from the verdict
+            "to_round_started_s": round(events.of("recovery_started")[-1]["time"] - lost["time"], 4),
+            "to_abort_received_by_all_s": round(aborts[1] - lost["time"], 4),
+            "to_plan_decided_s": round(events.of("recovery_planned")[-1]["time"] - lost["time"], 4),
+            "to_plan_received_by_all_s": round(plans[1] - lost["time"], 4),
             "round_s": round(fin["time"] - lost["time"], 4),
             **round_cpu,
         }

@@ -75,6 +75,14 @@ def new_token() -> str:
 #: its body (:data:`ftrun.common.messages.BODIES`), the one place the fields are written.
 FIELD_TYPES: dict[MsgType, dict[str, tuple[type, ...]]] = {t: field_types(body) for t, body in BODIES.items()}
 REQUIRED: dict[MsgType, tuple[str, ...]] = {t: required_fields(body) for t, body in BODIES.items()}
+# The same, for the checks of every frame (thousands a second at node 0; a relayed frame carries a
+# message per rank): the required fields as a set, and each field's accepted types as the set of
+# exact types that pass at one look-up (a value of another type, a subclass say, is looked at
+# closely: :func:`_check_type`).
+_REQUIRED_SETS: dict[MsgType, frozenset[str]] = {t: frozenset(names) for t, names in REQUIRED.items()}
+_EXACT_TYPES: dict[MsgType, dict[str, frozenset[type]]] = {
+    t: {name: frozenset(types) for name, types in fields.items()} for t, fields in FIELD_TYPES.items()}
+_BY_VALUE: dict[str, MsgType] = {t.value: t for t in MsgType}
 
 
 @dataclass(frozen=True)
@@ -300,8 +308,8 @@ def relayed_message(kind: Any, fields: Any, allowed: frozenset[MsgType]) -> Mess
         ProtocolError: a type not in ``allowed``, fields not a map, or fields that are not the type's.
     """
     try:
-        msg_type = MsgType(kind)
-    except ValueError:
+        msg_type = _BY_VALUE[kind]
+    except (KeyError, TypeError):  # a name that is not a type's, or no name at all (a list...)
         raise ProtocolError("unknown message type") from None
     if msg_type not in allowed:
         raise ProtocolError(f"{msg_type.value} cannot be relayed")
@@ -314,18 +322,25 @@ def relayed_message(kind: Any, fields: Any, allowed: frozenset[MsgType]) -> Mess
 def _check_fields(msg_type: MsgType, fields: dict[str, Any]) -> None:
     """Check ``fields`` against ``msg_type``'s body: every required field, no field it does not
     have, each of a type its annotation accepts (a bool is never an int or a float here)."""
-    for name in REQUIRED[msg_type]:
-        if name not in fields:
-            raise ProtocolError(f"{msg_type.value}: missing field {name!r}")
-    accepted = FIELD_TYPES[msg_type]
+    if not fields.keys() >= _REQUIRED_SETS[msg_type]:
+        missing = next(name for name in REQUIRED[msg_type] if name not in fields)
+        raise ProtocolError(f"{msg_type.value}: missing field {missing!r}")
+    exact = _EXACT_TYPES[msg_type]
     for name, value in fields.items():
-        types = accepted.get(name)
+        types = exact.get(name)
         if types is None:
             raise ProtocolError(f"{msg_type.value}: unknown field {str(name)[:40]!r}")
-        if isinstance(value, bool) and bool not in types:
-            raise ProtocolError(f"{msg_type.value}: field {name!r} has type bool")
-        if not isinstance(value, types):
-            raise ProtocolError(f"{msg_type.value}: field {name!r} has type {type(value).__name__}")
+        if type(value) not in types:
+            _check_type(msg_type, name, value)
+
+
+def _check_type(msg_type: MsgType, name: str, value: Any) -> None:
+    """The close look at a field's value whose type is not exactly one its annotation names."""
+    types = FIELD_TYPES[msg_type][name]
+    if isinstance(value, bool) and bool not in types:
+        raise ProtocolError(f"{msg_type.value}: field {name!r} has type bool")
+    if not isinstance(value, types):
+        raise ProtocolError(f"{msg_type.value}: field {name!r} has type {type(value).__name__}")
 
 
 def receive(sock: Any, receiver: Receiver, budget: int, on_reject: Callable[[ProtocolError], None]) -> Iterator[Message]:

@@ -366,6 +366,12 @@ class Replication:
         self._ranks_told_at = now
         job.rounds.send_order([r for r in job.ranks.values() if r.connected()], MsgType.STANDBY, self._standby_fields())
 
+    def ranks_heard(self, now: float) -> None:
+        """Every rank was just sent a frame (a round's order): any frame is a beat to a rank
+        (:mod:`ftrun.rank.channel`), so the next beat is a whole period later; the line of
+        standbys it repeats is told at that beat."""
+        self._ranks_told_at = now
+
     def replicate(self, now: float, force: bool = False) -> None:
         """Send the hard state to every standby in line when it changed (``force``: now, before
         what it decided is sent to anyone), and at every beat; in a job of more than

@@ -160,18 +160,22 @@ class RankMessages:
         live rank of that node, in its current incarnation, that said hello; malformed rows and
         others are skipped. An answer proves the rank alive; it is not one of the frames the rank
         sent the coordinator itself (:attr:`Incarnation.direct`)."""
-        now = self.job.clock()
-        for row in rows:
-            try:
-                msg = relayed_message(row[0], row[1], RELAYED_ANSWERS) if isinstance(row, list) and len(row) == 2 else None
-            except ProtocolError:
-                msg = None
-            r = self.job.ranks.get(msg["rank"]) if msg is not None else None
-            if (r is None or r.node != node or msg["incarnation"] != r.incarnation or not r.alive()
-                    or r.proc.identity is None):
+        now, ranks, handlers = self.job.clock(), self.job.ranks, self._rank_handlers
+        for row in rows:  # a row a rank, twice a round: written for speed (docs/scale.md)
+            if type(row) is not list or len(row) != 2:
                 continue
-            r.proc.last_heartbeat = now
-            self._rank_handlers[msg.type](self, r, msg)
+            try:
+                msg = relayed_message(row[0], row[1], RELAYED_ANSWERS)
+            except ProtocolError:
+                continue
+            r = ranks.get(msg.fields["rank"])
+            if r is None or r.node != node:
+                continue
+            p = r.proc
+            if msg.fields["incarnation"] != p.number or not p.running or p.identity is None:
+                continue
+            p.last_heartbeat = now
+            handlers[msg.type](self, r, msg)
 
     def on_progress(self, r: Rank, msg: Message) -> None:
         """``progress`` (``ft.report()``, a section opened or closed): the rank's step and metrics."""

@@ -10,6 +10,7 @@ starts the next round (the next generation), keeping the first failure's start t
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any
 
 from ftrun.common.events import EventKind
@@ -41,6 +42,8 @@ class RecoveryRounds:
     def __init__(self, job: "Coordinator") -> None:
         self.job = job
         self.current: RecoveryRound | None = None
+        # the replica groups last built, and what each rank had declared then (replica_groups)
+        self._groups: tuple[tuple[tuple[int, ...], ...], list[list[int]]] | None = None
 
     def start(self, failed: set[int], reason: str, kind: str = "death") -> None:
         """Begin (or restart) a recovery round: respawn ``failed`` and ask survivors to report.
@@ -88,6 +91,8 @@ class RecoveryRounds:
         for r in survivors:
             r.proc.move(RankState.RECOVERING)
         self.send_order(survivors, MsgType.ABORT, {"generation": job.generation, "reason": reason})
+        job.failover.ranks_heard(now)  # the respawned ranks hear the standbys at their hello
+        job.scanned()
 
     def send_order(self, ranks: list[Rank], order: MsgType, common: dict[str, Any],
                    own: dict[int, dict[str, Any]] | None = None) -> None:
@@ -201,6 +206,7 @@ class RecoveryRounds:
         self.send_order([x for x in job.ranks.values() if x.alive()], MsgType.RECONFIGURE,
                         {"generation": rec.generation, "world_size": job.spec.worker_num, "step": plan.step, "transfers": [],
                          **store, **rollback}, mine)
+        job.failover.ranks_heard(rec.planned_at)
 
     def fall_back(self, reason: str) -> None:
         """ARF cannot recover (no live replica and no checkpoint to roll back to, or replica groups
@@ -215,10 +221,17 @@ class RecoveryRounds:
             ValueError: the declarations are not a partition of the ranks.
         """
         job = self.job
+        # The declarations change only at a hello: the groups are built again only then (the
+        # ranks of a group share one declaration object, compared by identity; building the
+        # groups is 10 ms at 16,384 ranks, in the plan's path).
+        key = tuple(x.replica_group for x in job.ranks.values())
+        if self._groups is not None and len(key) == len(self._groups[0]) and all(map(operator.is_, key, self._groups[0])):
+            return [list(g) for g in self._groups[1]]
         declared = {x.rank: x.replica_group for x in job.ranks.values() if x.replica_group}
-        if not declared:
-            return default_replica_groups(job.spec.worker_num)
-        return replica_groups_from_hello(job.spec.worker_num, declared)
+        groups = (replica_groups_from_hello(job.spec.worker_num, declared) if declared
+                  else default_replica_groups(job.spec.worker_num))
+        self._groups = (key, groups)
+        return [list(g) for g in groups]
 
     def on_recovered(self, r: Rank, msg: Message) -> None:
         """A rank carried out the plan (donor, recipient or neither); the last one ends the recovery."""
