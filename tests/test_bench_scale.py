@@ -26,6 +26,56 @@ def test_beats_are_spread_over_the_interval_and_a_late_sender_does_not_burst() -
     assert bs.Beats(1.0, 0.0).due(0, 3.0) == 0
 
 
+def test_readiness_names_the_sockets_with_frames_waiting() -> None:
+    """The simulation's epoll over each socket's ZMQ_FD: a frame waiting before the socket was
+    watched, one arriving later, and none once read (within a deadline: frames cross a thread)."""
+    import time
+
+    import zmq
+
+    ctx = zmq.Context()
+    router, dealers = ctx.socket(zmq.ROUTER), [ctx.socket(zmq.DEALER) for _ in range(3)]
+    try:
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        for i, d in enumerate(dealers):
+            d.setsockopt(zmq.IDENTITY, b"d%d" % i)
+            d.connect(f"tcp://127.0.0.1:{port}")
+            d.send(b"hello")
+        for _ in dealers:
+            router.recv_multipart()
+        router.send_multipart([b"d0", b"early"])
+        time.sleep(0.05)
+        ready = bs.Readiness(zmq)
+        for d in dealers:
+            ready.add(d)
+
+        def read(deadline: float = 5.0) -> dict[bytes, list[bytes]]:
+            got: dict[bytes, list[bytes]] = {}
+            end = time.monotonic() + deadline
+            while not got and time.monotonic() < end:
+                for sock in ready.wait(50):
+                    while True:
+                        try:
+                            frame = sock.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        got.setdefault(sock.getsockopt(zmq.IDENTITY), []).append(frame)
+            return got
+
+        assert read() == {b"d0": [b"early"]}
+        router.send_multipart([b"d2", b"later"])
+        assert read() == {b"d2": [b"later"]}
+        assert read(0.2) == {}
+        ready.remove(dealers[2])
+        router.send_multipart([b"d2", b"unwatched"])
+        assert read(0.2) == {}
+    finally:
+        for d in dealers:
+            d.close(0)
+        router.close(0)
+        ctx.term()
+
+
 def test_nodes_are_split_over_processes_within_the_socket_limit() -> None:
     layout = bs.plan_processes(nodes=2048, per_node=8, limit=4000)
     flat = [n for part in layout for n in part]

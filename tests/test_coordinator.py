@@ -1016,6 +1016,23 @@ def test_passes_over_every_rank_are_paced_by_the_monitor_interval(tmp_path: Path
     assert coord._scan_due() and not coord._scan_due()
 
 
+def test_a_round_begun_puts_the_passes_over_every_rank_off_a_period(tmp_path: Path) -> None:
+    """A round's start sent every rank its order and replicated its state: the passes are put off
+    a whole period from then, also the pass the main loop had found due before the round began."""
+    coord, agent, clock = make(tmp_path, monitor_interval=0.5)
+    hello_all(coord)
+    clock.now += 1.0
+    assert coord._scan_due()
+    scans = coord._scans
+    agent.exit(3, 9)
+    coord.check_processes()
+    assert coord.rounds.current is not None and coord._scans != scans  # the loop's pass is dropped
+    clock.now += 0.49
+    assert not coord._scan_due()
+    clock.now += 0.01
+    assert coord._scan_due()
+
+
 def test_the_wakeup_pipe_tells_whether_a_signal_arrived() -> None:
     from ftrun.common.procs import WakeupPipe
 
@@ -1064,3 +1081,26 @@ def test_a_spares_order_carries_the_environment_of_a_spare_on_its_own_node(tmp_p
         model = next(r for r in coord.ranks.values() if r.node == node)
         assert env == coord.spawning.rank_env(model).without_identity().to_environ(), node
         assert env["GROUP_RANK"] == str(node)
+
+
+def test_replica_groups_are_built_again_only_when_a_declaration_changed(tmp_path: Path, monkeypatch: Any) -> None:
+    """The plan's replica groups are built once per set of declarations (compared by object:
+    a hello keeps one object per group), and a partition that does not hold is refused each time."""
+    import ftrun.coordinator.rounds as rounds
+
+    coord, _agent, _clock = make(tmp_path, world=4)
+    for rank in range(4):
+        r = coord.ranks[rank]
+        coord.handle(ident(rank), msg(MsgType.HELLO, rank=rank, incarnation=r.incarnation, pid=r.proc.pid, generation=0,
+                                      replica_group=[0, 1] if rank < 2 else [2, 3], library=True))
+    built: list[int] = []
+    build = rounds.replica_groups_from_hello
+    monkeypatch.setattr(rounds, "replica_groups_from_hello", lambda *args: built.append(1) or build(*args))
+    assert coord.rounds.replica_groups() == coord.rounds.replica_groups() == [[0, 1], [2, 3]]
+    assert len(built) == 1
+    coord.ranks[2].replica_group, coord.ranks[3].replica_group = (2,), (3,)
+    assert coord.rounds.replica_groups() == [[0, 1], [2], [3]] and len(built) == 2
+    coord.ranks[3].replica_group = (2, 3)  # overlaps rank 2's
+    for _ in range(2):
+        with pytest.raises(ValueError, match="overlap"):
+            coord.rounds.replica_groups()

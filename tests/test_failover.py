@@ -516,3 +516,30 @@ def test_the_beat_to_the_ranks_of_a_large_job_is_paced_as_the_agents_beats_are(n
         replication.beat_ranks(now)
     assert len(sent) == beats and all(order == MsgType.STANDBY for order, _ in sent)
     assert silence_timeout(spec) / 2.5 >= 2.0
+
+
+def test_a_rounds_orders_are_the_ranks_beat(tmp_path: Path) -> None:
+    """Any frame is a beat to a rank: the beat due at a round's start is not sent beside its
+    abort, and the next one comes a whole period after the round's last order to every rank."""
+    coord, agent, clock = make(tmp_path, world=4)
+    standby = StandbyAgent(1)
+    coord.members.agents[1] = standby
+    coord.failover.on_standby(1, "tcp://10.0.0.2:5555", "10.0.0.2:6666")
+    hello_all(coord)
+    orders: list[MsgType] = []
+    send_order = coord.rounds.send_order
+    coord.rounds.send_order = lambda ranks, order, common, own=None: (orders.append(order), send_order(ranks, order, common, own))
+    clock.now += 5.0
+    coord.failover.replicate(clock())
+    assert orders == [MsgType.STANDBY]
+    clock.now += 5.0  # a beat is due, and rank 3 dies
+    agent.exit(3, 9)
+    coord.check_processes()
+    assert orders == [MsgType.STANDBY, MsgType.ABORT]
+    coord.failover.replicate(clock())
+    clock.now += 0.5
+    coord.failover.replicate(clock())
+    assert orders == [MsgType.STANDBY, MsgType.ABORT]
+    clock.now += coord.spec.heartbeat_interval
+    coord.failover.replicate(clock())
+    assert orders == [MsgType.STANDBY, MsgType.ABORT, MsgType.STANDBY]

@@ -227,6 +227,23 @@ REJECT_CASES = [
 ]
 
 
+def test_a_value_of_a_subclass_is_looked_at_closely():
+    """Fields are checked by their value's exact type first; a subclass of an accepted type (an
+    IntEnum, say) passes the closer look, a bool never passes for an int, and a missing field is
+    named in the body's order."""
+    import enum
+
+    class Number(enum.IntEnum):
+        ONE = 1
+
+    base = dict(incarnation=0, generation=1, role="none", bytes=0, seconds=0.0)
+    assert dec(enc(MsgType.RECOVERED, rank=Number.ONE, **base))["rank"] == 1
+    with pytest.raises(ProtocolError, match="'rank' has type bool"):
+        enc(MsgType.RECOVERED, rank=True, **base)
+    with pytest.raises(ProtocolError, match="missing field 'incarnation'"):
+        enc(MsgType.RECOVERED, rank=0, **{k: v for k, v in base.items() if k not in ("incarnation", "role")})
+
+
 def test_frames_never_carry_the_secret():
     frame = enc(MsgType.ABORT, generation=1, reason="x")
     assert TOKEN.encode() not in frame and b"tok" not in frame

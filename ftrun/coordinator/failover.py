@@ -377,7 +377,8 @@ class Replication:
         what it decided is sent to anyone), and at every beat; in a job of more than
         :data:`REPLICA_RANKS_PER_S` ranks, at most once per that many ranks a second unless forced."""
         job = self.job
-        self.beat_ranks(now)
+        if not force:  # forced at a round's start, whose orders go to every rank at once (ranks_heard)
+            self.beat_ranks(now)
         self.choose(now)
         if not self.seats:
             return
