@@ -1104,3 +1104,13 @@ def test_replica_groups_are_built_again_only_when_a_declaration_changed(tmp_path
     for _ in range(2):
         with pytest.raises(ValueError, match="overlap"):
             coord.rounds.replica_groups()
+
+
+def test_a_large_rounds_plan_event_names_the_ranks_at_each_committed_step() -> None:
+    """Up to RANK_EVENTS_MAX ranks, each rank's committed step; above, the ranks at each step as
+    ranges (a map of 16,384 ranks was a 300 KB line)."""
+    from ftrun.coordinator.rounds import RANK_EVENTS_MAX, committed_detail
+
+    assert committed_detail({1: 7, 0: 6}) == {"committed": {"0": 6, "1": 7}}
+    many = {rank: 812 for rank in range(RANK_EVENTS_MAX + 10)} | {4: 811, 9: 811}
+    assert committed_detail(many) == {"committed_ranks": {"811": "4,9", "812": f"0-3,5-8,10-{RANK_EVENTS_MAX + 9}"}}

@@ -272,8 +272,8 @@ def _why_whole_job(failed: tuple[int, ...], world_size: int, arf: bool, arf_poss
         return "ARF is off"
     missing = sorted(set(range(world_size)) - set(library_ranks))
     early = [r for r in missing if r in failed]
-    return (f"rank(s) {_ranges(early)} exited before ftrun.init" if early == missing
-            else f"rank(s) {_ranges(missing)} have not said hello through the ftrun worker library (still "
+    return (f"rank(s) {rank_ranges(early)} exited before ftrun.init" if early == missing
+            else f"rank(s) {rank_ranges(missing)} have not said hello through the ftrun worker library (still "
                  "starting, or the script does not use it)")
 
 
@@ -407,7 +407,7 @@ def plan_recovery(committed: Mapping[int, int], replica_groups: Sequence[Sequenc
     for group in replica_groups:
         steps = [committed[r] for r in group if r in committed and committed[r] > NO_STATE]
         if not steps:
-            raise NoLiveReplica(f"no live rank of replica group {_ranges(group)} holds the training state (committed or initial)")
+            raise NoLiveReplica(f"no live rank of replica group {rank_ranges(group)} holds the training state (committed or initial)")
         newest.append(max(steps))
     step = min(newest) if newest else -1
     transfers: list[Transfer] = []
@@ -415,7 +415,7 @@ def plan_recovery(committed: Mapping[int, int], replica_groups: Sequence[Sequenc
         donors = sorted(r for r in group if committed.get(r, NO_STATE) == step)
         if not donors:
             raise NoLiveReplica(
-                f"replica group {_ranges(group)} holds no state at step {step} (shards diverged)"
+                f"replica group {rank_ranges(group)} holds no state at step {step} (shards diverged)"
             )
         recipients = sorted(r for r in group if r in committed and committed[r] != step)
         for i, recipient in enumerate(recipients):
@@ -499,7 +499,7 @@ def replica_groups_from_hello(world_size: int, declared: Mapping[int, Sequence[i
     return [list(g) for g in groups]
 
 
-def _ranges(ranks: Iterable[int]) -> str:
+def rank_ranges(ranks: Iterable[int]) -> str:
     """Format ranks compactly: [0, 1, 2, 5] -> '0-2,5'."""
     items = sorted(set(ranks))
     parts: list[str] = []

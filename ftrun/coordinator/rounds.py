@@ -14,8 +14,8 @@ import operator
 from typing import TYPE_CHECKING, Any
 
 from ftrun.common.events import EventKind
-from ftrun.coordinator.policy import (NO_STATE, NoLiveReplica, RankState, default_replica_groups, plan_recovery, plan_rollback, redone_steps,
-                      replica_groups_from_hello, respawn_restarts)
+from ftrun.coordinator.policy import (NO_STATE, NoLiveReplica, RankState, default_replica_groups, plan_recovery, plan_rollback,
+                                     rank_ranges, redone_steps, replica_groups_from_hello, respawn_restarts)
 from ftrun.common.protocol import Message, MsgType
 from ftrun.coordinator.phases import JobPhase
 from ftrun.coordinator.ranks import Rank, RankPhase, RecoveryRound
@@ -30,6 +30,22 @@ if TYPE_CHECKING:
 RANK_EVENTS_MAX = 256
 
 _KIND_LABEL = {"comm_error": "HCCE: communication error", "recoverable_error": "UCE: recoverable error"}
+
+
+def committed_detail(reports: dict[int, int]) -> dict[str, Any]:
+    """The ``recovery_planned`` event's account of the reports it was planned from: each rank's
+    committed step (``committed``: rank -> step), or above :data:`RANK_EVENTS_MAX` ranks the ranks
+    at each step (``committed_ranks``: step -> ranks as ranges, "0-4095,4097"): a rank's entry
+    each was a line of 300 KB, written and pushed, at 16,384 ranks."""
+    if len(reports) <= RANK_EVENTS_MAX:
+        return {"committed": dict(sorted((str(k), v) for k, v in reports.items()))}
+    at: dict[int, list[int]] = {}
+    for rank, step in reports.items():
+        ranks = at.get(step)
+        if ranks is None:
+            ranks = at[step] = []
+        ranks.append(rank)
+    return {"committed_ranks": {str(step): rank_ranges(ranks) for step, ranks in sorted(at.items())}}
 
 
 class RecoveryRounds:
@@ -192,8 +208,7 @@ class RecoveryRounds:
                  f"generation {rec.generation}: resume at step {plan.step + 1}; "
                  + ("every rank loads checkpoint " + rollback["rollback"] if rollback else
                     "transfers " + (", ".join(f"{d}->{r}" for d, r in transfers) or "none")),
-                 step=plan.step, transfers=transfers, committed=dict(sorted((str(k), v) for k, v in rec.reports.items())),
-                 **rollback)
+                 step=plan.step, transfers=transfers, **committed_detail(rec.reports), **rollback)
         # After a takeover the ranks' store is the new coordinator's (ftrun.coordinator.failover).
         store = {"store": f"{job.spec.master_addr}:{job.spawning.attempt_port}"} if job.epoch else {}
         # Each rank is sent the transfers it takes part in, which are all it acts on
