@@ -677,8 +677,8 @@ class Simulation:
             seen = self.counters.plans.setdefault(generation, [now, now])
             seen[1] = now
             transfers = msg["transfers"]
-            role = "none" if not transfers else ("recipient" if any(t[1] == r.rank for t in transfers)
-                                                 else "donor" if any(t[0] == r.rank for t in transfers) else "none")
+            role = ("recipient" if any(t[1] == r.rank for t in transfers)
+                    else "donor" if any(t[0] == r.rank for t in transfers) else "none")
             r.progress.committed = int(msg["step"])
             r.recovering = False
             r.board.enter("compute")
@@ -1005,6 +1005,21 @@ def sum_counters(reports: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def round_phases(events: "EventTail", run: "SizeRun", pipes: list[Any], at: float, fin: dict[str, Any]) -> dict[str, float]:
+    """A recovery round's phases, seconds from ``at`` (wall: the death, or the node's verdict) to
+    its start, the abort at every rank, the plan made and at every rank, and its end (``fin``: its
+    ``recovery_finished`` event)."""
+    planned = events.of("recovery_planned")[-1]
+    gen = planned["generation"]
+    plans = run.wait("plan receipts", lambda: sum_counters(ask_all(pipes, "counters"))["plans"].get(gen))
+    aborts = sum_counters(ask_all(pipes, "counters"))["aborts"].get(gen) or [at, at]
+    return {"to_round_started_s": round(events.of("recovery_started")[-1]["time"] - at, 4),
+            "to_abort_received_by_all_s": round(aborts[1] - at, 4),
+            "to_plan_decided_s": round(planned["time"] - at, 4),
+            "to_plan_received_by_all_s": round(plans[1] - at, 4),
+            "round_s": round(fin["time"] - at, 4)}
+
+
 def measure_size(ranks: int, per_node: int, window: float, cap: float, store_steps: int, record_bytes: int,
                  interval: float, step_s: float, heartbeat_timeout: float = 5.0,
                  say: Callable[[str], None] = print, sim_nice: int = 0, relay: bool = True,
@@ -1153,16 +1168,8 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
             os.kill(coord.pid, signal.SIGUSR2)
         if spy is not None:
             spy.wait()
-        planned = events.of("recovery_planned")[-1]
-        gen = planned["generation"]
-        plans = run.wait("plan receipts", lambda: sum_counters(ask_all(pipes, "counters"))["plans"].get(gen))
-        aborts = sum_counters(ask_all(pipes, "counters"))["aborts"].get(gen) or [at, at]
         res["rank_death"] = {
-            "to_round_started_s": round(events.of("recovery_started")[-1]["time"] - at, 4),
-            "to_abort_received_by_all_s": round(aborts[1] - at, 4),
-            "to_plan_decided_s": round(planned["time"] - at, 4),
-            "to_plan_received_by_all_s": round(plans[1] - at, 4),
-            "round_s": round(fin["time"] - at, 4),
+            **round_phases(events, run, pipes, at, fin),
             "coordinator_total_seconds": fin["detail"]["total_seconds"],
             **round_cpu,
         }
@@ -1181,19 +1188,11 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
             spy.wait()
         round_cpu = round_cpu_seconds(coord.pid, sims, cpu_at, sim_at, time.time() - lost_seen, res["steady"])
         timeout = max(heartbeat_timeout, 3 * interval)  # ftrun.coordinator.failover.silence_timeout
-        gen = events.of("recovery_planned")[-1]["generation"]
-        plans = run.wait("plan receipts", lambda: sum_counters(ask_all(pipes, "counters"))["plans"].get(gen))
-        aborts = sum_counters(ask_all(pipes, "counters"))["aborts"].get(gen) or [lost["time"]] * 2
         res["node_silence"] = {
             "silence_timeout_s": timeout,
             "to_verdict_s": round(lost["time"] - silent_at, 3),
             "verdict_after_timeout_s": round(lost["time"] - silent_at - timeout, 3),
-            # from the verdict
-            "to_round_started_s": round(events.of("recovery_started")[-1]["time"] - lost["time"], 4),
-            "to_abort_received_by_all_s": round(aborts[1] - lost["time"], 4),
-            "to_plan_decided_s": round(events.of("recovery_planned")[-1]["time"] - lost["time"], 4),
-            "to_plan_received_by_all_s": round(plans[1] - lost["time"], 4),
-            "round_s": round(fin["time"] - lost["time"], 4),
+            **round_phases(events, run, pipes, lost["time"], fin),  # from the verdict
             **round_cpu,
         }
         say(f"  node silence: verdict after {res['node_silence']['to_verdict_s']} s "
