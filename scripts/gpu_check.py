@@ -111,14 +111,14 @@ class Jobs:
         return digest_of(run_job(cmd, self.env(), log_dir, f"{tag} (torchrun)"), tag)
 
     def ftrun_outside_kill(self, tag: str, script: str, args: list[str], rank: int, launcher: list[str] = (),  # type: ignore[assignment]
-                           wait_glob: str | None = None) -> tuple[str, list[dict], Path, dict[str, Any]]:
-        """The job slowed by ``--step_pause`` while a file exists; ``rank`` SIGKILLed from outside
-        once every rank trains (and a file matching ``wait_glob`` is in the log folder: a hot spare
-        waiting for its rank); the pause lifted once the recovery finished."""
+                           wait_glob: str | None = None, step_pause_s: float = 0.2) -> tuple[str, list[dict], Path, dict[str, Any]]:
+        """The job slowed by ``--step_pause`` (``step_pause_s`` a step) while a file exists; ``rank``
+        SIGKILLed from outside once every rank trains (and a file matching ``wait_glob`` is in the log
+        folder: a hot spare waiting for its rank); the pause lifted once the recovery finished."""
         log_dir = self.log_dir(tag)
         pause = log_dir / "pause"
         pause.touch()
-        cmd = self.ftrun_cmd(log_dir, script, [*args, "--step_pause", "0.2", "--pause_while", str(pause)], launcher)
+        cmd = self.ftrun_cmd(log_dir, script, [*args, "--step_pause", str(step_pause_s), "--pause_while", str(pause)], launcher)
         with open(log_dir / "stdout.txt", "w") as out:
             proc = subprocess.Popen(cmd, env=self.env(), cwd=log_dir, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
@@ -309,7 +309,9 @@ class Checks:
     def hot_spare_promotion(self) -> dict[str, Any]:
         digest, evs, log_dir, figures = self.jobs.ftrun_outside_kill(
             "digits_hot_spare", "train_digits.py", self.digits_args, 0, launcher=["--hot_spares", "1"],
-            wait_glob=".hot_spare_*.ready")  # the spare waits for its rank (past the script's set-up)
+            # The spare waits for its rank (past the script's set-up: imports and a CUDA context, over 9 s
+            # on a fresh lent machine, longer than the 40 steps at 0.2 s); 1 s a step until the kill.
+            wait_glob=".hot_spare_*.ready", step_pause_s=1.0)
         expect(digest == self.reference(), f"digest {digest[:12]} != fault-free {self.reference()[:12]}")
         hot = [e for e in evs if e["kind"] == "rank_started" and e.get("rank") == 0 and (e.get("detail") or {}).get("hot_spare")]
         expect(bool(hot), "no hot spare took rank 0: " + "; ".join(e.get("message", "") for e in evs
@@ -325,6 +327,7 @@ class Checks:
         figures = json.loads(lines[-1])
         expect(figures.pop("bitwise"), "the received state differs from the sent")
         expect(figures.pop("on_device"), "the received state is not on the recipient's device")
+        expect(figures["snapshot_pinned"] is not False, "a snapshot of the GPU's tensors is not in pinned memory")
         return figures
 
 
@@ -397,6 +400,7 @@ def transfer_and_snapshot(device: str) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     from ftrun.common.checkpoint import snapshot
+    from ftrun.common.codec import flatten
 
     state = charlm_medium_state(device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -406,8 +410,9 @@ def transfer_and_snapshot(device: str) -> dict[str, Any]:
         started = time.perf_counter()
         copy = snapshot(state, reuse=copy)
         timings.append(round(time.perf_counter() - started, 4))
-    nbytes = sum(t.numel() * t.element_size() for t in __import__("ftrun.common.codec").codec.flatten(state)[1])
-    pinned = all(t.is_pinned() for t in __import__("ftrun.common.codec").codec.flatten(copy)[1] if t.numel()) if device == "cuda" else None
+    nbytes = sum(t.numel() * t.element_size() for t in flatten(state)[1])
+    # The copies of the GPU's tensors are pinned; a CPU tensor's (AdamW's step counts) need not be.
+    pinned = all(c.is_pinned() for t, c in zip(flatten(state)[1], flatten(copy)[1]) if t.is_cuda and c.numel()) if device == "cuda" else None
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

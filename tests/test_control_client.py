@@ -130,6 +130,39 @@ def test_an_abandoned_all_reduce_failing_late_leaves_later_passes_alone(monkeypa
     assert red.error and "peer gone" in red.error
 
 
+def test_an_all_reduce_that_returns_after_an_abort_fails_its_pass(monkeypatch):
+    """An aborted NCCL work can return without raising (seen on an H200, torch 2.11: the wait ends
+    with the GPU work ahead of it, docs/gpu.md): a pass whose all-reduce returns once an abort for a
+    newer generation arrived fails, its sum not trusted. Without an abort the same work counts."""
+    import threading
+
+    import torch
+
+    from ftrun.rank import reducer as reducer_mod
+
+    class Work:
+        def wait(self, timeout=None):
+            return True
+
+        def is_completed(self):
+            return True
+
+    monkeypatch.setattr(reducer_mod.dist, "all_reduce", lambda flat, async_op: Work())
+    param = torch.nn.Parameter(torch.ones(3))
+    abandon = threading.Event()
+    red = reducer_mod.GradientReducer([param], 2, before_first_bucket=lambda: None, is_failed=lambda: False,
+                                      on_hook_error=lambda err: False, on_failure=lambda reason: None,
+                                      waiting=threading.Event(), abandon=abandon)
+    red._pending.append(([0], torch.ones(3), red.launch(torch.ones(3)), False))
+    red.wait()
+    assert red.error is None
+    red._reset_pass()
+    red._pending.append(([0], torch.ones(3), red.launch(torch.ones(3)), False))
+    abandon.set()
+    red.wait()
+    assert red.error and red.error.startswith("abandoned")
+
+
 def test_a_gloo_group_is_unregistered_and_never_destructed():
     """Broken or ending cleanly, under ftrun or not, a gloo group is unregistered but never
     destructed: gloo's destructor joins threads that may still run a collective, or wait for the

@@ -146,6 +146,40 @@ def test_a_failing_abort_is_logged_not_raised(monkeypatch: pytest.MonkeyPatch, c
     assert "aborting the NCCL group failed" in capsys.readouterr().err
 
 
+def test_the_io_threads_nccl_abort_runs_on_a_thread_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cut(wait=False)`` returns while ``abort()`` is held (on a GPU it waits for the work queued
+    ahead); the teardown's ``cut()`` joins that abort rather than making a second; a new generation's
+    group is aborted afresh."""
+    import threading
+
+    from ftrun.rank import group as group_mod
+
+    entered, let_go, calls = threading.Event(), threading.Event(), []
+
+    def abort(_g):  # type: ignore[no-untyped-def]
+        calls.append(threading.current_thread().name)
+        entered.set()
+        assert let_go.wait(10)
+        return True
+
+    monkeypatch.setattr(group_mod, "abort_group", abort)
+    g = group_mod.TrainingGroup("nccl", 2, 30.0, 30.0)
+    monkeypatch.setattr(g, "live", lambda: True)
+    g.cut(wait=False)
+    assert entered.wait(10) and calls == ["ftrun-nccl-abort"]
+    g.cut(wait=False)  # another abort while the first is held: nothing more
+    joined = threading.Thread(target=g.cut)
+    joined.start()
+    joined.join(0.2)
+    assert joined.is_alive(), "the waiting cut did not wait for the abort in flight"
+    let_go.set()
+    joined.join(10)
+    assert not joined.is_alive() and calls == ["ftrun-nccl-abort"]
+    g._aborting = None  # as build() does for a new generation's group
+    g.cut()
+    assert calls == ["ftrun-nccl-abort", threading.current_thread().name]
+
+
 def test_abort_group_calls_torchs_abort() -> None:
     aborted = []
 

@@ -130,7 +130,12 @@ def nccl_abort_scenario() -> dict[str, object]:
     """A 1-rank NCCL all-reduce queued behind a 3 s GPU spin (``torch.cuda._sleep``, its rate measured
     first) is blocked; the group is aborted from another thread after 0.5 s, as the I/O thread does
     (:func:`ftrun.rank.cuda.abort_group`); then a new group is built and all-reduces. Run in a process of
-    its own (``python tests/test_gpu.py nccl-abort``), under a managed rank's NCCL settings."""
+    its own (``python tests/test_gpu.py nccl-abort``), under a managed rank's NCCL settings.
+
+    What blocks here is the compute kernel ahead of the collective, which no abort stops: on one GPU a
+    collective cannot be made to wait for an absent peer (NCCL refuses two ranks on one device). So
+    this shows how long ``abort()`` itself takes while the GPU is busy, when the wait ends and whether
+    it raises; the release of a kernel waiting for a dead peer needs two GPUs."""
     for name, value in contract.NCCL_SETTINGS.items():
         os.environ.setdefault(name, value)
     torch.cuda.set_device(0)
@@ -146,10 +151,13 @@ def nccl_abort_scenario() -> dict[str, object]:
     torch.cuda._sleep(int(spin_s * rate_hz))
     work = group.allreduce([x])
     aborted: list[bool] = []
+    abort_call_s: list[float] = []
 
     def abort() -> None:
         time.sleep(0.5)
+        called = time.perf_counter()
         aborted.append(cuda.abort_group(group))
+        abort_call_s.append(time.perf_counter() - called)
 
     started = time.perf_counter()
     thread = threading.Thread(target=abort, daemon=True)
@@ -167,15 +175,18 @@ def nccl_abort_scenario() -> dict[str, object]:
     y = torch.full((1024,), 2.0, device="cuda")
     again.allreduce([y]).wait()
     torch.cuda.synchronize()
-    return {"aborted": aborted == [True], "released_s": round(released_s, 3), "spin_s": spin_s, "raised": raised,
+    return {"aborted": aborted == [True], "abort_call_s": round(abort_call_s[0], 3) if abort_call_s else None,
+            "released_s": round(released_s, 3), "spin_s": spin_s, "raised": raised,
             "rebuild_s": round(time.perf_counter() - rebuilt_at, 3),
             "rebuilt_ok": bool(torch.equal(y, torch.full((1024,), 2.0, device="cuda")))}
 
 
 def test_a_one_rank_nccl_group_aborted_while_blocked_is_built_again() -> None:
     """:func:`nccl_abort_scenario` in a process of its own (a communicator that will not let go must
-    not hang the suite): the abort is made, the blocked wait ends in under 2 s of the 3 s spin, and
-    the group built again all-reduces correctly."""
+    not hang the suite): the blocked wait ends no later than 1 s after the 3 s spin, and the group
+    built again all-reduces correctly. ``abort()``'s own time (it held its caller until the spin
+    ended on an H200, torch 2.11: the I/O thread hands it to a thread of its own), the wait's time
+    and its error are recorded as figures."""
     import subprocess
     import sys
 
@@ -186,7 +197,7 @@ def test_a_one_rank_nccl_group_aborted_while_blocked_is_built_again() -> None:
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     record("nccl_abort", **found)
     assert found["aborted"], "ProcessGroup.abort() is missing from this torch"
-    assert found["released_s"] < 2.0, f"the abort did not release the blocked wait: {found}"
+    assert found["released_s"] < found["spin_s"] + 1.0, f"the aborted wait outlasted the GPU work ahead of it: {found}"
     assert found["rebuilt_ok"], found
 
 

@@ -335,7 +335,7 @@ class GradientSync:
         if self.state.managed and generation > self.progress.generation:
             self.control.abandon.set()
             if self.in_collective:
-                self.group.cut()
+                self.group.cut(wait=False)
 
     def release_if_aborted(self) -> None:
         """Entering a collective after an abort already arrived (the peer died while this rank was

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -118,6 +119,7 @@ class TrainingGroup:
         self.incarnation = 0
         self.placeholder = False  # the default process group is a DownGroup (see install_placeholder)
         self.conns = GroupConnections()
+        self._aborting: threading.Thread | None = None  # an NCCL abort the I/O thread handed off (see cut)
         self._store: Any = None
         self.store_moves = 0  # times the job's store moved (a coordinator takeover): clients made before are stale
         # Called after each generation's group is built, before its connections are recorded: a
@@ -197,6 +199,7 @@ class TrainingGroup:
         if not self._join_barrier(store, generation, abandon):
             return False
         self.remove_placeholder()
+        self._aborting = None  # the last generation's abort, if any, was of the last group
         self.conns.begin()
         dist.init_process_group(
             self.backend,
@@ -287,18 +290,38 @@ class TrainingGroup:
             self.placeholder = False
             dist.destroy_process_group()
 
-    def cut(self) -> None:
+    def cut(self, wait: bool = True) -> None:
         """Release a collective blocked on the current group (:func:`ftrun.rank.cuda.release_for`): gloo's
         connections (those recorded when it was built) are shut down, NCCL's communicators aborted
         through torch's ``ProcessGroup.abort()``; the collective fails at once. Nothing else the
-        process holds is touched. Safe from any thread."""
+        process holds is touched. Safe from any thread.
+
+        ``wait=False`` (the I/O thread) hands an NCCL abort to a thread of its own: on an H200 with
+        torch 2.11 ``abort()`` held its caller until the GPU work queued ahead of the collective ended
+        (2.2-2.5 s behind a 3 s kernel, docs/gpu.md), and the I/O thread must go on beating. A later
+        ``cut()`` that waits (the group's teardown) joins that abort instead of making a second one."""
         if release_for(self.backend) is Release.CUT_CONNECTIONS:
             self.conns.cut()
-        elif self.live():
-            try:
-                abort_group(dist.group.WORLD)
-            except Exception as err:  # a group torn down meanwhile by the training thread
-                print(f"ftrun: aborting the NCCL group failed: {describe(err)}", file=sys.stderr, flush=True)
+            return
+        pending = self._aborting
+        if pending is not None:
+            if wait:
+                pending.join()
+            return
+        if not self.live():
+            return
+        if wait:
+            self._abort()
+            return
+        self._aborting = threading.Thread(target=self._abort, name="ftrun-nccl-abort", daemon=True)
+        self._aborting.start()
+
+    @staticmethod
+    def _abort() -> None:
+        try:
+            abort_group(dist.group.WORLD)
+        except Exception as err:  # a group torn down meanwhile by the training thread
+            print(f"ftrun: aborting the NCCL group failed: {describe(err)}", file=sys.stderr, flush=True)
 
     def drop(self, generation: int, broken: bool = True) -> None:
         """Destroy the current group and cut its connections now, releasing peers blocked on us.

@@ -249,6 +249,29 @@ class LocalGradientCheck:
 
 ABANDON_GRACE_S = 1.0
 ABANDON_POLL_S = 0.02  # how often a wait for an all-reduce looks at the abandon flag
+ABANDONED = "abandoned: the job's coordinator aborted this generation"
+
+
+def wait_out(work: Any, abandon: threading.Event, poll: timedelta) -> str:
+    """Wait for ``work``, looking at ``abandon`` every ``poll``: "returned" (it completed),
+    "ended" (it failed, or completed right after a wait timed out, a race seen under load: a wait
+    on it says which), or "abandoned" (an abort for a newer generation arrived: the abort's release
+    normally fails the work at once; it is given :data:`ABANDON_GRACE_S` for that, then left).
+    A work that returns once ``abandon`` is set counts as abandoned: an aborted NCCL work can end
+    without raising (docs/gpu.md), its sum not to be trusted."""
+    abandoned_at = None
+    while True:
+        try:
+            work.wait(poll)
+            return "abandoned" if abandon.is_set() else "returned"
+        except Exception:
+            if work.is_completed():
+                return "ended"
+        if abandon.is_set():
+            abandoned_at = abandoned_at or time.monotonic()
+            if time.monotonic() - abandoned_at > ABANDON_GRACE_S:
+                return "abandoned"
+
 
 class GradientReducer:
     """Averages the gradients of ``params`` over ftrun's group while backward runs.
@@ -584,34 +607,20 @@ class GradientReducer:
         (torch 2.13, gloo: "Operation timed out!", ``is_completed()`` still False), so the abort
         flag is looked at every :data:`ABANDON_POLL_S` s between waits; a failed all-reduce raises
         with ``is_completed()`` True. A work can complete between its timeout and that check, so
-        a completed work is waited on once more, which returns or raises its own error."""
+        a completed work is waited on once more, which returns or raises its own error
+        (:func:`wait_out`)."""
         self._waiting.set()
         poll = timedelta(seconds=ABANDON_POLL_S)
         try:
             for work in [w for _, _, w, _ in self._pending] + self._side:
                 if work is None:
                     continue
-                abandoned_at = None
-                while True:
-                    try:
-                        if self._abandon is None:
-                            work.wait()
-                        else:
-                            work.wait(poll)
-                        break
-                    except Exception:
-                        if self._abandon is None or work.is_completed():
-                            # It failed, or it completed right after the timeout was raised (a
-                            # race seen under load): a wait on a completed work says which.
-                            self._collect(work)
-                            break
-                    if self._abandon.is_set():
-                        # The abort's connection cut normally fails the all-reduce at once; give it
-                        # that chance, then stop waiting (see ABANDON_GRACE_S).
-                        abandoned_at = abandoned_at or time.monotonic()
-                        if time.monotonic() - abandoned_at > ABANDON_GRACE_S:
-                            self.error = self.error or "abandoned: the job's coordinator aborted this generation"
-                            return
+                outcome = "ended" if self._abandon is None else wait_out(work, self._abandon, poll)
+                if outcome == "ended":
+                    self._collect(work)
+                elif outcome == "abandoned":
+                    self.error = self.error or ABANDONED
+                    return
         finally:
             self._waiting.clear()
 
