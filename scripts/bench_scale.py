@@ -13,7 +13,8 @@ simulated agent says hello, beats, answers ``spawn`` with ``spawned`` and starts
 connection, reports a rank's exit, and offers a standby seat when asked (``stand_by``: the
 coordinator then keeps standbys in line, replicates its hard state to them and beats every rank).
 With the relay (``--heartbeat_relay on``) a rank of a node other than 0 beats its agent, whose beat
-carries the rows (:class:`ftrun.node.relay.RelayedBeats`), and a round's orders and answers go
+carries the rows (:class:`ftrun.node.relay.RelayedBeats`: the newer of a rank's two beats an interval,
+the only one simulated), and a round's orders and answers go
 through the agent (``rank_orders``, ``rank_reports``; the agent-to-rank hop, local to each node, is
 not simulated). Rank-state records go through the real :class:`ftrun.rank.rankstate.RankStateStore`
 (one client per store and simulation process, not one per rank).
@@ -424,7 +425,6 @@ class SimRank:
     alive: bool = True
     recovering: bool = False
     direct: int = 0  # frames sent to node 0 (a relayed beat carries the count)
-    beats: int = 0
 
 
 @dataclass
@@ -513,10 +513,12 @@ class Simulation:
         self.ready = Readiness(zmq)
         now = time.monotonic()
         # relayed ranks beat their agent twice an interval (ftrun.rank.channel); node 0's every other time
-        self.rank_beats = Beats(interval / 2 if relay else interval, now)
+        self.rank_beats = Beats(interval, now)  # the ranks that beat node 0 themselves (beat)
         self.agent_beats = Beats(interval, now)
         self.rank_cursor = self.agent_cursor = 0
         self.ranks_list: list[SimRank] = []
+        self.agents: list[SimNode] = []  # the nodes whose agents this process simulates (not node 0's)
+        self._direct: list[SimRank] | None = None  # direct_ranks()
         self.step = 0
         self.next_step = now + step_s
         self.records: Any = None  # (store writers, steps left, next rank) while records are written
@@ -564,6 +566,7 @@ class Simulation:
             node.relayed = RelayedBeats() if self.relay else None
             node.sock, node.sender, node.receiver = self._dealer(b"a")
             self.by_sock[node.sock] = (node, None)
+            self.agents.append(node)
             self._send(node.sock, node.sender, MsgType.AGENT_HELLO, node=index, pid=SIM_PID_BASE // 2 + 1 + index,
                        host=f"sim-{index}", record_store=node.record_addr)
         self.nodes[index] = node
@@ -580,6 +583,7 @@ class Simulation:
         node.ranks[rank] = r
         self.by_sock[sock] = (node, r)
         self.ranks_list.append(r)
+        self._direct = None
         self._send(sock, sender, MsgType.HELLO, r, rank=rank, incarnation=incarnation, pid=sim_pid(rank, incarnation),
                    generation=generation, replica_group=replica_group(rank, self.world, self.per_node), library=True)
         if incarnation > 0:
@@ -591,6 +595,7 @@ class Simulation:
         self.by_sock.pop(r.sock, None)
         r.sock.close(0)
         self.ranks_list = [x for x in self.ranks_list if x is not r]
+        self._direct = None
 
     # ------------------------------------------------------------------ what node 0 sends
     def receive(self, timeout_ms: int) -> None:
@@ -696,34 +701,46 @@ class Simulation:
     # ------------------------------------------------------------------ what the ranks and agents send
     def beat(self, now: float) -> None:
         """Send the beats due: the agents' first (a simulation process that falls behind must not
-        pass its own lag off as a node's silence), then the ranks' heartbeats with their step boards.
-        With the relay, a rank of a node other than 0 beats its agent (twice an interval, as
-        ``ftrun.rank.channel`` does), whose next beat carries it."""
-        agents = [n for n in self.nodes.values() if n.sock is not None]
+        pass its own lag off as a node's silence), then the heartbeats, with their step boards, of
+        the ranks that beat node 0 themselves (node 0's; every rank's without the relay).
+
+        With the relay, a rank of a node other than 0 beats its agent twice an interval
+        (``ftrun.rank.channel``) and the agent's beat carries the newer of the two: the simulation
+        makes only that one, right before its agent's beat, so what node 0 receives is the same
+        (the rows' ages are smaller) for half the simulation's work (other machines' in a job)."""
+        agents = self.agents
         for _ in range(self.agent_beats.due(len(agents), now)):
             self.agent_cursor %= len(agents)
             node = agents[self.agent_cursor]
             self.agent_cursor += 1
-            if not node.silent:
-                rows = node.relayed.rows(now) if node.relayed is not None else []
-                self._send(node.sock, node.sender, MsgType.AGENT_BEAT, node=node.index, **({"ranks": rows} if rows else {}))
-                node.last_beat = time.time()
-        ranks = self.ranks_list
-        for _ in range(self.rank_beats.due(len(ranks), now)):
-            self.rank_cursor %= len(ranks)
-            r = ranks[self.rank_cursor]
-            self.rank_cursor += 1
-            if r.node.silent:
+            if node.silent:
                 continue
-            r.beats += 1
-            if self.relay and r.node.relayed is None and r.beats % 2:
-                continue  # node 0's ranks beat the coordinator once an interval
-            fields = dict(rank=r.rank, incarnation=r.incarnation, **r.board.fields(), in_dist=False,
-                          stage="recover" if r.recovering else "loop", stage_bytes=0)
-            if r.node.relayed is not None:
-                r.node.relayed.note({**fields, "sent": r.direct}, now)
-            else:
-                self._send(r.sock, r.sender, MsgType.HEARTBEAT, **fields)
+            rows = []
+            if node.relayed is not None:
+                for r in node.ranks.values():
+                    if r.alive:
+                        node.relayed.note({**self.beat_fields(r), "sent": r.direct}, now)
+                rows = node.relayed.rows(now)
+            self._send(node.sock, node.sender, MsgType.AGENT_BEAT, node=node.index, **({"ranks": rows} if rows else {}))
+            node.last_beat = time.time()
+        direct = self.direct_ranks()
+        for _ in range(self.rank_beats.due(len(direct), now)):
+            self.rank_cursor %= len(direct)
+            r = direct[self.rank_cursor]
+            self.rank_cursor += 1
+            if not r.node.silent:
+                self._send(r.sock, r.sender, MsgType.HEARTBEAT, **self.beat_fields(r))
+
+    @staticmethod
+    def beat_fields(r: SimRank) -> dict[str, Any]:
+        return dict(rank=r.rank, incarnation=r.incarnation, **r.board.fields(), in_dist=False,
+                    stage="recover" if r.recovering else "loop", stage_bytes=0)
+
+    def direct_ranks(self) -> list[SimRank]:
+        """The ranks that beat node 0 themselves (made again when a rank starts or ends)."""
+        if self._direct is None:
+            self._direct = [r for r in self.ranks_list if r.node.relayed is None]
+        return self._direct
 
     def advance(self, now: float) -> None:
         """Every rank not recovering begins the next step (having committed the one before)."""
