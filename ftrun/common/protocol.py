@@ -316,7 +316,7 @@ def relayed_message(kind: Any, fields: Any, allowed: frozenset[MsgType]) -> Mess
     if not isinstance(fields, dict):
         raise ProtocolError(f"{msg_type.value}: fields are not a map")
     _check_fields(msg_type, fields)
-    return Message(msg_type, dict(fields))
+    return Message(msg_type, fields)  # the caller's own map, decoded from the relaying frame (not copied)
 
 
 def _check_fields(msg_type: MsgType, fields: dict[str, Any]) -> None:

@@ -188,7 +188,7 @@ class RankMessages:
     def on_fault_message(self, r: Rank, msg: Message) -> None:
         """A failed collective, a recoverable error, or the answer to an abort (a dying gasp's
         report while one runs)."""
-        r.proc.committed = msg["committed"]
+        r.proc.committed = msg.fields["committed"]
         r.proc.phase = RankPhase.RECOVERING
         gasp = self.job.ttp.gasp
         if gasp is not None:

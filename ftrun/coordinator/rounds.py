@@ -116,16 +116,17 @@ class RecoveryRounds:
         whose relayed beats were read gets it through its node's agent, one frame a node
         (:mod:`ftrun.node.relay`); the others, straight."""
         job, own, none = self.job, own or {}, {}  # ``none``: the own fields of a rank without any (never changed)
+        mine = own.get
         by_node: dict[int, list[list[Any]]] = {}
         for r in ranks:  # every rank at every coordinator's beat: written for speed (docs/scale.md)
             p = r.proc
             if p.relayed and p.identity is not None:
-                rows = by_node.get(r.node)
-                if rows is None:
-                    rows = by_node[r.node] = []
-                rows.append([r.rank, p.number, own.get(r.rank, none)])
+                try:
+                    by_node[r.node].append([r.rank, p.number, mine(r.rank, none)])
+                except KeyError:  # the node's first rank
+                    by_node[r.node] = [[r.rank, p.number, mine(r.rank, none)]]
             else:
-                job.send(r, order, **{**common, **own.get(r.rank, none)})
+                job.send(r, order, **{**common, **mine(r.rank, none)})
         for node, rows in by_node.items():
             agent = job.members.agents.get(node)
             if agent is None or not agent.relay_orders(order, common, rows):
@@ -250,12 +251,12 @@ class RecoveryRounds:
 
     def on_recovered(self, r: Rank, msg: Message) -> None:
         """A rank carried out the plan (donor, recipient or neither); the last one ends the recovery."""
-        job, rec = self.job, self.current
-        if rec is None or msg["generation"] != rec.generation or rec.plan is None:
+        job, rec, f = self.job, self.current, msg.fields  # ``f``: read as a map (every rank's, every round)
+        if rec is None or f["generation"] != rec.generation or rec.plan is None:
             return
-        rec.recovered[r.rank] = dict(msg.fields, at=job.clock())
+        rec.recovered[r.rank] = dict(f, at=job.clock())
         r.proc.move(RankState.HEALTHY)
-        role = msg["role"]
+        role = f["role"]
         moved = len(job.ranks) if rec.plan.rollback else len(rec.plan.transfers)  # ranks whose state the plan moves
         if role != "none" and (r.rank in rec.failed or moved <= RANK_EVENTS_MAX):
             how = "rolled back to the checkpoint" if role == "rollback" else f"rejoined as {role}"
@@ -328,32 +329,32 @@ class RecoveryRounds:
 
     def on_fault(self, r: Rank, msg: Message) -> None:
         """A rank reports a failed collective, a recoverable error, or its answer to an abort."""
-        job, rec = self.job, self.current
-        kind = msg.get("kind", "comm")
-        r.rollback_ok = msg.get("rollback") is not False
-        if rec is not None and rec.plan is not None and msg["generation"] == rec.generation and kind == "abort":
+        job, rec, f = self.job, self.current, msg.fields  # ``f``: an answer to every abort; read as a map
+        kind = f.get("kind", "comm")
+        r.rollback_ok = f.get("rollback") is not False
+        if rec is not None and rec.plan is not None and f["generation"] == rec.generation and kind == "abort":
             # An answer to this round's abort arriving after its plan: the rank's report was already
             # counted (a UCE rank's own report is its answer). Not a failure.
             return
-        if rec is not None and rec.plan is not None and msg["generation"] == rec.generation and job.spec.tft.arf:
+        if rec is not None and rec.plan is not None and f["generation"] == rec.generation and job.spec.tft.arf:
             # The plan itself failed (a transfer or the new group broke) with no death seen: next round.
-            self.start(set(), f"rank {r.rank} could not carry out the plan: {msg['reason']}", kind="comm_error")
+            self.start(set(), f"rank {r.rank} could not carry out the plan: {f['reason']}", kind="comm_error")
         elif rec is not None:
-            self.on_report(r, msg["generation"], msg["committed"])
-        elif msg["generation"] == job.generation and kind == "comm" and self._killing():
+            self.on_report(r, f["generation"], f["committed"])
+        elif f["generation"] == job.generation and kind == "comm" and self._killing():
             # ftrun is killing a hung rank: a collective with it fails on its closed connections
             # before its exit is reported. Its death starts the round, whose abort this rank answers;
             # an HCCE round now would only be restarted by that death (CI saw it).
             return
-        elif msg["generation"] == job.generation and kind in ("comm", "recoverable"):
+        elif f["generation"] == job.generation and kind in ("comm", "recoverable"):
             # No rank died (yet): repair in place, no respawn. UCE: the rank reloads from a replica.
             event_kind = "recoverable_error" if kind == "recoverable" else "comm_error"
             allowed = job.spec.tft.arf and (job.spec.tft.uce if kind == "recoverable" else job.spec.tft.hcce)
-            reason = f"rank {r.rank} reported {msg['reason']}"
+            reason = f"rank {r.rank} reported {f['reason']}"
             if not allowed:
                 # A collective also fails when a peer dies, and its report can beat the peer's
                 # SIGCHLD: wait a moment for a death before restarting the whole job.
                 job.watchdog.note_unrepaired(job.clock(), f"{reason} and {'UCE' if kind == 'recoverable' else 'HCCE'} is off")
                 return
             self.start(set(), reason, kind=event_kind)
-            self.on_report(r, job.generation, msg["committed"])
+            self.on_report(r, job.generation, f["committed"])
