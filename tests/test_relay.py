@@ -392,3 +392,35 @@ def test_a_relayed_standby_sets_the_ranks_line_and_silence_timeout() -> None:
             time.sleep(0.01)
         assert channel.line == ["tcp://10.0.0.2:5555"] and channel.silence_timeout == 7.5
         assert channel.receive(timeout=0.2) is None  # the beat is the I/O thread's, not the training thread's
+
+
+@pytest.mark.parametrize("first, second", [(3, 0), (3, 4), (0, 5), (40, 40), (10, 100), (100, 10), (100, 100)])
+def test_a_replaced_beat_hands_its_step_times_to_the_newer(first: int, second: int) -> None:
+    """Of a rank's two beats an interval the agent keeps the newer; the step times only the older
+    listed are carried into it: the row says what one beat after all those steps would
+    (numbers, listed times, the largest unlisted and its first number), for few and for more steps
+    than a beat lists."""
+    from ftrun.node.relay import RelayedBeats
+    from ftrun.rank.client import StepBoard
+    from ftrun.rank.recovery import RankProgress
+
+    def boards() -> tuple[StepBoard, list[float]]:
+        clock = [100.0]
+        return StepBoard(RankProgress(committed=-1), clock=lambda: clock[0]), clock
+
+    twice, t2 = boards()
+    once, t1 = boards()
+    relay = RelayedBeats()
+    step = 0
+    for count, beat in ((first, True), (second, True)):
+        for _ in range(count):
+            for board, clock in ((twice, t2), (once, t1)):
+                clock[0] += 0.01 * (1 + step % 7)  # step times that differ
+                board.begin(step, None)
+            step += 1
+        if beat:
+            relay.note({"rank": 5, "incarnation": 0, "sent": 0, **twice.fields()}, 0.0)
+    (row,) = relay.rows(0.0)
+    keys = ("samples", "step_times", "step_max", "step_max_from")
+    expected = {k: v for k, v in once.fields().items() if k in keys}
+    assert {k: v for k, v in row[4].items() if k in keys} == expected

@@ -29,6 +29,8 @@ What the relay keeps (docs/scale.md, "What the relay keeps, and what it does not
   the relay twice a heartbeat interval, so a live rank's beat is at most about 1.5 intervals old
   when the coordinator reads it (the watchdog's quiet rule is 2.5 intervals; with the relay on,
   ``--heartbeat_timeout`` must be above two intervals).
+- **Step times.** A rank lists each step time in one beat; the newer beat that replaces an older
+  one before the agent's beat takes the older's step times (:func:`carry_samples`).
 - **Order.** A relayed beat travels another way than the rank's direct messages and can arrive
   after a ``fault`` it preceded. Each beat carries ``sent``, the frames the rank had sent the
   coordinator before it; the coordinator takes a beat's step board only if it has not read more of
@@ -55,6 +57,7 @@ import zmq
 from ftrun.common.protocol import (MAX_FRAME_BYTES, RELAY, RELAYED_ANSWERS, RELAYED_ORDERS, FrameAuth, Message, MsgType,
                                    ProtocolError, Receiver, Sender, decode, encode, to_peer)
 from ftrun.config import relay_fits
+from ftrun.rank.client import SAMPLES_LISTED
 
 log = logging.getLogger("ftrun.node.agent")  # the agent's log: the relay is part of the agent process
 
@@ -85,6 +88,44 @@ def relays_beats(setting: str, ranks: int, heartbeat_interval: float, heartbeat_
     return setting == "auto" and ranks >= RELAY_AUTO_RANKS and relay_fits(heartbeat_timeout, heartbeat_interval)
 
 
+def carry_samples(older: dict[str, Any], newer: dict[str, Any]) -> dict[str, Any]:
+    """``newer``, a rank's heartbeat, with the step-time samples of ``older``, the same rank's
+    beat that it replaces before the agent's beat carried it.
+
+    A rank lists each step time once, in its next beat (:meth:`ftrun.rank.client.StepBoard.fields`:
+    ``samples``, the number of the newest; ``step_times``, the newest listed, at most
+    :data:`~ftrun.rank.client.SAMPLES_LISTED`; ``step_max`` and ``step_max_from``, the largest and
+    the first number of those not listed). Keeping only the newer of a rank's two beats an interval
+    lost the older one's samples, which the coordinator's automatic step timeout learns from. Here
+    they are merged in number order: the newest listed, the rest as ``step_max`` from the oldest
+    number. A beat whose samples are malformed keeps its own, unchanged."""
+    old_n, old_times = older.get("samples"), older.get("step_times")
+    if type(old_n) is not int or type(old_times) is not list:
+        return newer
+    new_n, new_times = newer.get("samples"), newer.get("step_times")
+    if new_n is None:
+        return {**newer, **{k: older[k] for k in ("samples", "step_times", "step_max", "step_max_from") if k in older}}
+    if type(new_n) is not int or type(new_times) is not list:
+        return newer
+    # The newer's first number must follow the older's last: else they are not consecutive beats.
+    if newer.get("step_max_from", new_n - len(new_times) + 1) != old_n + 1:
+        return newer
+    unlisted = [older.get("step_max"), newer.get("step_max")]  # the older's, then the newer's below its list
+    if "step_max" in newer:  # the newer's unlisted numbers lie between the two lists
+        listed = new_times
+        unlisted.extend(old_times)
+    else:
+        listed = old_times + new_times
+        listed, dropped = listed[-SAMPLES_LISTED:], listed[:-SAMPLES_LISTED]
+        unlisted.extend(dropped)
+    first = older.get("step_max_from", old_n - len(old_times) + 1)
+    out = {**newer, "samples": new_n, "step_times": listed}
+    maxima = [t for t in unlisted if isinstance(t, (int, float)) and not isinstance(t, bool)]
+    if maxima:
+        out.update(step_max=max(maxima), step_max_from=first)
+    return out
+
+
 class RelayedBeats:
     """The newest heartbeat of each rank since the last :meth:`rows` (what an agent's beat carries),
     and the ranks' answers since the last :meth:`reports` (what its ``rank_reports`` carries)."""
@@ -94,7 +135,11 @@ class RelayedBeats:
         self._answers: list[list[Any]] = []
 
     def note(self, fields: dict[str, Any], now: float) -> None:
-        """One rank's heartbeat (its decoded fields), received at ``now``: the newest is kept."""
+        """One rank's heartbeat (its decoded fields), received at ``now``: the newest is kept, with
+        the step-time samples of the one it replaces (:func:`carry_samples`)."""
+        kept = self._latest.get(fields["rank"])
+        if kept is not None and "samples" in kept[1]:
+            fields = carry_samples(kept[1], fields)
         self._latest[fields["rank"]] = (now, fields)
 
     def note_answer(self, msg_type: MsgType, fields: dict[str, Any]) -> None:
