@@ -160,54 +160,61 @@ class Rank:
         """The heartbeat thread's evidence: whether the training thread waits inside a
         torch.distributed call, and in which stage of ftrun's flow (with the bytes it moves)."""
         p = self.proc
-        p.in_dist = in_dist if isinstance(in_dist, bool) else None
-        if isinstance(stage, str):
+        p.in_dist = in_dist if type(in_dist) is bool else None
+        if type(stage) is str or isinstance(stage, str):  # a row a rank a second: the exact type first
             stage = stage[:20]
             if p.in_dist is not False:
                 p.outside_since = None
             elif p.outside_since is None or stage != p.stage:
                 p.outside_since = now
             p.stage = stage
-            p.stage_bytes = stage_bytes if isinstance(stage_bytes, int) and not isinstance(stage_bytes, bool) and stage_bytes > 0 else 0
+            p.stage_bytes = stage_bytes if type(stage_bytes) is int and stage_bytes > 0 else 0
 
     def on_board(self, board: dict[str, Any], now: float, warmup_steps: int) -> tuple[bool, float | None]:
         """A heartbeat's step board (:class:`ftrun.rank.client.StepBoard`): its step, committed step and
         phase, with the phase's age; the watchdog counts progress from the phase's start. Returns
         (whether its step moved, the largest of its new step times that are samples for the
         automatic step timeout: past ``warmup_steps`` samples of this process, else None). Once the rank
-        left its step loop (``steps_end``, ``done``) a late board changes nothing."""
+        left its step loop (``steps_end``, ``done``) a late board changes nothing.
+
+        A board a rank a second (16,384 a second through the relay at 16,384 ranks): the values'
+        types are looked at exactly (as msgpack decodes them), the optional ones only when sent."""
         p = self.proc
-        value = board.get("phase")
-        phase = _PHASES.get(value) if type(value) is str else None  # one look-up: a row a rank a second
+        get = board.get
+        value = get("phase")
+        phase = _PHASES.get(value) if type(value) is str else None  # one look-up
         if phase is None or p.steps_ended:
             return False, None
-        get = board.get
-        age, step, moved = get("phase_age"), get("step"), False
-        if type(step) is int and step != p.step:
-            p.step, moved = step, True
+        moved = False
+        value = get("step")
+        if type(value) is int and value != p.step:
+            p.step, moved = value, True
         value = get("committed")
         if type(value) is int:
             p.committed = value
         value = get("total")
-        if type(value) is int:
+        if value is not None and type(value) is int:
             self.total_steps = value
         value = get("last_step")
-        if is_seconds(value):
+        if value is not None and is_seconds(value):
             self.last_step_seconds = float(value)
         value = get("compute")
-        if is_seconds(value):
+        if value is not None and is_seconds(value):
             self.compute_seconds = float(value)
         if phase is not RankPhase.SETUP:
             p.phase = phase
-            if is_seconds(age):
-                p.last_progress = max(p.last_progress, now - age)
-        samples, times = board.get("samples"), board.get("step_times")
-        if not (is_int(samples) and isinstance(times, list)):
+            value = get("phase_age")
+            if is_seconds(value) and now - value > p.last_progress:
+                p.last_progress = now - value
+        samples, times = get("samples"), get("step_times")
+        if type(samples) is not int or type(times) is not list:
             return moved, None
         p.samples = samples
         # the listed times are numbered samples - len + 1 .. samples
-        past = [float(t) for i, t in enumerate(times, samples - len(times) + 1) if i > warmup_steps and is_seconds(t)]
-        first, older = board.get("step_max_from"), board.get("step_max")
+        first_listed = samples - len(times) + 1
+        past = [float(t) for t in (times if first_listed > warmup_steps else times[warmup_steps + 1 - first_listed:])
+                if is_seconds(t)]
+        first, older = get("step_max_from"), get("step_max")
         if is_int(first) and first > warmup_steps and is_seconds(older):
             past.append(float(older))
         return moved, max(past, default=None)
