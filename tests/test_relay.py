@@ -424,3 +424,13 @@ def test_a_replaced_beat_hands_its_step_times_to_the_newer(first: int, second: i
     keys = ("samples", "step_times", "step_max", "step_max_from")
     expected = {k: v for k, v in once.fields().items() if k in keys}
     assert {k: v for k, v in row[4].items() if k in keys} == expected
+
+
+def test_a_new_incarnations_beat_does_not_take_its_predecessors_step_times() -> None:
+    from ftrun.node.relay import RelayedBeats
+
+    relay = RelayedBeats()
+    relay.note({"rank": 5, "incarnation": 0, "sent": 0, "phase": "compute", "samples": 40, "step_times": [0.5]}, 0.0)
+    relay.note({"rank": 5, "incarnation": 1, "sent": 0, "phase": "setup"}, 0.1)
+    (row,) = relay.rows(0.2)
+    assert row[1] == 1 and "samples" not in row[4] and "step_times" not in row[4]

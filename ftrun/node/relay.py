@@ -136,9 +136,10 @@ class RelayedBeats:
 
     def note(self, fields: dict[str, Any], now: float) -> None:
         """One rank's heartbeat (its decoded fields), received at ``now``: the newest is kept, with
-        the step-time samples of the one it replaces (:func:`carry_samples`)."""
+        the step-time samples of the one it replaces (:func:`carry_samples`) if that one was the
+        same incarnation's (a respawned rank numbers its step times from 1 again)."""
         kept = self._latest.get(fields["rank"])
-        if kept is not None and "samples" in kept[1]:
+        if kept is not None and "samples" in kept[1] and kept[1].get("incarnation") == fields.get("incarnation"):
             fields = carry_samples(kept[1], fields)
         self._latest[fields["rank"]] = (now, fields)
 
