@@ -395,3 +395,42 @@ def test_channel_moves_to_the_standby_and_says_hello_again(loss, relayed, capfd)
         standby.close()
         if relay is not None:
             relay.close()
+
+
+def test_no_update_is_applied_once_an_abort_for_a_newer_generation_came():
+    """Whatever collective the step ran (FSDP's, the script's own), an abort for a newer generation
+    that arrived before the optimizer's update fails the step there: an NCCL collective aborted under
+    it can return without raising (docs/gpu.md). Without an abort the same update is applied."""
+    import threading
+
+    from ftrun.rank.gradsync import GradientSync
+    from ftrun.rank.recovery import RankProgress
+    from ftrun.rank.workerstate import WorkerState
+
+    class Board:
+        def enter(self, phase):
+            pass
+
+    class Control:
+        abandon = threading.Event()
+        board = Board()
+
+    class Transaction:
+        def before_update(self, optimizer, closure):
+            pass
+
+        def after_update(self, applied):
+            return applied
+
+    errors, updates, commits = [], [], []
+    sync = GradientSync(1, 30.0, WorkerState(managed=True), RankProgress(committed=4), None, Control(), None,
+                        lambda *a, **k: None, errors.append, lambda error, drop: None, lambda err: False, Transaction())
+
+    def update():
+        updates.append(1)
+        return "loss"
+
+    assert sync.apply(update, list, commits.append) == (True, "loss") and updates == [1] and commits == [5]
+    Control.abandon.set()
+    assert sync.apply(update, list, commits.append) == (False, None)
+    assert updates == [1] and commits == [5] and errors and errors[0].startswith("abandoned before the update")
