@@ -256,14 +256,12 @@ def wait_out(work: Any, abandon: threading.Event, poll: timedelta) -> str:
     """Wait for ``work``, looking at ``abandon`` every ``poll``: "returned" (it completed),
     "ended" (it failed, or completed right after a wait timed out, a race seen under load: a wait
     on it says which), or "abandoned" (an abort for a newer generation arrived: the abort's release
-    normally fails the work at once; it is given :data:`ABANDON_GRACE_S` for that, then left).
-    A work that returns once ``abandon`` is set counts as abandoned: an aborted NCCL work can end
-    without raising (docs/gpu.md), its sum not to be trusted."""
+    normally fails the work at once; it is given :data:`ABANDON_GRACE_S` for that, then left)."""
     abandoned_at = None
     while True:
         try:
             work.wait(poll)
-            return "abandoned" if abandon.is_set() else "returned"
+            return "returned"
         except Exception:
             if work.is_completed():
                 return "ended"
@@ -608,7 +606,7 @@ class GradientReducer:
         flag is looked at every :data:`ABANDON_POLL_S` s between waits; a failed all-reduce raises
         with ``is_completed()`` True. A work can complete between its timeout and that check, so
         a completed work is waited on once more, which returns or raises its own error
-        (:func:`wait_out`)."""
+        (:func:`wait_out`). Once every work settled, an abort that came meanwhile fails the pass."""
         self._waiting.set()
         poll = timedelta(seconds=ABANDON_POLL_S)
         try:
@@ -621,6 +619,11 @@ class GradientReducer:
                 elif outcome == "abandoned":
                     self.error = self.error or ABANDONED
                     return
+            if self._abandon is not None and self._abandon.is_set():
+                # Every work settled, and an abort came meanwhile (it is set before the group is
+                # released): an aborted NCCL work can return without raising (docs/gpu.md), so a
+                # sum that returned is not trusted; the pass fails.
+                self.error = self.error or ABANDONED
         finally:
             self._waiting.clear()
 
