@@ -249,20 +249,23 @@ class GradientSync:
         is (:class:`ftrun.rank.transaction.StepTransaction`; otherwise the step loop commits at the
         body's end). A pending recoverable error is repaired first (the update is skipped); without
         a wrapped model, the gradients of ``optimizer_params()`` are averaged here. A recoverable
-        error raised by ``update`` is repaired in place; any other propagates. Once an abort for a
-        newer generation has arrived, nothing is applied (the step failed). ``optimizer``: the
-        registered optimizer ``update`` steps (None: a hand-written update); ``closure``: it runs
-        forward and backward passes of its own (LBFGS), whose failure makes it not applied.
+        error raised by ``update`` is repaired in place; any other propagates. In an NCCL group,
+        once an abort for a newer generation has arrived, nothing is applied (the step failed).
+        ``optimizer``: the registered optimizer ``update`` steps (None: a hand-written update);
+        ``closure``: it runs forward and backward passes of its own (LBFGS), whose failure makes it
+        not applied.
         Returns (applied, its result)."""
         if self.state.phase is Phase.PENDING_REPAIR:
             self.repair_in_place(self.state.reason or "", True)
             return False, None
         if self.state.failed:
             return False, None
-        if self.state.managed and self.control.abandon.is_set():
+        if self.state.managed and self.group.backend == "nccl" and self.control.abandon.is_set():
             # An abort for a newer generation came before the update (it is set before the group is
             # released): a collective of this step may have been aborted under it and returned
-            # without raising (NCCL, docs/gpu.md), whoever called it (FSDP, the script). Not applied.
+            # without raising (docs/gpu.md), whoever called it (ftrun's reducer, FSDP, the script).
+            # Not applied. (A gloo collective cut by the abort raises; one that completed before it
+            # holds a true sum, and its update keeps the survivors' sharded state at one step.)
             self.record_error("abandoned before the update: the job's coordinator aborted this generation")
             return False, None
         if not self.reducers and not self.sharded and self.world_size > 1 and not self.all_reduce(optimizer_params()):
