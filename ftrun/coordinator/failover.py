@@ -180,22 +180,20 @@ def _rows_and_groups(job: "Coordinator") -> tuple[list[list[Any]], list[list[int
     index: dict[int, int] = {}
     groups: list[list[int]] = []
     rows = []
-    append = rows.append
-    for r in job.ranks.values():  # every rank, at a round's start: written for speed (_wire_row's values)
+    for r in job.ranks.values():
         at = index.get(id(r.replica_group))
         if at is None:
             at = index[id(r.replica_group)] = len(groups)
             groups.append(list(r.replica_group))
-        p = r.proc
-        append([r.rank, p.number, p.pid or 0, r.library, at, r.restarts, p.state._value_, p.committed, p.running])
+        rows.append(_wire_row(r, at))
     return rows, groups
 
 
 def _wire_row(r: "Rank", group: int) -> list[Any]:
     """:meth:`RankRow.of`'s values, as the row travels (a list: the hard state is built of these,
     one a rank, without making the named row)."""
-    p = r.proc
-    return [r.rank, p.number, p.pid or 0, r.library, group, r.restarts, p.state.value, p.committed, p.running]
+    p = r.proc  # every rank, at a round's start: ``_value_``, not the enum's ``value`` property
+    return [r.rank, p.number, p.pid or 0, r.library, group, r.restarts, p.state._value_, p.committed, p.running]
 
 
 def restore(job: "Coordinator", state: dict[str, Any]) -> None:
