@@ -87,7 +87,24 @@ from ftrun.common.protocol import MsgType  # noqa: E402
 
 PER_NODE = 8
 RECORD_BYTES = 18_912  # word_lm's rank-state record (docs/benchmarks.md)
-SOCKETS_PER_PROCESS = 4000  # a ZeroMQ socket takes two descriptors (its connection and its mailbox)
+
+
+def sockets_per_process(descriptors: int) -> int:
+    """The sockets one simulation process opens at most, when a process may open ``descriptors``
+    files (``ulimit -n``): a ZeroMQ socket takes two (its connection and its mailbox), with 2,000
+    left for the rest; 8,000 at most. As few processes as that allows: each adds its own loop and
+    ZeroMQ I/O thread to node 0's two cores (16,384 ranks in three processes, not five: node 0's
+    coordinator 20-21% of a core in steady state instead of 22-25%, its one-node round 0.39-0.41 s
+    instead of 0.47-0.54 s, in runs one after the other)."""
+    return max(500, min(8000, (descriptors - 2000) // 2))
+
+
+try:
+    import resource
+
+    SOCKETS_PER_PROCESS = int(os.environ.get("XSOCK") or sockets_per_process(resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
+except (ImportError, ValueError, OSError):  # no resource module (not POSIX), or no limit to read
+    SOCKETS_PER_PROCESS = 4000
 TOKEN = "s" * 64
 STANDBY_SEAT_PORT = 9  # a simulated standby coordinator's endpoint: named in messages, never connected to
 SIM_PID_BASE = 1 << 23  # simulated ranks' pids: above any real one (pid_max is at most 2^22)
@@ -113,11 +130,14 @@ def default_window(ranks: int) -> float:
 
 def plan_processes(nodes: int, per_node: int, limit: int = SOCKETS_PER_PROCESS) -> list[list[int]]:
     """Split the nodes (index 0..nodes-1, plus one standby node, :data:`STANDBY_NODE_INDEX`) over
-    simulation processes of at most ``limit`` sockets each (a node: its agent and its ranks).
+    as few simulation processes of at most ``limit`` sockets each (a node: its agent and its
+    ranks) as fit them, evenly.
     Node 0's ranks have no agent socket (their agent is the coordinator's)."""
     per_process = max(1, limit // (per_node + 1))
     order = list(range(nodes)) + [STANDBY_NODE_INDEX]
-    return [order[i:i + per_process] for i in range(0, len(order), per_process)]
+    parts = -(-len(order) // per_process)
+    size = -(-len(order) // parts)  # as many nodes in each (the last one fewer)
+    return [order[i:i + size] for i in range(0, len(order), size)]
 
 
 # --------------------------------------------------------------------------- node 0's agent

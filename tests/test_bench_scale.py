@@ -81,8 +81,11 @@ def test_nodes_are_split_over_processes_within_the_socket_limit() -> None:
     flat = [n for part in layout for n in part]
     assert sorted(flat) == sorted([*range(2048), STANDBY_NODE_INDEX])  # every node once, and the standby
     assert all(len(part) * 9 <= 4000 for part in layout)
-    assert len(layout) == 5
+    assert len(layout) == 5 and max(map(len, layout)) - min(map(len, layout)) <= 1  # evenly
     assert bs.plan_processes(nodes=8, per_node=8) == [[*range(8), STANDBY_NODE_INDEX]]
+    # the sockets a process may open, from the descriptors it may: two a socket, 2,000 kept back
+    assert bs.sockets_per_process(20_000) == 8000 and bs.sockets_per_process(12_000) == 5000
+    assert bs.sockets_per_process(1024) == 500
 
 
 def test_replica_groups_are_the_same_local_rank_on_every_node() -> None:

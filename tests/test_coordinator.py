@@ -49,6 +49,59 @@ def test_death_is_recovered_by_respawning_only_that_rank(tmp_path: Path) -> None
     assert coord.recovery is None and coord.restarts_used == 1
 
 
+def test_the_garbage_collector_waits_in_a_rounds_first_seconds_and_runs_again_after(tmp_path: Path) -> None:
+    import gc
+
+    from ftrun.coordinator.collector import ROUND_GC_HOLD_S
+
+    coord, agent, clock = make(tmp_path)
+    hello_all(coord)
+    with coord.collector.armed():  # as in run()'s loop
+        agent.exit(2, -signal.SIGKILL, at=clock.now)
+        assert coord.check_processes() is None and coord.recovery is not None
+        assert not gc.isenabled()  # from the round's start
+        clock.now += ROUND_GC_HOLD_S - 0.1
+        coord.collector.hold()
+        assert not gc.isenabled()
+        clock.now += 0.2  # the round goes on past its first seconds: the collector runs again
+        coord.collector.hold()
+        assert gc.isenabled() and coord.recovery is not None
+    assert gc.isenabled()
+
+
+def test_the_garbage_collector_runs_again_when_the_loop_ends_in_a_round(tmp_path: Path) -> None:
+    import gc
+
+    coord, agent, clock = make(tmp_path)
+    hello_all(coord)
+    agent.exit(2, -signal.SIGKILL, at=clock.now)
+    assert coord.check_processes() is None and coord.recovery is not None
+    assert gc.isenabled()  # a coordinator driven without its main loop leaves the collector be
+    with coord.collector.armed():
+        coord.collector.hold()
+        assert not gc.isenabled()
+    assert gc.isenabled()  # the job ended in the round's first seconds
+
+
+def test_the_garbage_collector_runs_again_when_the_round_ends(tmp_path: Path) -> None:
+    import gc
+
+    coord, agent, clock = make(tmp_path)
+    hello_all(coord)
+    with coord.collector.armed():
+        agent.exit(2, -signal.SIGKILL, at=clock.now)
+        assert coord.check_processes() is None and not gc.isenabled()
+        assert coord.check_processes() is None
+        for rank in (0, 1, 3):
+            send(coord, rank, MsgType.FAULT, generation=1, step=1, committed=0, reason="abort")
+        hello_all(coord, [2])
+        for rank in range(4):
+            send(coord, rank, MsgType.RECOVERED, generation=1, role="recipient" if rank == 2 else "none", bytes=10, seconds=0.1)
+        assert coord.recovery is None
+        coord.collector.hold()  # the loop's next turn
+        assert gc.isenabled()
+
+
 def test_late_answer_to_the_abort_is_not_a_failed_plan(tmp_path: Path) -> None:
     # UCE: the rank's own report counts as its answer, so the plan can be made before its answer
     # to the abort arrives; that answer must not be taken for "the plan failed" (a second round

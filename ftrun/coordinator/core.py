@@ -28,7 +28,6 @@ when stopped by SIGINT/SIGTERM.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -44,6 +43,7 @@ from ftrun.common.events import Event, EventKind
 from ftrun.common.protocol import Message, MsgType, Sender
 from ftrun.config import JobSpec
 from ftrun.coordinator.agents import AgentHandle
+from ftrun.coordinator.collector import Collector
 from ftrun.coordinator.control import ControlPlane
 from ftrun.coordinator.elastic import Elastic, Shrink
 from ftrun.coordinator.ending import JobEnd
@@ -71,13 +71,6 @@ SCAN_RANKS_PER_S = 20_000
 #: more than 1,024 ranks), none is made in a recovery round's first seconds: at 16,384 ranks one
 #: takes a tenth of a second or more, which every rank of the round would wait for. Events go on.
 ROUND_STATUS_HOLD_S = 2.0
-
-#: Outside a recovery round, the objects the coordinator holds are moved out of the cyclic garbage
-#: collector's sight (``gc.freeze``) 1, 2, 4... s after the start, then this often, seconds: its
-#: rank table is long-lived, and each full collection walked all of it (at 16,384 ranks, 1.6 to
-#: 3.4% of a core in steady state). Refcounting still frees what it drops; only a cycle among
-#: frozen objects would outlive it.
-GC_FREEZE_S = 60.0
 
 
 class Coordinator:
@@ -140,8 +133,7 @@ class Coordinator:
         self._wakeup = procs.WakeupPipe()
         self._scanned_at = float("-inf")  # the last passes over every rank (_scan_due)
         self._scans = 0  # passes due or put off so far (scanned)
-        self._frozen_at = float("-inf")  # the last gc.freeze()
-        self._freeze_gap = 1.0  # seconds to the next, doubled up to GC_FREEZE_S (the start's objects are caught early)
+        self.collector = Collector(self)  # gc.freeze, and the collector held in a round's first seconds
         self.behind_since: float | None = None  # since when frames have waited unread (heard_until)
 
     # ----------------------------------------------------------------- the roles' public faces
@@ -292,7 +284,8 @@ class Coordinator:
             self.start_job()
         else:
             self.take_over(takeover, lost, cause)
-        self._loop()
+        with self.collector.armed():
+            self._loop()
         code, message = self.end.final()
         self.publish_status(final={"exit_code": code, "message": self.end.final_message or ""})
         for agent in [*self.agents.values(), *self.members.standby_nodes.values()]:
@@ -337,6 +330,7 @@ class Coordinator:
         agent_news = False  # agents' messages read in the last turn: their reports wait
         while self.exit_code is None:
             ready = dict(poller.poll(timeout=int(self.spec.monitor_interval * 1000)))
+            self.collector.hold()
             signalled = self._wakeup.drain()
             if self.stop_signal is not None:
                 self.finish_with(self.end.stop(128 + self.stop_signal, f"stopped by {signal.Signals(self.stop_signal).name}"))
@@ -358,9 +352,7 @@ class Coordinator:
                     self.spawning.keep_spares()
                 if self.exit_code is None:
                     self.failover.replicate(self.clock())
-                if self.rounds.current is None and self.clock() - self._frozen_at >= self._freeze_gap:
-                    self._frozen_at, self._freeze_gap = self.clock(), min(2 * self._freeze_gap, GC_FREEZE_S)
-                    gc.freeze()
+                self.collector.freeze_when_due()
             self.publish_status()
 
     def _scan_due(self) -> bool:

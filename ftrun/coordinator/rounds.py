@@ -68,6 +68,7 @@ class RecoveryRounds:
         recoverable_error (UCE); the last two respawn nothing.
         """
         job = self.job
+        job.collector.hold(starting=True)  # no collection in the round's path (ftrun.coordinator.collector)
         now = job.clock()
         job.phase.move(JobPhase.RECOVERING)
         job.state.next_generation()
@@ -103,7 +104,7 @@ class RecoveryRounds:
             job.emit(EventKind.RANK_RESPAWNED,
                      f"rank {rank} respawned as incarnation {r.incarnation} (restart {job.restarts_used}/{job.spec.max_restarts})",
                      rank=rank, restarts_used=job.restarts_used)
-        survivors = [r for r in job.ranks.values() if r.alive() and r.rank not in failed]
+        survivors = [r for r in job.ranks.values() if r.proc.running and r.rank not in failed]  # alive(), inlined: 16,384 a round
         for r in survivors:
             r.proc.move(RankState.RECOVERING)
         self.send_order(survivors, MsgType.ABORT, {"generation": job.generation, "reason": reason})
@@ -139,7 +140,8 @@ class RecoveryRounds:
         if rec is None or generation != rec.generation:
             return
         rec.reports[r.rank] = committed
-        r.proc.move(RankState.RECOVERING)
+        if r.proc.state is not RankState.RECOVERING:  # a survivor was moved at the round's start
+            r.proc.move(RankState.RECOVERING)
         if rec.unreported is not None:
             rec.unreported.discard(r.rank)
         if rec.plan is None and not rec.unreported:
@@ -153,7 +155,7 @@ class RecoveryRounds:
         rec = self.current
         if rec is None or rec.plan is not None or not rec.reports:
             return
-        live = [x.rank for x in self.job.ranks.values() if x.alive()]
+        live = [x.rank for x in self.job.ranks.values() if x.proc.running]  # alive(), inlined
         rec.unreported = {rank for rank in live if rank not in rec.reports}
         if not rec.unreported:
             self.make_plan(live)
@@ -219,7 +221,7 @@ class RecoveryRounds:
         for pair in transfers:
             for rank in dict.fromkeys(pair):
                 mine.setdefault(rank, {"transfers": []})["transfers"].append(pair)
-        self.send_order([x for x in job.ranks.values() if x.alive()], MsgType.RECONFIGURE,
+        self.send_order([x for x in job.ranks.values() if x.proc.running], MsgType.RECONFIGURE,
                         {"generation": rec.generation, "world_size": job.spec.worker_num, "step": plan.step, "transfers": [],
                          **store, **rollback}, mine)
         job.failover.ranks_heard(rec.planned_at)
@@ -273,7 +275,7 @@ class RecoveryRounds:
         rec = self.current
         if rec is None or rec.plan is None or not rec.recovered:
             return
-        rec.unrecovered = {x.rank for x in self.job.ranks.values() if x.alive() and x.rank not in rec.recovered}
+        rec.unrecovered = {x.rank for x in self.job.ranks.values() if x.proc.running and x.rank not in rec.recovered}
         if not rec.unrecovered:
             self.finish(rec)
 
@@ -330,8 +332,11 @@ class RecoveryRounds:
     def on_fault(self, r: Rank, msg: Message) -> None:
         """A rank reports a failed collective, a recoverable error, or its answer to an abort."""
         job, rec, f = self.job, self.current, msg.fields  # ``f``: an answer to every abort; read as a map
-        kind = f.get("kind", "comm")
         r.rollback_ok = f.get("rollback") is not False
+        if rec is not None and rec.plan is None:  # the round awaits its reports: any fault is one
+            self.on_report(r, f["generation"], f["committed"])
+            return
+        kind = f.get("kind", "comm")
         if rec is not None and rec.plan is not None and f["generation"] == rec.generation and kind == "abort":
             # An answer to this round's abort arriving after its plan: the rank's report was already
             # counted (a UCE rank's own report is its answer). Not a failure.
