@@ -102,7 +102,7 @@ def sockets_per_process(descriptors: int) -> int:
 try:
     import resource
 
-    SOCKETS_PER_PROCESS = int(os.environ.get("XSOCK") or sockets_per_process(resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
+    SOCKETS_PER_PROCESS = sockets_per_process(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
 except (ImportError, ValueError, OSError):  # no resource module (not POSIX), or no limit to read
     SOCKETS_PER_PROCESS = 4000
 TOKEN = "s" * 64
