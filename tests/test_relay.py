@@ -434,3 +434,82 @@ def test_a_new_incarnations_beat_does_not_take_its_predecessors_step_times() -> 
     relay.note({"rank": 5, "incarnation": 1, "sent": 0, "phase": "setup"}, 0.1)
     (row,) = relay.rows(0.2)
     assert row[1] == 1 and "samples" not in row[4] and "step_times" not in row[4]
+
+
+def _round_state(coord, tmp_path: Path) -> dict:
+    """What a round's answers leave: the reports, the plan, each rank's state, and the events."""
+    import json
+
+    rec = coord.rounds.current
+    kinds = [(e["kind"], e["detail"].get("rank"), e["detail"].get("step"))
+             for e in map(json.loads, (tmp_path / "events.jsonl").read_text().splitlines())]
+    return {"reports": dict(rec.reports) if rec else None, "planned": rec is not None and rec.plan is not None,
+            "generation": coord.generation, "events": kinds,
+            "ranks": [(r.proc.state, r.proc.committed, r.proc.phase, r.rollback_ok) for r in coord.ranks.values()]}
+
+
+_FAULT = dict(step=5, committed=4, reason="abort", kind="abort")
+
+
+@pytest.mark.parametrize("frames, outcome", [
+    # every survivor's answer to the abort in one frame (one cannot roll back): the plan is made after the last
+    ([[("fault", rank, dict(generation=1, rollback=rank != 2, **_FAULT)) for rank in (0, 1, 2, 3, 4, 6, 7)]], "planned"),
+    # a collective's failure (no abort answer) among them, one of an older generation, one that cannot roll back
+    ([[("fault", 0, dict(generation=1, **_FAULT)), ("fault", 1, dict(generation=0, **_FAULT)),
+       ("fault", 2, dict(generation=1, step=5, committed=3, reason="gloo: connection closed", kind="comm")),
+       ("fault", 3, dict(generation=1, rollback=False, **_FAULT)), ("fault", 4, dict(generation=1, **_FAULT))],
+      [("fault", rank, dict(generation=1, **_FAULT)) for rank in (1, 6, 7)]], "planned"),
+    # the plan, then the answers to it in one frame, a late answer to the abort among them
+    ([[("fault", rank, dict(generation=1, **_FAULT)) for rank in (0, 1, 2, 3, 4, 6, 7)],
+      [("recovered", 0, dict(generation=1, role="donor", bytes=10, seconds=0.5)), ("fault", 1, dict(generation=1, **_FAULT)),
+       *[("recovered", rank, dict(generation=1, role="none", bytes=0, seconds=0.0, rebuild_seconds=0.1))
+         for rank in (1, 2, 3, 4, 6, 7)], ("recovered", 5, dict(generation=1, role="recipient", bytes=10, seconds=0.5))]],
+     "finished"),
+    # an answer to the plan that failed (a transfer broke) in the frame: the next round
+    ([[("fault", rank, dict(generation=1, **_FAULT)) for rank in (0, 1, 2, 3, 4, 6, 7)],
+      [("recovered", 1, dict(generation=1, role="none", bytes=0, seconds=0.0)),
+       ("fault", 0, dict(generation=1, step=4, committed=4, reason="state transfer failed", kind="comm")),
+       ("recovered", 2, dict(generation=1, role="none", bytes=0, seconds=0.0))]], "next round"),
+    # the last answer to the abort makes the plan; a failure of the plan after it, in the same frame: the next round
+    ([[("fault", rank, dict(generation=1, **_FAULT)) for rank in (0, 1, 2, 3, 4, 6)],
+      [("fault", 7, dict(generation=1, **_FAULT)),
+       ("fault", 0, dict(generation=1, step=4, committed=4, reason="building generation 1's group failed", kind="comm"))]],
+     "next round"),
+])
+def test_a_frame_of_relayed_answers_does_what_the_same_answers_sent_one_by_one_do(tmp_path: Path, frames: list,
+                                                                                   outcome: str) -> None:
+    """A node's relayed answers are handled a frame at a time (the leading answers to the abort
+    together, the rest one by one): the reports, the plan, the ranks' states and the events are
+    those of the same answers sent straight, in the same order."""
+    import signal
+
+    from coordinator_fixtures import send
+
+    states = []
+    for relayed in (False, True):
+        where = tmp_path / ("relayed" if relayed else "straight")
+        where.mkdir()
+        coord, agent, clock = make(where, world=8)
+        hello_all(coord)
+        agent.exit(5, -signal.SIGKILL, at=clock.now)
+        coord.check_processes()
+        coord.check_processes()
+        hello_all(coord, [5])  # the respawned rank's report
+        for frame in frames:
+            if relayed:
+                coord.messages.on_relayed_answers(0, [[kind, {"rank": rank, "incarnation": coord.ranks[rank].incarnation,
+                                                              **fields}] for kind, rank, fields in frame])
+            else:
+                for kind, rank, fields in frame:
+                    send(coord, rank, MsgType(kind), **fields)
+        states.append(_round_state(coord, where))
+    assert states[0] == states[1]
+    last = [kind for kind, _rank, _step in states[1]["events"] if kind.startswith("recovery_")][-1]
+    assert {"planned": "recovery_planned", "finished": "recovery_finished", "next round": "recovery_started"}[outcome] == last
+    assert states[1]["planned"] == (outcome == "planned")
+    if outcome == "planned":  # the reports it was made from (the new rank holds no state), who cannot roll back
+        from ftrun.coordinator.policy import NO_STATE
+
+        failed_collective = len(frames) == 2  # rank 2's collective failed with step 3 committed; rank 3 cannot roll back
+        assert states[1]["reports"] == {0: 4, 1: 4, 2: 3 if failed_collective else 4, 3: 4, 4: 4, 5: NO_STATE, 6: 4, 7: 4}
+        assert [rank for rank, r in enumerate(states[1]["ranks"]) if not r[3]] == [3 if failed_collective else 2]

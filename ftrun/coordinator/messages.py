@@ -160,7 +160,8 @@ class RankMessages:
         live rank of that node, in its current incarnation, that said hello; malformed rows and
         others are skipped. An answer proves the rank alive; it is not one of the frames the rank
         sent the coordinator itself (:attr:`Incarnation.direct`)."""
-        now, ranks, handlers = self.job.clock(), self.job.ranks, self._rank_handlers
+        now, ranks = self.job.clock(), self.job.ranks
+        run: list[tuple[Rank, Message]] = []  # answers of one type in a row: handled together
         for row in rows:  # a row a rank, twice a round: written for speed (docs/scale.md)
             if type(row) is not list or len(row) != 2:
                 continue
@@ -175,7 +176,18 @@ class RankMessages:
             if msg.fields["incarnation"] != p.number or not p.running or p.identity is None:
                 continue
             p.last_heartbeat = now
-            handlers[msg.type](self, r, msg)
+            if run and run[0][1].type is not msg.type:
+                self._relayed_run(run)
+                run = []
+            run.append((r, msg))
+        if run:
+            self._relayed_run(run)
+
+    def _relayed_run(self, run: list[tuple[Rank, Message]]) -> None:
+        if run[0][1].type is MsgType.RECOVERED:
+            self.job.rounds.on_recovered_ranks(run)
+        else:
+            self.on_faults(run)
 
     def on_progress(self, r: Rank, msg: Message) -> None:
         """``progress`` (``ft.report()``, a section opened or closed): the rank's step and metrics."""
@@ -196,6 +208,20 @@ class RankMessages:
                 gasp.reports[r.rank] = msg["committed"]
             return
         self.job.rounds.on_fault(r, msg)
+
+    def on_faults(self, faults: list[tuple[Rank, Message]]) -> None:
+        """``fault`` messages, in the order read (a node's relayed answers): those that lead them
+        and answer the round's abort before its plan are taken together (every rank's, every
+        round: :meth:`ftrun.coordinator.rounds.RecoveryRounds.on_abort_answers`), the others one by
+        one (:meth:`on_fault_message`)."""
+        lead = self.job.rounds.abort_answers(faults) if self.job.ttp.gasp is None else 0
+        for r, msg in faults[:lead]:
+            p = r.proc
+            p.committed, p.phase = msg.fields["committed"], RankPhase.RECOVERING
+        if lead:
+            self.job.rounds.on_abort_answers(faults[:lead])
+        for r, msg in faults[lead:]:
+            self.on_fault_message(r, msg)
 
     def on_error(self, r: Rank, msg: Message) -> None:
         """A rank reports a problem it survived (e.g. a shard it could not write)."""

@@ -11,7 +11,7 @@ starts the next round (the next generation), keeping the first failure's start t
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from ftrun.common.events import EventKind
 from ftrun.coordinator.policy import (NO_STATE, NoLiveReplica, RankState, default_replica_groups, plan_recovery, plan_rollback,
@@ -136,15 +136,27 @@ class RecoveryRounds:
 
     def on_report(self, r: Rank, generation: int, committed: int) -> None:
         """A live rank reports its committed step for this round (its hello, for a new one)."""
+        self.on_reports(((r, generation, committed),))
+
+    def on_reports(self, reports: Iterable[tuple[Rank, int, int]]) -> None:
+        """Live ranks report their committed steps (rank, generation, step), in the order read;
+        those of this round's generation are taken, and the plan is looked at after them (a node's
+        answers at a time: every rank's, every round, written for speed)."""
         rec = self.current
-        if rec is None or generation != rec.generation:
+        if rec is None:
             return
-        rec.reports[r.rank] = committed
-        if r.proc.state is not RankState.RECOVERING:  # a survivor was moved at the round's start
-            r.proc.move(RankState.RECOVERING)
-        if rec.unreported is not None:
-            rec.unreported.discard(r.rank)
-        if rec.plan is None and not rec.unreported:
+        generation, taken, unreported, took = rec.generation, rec.reports, rec.unreported, False
+        for r, reported, committed in reports:
+            if reported != generation:
+                continue
+            taken[r.rank] = committed
+            took = True
+            p = r.proc
+            if p.state is not RankState.RECOVERING:  # a survivor was moved at the round's start
+                p.move(RankState.RECOVERING)
+            if unreported is not None:
+                unreported.discard(r.rank)
+        if took and rec.plan is None and not rec.unreported:
             self.plan_when_reported()
 
     def plan_when_reported(self) -> None:
@@ -253,20 +265,31 @@ class RecoveryRounds:
 
     def on_recovered(self, r: Rank, msg: Message) -> None:
         """A rank carried out the plan (donor, recipient or neither); the last one ends the recovery."""
-        job, rec, f = self.job, self.current, msg.fields  # ``f``: read as a map (every rank's, every round)
-        if rec is None or f["generation"] != rec.generation or rec.plan is None:
+        self.on_recovered_ranks(((r, msg),))
+
+    def on_recovered_ranks(self, answers: Iterable[tuple[Rank, Message]]) -> None:
+        """Ranks carried out the plan (their ``recovered``, in the order read: a node's at a time,
+        every rank's, every round, written for speed); the last one ends the recovery."""
+        job, rec = self.job, self.current
+        if rec is None or rec.plan is None:
             return
-        rec.recovered[r.rank] = dict(f, at=job.clock())
-        r.proc.move(RankState.HEALTHY)
-        role = f["role"]
+        now, took = job.clock(), False
         moved = len(job.ranks) if rec.plan.rollback else len(rec.plan.transfers)  # ranks whose state the plan moves
-        if role != "none" and (r.rank in rec.failed or moved <= RANK_EVENTS_MAX):
-            how = "rolled back to the checkpoint" if role == "rollback" else f"rejoined as {role}"
-            job.emit(EventKind.RANK_RECOVERED, f"rank {r.rank} {how}: {msg['bytes'] / 1e6:.2f} MB in {msg['seconds']:.3f} s",
-                     rank=r.rank, role=role, bytes=msg["bytes"], seconds=msg["seconds"], rebuild_seconds=msg.get("rebuild_seconds"))
-        if rec.unrecovered is not None:
-            rec.unrecovered.discard(r.rank)
-        if not rec.unrecovered:
+        for r, msg in answers:
+            f = msg.fields  # read as a map
+            if f["generation"] != rec.generation:
+                continue
+            took = True
+            rec.recovered[r.rank] = dict(f, at=now)
+            r.proc.move(RankState.HEALTHY)
+            role = f["role"]
+            if role != "none" and (r.rank in rec.failed or moved <= RANK_EVENTS_MAX):
+                how = "rolled back to the checkpoint" if role == "rollback" else f"rejoined as {role}"
+                job.emit(EventKind.RANK_RECOVERED, f"rank {r.rank} {how}: {f['bytes'] / 1e6:.2f} MB in {f['seconds']:.3f} s",
+                         rank=r.rank, role=role, bytes=f["bytes"], seconds=f["seconds"], rebuild_seconds=f.get("rebuild_seconds"))
+            if rec.unrecovered is not None:
+                rec.unrecovered.discard(r.rank)
+        if took and not rec.unrecovered:
             self.finish_when_recovered()
 
     def finish_when_recovered(self) -> None:
@@ -328,6 +351,28 @@ class RecoveryRounds:
     def _killing(self) -> list[int]:
         """Ranks ftrun is killing (found hung) whose exit is not reported yet."""
         return [x.rank for x in self.job.ranks.values() if x.proc.running and x.proc.kill_reason is not None]
+
+    def abort_answers(self, faults: list[tuple[Rank, Message]]) -> int:
+        """How many of these ``fault`` messages (in the order read), from the first, answer this
+        round's abort while it awaits its reports: :meth:`on_abort_answers` takes them together."""
+        rec, lead = self.current, 0
+        if rec is None or rec.plan is not None:
+            return 0
+        for _r, msg in faults:
+            f = msg.fields
+            if f.get("kind") != "abort" or f["generation"] != rec.generation:
+                break
+            lead += 1
+        return lead
+
+    def on_abort_answers(self, answers: list[tuple[Rank, Message]]) -> None:
+        """Answers to this round's abort, before its plan (:meth:`abort_answers`: a node's relayed
+        answers at a time; every rank's, every round): each is the rank's report, as in :meth:`on_fault`."""
+        rec = self.current
+        assert rec is not None
+        for r, msg in answers:
+            r.rollback_ok = msg.fields.get("rollback") is not False
+        self.on_reports([(r, rec.generation, msg.fields["committed"]) for r, msg in answers])
 
     def on_fault(self, r: Rank, msg: Message) -> None:
         """A rank reports a failed collective, a recoverable error, or its answer to an abort."""
