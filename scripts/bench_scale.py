@@ -83,7 +83,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from ftrun.common.contract import GENERATION, STANDBY_NODE_INDEX  # noqa: E402
-from ftrun.common.protocol import MsgType  # noqa: E402
+from ftrun.common.protocol import CONTROL, MsgType, encode  # noqa: E402
 
 PER_NODE = 8
 RECORD_BYTES = 18_912  # word_lm's rank-state record (docs/benchmarks.md)
@@ -107,6 +107,7 @@ except (ImportError, ValueError, OSError):  # no resource module (not POSIX), or
     SOCKETS_PER_PROCESS = 4000
 TOKEN = "s" * 64
 STANDBY_SEAT_PORT = 9  # a simulated standby coordinator's endpoint: named in messages, never connected to
+_ORDERS = {t.value: t for t in (MsgType.ABORT, MsgType.RECONFIGURE, MsgType.STANDBY)}  # a relayed order's type, by name
 SIM_PID_BASE = 1 << 23  # simulated ranks' pids: above any real one (pid_max is at most 2^22)
 
 
@@ -562,8 +563,6 @@ class Simulation:
 
     def _send(self, sock: Any, sender: Any, msg_type: MsgType, r: SimRank | None = None, **fields: Any) -> None:
         """Send one frame to node 0 (``r``: the rank whose frame it is, which counts it)."""
-        from ftrun.common.protocol import CONTROL, encode
-
         frame = encode(msg_type, sender, CONTROL, **fields)
         try:
             sock.send(frame, self.zmq.NOBLOCK)
@@ -573,7 +572,7 @@ class Simulation:
             self.ready.after_send(sock)
         if r is not None:
             r.direct += 1
-        self.counters.note_sent(msg_type.value, len(frame))
+        self.counters.note_sent(msg_type._value_, len(frame))  # (the enum's ``value`` property: slower)
 
     def add_node(self, index: int) -> None:
         from ftrun.node.relay import RelayedBeats
@@ -637,7 +636,7 @@ class Simulation:
                     msg = decode(frame, r.receiver if r is not None else node.receiver)
                 except ProtocolError:
                     continue
-                self.counters.note_received(msg.type.value, len(frame))
+                self.counters.note_received(msg.type._value_, len(frame))
                 if r is None:
                     self.on_agent_order(node, msg)
                 elif r.alive:
@@ -666,7 +665,7 @@ class Simulation:
         elif msg.type == MsgType.RANK_ORDERS:
             # A round's order, relayed: the agent hands it to each rank (a local hop on the rank's
             # own node, not simulated) and sends their answers in one frame (ftrun.node.relay).
-            order, common, now = MsgType(msg["order"]), msg["common"], time.time()
+            order, common, now = _ORDERS.get(msg["order"]), msg["common"], time.time()
             for rank, incarnation, own in msg["ranks"]:
                 r = node.ranks.get(rank)
                 if r is not None and r.alive and r.incarnation == incarnation:
@@ -682,17 +681,19 @@ class Simulation:
     def on_rank_order(self, r: SimRank, order: MsgType, msg: dict[str, Any], now: float, relayed: bool = False) -> None:
         """Rank ``r`` is sent a round's ``order`` (its fields ``msg``) at ``now`` (wall), and answers
         it: through its agent if the order came that way (a node's eight ranks a frame, twice a
-        round: written for speed)."""
-        if order == MsgType.ABORT:
+        round: written for speed). The answer's fields are a rank's of the worker library
+        (``ftrun.rank.client``: the abort's reason echoed, whether its loop can roll back; the
+        plan's role, bytes, transfer and rebuild seconds)."""
+        if order is MsgType.ABORT:
             generation, seen = msg["generation"], self.counters.aborts
             r.recovering = True
             r.board.enter("recovering")
             step = r.progress.current_step
             answer = MsgType.FAULT
             fields = {"rank": r.rank, "incarnation": r.incarnation, "generation": generation,
-                      "step": step if step is not None else 0, "committed": r.progress.committed,
-                      "reason": "abort", "kind": "abort"}
-        elif order == MsgType.RECONFIGURE:
+                      "step": step if step is not None else -1, "committed": r.progress.committed,
+                      "reason": msg["reason"], "kind": "abort", "rollback": True}
+        elif order is MsgType.RECONFIGURE:
             generation, seen = msg["generation"], self.counters.plans
             transfers = msg["transfers"]
             role = ("recipient" if any(t[1] == r.rank for t in transfers)
@@ -702,7 +703,7 @@ class Simulation:
             r.board.enter("compute")
             answer = MsgType.RECOVERED
             fields = {"rank": r.rank, "incarnation": r.incarnation, "generation": generation, "role": role,
-                      "bytes": RECORD_BYTES if role == "recipient" else 0, "seconds": 0.0}
+                      "bytes": RECORD_BYTES if role == "recipient" else 0, "seconds": 0.0, "rebuild_seconds": 0.0}
         else:
             return
         times = seen.get(generation)
