@@ -20,6 +20,9 @@ not simulated). Rank-state records go through the real :class:`ftrun.rank.rankst
 (one client per store and simulation process, not one per rank).
 Node 0's own agent is :class:`SimLocalAgent`, an :class:`ftrun.coordinator.agents.AgentHandle` that starts no
 process: its ranks are simulated like the others.
+The simulation processes run under ``SCHED_BATCH`` (``--sim_sched``, :func:`simulation_scheduling`):
+they stand for other machines, whose wake-ups never preempt node 0's coordinator; they keep a
+nice-0 process's share of the two cores.
 
 Per size (``--ranks``, 8 ranks a node with ``--per_node``), in order:
 
@@ -952,13 +955,27 @@ class NodeCounting:
 
 
 def simulation_main(conn: Any, nodes: list[int], world: int, per_node: int, control_addr: str, interval: float,
-                    step_s: float, nice: int = 0, relay: bool = False) -> None:
+                    step_s: float, nice: int = 0, relay: bool = False, sched: str = "batch") -> None:
     import torch.distributed  # noqa: F401  (the store client's; imported before any beat: it takes seconds)
 
     if nice:
         os.nice(nice)  # the simulated nodes are other machines: node 0's processes go first here
+    simulation_scheduling(sched)  # before its ZeroMQ I/O thread starts, which takes the same
 
     Simulation(nodes, world, per_node, control_addr, interval, step_s, relay).run(conn)
+
+
+def simulation_scheduling(policy: str) -> None:
+    """Put the calling process (and the threads it starts from now on) under ``policy``: ``batch``
+    is Linux's ``SCHED_BATCH``, whose wake-ups do not preempt a running process (its share of the
+    CPU is a nice-0 process's); ``other`` leaves the default. The simulation processes stand for
+    2,047 other machines: on node 0's two cores here, each frame node 0 sends woke a simulation
+    process that preempted node 0's coordinator in the middle of its work (a round's abort sent to
+    2,048 agents took 65 ms for 32 ms of CPU), which no other machine does; under ``batch`` the
+    one-node round at 16,384 ranks was 0.43-0.47 s where it was 0.50-0.55 s, in runs one after
+    the other (docs/scale.md). Where ``SCHED_BATCH`` is unknown (not Linux), nothing changes."""
+    if policy == "batch" and hasattr(os, "SCHED_BATCH"):
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
 
 
 # --------------------------------------------------------------------------- the driver
@@ -1065,7 +1082,7 @@ def round_phases(events: "EventTail", run: "SizeRun", pipes: list[Any], at: floa
 
 def measure_size(ranks: int, per_node: int, window: float, cap: float, store_steps: int, record_bytes: int,
                  interval: float, step_s: float, heartbeat_timeout: float = 5.0,
-                 say: Callable[[str], None] = print, sim_nice: int = 0, relay: bool = True,
+                 say: Callable[[str], None] = print, sim_nice: int = 0, sim_sched: str = "batch", relay: bool = True,
                  record_stores: str = "node") -> dict[str, Any]:
     """Run one size through the phases (module docstring); returns its figures (``incomplete``
     names the phase that did not finish within ``cap`` seconds)."""
@@ -1074,7 +1091,7 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
     run = SizeRun(ranks, per_node, time.monotonic() + cap)
     res = run.result
     res.update(ranks=ranks, nodes=ranks // per_node, per_node=per_node, heartbeat_interval_s=interval, step_s=step_s,
-               sim_nice=sim_nice, heartbeat_relay="on" if relay else "off")
+               sim_nice=sim_nice, sim_sched=sim_sched, heartbeat_relay="on" if relay else "off")
     procs: list[Any] = run.procs
     pipes: list[Any] = []
     events: EventTail | None = None
@@ -1109,7 +1126,8 @@ def measure_size(ranks: int, per_node: int, window: float, cap: float, store_ste
         for i, nodes in enumerate(layout):
             parent, child = mp.Pipe()
             sim = mp.Process(target=simulation_main,
-                             args=(child, nodes, ranks, per_node, control_addr, interval, step_s, sim_nice, relay),
+                             args=(child, nodes, ranks, per_node, control_addr, interval, step_s, sim_nice, relay,
+                                   sim_sched),
                              daemon=True, name=f"simulation-{i}")
             sim.start()
             procs.append(sim)
@@ -1426,6 +1444,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(node, ftrun's design for a multi-node job) or node 0's job store (job: the design before it)")
     p.add_argument("--sim_nice", type=int, default=0,
                    help="niceness of the simulation processes (they stand for other machines: node 0's go first)")
+    p.add_argument("--sim_sched", choices=("batch", "other"), default="batch",
+                   help="the simulation processes' scheduling policy: batch (SCHED_BATCH: their wake-ups do not "
+                        "preempt node 0's processes, as another machine's never do; the same share of the CPU) or "
+                        "other (the default policy, every process's)"),
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--from_json", type=Path, default=None, help="print (and plot) the results of an earlier run")
     p.add_argument("--plot", type=Path, default=None, help="draw each cost against the ranks into this PNG")
@@ -1452,7 +1474,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(measure_size(n, args.per_node, args.window or default_window(n), args.cap or default_cap(n),
                                     args.store_steps, args.record_bytes, args.heartbeat_interval, args.step_s,
                                     args.heartbeat_timeout, say=lambda line: print(line, flush=True),
-                                    sim_nice=args.sim_nice, relay=args.heartbeat_relay == "on",
+                                    sim_nice=args.sim_nice, sim_sched=args.sim_sched, relay=args.heartbeat_relay == "on",
                                     record_stores=args.record_stores))
     print()
     print(table(results))

@@ -3,6 +3,7 @@ replica layout, the report), and one tiny run of the real coordinator checked fo
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -167,3 +168,33 @@ def test_a_tiny_run_reports_every_figure(tmp_path: Path, relay: bool) -> None:
     assert res["coordinator_rss_bytes"] > 0 and res["simulation_processes"] == 1
     assert res["hung_orders"] == 0, res
     assert bs.table([res]).splitlines()[1].split()[0] == "64"
+
+
+def _scheduling_seen(policy: str, conn) -> None:
+    import threading
+
+    bs.simulation_scheduling(policy)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))  # as ZeroMQ's I/O thread, started after
+    thread.start()
+    thread.join()
+    conn.send((os.sched_getscheduler(0), seen[0]))
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+@pytest.mark.parametrize("policy", ["batch", "other"])
+def test_the_simulation_processes_and_their_threads_take_the_scheduling_policy_asked_for(policy: str) -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_scheduling_seen, args=(policy, child))
+    proc.start()
+    try:
+        assert parent.poll(60), "the child did not answer"
+        expected = os.SCHED_BATCH if policy == "batch" else os.SCHED_OTHER
+        assert parent.recv() == (expected, expected)
+    finally:
+        proc.join(10)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the driver's own is left as it was
+    assert bs.parse_args(["--ranks", "16"]).sim_sched == "batch"
