@@ -129,6 +129,18 @@ def send(coord: Coordinator, rank: int, mtype: MsgType, /, **fields: Any) -> Non
 BOARDS: dict[tuple[int, int, int], StepBoard] = {}
 
 
+def recover(coord: Coordinator, respawned: int, generation: int = 1) -> None:
+    """Carry a round through in a job of 4 ranks: the others answer its abort with step 0
+    committed, the respawned rank says hello, and every rank carries out the plan."""
+    for rank in range(4):
+        if rank != respawned:
+            send(coord, rank, MsgType.FAULT, generation=generation, step=1, committed=0, reason="abort")
+    hello_all(coord, [respawned])
+    for rank in range(4):
+        send(coord, rank, MsgType.RECOVERED, generation=generation, role="recipient" if rank == respawned else "none",
+             bytes=10, seconds=0.1)
+
+
 def board(coord: Coordinator, rank: int) -> StepBoard:
     """The step board of rank ``rank``'s current process, on the coordinator's clock (what the
     rank's training thread writes and its heartbeats carry)."""

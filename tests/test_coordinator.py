@@ -18,7 +18,7 @@ from ftrun.coordinator.agents import RemoteAgent
 from ftrun.node.spawner import ExitReport
 
 from coordinator_fixtures import (TOKEN, Clock, FakeAgent, beat, beat_all, begin, board, close_coordinators,  # noqa: F401
-                                  events, hello_all, ident, kinds, make, msg, send, step)
+                                  events, hello_all, ident, kinds, make, msg, recover, send, step)
 
 def test_every_rank_is_spawned_through_its_nodes_agent(tmp_path: Path) -> None:
     coord, agent, _ = make(tmp_path)
@@ -92,11 +92,7 @@ def test_the_garbage_collector_runs_again_when_the_round_ends(tmp_path: Path) ->
         agent.exit(2, -signal.SIGKILL, at=clock.now)
         assert coord.check_processes() is None and not gc.isenabled()
         assert coord.check_processes() is None
-        for rank in (0, 1, 3):
-            send(coord, rank, MsgType.FAULT, generation=1, step=1, committed=0, reason="abort")
-        hello_all(coord, [2])
-        for rank in range(4):
-            send(coord, rank, MsgType.RECOVERED, generation=1, role="recipient" if rank == 2 else "none", bytes=10, seconds=0.1)
+        recover(coord, 2)
         assert coord.recovery is None
         coord.collector.hold()  # the loop's next turn
         assert gc.isenabled()

@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from coordinator_fixtures import FakeAgent, close_coordinators, events, hello_all, make, send, step  # noqa: F401
+from coordinator_fixtures import FakeAgent, close_coordinators, events, hello_all, make, recover, step  # noqa: F401
 
 from ftrun.common.clocks import RunningClock
 from ftrun.coordinator import environment
@@ -54,11 +54,7 @@ def test_a_recovery_a_restart_and_a_failure_walk_the_phases(tmp_path: Path) -> N
     agent.exit(2, -signal.SIGKILL, at=0.0)
     assert coord.check_processes() is None and coord.phase.current == JobPhase.RECOVERING
     assert coord.check_processes() is None
-    for rank in (0, 1, 3):
-        send(coord, rank, MsgType.FAULT, generation=1, step=1, committed=0, reason="abort")
-    hello_all(coord, [2])
-    for rank in range(4):
-        send(coord, rank, MsgType.RECOVERED, generation=1, role="recipient" if rank == 2 else "none", bytes=10, seconds=0.1)
+    recover(coord, 2)
     assert coord.phase.current == JobPhase.RUNNING and coord.recovery is None
     # the budget has one restart left: two deaths at once restart the whole job
     hello_all(coord, [2])
