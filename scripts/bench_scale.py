@@ -97,8 +97,8 @@ def sockets_per_process(descriptors: int) -> int:
     files (``ulimit -n``): a ZeroMQ socket takes two (its connection and its mailbox), with 2,000
     left for the rest; 8,000 at most. As few processes as that allows: each adds its own loop and
     ZeroMQ I/O thread to node 0's two cores (16,384 ranks in three processes, not five: node 0's
-    coordinator 20-21% of a core in steady state instead of 22-25%, its one-node round 0.39-0.41 s
-    instead of 0.47-0.54 s, in runs one after the other)."""
+    coordinator 22.5-23.0% of a core in steady state instead of 23.0-25.6%, its one-node round
+    0.47-0.53 s instead of 0.50-0.53 s, in runs taken in turns)."""
     return max(500, min(8000, (descriptors - 2000) // 2))
 
 
@@ -1447,7 +1447,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sim_sched", choices=("batch", "other"), default="batch",
                    help="the simulation processes' scheduling policy: batch (SCHED_BATCH: their wake-ups do not "
                         "preempt node 0's processes, as another machine's never do; the same share of the CPU) or "
-                        "other (the default policy, every process's)"),
+                        "other (the default policy, every process's)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--from_json", type=Path, default=None, help="print (and plot) the results of an earlier run")
     p.add_argument("--plot", type=Path, default=None, help="draw each cost against the ranks into this PNG")
