@@ -189,6 +189,28 @@ def test_frozen_rank_is_found_by_its_missing_heartbeats(tmp_path: Path) -> None:
     assert hung[0]["rank"] == 2 and hung[0]["detail"]["fault"] == "no_heartbeat"
 
 
+def test_the_watchdog_walks_a_large_job_once_per_its_period(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above WATCHDOG_RANKS_PER_S ranks (lowered here to 2: the 4 ranks are "large"), a walk over
+    the rank table is taken at most once per ranks / WATCHDOG_RANKS_PER_S seconds (here 2 s); a
+    frozen rank is found at the first walk after that."""
+    from ftrun.coordinator import failures
+
+    monkeypatch.setattr(failures, "WATCHDOG_RANKS_PER_S", 2)
+    coord, agent, clock = make(tmp_path, heartbeat_timeout=5.0)
+    hello_all(coord)
+    coord.check_hangs()  # the first walk: nothing late
+    for _ in range(3):
+        clock.now += 1.9
+        for rank in (0, 1, 3):
+            send(coord, rank, MsgType.HEARTBEAT)
+        coord.check_hangs()
+    # rank 2 has been silent 5.7 s since 5.0 s: the walk at 3.8 s found nothing, the one due at 5.8 s is not yet due
+    assert agent.hung == []
+    clock.now += 0.2
+    coord.check_hangs()
+    assert agent.hung == [(2, True)]
+
+
 def test_rank_stuck_inside_the_collective_it_announced_is_the_culprit(tmp_path: Path) -> None:
     """Every rank said 'collective'; the heartbeat thread of rank 3 sees it outside torch.distributed
     (an endless loop in its own code): rank 3 is hung, not the communication."""

@@ -139,7 +139,7 @@ def test_guarded_output_of_a_process_survives_its_log_file_removed(tmp_path: Pat
 
 
 def test_status_snapshots_of_a_large_job_are_spaced_by_its_size(tmp_path: Path) -> None:
-    """A snapshot has a row per rank: up to four a second in a job of up to 1,024 ranks, and in a
+    """A snapshot has a row per rank: up to four a second in a job of up to 512 ranks, and in a
     larger one at most one every STATUS_SECONDS_PER_RANK per rank; none when nothing changed."""
     now = [100.0]
     pub = Publisher(tmp_path, 0, Sender("t" * 64), None, clock=lambda: now[0])

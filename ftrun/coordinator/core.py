@@ -68,7 +68,7 @@ log = logging.getLogger("ftrun.coordinator")
 SCAN_RANKS_PER_S = 20_000
 
 #: In a job whose status snapshots are spaced by their cost (``status_gap`` above STATUS_PERIOD_S:
-#: more than 1,024 ranks), none is made in a recovery round's first seconds: at 16,384 ranks one
+#: more than 512 ranks), none is made in a recovery round's first seconds: at 16,384 ranks one
 #: takes a tenth of a second or more, which every rank of the round would wait for. Events go on.
 ROUND_STATUS_HOLD_S = 2.0
 

@@ -364,7 +364,9 @@ class Replication:
         if not self._announced or now - self._ranks_told_at < agent_beat_period(job.spec, len(job.members.agents)):
             return
         self._ranks_told_at = now
-        job.rounds.send_order([r for r in job.ranks.values() if r.connected()], MsgType.STANDBY, self._standby_fields())
+        told = [r for r in job.ranks.values()  # Rank.connected(), inlined: every rank every beat
+                if (p := r.proc).running and p.identity is not None and p.kill_reason is None]
+        job.rounds.send_order(told, MsgType.STANDBY, self._standby_fields())
 
     def ranks_heard(self, now: float) -> None:
         """Every rank was just sent a frame (a round's order): any frame is a beat to a rank

@@ -28,7 +28,7 @@ from ftrun.coordinator.ranks import Rank
 log = logging.getLogger("ftrun.coordinator")
 
 STATUS_PERIOD_S = 0.25  # at most four console snapshots a second
-STATUS_SECONDS_PER_RANK = 1 / 4096  # and, in a larger job, one every this many seconds per rank
+STATUS_SECONDS_PER_RANK = 1 / 2048  # and, in a larger job, one every this many seconds per rank
 
 
 def status_gap(ranks: int) -> float:
