@@ -478,7 +478,7 @@ def test_a_large_jobs_hard_state_is_built_once_per_period_whatever_seat_has_no_a
     monkeypatch.setattr(failover, "REPLICA_RANKS_PER_S", 2)  # 4 ranks: a period of 2 s
     built: list[int] = []
     real = failover.hard_state
-    monkeypatch.setattr(failover, "hard_state", lambda job: built.append(1) or real(job))
+    monkeypatch.setattr(failover, "hard_state", lambda job, rows=True: built.append(1) or real(job, rows))
     coord, _agent, clock = make(tmp_path, world=4)
     hello_all(coord)
     sent: list[MsgType] = []
@@ -495,6 +495,46 @@ def test_a_large_jobs_hard_state_is_built_once_per_period_whatever_seat_has_no_a
     clock.now += 0.6  # past the period
     coord.failover.replicate(clock.now)
     assert sent.count(MsgType.STATE) == 2 and len(built) == 2
+
+
+def test_a_large_jobs_round_start_sends_a_standby_the_head_of_its_state_which_it_merges(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """Above REPLICA_RANKS_PER_S ranks a forced replica (a round's start) is the state's head alone,
+    once the standby holds a whole state: the standby keeps its rows and takes the new generation,
+    and a takeover from it restores that generation. The first forced one is whole."""
+    from types import SimpleNamespace
+
+    import ftrun.coordinator.failover as failover
+    from ftrun.coordinator.agents import RemoteAgent
+    from ftrun.node.succession import Succession
+
+    monkeypatch.setattr(failover, "REPLICA_RANKS_PER_S", 2)  # 4 ranks: a large job
+    coord, _agent, clock = make(tmp_path, world=4)
+    hello_all(coord)
+    seat = Succession(SimpleNamespace(state=None))
+    sent: list[dict[str, Any]] = []
+
+    def to_standby(_identity: bytes, msg_type: MsgType, fields: dict[str, Any]) -> None:
+        if msg_type == MsgType.STATE:
+            sent.append(fields["state"])
+            seat.hold_state(fields["state"])
+
+    coord.members.agents[1] = RemoteAgent(node=1, identity=b"agent-1", last_seen=clock.now, send_frame=to_standby)
+    coord.failover.on_standby(1, "tcp://10.0.0.2:5555", "10.0.0.2:6666")
+    seat.hold_state({"generation": 7})  # a head with no whole state held: dropped
+    assert seat.seat.state is None
+    coord.failover.replicate(clock.now, force=True)
+    assert len(sent) == 1 and len(sent[0]["ranks"]) == 4 and seat.seat.state == sent[0]
+    rows = sent[0]["ranks"]
+    coord.state.next_generation()
+    coord.failover.replicate(clock.now, force=True)
+    assert len(sent) == 2 and "ranks" not in sent[1] and "groups" not in sent[1]
+    assert sent[1]["generation"] == coord.generation == 1
+    assert seat.seat.state["ranks"] == rows and seat.seat.state["generation"] == 1
+    assert seat.seat.state == {**hard_state(coord), "ranks": rows}
+    again, _, _ = make(tmp_path / "again", world=4)
+    restore(again, seat.seat.state)
+    assert again.generation == 1 and again.epoch == coord.epoch + 1
 
 
 @pytest.mark.parametrize("nodes, beats", [(4, 4), (2048, 2)])

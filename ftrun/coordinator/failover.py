@@ -72,8 +72,9 @@ SEATS = 2  # standby coordinators kept in line: node 1 may be lost while it take
 #: In a job of more than this many ranks, the hard state (a row a rank) goes to the standbys once per
 #: this many ranks a second (16,384 ranks: every 8 s), or at once when forced (a round's start),
 #: instead of every heartbeat interval: its building, comparing and sending grow with the ranks
-#: (docs/scale.md). A takeover from an older state adopts what it missed (ftrun.coordinator.messages,
-#: RankMessages._adopts).
+#: (docs/scale.md). Forced, only its head goes (the generation and the rest but the rows; 25 to 30 ms
+#: less in the path of a 16,384-rank round's abort) to a standby that holds a whole state. A
+#: takeover from an older state adopts what it missed (ftrun.coordinator.messages, RankMessages._adopts).
 REPLICA_RANKS_PER_S = 2048
 
 
@@ -151,11 +152,11 @@ class RankRow(NamedTuple):
 _COMMITTED = RankRow._fields.index("committed")
 
 
-def hard_state(job: "Coordinator") -> dict[str, Any]:
+def hard_state(job: "Coordinator", rows: bool = True) -> dict[str, Any]:
     """What a standby needs to go on with the job: the coordinator's hard state (see the module
-    docstring), a msgpack-able dict."""
-    rows, groups = _rows_and_groups(job)
-    return {
+    docstring), a msgpack-able dict; without ``rows``, its head alone (all but the ranks' rows and
+    their groups: :meth:`Replication.replicate`, :meth:`ftrun.node.succession.Succession.hold_state`)."""
+    head = {
         "epoch": job.epoch,
         "attempt": job.attempt,
         "generation": job.generation,
@@ -169,9 +170,13 @@ def hard_state(job: "Coordinator") -> dict[str, Any]:
         "electorate": job.members.electorate,
         # the standby coordinators in line, first first: [node, control endpoint, store]
         "seats": [[seat.node, seat.control, seat.store] for seat in job.failover.seats],
-        "groups": groups,  # each replica group the ranks declared, once
-        "ranks": rows,  # one RankRow each
     }
+    if not rows:
+        return head
+    ranks, groups = _rows_and_groups(job)
+    head["groups"] = groups  # each replica group the ranks declared, once
+    head["ranks"] = ranks  # one RankRow each
+    return head
 
 
 def _rows_and_groups(job: "Coordinator") -> tuple[list[list[Any]], list[list[int]]]:
@@ -388,7 +393,12 @@ class Replication:
                 and all(now - self._sent_at.get(seat.node, 0.0) < len(job.ranks) / REPLICA_RANKS_PER_S
                         for seat in self.seats if seat.agent is not None)):  # a seat with no agent yet is sent nothing
             return
-        state = hard_state(job)
+        # Forced in a large job (a round's start, in the path of every rank's abort): the head alone
+        # to a seat that holds a whole state already, which it updates; the rows follow at the
+        # next period (REPLICA_RANKS_PER_S), as every decision of a large job's rows does.
+        head_only = force and len(job.ranks) > REPLICA_RANKS_PER_S and all(
+            seat.node in self._sent for seat in self.seats if seat.agent is not None)
+        state = hard_state(job, rows=not head_only)
         for seat in self.seats:
             sent = self._sent.get(seat.node)
             if (not force and _same_decisions(state, sent)
@@ -397,7 +407,7 @@ class Replication:
             if seat.agent is None:
                 continue  # kept from the line before a takeover: its agent has not offered here yet
             seat.agent.replicate(state)
-            self._sent[seat.node], self._sent_at[seat.node] = state, now
+            self._sent[seat.node], self._sent_at[seat.node] = {**sent, **state} if head_only and sent else state, now
 
 
 def _same_decisions(state: dict[str, Any], sent: dict[str, Any] | None) -> bool:

@@ -68,9 +68,16 @@ class Succession:
         return {"standby_control": self.seat.control.address, "standby_store": self.seat.store_addr}
 
     def hold_state(self, state: Any) -> None:
-        """Keep the job's state the coordinator replicated here (when this node has a seat)."""
-        if self.seat is not None:
+        """Keep the job's state the coordinator replicated here (when this node has a seat). A
+        state without ``ranks`` is a head (:func:`ftrun.coordinator.failover.hard_state`): it
+        updates the whole one held, keeping its rows; with none held, it is dropped (the
+        coordinator sends a head only to a seat it sent a whole state)."""
+        if self.seat is None or not isinstance(state, dict):
+            return
+        if "ranks" in state:
             self.seat.state = state
+        elif self.seat.state is not None:
+            self.seat.state = {**self.seat.state, **state}
 
     def ask_for_seat(self, spec: Any, token: str) -> None:
         """Set up a seat for this node (the coordinator lost its standby) on a thread, once: hosting
