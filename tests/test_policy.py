@@ -368,3 +368,5 @@ def test_a_rank_state_moves_by_its_table_and_an_exit_is_final(caplog: pytest.Log
     assert p.state == RankState.FAILED and "no move from failed to healthy" in caplog.text
     done = Incarnation(number=2)
     assert done.move(RankState.SUCCEEDED) and not done.move(RankState.RECOVERING) and done.state == RankState.SUCCEEDED
+    # A round's start moves survivors from these two without Incarnation.move (ftrun.coordinator.rounds)
+    assert all(RankState.RECOVERING in RANK_TRANSITIONS[s] for s in (RankState.HEALTHY, RankState.RECOVERING))

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 #: ``recovery_finished`` event has the round's totals.
 RANK_EVENTS_MAX = 256
 
+#: The moves a round's start makes without Incarnation.move (allowed by RANK_TRANSITIONS; a test says so).
+_HEALTHY, _RECOVERING = RankState.HEALTHY, RankState.RECOVERING
 _KIND_LABEL = {"comm_error": "HCCE: communication error", "recoverable_error": "UCE: recoverable error"}
 
 
@@ -104,9 +106,15 @@ class RecoveryRounds:
             job.emit(EventKind.RANK_RESPAWNED,
                      f"rank {rank} respawned as incarnation {r.incarnation} (restart {job.restarts_used}/{job.spec.max_restarts})",
                      rank=rank, restarts_used=job.restarts_used)
-        survivors = [r for r in job.ranks.values() if r.proc.running and r.rank not in failed]  # alive(), inlined: 16,384 a round
-        for r in survivors:
-            r.proc.move(RankState.RECOVERING)
+        survivors = []
+        for r in job.ranks.values():  # every rank, in the path of the round's abort: alive() and move() inlined
+            p = r.proc
+            if p.running and r.rank not in failed:
+                survivors.append(r)
+                if p.state is _HEALTHY or p.state is _RECOVERING:  # the usual moves, which RANK_TRANSITIONS allows
+                    p.state = _RECOVERING
+                else:
+                    p.move(_RECOVERING)
         self.send_order(survivors, MsgType.ABORT, {"generation": job.generation, "reason": reason})
         job.failover.ranks_heard(now)  # the respawned ranks hear the standbys at their hello
         job.scanned()
