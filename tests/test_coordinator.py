@@ -204,7 +204,7 @@ def test_the_watchdog_walks_a_large_job_once_per_its_period(tmp_path: Path, monk
         for rank in (0, 1, 3):
             send(coord, rank, MsgType.HEARTBEAT)
         coord.check_hangs()
-    # rank 2 has been silent 5.7 s since 5.0 s: the walk at 3.8 s found nothing, the one due at 5.8 s is not yet due
+    # rank 2 has been silent for 5.7 s, past its 5 s timeout: the walk at 3.8 s was too early, the next is due at 5.8 s
     assert agent.hung == []
     clock.now += 0.2
     coord.check_hangs()
