@@ -453,9 +453,20 @@ class TakeNode:
 
 @dataclass(frozen=True, slots=True)
 class State:
-    """The coordinator's hard state (:func:`ftrun.coordinator.failover.hard_state`), to a standby."""
+    """The coordinator's hard state (:func:`ftrun.coordinator.failover.hard_state`), to a standby:
+    a whole one, or its head (:func:`held_state`)."""
 
     state: dict[str, Any]
+
+
+def held_state(held: dict[str, Any] | None, state: dict[str, Any]) -> dict[str, Any] | None:
+    """The hard state a standby holds once it is sent ``state``, having held ``held`` (None: none):
+    a whole state (it has ``ranks``) replaces it; a head (all but the rows and their groups: a large
+    job's round start) updates it, keeping its rows, and is dropped while none is held. The
+    coordinator keeps its copy of what each standby holds by the same rule."""
+    if "ranks" in state:
+        return state
+    return None if held is None else {**held, **state}
 
 
 @dataclass(frozen=True, slots=True)

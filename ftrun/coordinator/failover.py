@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from ftrun.coordinator.policy import RankState
+from ftrun.common.messages import held_state
 from ftrun.common.protocol import MsgType
 from ftrun.coordinator.ranks import Incarnation
 
@@ -407,7 +408,7 @@ class Replication:
             if seat.agent is None:
                 continue  # kept from the line before a takeover: its agent has not offered here yet
             seat.agent.replicate(state)
-            self._sent[seat.node], self._sent_at[seat.node] = {**sent, **state} if head_only and sent else state, now
+            self._sent[seat.node], self._sent_at[seat.node] = held_state(sent, state), now  # what the seat holds now
 
 
 def _same_decisions(state: dict[str, Any], sent: dict[str, Any] | None) -> bool:

@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from ftrun.common.messages import held_state
 from ftrun.common.protocol import endpoint_refuses
 
 log = logging.getLogger("ftrun.node.agent")  # the agent's log: its seat is part of the agent process
@@ -68,16 +69,10 @@ class Succession:
         return {"standby_control": self.seat.control.address, "standby_store": self.seat.store_addr}
 
     def hold_state(self, state: Any) -> None:
-        """Keep the job's state the coordinator replicated here (when this node has a seat). A
-        state without ``ranks`` is a head (:func:`ftrun.coordinator.failover.hard_state`): it
-        updates the whole one held, keeping its rows; with none held, it is dropped (the
-        coordinator sends a head only to a seat it sent a whole state)."""
-        if self.seat is None or not isinstance(state, dict):
-            return
-        if "ranks" in state:
-            self.seat.state = state
-        elif self.seat.state is not None:
-            self.seat.state = {**self.seat.state, **state}
+        """Keep the job's state the coordinator replicated here (when this node has a seat): a
+        whole one, or a head that updates it (:func:`ftrun.common.messages.held_state`)."""
+        if self.seat is not None and isinstance(state, dict):
+            self.seat.state = held_state(self.seat.state, state)
 
     def ask_for_seat(self, spec: Any, token: str) -> None:
         """Set up a seat for this node (the coordinator lost its standby) on a thread, once: hosting
